@@ -1,0 +1,678 @@
+"""The asynchronous I/O engine: one future per request, pieces in flight per worker.
+
+Life of a request::
+
+    pread/pwrite (caller's thread)
+      │  check buffer and offset, open the file if given a path, reserve space (writes)
+      │  cut [offset, offset+nbytes) into pieces: block_size boundaries in file space,
+      │  plus the 4 KiB boundaries of an unaligned head and tail
+      ▼
+    pieces → num_threads workers (contiguous runs, so each worker streams sequentially)
+      │
+      ▼  worker loop, one per thread, own kernel context, ≤ queue_depth in flight
+    READY ──submit──▶ IN FLIGHT ──complete──▶ DONE ─┐
+      ▲                   │                          │ last piece of the request:
+      └──short transfer───┘ (rest resubmitted)      │ future.set_result(nbytes)
+      └──EINVAL on O_DIRECT (retried buffered, file marked non-direct, warned once)
+                          │ error / EOF
+                          ▼
+                       FAILED: the request's pieces not yet submitted are dropped, those
+                       in flight are awaited (the kernel may still write the buffer), then
+                       future.set_exception(...)
+
+A piece goes to the file's O_DIRECT descriptor when its address, offset and length are
+all 4 KiB-aligned, and to the buffered descriptor otherwise, so unaligned requests work
+(their aligned body still goes direct when address and offset share a phase).
+
+The engine keeps every request's buffer referenced until its future completes; a buffer
+must not be resized or freed by the caller before then.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import enum
+import errno
+import itertools
+import logging
+import os
+import queue
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from tiers.aio._native import IOCB_CMD_PREAD, IOCB_CMD_PWRITE, KernelAio, LibAio, _Provider, ffi
+from tiers.config import DIRECT_ALIGNMENT, AioConfig, Backend
+from tiers.errors import (
+    BackendUnavailableError,
+    EngineClosedError,
+    EngineCloseTimeout,
+    SwapEOFError,
+    SwapIOError,
+)
+from tiers.files import SwapFile
+
+log = logging.getLogger("swapper.tiers.aio")
+
+#: How often a worker with requests in flight wakes to look for new work (seconds).
+_REAP_POLL_S = 0.02
+#: Threads per worker of the thread backend, whatever the queue depth.
+_MAX_POOL_THREADS = 64
+
+
+class Op(str, enum.Enum):
+    READ = "read"
+    WRITE = "write"
+
+
+class IOFuture(concurrent.futures.Future):
+    """The outcome of one request: ``result()`` is the byte count transferred.
+
+    A ``concurrent.futures.Future``, so ``asyncio.wrap_future(fut)`` awaits it.
+    ``result()`` raises :class:`SwapIOError` (or its subclass :class:`SwapEOFError`) when
+    the request failed; the buffer is no longer in use by then either way.
+    """
+
+    def __init__(self, op: Op, path: str, offset: int, nbytes: int) -> None:
+        super().__init__()
+        self.op = op
+        self.path = path
+        self.offset = offset
+        self.nbytes = nbytes
+
+    def describe(self) -> str:
+        return f"{self.op.value} of {self.nbytes} bytes at offset {self.offset} of {self.path}"
+
+    def __repr__(self) -> str:
+        state = "done" if self.done() else "pending"
+        return f"<IOFuture {self.describe()} ({state})>"
+
+
+@dataclass(eq=False)
+class _Request:
+    op: Op
+    file: SwapFile
+    owns_file: bool
+    future: IOFuture
+    keepalive: Any
+    on_done: Any
+    pieces_left: int = 0
+    error: BaseException | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def finish_piece(self, error: BaseException | None = None) -> None:
+        """Account one piece as finished (well or not); complete the future after the last."""
+        with self.lock:
+            if error is not None and self.error is None:
+                self.error = error
+            self.pieces_left -= 1
+            last = self.pieces_left == 0
+        if last:
+            self._complete()
+
+    def _complete(self) -> None:
+        if self.owns_file:
+            self.file.close()
+        self.keepalive = None
+        self.on_done(self)
+        if self.error is not None:
+            self.future.set_exception(self.error)
+        else:
+            self.future.set_result(self.future.nbytes)
+
+
+@dataclass(eq=False, slots=True)
+class _Piece:
+    request: _Request
+    address: int
+    offset: int
+    nbytes: int  # still to transfer
+    fd: int = -1
+    direct: bool = False
+
+
+# ----------------------------------------------------------------------------------------
+# Kernel contexts: one per worker. submit() takes a batch and says how many it accepted;
+# reap() returns (piece, res) with res the byte count or -errno.
+
+
+class _NativeContext:
+    """A kernel AIO context with ``depth`` iocb slots, reused for every piece."""
+
+    def __init__(self, provider: _Provider, depth: int) -> None:
+        self._provider = provider
+        self._depth = depth
+        self._ctx = provider.setup(depth)
+        self._iocbs = ffi.new("struct iocb[]", depth)  # zeroed: key, rw_flags, flags stay 0
+        self._ptrs = ffi.new("struct iocb *[]", depth)
+        self._events = ffi.new("struct io_event[]", depth)
+        self._free = list(range(depth))
+        self._slots: list[_Piece | None] = [None] * depth
+
+    def submit(self, pieces: list[_Piece]) -> int:
+        used = []
+        for i, piece in enumerate(pieces):
+            slot = self._free.pop()
+            used.append(slot)
+            cb = self._iocbs[slot]
+            cb.aio_data = slot
+            cb.aio_lio_opcode = IOCB_CMD_PREAD if piece.request.op is Op.READ else IOCB_CMD_PWRITE
+            cb.aio_fildes = piece.fd
+            cb.aio_buf = piece.address
+            cb.aio_nbytes = piece.nbytes
+            cb.aio_offset = piece.offset
+            self._ptrs[i] = self._iocbs + slot
+            self._slots[slot] = piece
+        try:
+            accepted = self._provider.submit(self._ctx, len(pieces), self._ptrs)
+        except OSError:
+            accepted = 0
+            self._release(used)
+            raise
+        self._release(used[accepted:])
+        return accepted
+
+    def _release(self, slots: list[int]) -> None:
+        for slot in slots:
+            self._slots[slot] = None
+            self._free.append(slot)
+
+    def reap(self, timeout_s: float) -> list[tuple[_Piece, int]]:
+        n = self._provider.getevents(self._ctx, 1, self._depth, self._events, timeout_s)
+        done = []
+        for i in range(n):
+            event = self._events[i]
+            slot = int(event.data)
+            piece = self._slots[slot]
+            self._slots[slot] = None
+            self._free.append(slot)
+            done.append((piece, int(event.res)))
+        return done
+
+    def close(self) -> None:
+        self._provider.destroy(self._ctx)
+
+
+class _ThreadContext:
+    """The portable backend: blocking ``os.preadv``/``os.pwritev`` on a thread pool."""
+
+    def __init__(self, depth: int, name: str) -> None:
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=min(depth, _MAX_POOL_THREADS), thread_name_prefix=name
+        )
+        self._done: queue.SimpleQueue[tuple[_Piece, int]] = queue.SimpleQueue()
+
+    def submit(self, pieces: list[_Piece]) -> int:
+        for piece in pieces:
+            self._pool.submit(self._run, piece)
+        return len(pieces)
+
+    def _run(self, piece: _Piece) -> None:
+        try:
+            view = ffi.buffer(ffi.cast("char *", piece.address), piece.nbytes)
+            if piece.request.op is Op.READ:
+                res = os.preadv(piece.fd, [view], piece.offset)
+            else:
+                res = os.pwritev(piece.fd, [view], piece.offset)
+        except OSError as exc:
+            res = -(exc.errno or errno.EIO)
+        self._done.put((piece, res))
+
+    def reap(self, timeout_s: float) -> list[tuple[_Piece, int]]:
+        try:
+            done = [self._done.get(timeout=timeout_s)]
+        except queue.Empty:
+            return []
+        while True:
+            try:
+                done.append(self._done.get_nowait())
+            except queue.Empty:
+                return done
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+# ----------------------------------------------------------------------------------------
+
+
+class _Worker:
+    """One thread that keeps up to ``depth`` pieces in flight on its own context."""
+
+    def __init__(self, context: _NativeContext | _ThreadContext, depth: int, name: str) -> None:
+        self._context = context
+        self._depth = depth
+        self._inbox: collections.deque[_Piece] = collections.deque()
+        self._cv = threading.Condition()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def put(self, pieces: list[_Piece]) -> None:
+        with self._cv:
+            self._inbox.extend(pieces)
+            self._cv.notify()
+
+    def stop(self) -> None:
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+        self._thread.join()
+        self._context.close()
+
+    def _run(self) -> None:
+        ready: collections.deque[_Piece] = collections.deque()
+        inflight = 0
+        while True:
+            with self._cv:
+                if not ready and not inflight:
+                    while not self._inbox and not self._stopping:
+                        self._cv.wait()
+                    if not self._inbox:
+                        return  # stopping, and nothing left anywhere
+                if self._inbox:
+                    ready.extend(self._inbox)
+                    self._inbox.clear()
+            inflight += self._submit(ready, self._depth - inflight)
+            if inflight:
+                try:
+                    completions = self._context.reap(_REAP_POLL_S)
+                except OSError as exc:  # pragma: no cover - io_getevents on a valid context
+                    log.error("reaping completions failed: %s", exc)
+                    time.sleep(_REAP_POLL_S)
+                    continue
+                inflight -= len(completions)
+                for piece, res in completions:
+                    self._complete(piece, res, ready)
+
+    def _submit(self, ready: collections.deque[_Piece], room: int) -> int:
+        """Submit up to ``room`` ready pieces; returns how many went in flight."""
+        batch: list[_Piece] = []
+        while ready and len(batch) < room:
+            piece = ready.popleft()
+            if piece.request.error is not None:
+                piece.request.finish_piece()  # its request failed: do not start more of it
+                continue
+            _route(piece)
+            batch.append(piece)
+        if not batch:
+            return 0
+        try:
+            accepted = self._context.submit(batch)
+        except OSError as exc:
+            if exc.errno == errno.EAGAIN:
+                ready.extendleft(reversed(batch))  # kernel busy: retry after a reap
+                return 0
+            # The first piece was refused (bad fd, bad address...). Fail it, keep the rest.
+            first = batch[0]
+            first.request.finish_piece(_io_error(first, exc.errno or errno.EIO, "submit"))
+            ready.extendleft(reversed(batch[1:]))
+            return 0
+        ready.extendleft(reversed(batch[accepted:]))
+        return accepted
+
+    def _complete(self, piece: _Piece, res: int, ready: collections.deque[_Piece]) -> None:
+        request = piece.request
+        if res < 0:
+            code = -res
+            if code == errno.EINVAL and piece.direct:
+                request.file.refuse_direct(f"EINVAL from an aligned {request.op.value}")
+                ready.appendleft(piece)  # retried on the buffered descriptor
+                return
+            request.finish_piece(_io_error(piece, code, request.op.value))
+        elif res == 0 and piece.nbytes:
+            if request.op is Op.READ:
+                size = request.file.size()
+                request.finish_piece(
+                    SwapEOFError(
+                        errno.EIO,
+                        f"read past end of file: {piece.nbytes} bytes missing at offset "
+                        f"{piece.offset} (file is {size} bytes)",
+                        str(request.file.path),
+                    )
+                )
+            else:
+                request.finish_piece(_io_error(piece, errno.EIO, "write (no progress)"))
+        elif res < piece.nbytes:
+            # Short transfer: continue from where it stopped, never ignore the rest.
+            piece.address += res
+            piece.offset += res
+            piece.nbytes -= res
+            ready.appendleft(piece)
+        else:
+            request.finish_piece()
+
+
+def _route(piece: _Piece) -> None:
+    """Send a piece to the O_DIRECT descriptor when it is aligned, else the buffered one."""
+    direct_fd = piece.request.file.direct_fd
+    mask = DIRECT_ALIGNMENT - 1
+    if direct_fd is not None and not ((piece.address | piece.offset | piece.nbytes) & mask):
+        piece.fd, piece.direct = direct_fd, True
+    else:
+        piece.fd, piece.direct = piece.request.file.fd, False
+
+
+def _io_error(piece: _Piece, code: int, what: str) -> SwapIOError:
+    return SwapIOError(
+        code,
+        f"{what} of {piece.nbytes} bytes at offset {piece.offset} failed: {os.strerror(code)}",
+        str(piece.request.file.path),
+    )
+
+
+# ----------------------------------------------------------------------------------------
+# Backend choice
+
+
+_auto_choice: tuple[Backend, str] | None = None
+_auto_lock = threading.Lock()
+
+
+def _probe(provider_cls: type[_Provider]) -> _Provider:
+    provider = provider_cls()
+    provider.destroy(provider.setup(1))  # seccomp or a kernel without AIO fails here
+    return provider
+
+
+def probe_backend(backend: Backend) -> tuple[_Provider | None, str]:
+    """Check that ``backend`` can run here; returns its provider (None for threads) and why.
+
+    Raises:
+        BackendUnavailableError: it cannot; the message says why and what to do.
+    """
+    if backend is Backend.THREADS:
+        return None, "asked for"
+    if sys.platform != "linux":
+        raise BackendUnavailableError(f"backend {backend.value!r} needs Linux; use 'threads'")
+    hints = {
+        Backend.LIBAIO: "install libaio (Debian/Ubuntu: apt-get install libaio1), or use "
+        "backend 'kernel' or 'threads'",
+        Backend.KERNEL: "kernel AIO is blocked or missing here (seccomp, gVisor, "
+        "fs.aio-max-nr); use backend 'threads'",
+    }
+    cls = LibAio if backend is Backend.LIBAIO else KernelAio
+    try:
+        return _probe(cls), "available"
+    except OSError as exc:
+        raise BackendUnavailableError(
+            f"backend {backend.value!r} unavailable: {exc}; {hints[backend]}"
+        ) from exc
+
+
+def resolve_backend(backend: Backend) -> tuple[Backend, _Provider | None]:
+    """Resolve AUTO to the best backend available; log the choice once per process.
+
+    Raises:
+        BackendUnavailableError: an explicitly named backend cannot run here.
+    """
+    if backend is not Backend.AUTO:
+        return backend, probe_backend(backend)[0]
+    reasons = []
+    for candidate in (Backend.LIBAIO, Backend.KERNEL):
+        try:
+            provider, _ = probe_backend(candidate)
+        except BackendUnavailableError as exc:
+            reasons.append(str(exc.__cause__ or exc))
+            continue
+        why = "native Linux AIO" + (f" ({'; '.join(reasons)})" if reasons else "")
+        _log_auto(candidate, why)
+        return candidate, provider
+    _log_auto(Backend.THREADS, "; ".join(reasons))
+    return Backend.THREADS, None
+
+
+def _log_auto(backend: Backend, why: str) -> None:
+    global _auto_choice
+    with _auto_lock:
+        if _auto_choice == (backend, why):
+            return
+        _auto_choice = (backend, why)
+    level = logging.INFO if backend is not Backend.THREADS else logging.WARNING
+    log.log(level, "aio backend auto -> %s: %s", backend.value, why)
+
+
+# ----------------------------------------------------------------------------------------
+
+
+class AioEngine:
+    """Reads and writes host buffers from and to files asynchronously.
+
+    ``pread``/``pwrite`` return at once with an :class:`IOFuture` per request. Large
+    requests are cut into ``block_size`` pieces, spread over ``num_threads`` workers, each
+    keeping at most ``queue_depth`` pieces in flight. Use as a context manager, or call
+    :meth:`close`.
+
+    Example::
+
+        with AioEngine(AioConfig(block_size=8 << 20)) as engine:
+            engine.pwrite(tensor, "/nvme/swap/x.bin").result()
+            engine.pread(tensor, "/nvme/swap/x.bin").result()
+
+    Raises:
+        BackendUnavailableError: at construction, when the configured backend cannot run.
+    """
+
+    _ids = itertools.count()
+
+    def __init__(self, config: AioConfig | None = None) -> None:
+        self.config = config if config is not None else AioConfig()
+        self.backend, provider = resolve_backend(self.config.backend)
+        engine_id = next(self._ids)
+        self._workers: list[_Worker] = []
+        try:
+            for i in range(self.config.num_threads):
+                name = f"swapper-aio-{engine_id}.{i}"
+                context: _NativeContext | _ThreadContext
+                if provider is None:
+                    context = _ThreadContext(self.config.queue_depth, name)
+                else:
+                    context = _NativeContext(provider, self.config.queue_depth)
+                self._workers.append(_Worker(context, self.config.queue_depth, name))
+        except OSError as exc:
+            for worker in self._workers:
+                worker.stop()
+            raise BackendUnavailableError(
+                f"cannot create an AIO context of depth {self.config.queue_depth}: {exc} "
+                "(raise /proc/sys/fs/aio-max-nr, or lower queue_depth / num_threads)"
+            ) from exc
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._outstanding: set[_Request] = set()
+        self._next_worker = 0
+        self._closing = False
+        self._closed = False
+
+    # -- requests ---------------------------------------------------------------------
+
+    def open(self, path: str | os.PathLike[str], *, create: bool = False) -> SwapFile:
+        """Open a swap file with this engine's direct setting; see :meth:`SwapFile.open`."""
+        return SwapFile.open(path, create=create, direct=self.config.direct)
+
+    def pread(
+        self,
+        buffer: Any,
+        file: SwapFile | str | os.PathLike[str],
+        offset: int = 0,
+        nbytes: int | None = None,
+    ) -> IOFuture:
+        """Read ``nbytes`` (default: the buffer's size) at byte ``offset`` into ``buffer``.
+
+        ``buffer`` is a contiguous CPU tensor, numpy array or writable buffer object.
+        ``file`` is an open :class:`SwapFile` or a path (opened for this request only).
+
+        Raises (at once):
+            EngineClosedError: the engine is closed or closing.
+            TypeError, ValueError: the buffer is not usable or smaller than ``nbytes``.
+            FileNotFoundError, SwapIOError: a path that cannot be opened.
+        The future raises :class:`SwapIOError` for a failed read and
+        :class:`SwapEOFError` for one past the end of the file.
+        """
+        return self._submit(Op.READ, buffer, file, offset, nbytes)
+
+    def pwrite(
+        self,
+        buffer: Any,
+        file: SwapFile | str | os.PathLike[str],
+        offset: int = 0,
+        nbytes: int | None = None,
+    ) -> IOFuture:
+        """Write ``nbytes`` (default: the buffer's size) of ``buffer`` at byte ``offset``.
+
+        A path is created (mode 0600) if missing. Disk space is reserved before anything
+        is queued. Data is durable against a crash only after :func:`os.fsync`; the future
+        completes when the kernel has taken the bytes (O_DIRECT: written to the device).
+
+        Raises (at once):
+            EngineClosedError, TypeError, ValueError: as for :meth:`pread`.
+            SwapNoSpaceError: the filesystem has no room for ``offset + nbytes`` bytes.
+            SwapIOError: a path that cannot be opened or created.
+        The future raises :class:`SwapIOError` for a failed write.
+        """
+        return self._submit(Op.WRITE, buffer, file, offset, nbytes)
+
+    def _submit(
+        self,
+        op: Op,
+        buffer: Any,
+        file: SwapFile | str | os.PathLike[str],
+        offset: int,
+        nbytes: int | None,
+    ) -> IOFuture:
+        if self._closing:
+            raise EngineClosedError("the AIO engine is closed; no new requests are accepted")
+        if offset < 0:
+            raise ValueError(f"file offset must be >= 0, got {offset}")
+        address, size, keepalive = _host_memory(buffer, writable=op is Op.READ)
+        if nbytes is None:
+            nbytes = size
+        elif not 0 <= nbytes <= size:
+            raise ValueError(f"nbytes={nbytes} does not fit the {size}-byte buffer")
+        owns_file = not isinstance(file, SwapFile)
+        swap_file = self.open(file, create=op is Op.WRITE) if owns_file else file
+        try:
+            if op is Op.WRITE:
+                swap_file.reserve(offset + nbytes)
+        except BaseException:
+            if owns_file:
+                swap_file.close()
+            raise
+        future = IOFuture(op, str(swap_file.path), offset, nbytes)
+        request = _Request(op, swap_file, owns_file, future, keepalive, self._request_done)
+        pieces = list(self._cut(request, address, offset, nbytes))
+        request.pieces_left = len(pieces)
+        with self._lock:
+            if self._closing:
+                if owns_file:
+                    swap_file.close()
+                raise EngineClosedError("the AIO engine is closed; no new requests are accepted")
+            self._outstanding.add(request)
+            start = self._next_worker
+            self._next_worker = (start + 1) % len(self._workers)
+        if not pieces:
+            request.pieces_left = 1
+            request.finish_piece()
+            return future
+        # Contiguous runs per worker keep each worker's stream sequential on disk.
+        n_workers = min(len(self._workers), len(pieces))
+        for i in range(n_workers):
+            run = pieces[i * len(pieces) // n_workers : (i + 1) * len(pieces) // n_workers]
+            self._workers[(start + i) % len(self._workers)].put(run)
+        return future
+
+    def _cut(self, request: _Request, address: int, offset: int, nbytes: int) -> Iterator[_Piece]:
+        """Pieces at block_size boundaries of file space, plus 4 KiB-aligned head and tail cuts."""
+        end = offset + nbytes
+        block = self.config.block_size
+        align = DIRECT_ALIGNMENT
+        cuts = {offset, end, min(end, -(-offset // align) * align), max(offset, end // align * align)}
+        cuts.update(range(-(-offset // block) * block, end, block))
+        points = sorted(c for c in cuts if offset <= c <= end)
+        for lo, hi in itertools.pairwise(points):
+            yield _Piece(request, address + (lo - offset), lo, hi - lo)
+
+    def _request_done(self, request: _Request) -> None:
+        with self._lock:
+            self._outstanding.discard(request)
+            if not self._outstanding:
+                self._idle.notify_all()
+
+    # -- lifecycle --------------------------------------------------------------------
+
+    def pending(self) -> list[IOFuture]:
+        """Futures of the requests not yet complete."""
+        with self._lock:
+            return [r.future for r in self._outstanding]
+
+    def close(self, timeout_s: float | None = None) -> None:
+        """Stop accepting requests, wait for those in flight, release the kernel contexts.
+
+        Waits at most ``timeout_s`` (default ``config.close_timeout_s``). Idempotent.
+
+        Raises:
+            EngineCloseTimeout: requests were still in flight at the deadline; they are
+                named, their futures stay pending and the engine stays open for them:
+                call ``close()`` again to wait longer.
+        """
+        if self._closed:
+            return
+        timeout = self.config.close_timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            self._closing = True
+            while self._outstanding:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    unfinished = sorted(r.future.describe() for r in self._outstanding)
+                    raise EngineCloseTimeout(
+                        f"{len(unfinished)} request(s) still in flight after {timeout:g}s: "
+                        + "; ".join(unfinished[:5])
+                        + (" ..." if len(unfinished) > 5 else ""),
+                        unfinished,
+                    )
+                self._idle.wait(left)
+        for worker in self._workers:
+            worker.stop()
+        self._closed = True
+
+    def __enter__(self) -> AioEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open"
+        return f"<AioEngine {self.backend.value} {self.config.describe()} ({state})>"
+
+
+def _host_memory(buffer: Any, *, writable: bool) -> tuple[int, int, Any]:
+    """(address, nbytes, object to keep alive) of a contiguous host buffer."""
+    torch = sys.modules.get("torch")  # a tensor can only exist if torch is imported
+    if torch is not None and isinstance(buffer, torch.Tensor):
+        if buffer.device.type != "cpu":
+            raise TypeError(
+                f"buffer is on {buffer.device}: the engine moves host memory only; stage "
+                "through a host buffer (tiers.buffers) first"
+            )
+        if not buffer.is_contiguous():
+            raise ValueError("buffer tensor is not contiguous; pass tensor.contiguous()")
+        return buffer.data_ptr(), buffer.numel() * buffer.element_size(), buffer
+    try:
+        view = memoryview(buffer)
+    except TypeError:
+        raise TypeError(
+            f"buffer of type {type(buffer).__name__} is neither a tensor nor a buffer object"
+        ) from None
+    if not view.contiguous:
+        raise ValueError("buffer is not contiguous")
+    if writable and view.readonly:
+        raise TypeError("cannot read into a read-only buffer")
+    if view.nbytes == 0:
+        return 0, 0, view
+    cdata = ffi.from_buffer(view)
+    return int(ffi.cast("uintptr_t", cdata)), view.nbytes, (view, cdata)

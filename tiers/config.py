@@ -1,0 +1,117 @@
+"""I/O settings: a frozen, keyword-only dataclass validated on construction.
+
+Every setting has an environment variable (read by :meth:`AioConfig.from_env`); the
+README's settings table lists them with their defaults.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from tiers.errors import SwapConfigError
+from tiers.units import format_size, parse_size
+
+#: O_DIRECT needs buffer address, file offset and length aligned to the device's logical
+#: block size (512 B on most disks, 4 KiB on some). 4 KiB satisfies both.
+DIRECT_ALIGNMENT = 4096
+
+
+class Backend(str, enum.Enum):
+    """How requests reach the kernel."""
+
+    AUTO = "auto"  #: libaio, else kernel, else threads; the choice and reason are logged once
+    LIBAIO = "libaio"  #: native Linux AIO through libaio.so.1 (cffi, ABI mode)
+    KERNEL = "kernel"  #: the same kernel calls through libc's syscall(), no libaio needed
+    THREADS = "threads"  #: os.preadv / os.pwritev in a thread pool; portable
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AioConfig:
+    """Settings of an :class:`~tiers.aio.AioEngine`.
+
+    Attributes:
+        backend: which backend runs requests (``SWAPPER_AIO_BACKEND``).
+        block_size: bytes per kernel request; large requests are split into pieces of this
+            size. A multiple of 4096 (``SWAPPER_AIO_BLOCK_SIZE``).
+        queue_depth: requests in flight per worker (``SWAPPER_AIO_QUEUE_DEPTH``).
+        num_threads: workers; one large request is split across them
+            (``SWAPPER_AIO_THREADS``; DeepSpeed calls this ``intra_op_parallelism``).
+        direct: use O_DIRECT where the filesystem allows it (``SWAPPER_AIO_DIRECT``).
+        close_timeout_s: seconds ``close()`` waits for requests in flight
+            (``SWAPPER_AIO_CLOSE_TIMEOUT``).
+    """
+
+    backend: Backend = Backend.AUTO
+    block_size: int = 1 << 20
+    queue_depth: int = 32
+    num_threads: int = 1
+    direct: bool = True
+    close_timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "backend", Backend(self.backend))
+        except ValueError:
+            names = ", ".join(b.value for b in Backend)
+            raise SwapConfigError(f"backend={self.backend!r} is not one of: {names}") from None
+        if self.block_size <= 0 or self.block_size % DIRECT_ALIGNMENT:
+            raise SwapConfigError(
+                f"block_size={self.block_size} must be a positive multiple of "
+                f"{DIRECT_ALIGNMENT} bytes (e.g. 1MiB)"
+            )
+        if not 1 <= self.queue_depth <= 1024:
+            raise SwapConfigError(f"queue_depth={self.queue_depth} must be between 1 and 1024")
+        if not 1 <= self.num_threads <= 64:
+            raise SwapConfigError(f"num_threads={self.num_threads} must be between 1 and 64")
+        if not self.close_timeout_s > 0:
+            raise SwapConfigError(f"close_timeout_s={self.close_timeout_s} must be > 0")
+
+    def describe(self) -> str:
+        """One line for logs: ``libaio bs=1MiB qd=32 threads=1 direct``."""
+        direct = "direct" if self.direct else "buffered"
+        return (
+            f"{self.backend.value} bs={format_size(self.block_size)} qd={self.queue_depth} "
+            f"threads={self.num_threads} {direct}"
+        )
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> AioConfig:
+        """Build a config from ``SWAPPER_AIO_*`` variables; ``overrides`` win over them.
+
+        Raises:
+            SwapConfigError: a variable holds a value that does not parse or validate; the
+                message names the variable.
+        """
+        env = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for name, (var, parse) in _ENV.items():
+            if var in env:
+                try:
+                    values[name] = parse(env[var])
+                except ValueError as exc:
+                    raise SwapConfigError(f"{var}={env[var]!r}: {exc}") from None
+        values.update(overrides)
+        return cls(**values)
+
+
+def _parse_bool(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in {"1", "true", "yes", "on"}:
+        return True
+    if lowered in {"0", "false", "no", "off"}:
+        return False
+    raise ValueError("expected one of 1/0, true/false, yes/no, on/off")
+
+
+_ENV: dict[str, tuple[str, Any]] = {
+    "backend": ("SWAPPER_AIO_BACKEND", str),
+    "block_size": ("SWAPPER_AIO_BLOCK_SIZE", parse_size),
+    "queue_depth": ("SWAPPER_AIO_QUEUE_DEPTH", int),
+    "num_threads": ("SWAPPER_AIO_THREADS", int),
+    "direct": ("SWAPPER_AIO_DIRECT", _parse_bool),
+    "close_timeout_s": ("SWAPPER_AIO_CLOSE_TIMEOUT", float),
+}
