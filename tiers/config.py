@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import json
 import os
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from tiers.errors import SwapConfigError
@@ -53,6 +55,15 @@ class AioConfig:
     close_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
+        for name in ("block_size", "queue_depth", "num_threads"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise SwapConfigError(f"{name}={value!r} must be an integer")
+        if not isinstance(self.direct, bool):
+            raise SwapConfigError(f"direct={self.direct!r} must be True or False")
+        timeout = self.close_timeout_s
+        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool):
+            raise SwapConfigError(f"close_timeout_s={timeout!r} must be a number")
         try:
             object.__setattr__(self, "backend", Backend(self.backend))
         except ValueError:
@@ -95,7 +106,95 @@ class AioConfig:
                 except ValueError as exc:
                     raise SwapConfigError(f"{var}={env[var]!r}: {exc}") from None
         values.update(overrides)
+        try:
+            return cls(**values)
+        except SwapConfigError as exc:
+            # Validation messages start with the setting's name: point at the variable.
+            for name, (var, _) in _ENV.items():
+                if str(exc).startswith(f"{name}=") and var in env and name not in overrides:
+                    raise SwapConfigError(f"{var}={env[var]!r}: {exc}") from None
+            raise
+
+    @classmethod
+    def from_dict(cls, mapping: Mapping[str, Any], **overrides: Any) -> AioConfig:
+        """Build a config from a mapping; ``overrides`` win over it.
+
+        Accepts the whole file that ``swapper-bench --emit-config`` writes
+        (``{"swapper": {"aio": {...}}, "deepspeed": {...}}``; everything outside
+        ``swapper.aio`` is ignored), ``{"aio": {...}}``, or the ``aio`` section itself:
+        ``{"backend": "libaio", "block_size": 8388608, "queue_depth": 32, "num_threads": 1,
+        "direct": true}``. Values are JSON types, or strings as in the environment
+        variables (``"8MiB"``, ``"true"``).
+
+        Raises:
+            SwapConfigError: the section has keys that are not settings (named), or a value
+                of the wrong type, or one that does not validate.
+        """
+        section = _aio_section(mapping)
+        unknown = sorted(str(key) for key in section if key not in _ENV)
+        if unknown:
+            raise SwapConfigError(
+                f"unknown aio setting(s): {', '.join(unknown)} (known: {', '.join(_ENV)})"
+            )
+        values = {name: _coerce_setting(name, value) for name, value in section.items()}
+        values.update(overrides)
         return cls(**values)
+
+    @classmethod
+    def from_json(cls, path: str | os.PathLike[str], **overrides: Any) -> AioConfig:
+        """Load a config from a JSON file; see :meth:`from_dict` for the accepted shapes.
+
+        Raises:
+            OSError: the file cannot be read.
+            SwapConfigError: it is not JSON, or its ``aio`` section does not validate; the
+                message names the file.
+        """
+        text = Path(path).read_text(encoding="utf-8")
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise SwapConfigError(f"{os.fspath(path)}: not valid JSON: {exc}") from None
+        if not isinstance(data, Mapping):
+            raise SwapConfigError(f"{os.fspath(path)}: expected a JSON object at the top")
+        try:
+            return cls.from_dict(data, **overrides)
+        except SwapConfigError as exc:
+            raise SwapConfigError(f"{os.fspath(path)}: {exc}") from None
+
+
+def _aio_section(mapping: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The ``aio`` settings inside an emitted config file, ``{"aio": ...}`` or the section."""
+    section: Any = mapping
+    for key in ("swapper", "aio"):
+        if isinstance(section, Mapping) and key in section:
+            section = section[key]
+    if not isinstance(section, Mapping):
+        raise SwapConfigError(f"the aio section must be an object, got {type(section).__name__}")
+    return section
+
+
+def _coerce_setting(name: str, value: Any) -> Any:
+    """A JSON value for setting ``name`` as the dataclass field wants it."""
+    if isinstance(value, str) and not isinstance(value, Backend):
+        try:
+            return _ENV[name][1](value)
+        except ValueError as exc:
+            raise SwapConfigError(f"aio setting {name}={value!r}: {exc}") from None
+    expected: tuple[type, ...] = {
+        "backend": (str,),
+        "block_size": (int,),
+        "queue_depth": (int,),
+        "num_threads": (int,),
+        "direct": (bool,),
+        "close_timeout_s": (int, float),
+    }[name]
+    # bool is an int subclass: "queue_depth": true is a mistake, not 1.
+    if not isinstance(value, expected) or (isinstance(value, bool) and bool not in expected):
+        wanted = " or ".join(t.__name__ for t in expected)
+        raise SwapConfigError(
+            f"aio setting {name}={value!r}: expected {wanted}, got {type(value).__name__}"
+        )
+    return value
 
 
 def _parse_bool(text: str) -> bool:

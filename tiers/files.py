@@ -49,8 +49,13 @@ def make_private_dir(path: str | os.PathLike[str]) -> Path:
     except FileExistsError:
         pass
     except OSError as exc:
-        raise SwapIOError(exc.errno, f"cannot create swap directory: {exc.strerror}", str(p)) from exc
-    st = os.lstat(p)
+        message = f"cannot create swap directory: {exc.strerror}"
+        raise SwapIOError(exc.errno, message, str(p)) from exc
+    try:
+        st = os.lstat(p)
+    except OSError as exc:  # e.g. a parent is a regular file (ENOTDIR)
+        message = f"cannot use swap directory: {exc.strerror}"
+        raise SwapIOError(exc.errno, message, str(p)) from exc
     if stat.S_ISLNK(st.st_mode):
         raise SwapIOError(errno.ELOOP, "swap directory is a symbolic link; refusing it", str(p))
     if not stat.S_ISDIR(st.st_mode):
@@ -60,7 +65,7 @@ def make_private_dir(path: str | os.PathLike[str]) -> Path:
 
 def direct_refused(directory: str | os.PathLike[str]) -> bool:
     """Whether O_DIRECT was refused for files in ``directory`` earlier in this process."""
-    return os.fspath(directory) in _direct_refused
+    return os.path.abspath(directory) in _direct_refused
 
 
 def _remember_direct_refused(directory: str, reason: str) -> None:
@@ -68,7 +73,9 @@ def _remember_direct_refused(directory: str, reason: str) -> None:
         if directory in _direct_refused:
             return
         _direct_refused.add(directory)
-    log.warning("O_DIRECT refused in %s (%s): using buffered I/O for files there", directory, reason)
+    log.warning(
+        "O_DIRECT refused in %s (%s): using buffered I/O for files there", directory, reason
+    )
 
 
 class SwapFile:
@@ -91,9 +98,17 @@ class SwapFile:
 
     @classmethod
     def open(
-        cls, path: str | os.PathLike[str], *, create: bool = False, direct: bool = True
+        cls,
+        path: str | os.PathLike[str],
+        *,
+        create: bool = False,
+        direct: bool = True,
+        readonly: bool = False,
     ) -> SwapFile:
         """Open ``path`` for reading and writing; with ``create``, make it 0600 if missing.
+
+        With ``readonly`` the file is opened for reading only (so files on read-only
+        mounts can be read); :meth:`reserve` and writes then fail with EBADF.
 
         Raises:
             FileNotFoundError: the file (without ``create``) or its directory is missing.
@@ -101,13 +116,14 @@ class SwapFile:
                 filename set).
         """
         p = Path(path)
-        flags = os.O_RDWR | _O_NOFOLLOW | _O_CLOEXEC | (os.O_CREAT if create else 0)
+        access = os.O_RDONLY if readonly else os.O_RDWR
+        flags = access | _O_NOFOLLOW | _O_CLOEXEC | (os.O_CREAT if create else 0)
         fd = _open(p, flags)
         try:
             if not stat.S_ISREG(os.fstat(fd).st_mode):
                 raise SwapIOError(errno.EINVAL, "swap file path is not a regular file", str(p))
             direct_fd = None
-            parent = os.fspath(p.parent)
+            parent = os.path.abspath(p.parent)
             if direct and _O_DIRECT and parent not in _direct_refused:
                 try:
                     direct_fd = _open(p, (flags & ~os.O_CREAT) | _O_DIRECT)
@@ -127,7 +143,7 @@ class SwapFile:
 
     def refuse_direct(self, reason: str) -> None:
         """Stop using O_DIRECT for this file and its directory (I/O returned EINVAL)."""
-        _remember_direct_refused(os.fspath(self.path.parent), reason)
+        _remember_direct_refused(os.path.abspath(self.path.parent), reason)
         # The direct fd stays open until close(): pieces may still be in flight on it.
         self.direct_fd = None
 
@@ -167,7 +183,8 @@ class SwapFile:
                         f"(file would be {end} bytes)",
                         str(self.path),
                     ) from exc
-                raise SwapIOError(exc.errno, f"posix_fallocate: {exc.strerror}", str(self.path)) from exc
+                message = f"posix_fallocate: {exc.strerror}"
+                raise SwapIOError(exc.errno, message, str(self.path)) from exc
             self._reserved_nbytes = end
 
     def close(self) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from fractions import Fraction
 
 _UNITS = {
     "": 1,
@@ -35,18 +36,26 @@ def parse_size(text: str | int) -> int:
     number, unit = match.groups()
     factor = _UNITS.get(unit.lower())
     if factor is None:
-        raise ValueError(f"unknown size unit {unit!r} in {text!r} (use B, KiB, MiB, GiB, TiB, KB, MB, GB, TB)")
-    value = float(number) * factor
-    if value != int(value):
+        raise ValueError(
+            f"unknown size unit {unit!r} in {text!r} (use B, KiB, MiB, GiB, TiB, KB, MB, GB, TB)"
+        )
+    value = Fraction(number) * factor  # exact: no float rounding above 2**53
+    if value.denominator != 1:
         raise ValueError(f"size {text!r} is not a whole number of bytes")
     return int(value)
 
 
 def format_size(nbytes: int) -> str:
-    """Format a byte count with the largest binary unit that divides it, else one decimal."""
-    for unit, factor in (("TiB", 1024**4), ("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
-        if nbytes >= factor:
-            if nbytes % factor == 0:
-                return f"{nbytes // factor}{unit}"
-            return f"{nbytes / factor:.1f}{unit}"
-    return f"{nbytes}B"
+    """Format a byte count exactly with the largest binary unit that divides it.
+
+    Counts no binary unit divides are shown with one decimal of the largest unit that fits
+    (``format_size(1500) == "1.5KiB"``): only those lose precision.
+    """
+    units = (("TiB", 1024**4), ("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024))
+    for unit, factor in units:
+        if nbytes >= factor and nbytes % factor == 0:
+            return f"{nbytes // factor}{unit}"
+    if nbytes < 1024:
+        return f"{nbytes}B"
+    unit, factor = next((u, f) for u, f in units if nbytes >= f)
+    return f"{nbytes / factor:.1f}{unit}"

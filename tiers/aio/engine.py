@@ -98,7 +98,7 @@ class _Request:
     file: SwapFile
     owns_file: bool
     future: IOFuture
-    keepalive: Any
+    memory: _HostMemory | None
     on_done: Any
     pieces_left: int = 0
     error: BaseException | None = None
@@ -117,7 +117,9 @@ class _Request:
     def _complete(self) -> None:
         if self.owns_file:
             self.file.close()
-        self.keepalive = None
+        if self.memory is not None:
+            self.memory.release()
+            self.memory = None
         self.on_done(self)
         if self.error is not None:
             self.future.set_exception(self.error)
@@ -287,7 +289,11 @@ class _Worker:
                     continue
                 inflight -= len(completions)
                 for piece, res in completions:
-                    self._complete(piece, res, ready)
+                    try:
+                        self._complete(piece, res, ready)
+                    except Exception as exc:  # never let one request kill the worker
+                        log.exception("completing %s failed", piece.request.future.describe())
+                        piece.request.finish_piece(exc)
 
     def _submit(self, ready: collections.deque[_Piece], room: int) -> int:
         """Submit up to ``room`` ready pieces; returns how many went in flight."""
@@ -306,6 +312,7 @@ class _Worker:
         except OSError as exc:
             if exc.errno == errno.EAGAIN:
                 ready.extendleft(reversed(batch))  # kernel busy: retry after a reap
+                time.sleep(_REAP_POLL_S / 10)  # nothing may be in flight to reap: back off
                 return 0
             # The first piece was refused (bad fd, bad address...). Fail it, keep the rest.
             first = batch[0]
@@ -486,12 +493,15 @@ class AioEngine:
         self._next_worker = 0
         self._closing = False
         self._closed = False
+        self._stop_lock = threading.Lock()
 
     # -- requests ---------------------------------------------------------------------
 
-    def open(self, path: str | os.PathLike[str], *, create: bool = False) -> SwapFile:
+    def open(
+        self, path: str | os.PathLike[str], *, create: bool = False, readonly: bool = False
+    ) -> SwapFile:
         """Open a swap file with this engine's direct setting; see :meth:`SwapFile.open`."""
-        return SwapFile.open(path, create=create, direct=self.config.direct)
+        return SwapFile.open(path, create=create, direct=self.config.direct, readonly=readonly)
 
     def pread(
         self,
@@ -547,41 +557,61 @@ class AioEngine:
             raise EngineClosedError("the AIO engine is closed; no new requests are accepted")
         if offset < 0:
             raise ValueError(f"file offset must be >= 0, got {offset}")
-        address, size, keepalive = _host_memory(buffer, writable=op is Op.READ)
+        size = _check_host_buffer(buffer, writable=op is Op.READ)
         if nbytes is None:
             nbytes = size
         elif not 0 <= nbytes <= size:
             raise ValueError(f"nbytes={nbytes} does not fit the {size}-byte buffer")
         owns_file = not isinstance(file, SwapFile)
-        swap_file = self.open(file, create=op is Op.WRITE) if owns_file else file
+        if owns_file:
+            is_write = op is Op.WRITE
+            swap_file = self.open(file, create=is_write, readonly=not is_write)
+        else:
+            swap_file = file
         try:
-            if op is Op.WRITE:
+            if op is Op.WRITE and nbytes:
                 swap_file.reserve(offset + nbytes)
+            with self._lock:
+                if self._closing:
+                    raise EngineClosedError(
+                        "the AIO engine is closed; no new requests are accepted"
+                    )
+                # Nothing below raises before the request is queued, so the buffer export
+                # taken here is always handed to a request that releases it.
+                memory = _HostMemory.of(buffer, size)
+                future = IOFuture(op, str(swap_file.path), offset, nbytes)
+                # A running future cannot be cancelled: the kernel may already own the buffer.
+                future.set_running_or_notify_cancel()
+                request = _Request(op, swap_file, owns_file, future, memory, self._request_done)
+                pieces = list(self._cut(request, memory.address, offset, nbytes))
+                request.pieces_left = max(1, len(pieces))
+                self._outstanding.add(request)
+                start = self._next_worker
+                self._next_worker = (start + 1) % len(self._workers)
         except BaseException:
             if owns_file:
                 swap_file.close()
             raise
-        future = IOFuture(op, str(swap_file.path), offset, nbytes)
-        request = _Request(op, swap_file, owns_file, future, keepalive, self._request_done)
-        pieces = list(self._cut(request, address, offset, nbytes))
-        request.pieces_left = len(pieces)
-        with self._lock:
-            if self._closing:
-                if owns_file:
-                    swap_file.close()
-                raise EngineClosedError("the AIO engine is closed; no new requests are accepted")
-            self._outstanding.add(request)
-            start = self._next_worker
-            self._next_worker = (start + 1) % len(self._workers)
         if not pieces:
-            request.pieces_left = 1
             request.finish_piece()
             return future
         # Contiguous runs per worker keep each worker's stream sequential on disk.
         n_workers = min(len(self._workers), len(pieces))
-        for i in range(n_workers):
-            run = pieces[i * len(pieces) // n_workers : (i + 1) * len(pieces) // n_workers]
-            self._workers[(start + i) % len(self._workers)].put(run)
+        queued = 0
+        try:
+            for i in range(n_workers):
+                run = pieces[i * len(pieces) // n_workers : (i + 1) * len(pieces) // n_workers]
+                self._workers[(start + i) % len(self._workers)].put(run)
+                queued += len(run)
+        except BaseException as exc:
+            # Interrupted (Ctrl-C) half-way: account for the pieces never queued so the
+            # request still completes (with an error) once the queued ones are done.
+            interrupted = SwapIOError(
+                errno.EINTR, f"request interrupted before it was queued: {exc!r}", future.path
+            )
+            for _ in range(len(pieces) - queued):
+                request.finish_piece(interrupted)
+            raise
         return future
 
     def _cut(self, request: _Request, address: int, offset: int, nbytes: int) -> Iterator[_Piece]:
@@ -589,7 +619,9 @@ class AioEngine:
         end = offset + nbytes
         block = self.config.block_size
         align = DIRECT_ALIGNMENT
-        cuts = {offset, end, min(end, -(-offset // align) * align), max(offset, end // align * align)}
+        head_end = min(end, -(-offset // align) * align)
+        tail_start = max(offset, end // align * align)
+        cuts = {offset, end, head_end, tail_start}
         cuts.update(range(-(-offset // block) * block, end, block))
         points = sorted(c for c in cuts if offset <= c <= end)
         for lo, hi in itertools.pairwise(points):
@@ -635,9 +667,13 @@ class AioEngine:
                         unfinished,
                     )
                 self._idle.wait(left)
-        for worker in self._workers:
-            worker.stop()
-        self._closed = True
+        # One thread stops the workers; a concurrent close() waits for it to finish so
+        # that no kernel context is destroyed twice.
+        with self._stop_lock:
+            if not self._closed:
+                for worker in self._workers:
+                    worker.stop()
+                self._closed = True
 
     def __enter__(self) -> AioEngine:
         return self
@@ -650,8 +686,14 @@ class AioEngine:
         return f"<AioEngine {self.backend.value} {self.config.describe()} ({state})>"
 
 
-def _host_memory(buffer: Any, *, writable: bool) -> tuple[int, int, Any]:
-    """(address, nbytes, object to keep alive) of a contiguous host buffer."""
+def _check_host_buffer(buffer: Any, *, writable: bool) -> int:
+    """Byte size of a contiguous host buffer; raise if the engine cannot use it.
+
+    Raises:
+        TypeError: not a tensor or buffer object, a tensor not in host memory, or a
+            read-only buffer given to a read.
+        ValueError: not C-contiguous.
+    """
     torch = sys.modules.get("torch")  # a tensor can only exist if torch is imported
     if torch is not None and isinstance(buffer, torch.Tensor):
         if buffer.device.type != "cpu":
@@ -661,18 +703,45 @@ def _host_memory(buffer: Any, *, writable: bool) -> tuple[int, int, Any]:
             )
         if not buffer.is_contiguous():
             raise ValueError("buffer tensor is not contiguous; pass tensor.contiguous()")
-        return buffer.data_ptr(), buffer.numel() * buffer.element_size(), buffer
+        return buffer.numel() * buffer.element_size()
     try:
         view = memoryview(buffer)
     except TypeError:
         raise TypeError(
             f"buffer of type {type(buffer).__name__} is neither a tensor nor a buffer object"
         ) from None
-    if not view.contiguous:
-        raise ValueError("buffer is not contiguous")
-    if writable and view.readonly:
-        raise TypeError("cannot read into a read-only buffer")
-    if view.nbytes == 0:
-        return 0, 0, view
-    cdata = ffi.from_buffer(view)
-    return int(ffi.cast("uintptr_t", cdata)), view.nbytes, (view, cdata)
+    with view:
+        if not view.c_contiguous:
+            raise ValueError("buffer is not C-contiguous; pass a contiguous copy")
+        if writable and view.readonly:
+            raise TypeError("cannot read into a read-only buffer")
+        return view.nbytes
+
+
+@dataclass(eq=False)
+class _HostMemory:
+    """The address of a request's buffer, and what keeps that memory alive until it ends.
+
+    For buffer objects, cffi holds a buffer export on the object itself (not on a
+    memoryview of ours): the owner cannot be resized or closed under the kernel, and no
+    intermediate memoryview can be torn down by the garbage collector while exported.
+    """
+
+    address: int
+    owner: Any
+    export: Any = None
+
+    @classmethod
+    def of(cls, buffer: Any, nbytes: int) -> _HostMemory:
+        torch = sys.modules.get("torch")
+        if (torch is not None and isinstance(buffer, torch.Tensor)) or nbytes == 0:
+            address = buffer.data_ptr() if nbytes else 0
+            return cls(address, buffer)
+        export = ffi.from_buffer(buffer)
+        return cls(int(ffi.cast("uintptr_t", export)), buffer, export)
+
+    def release(self) -> None:
+        if self.export is not None:
+            ffi.release(self.export)
+            self.export = None
+        self.owner = None
