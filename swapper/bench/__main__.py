@@ -1,0 +1,7 @@
+"""``python -m swapper.bench``: the same as the ``swapper-bench`` command."""
+
+import sys
+
+from swapper.bench import main
+
+sys.exit(main())

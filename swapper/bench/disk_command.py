@@ -1,0 +1,299 @@
+"""``swapper-bench disk`` from arguments to output: check, plan, run, report.
+
+Everything that can be wrong with the arguments is found before a file is made
+(:class:`~swapper.bench.cli.UsageError`, exit 2); the run itself only fails on I/O.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from tqdm import tqdm
+
+import swapper
+from swapper.bench import report
+from swapper.bench.cli import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_COMMAND,
+    DEFAULT_LOOPS,
+    DEFAULT_QUEUE_DEPTH,
+    DEFAULT_SIZE_NBYTES,
+    DEFAULT_THREADS,
+    DEFAULT_WARMUP,
+    PLOT_HINT,
+    PROG,
+    SWEEP_BLOCK_SIZES,
+    SWEEP_QUEUE_DEPTHS,
+    SWEEP_THREADS,
+    UsageError,
+    check_backends,
+    check_dirs,
+    check_free_space,
+    check_memory,
+    check_output_path,
+    default_sweep_backends,
+    filesystem_type,
+)
+from swapper.bench.disk import (
+    ENGINE_SWAPPER,
+    DiskPlan,
+    DiskRun,
+    Measurement,
+    Setting,
+    baseline_settings,
+    run_disk,
+    split_nbytes,
+)
+from tiers.config import DIRECT_ALIGNMENT, AioConfig, Backend
+from tiers.errors import SwapConfigError
+from tiers.units import format_size
+
+_FLAGS = {"block_size": "--block-size", "queue_depth": "--queue-depth", "num_threads": "--threads"}
+
+
+def _check_engine_values(
+    block_sizes: list[int], queue_depths: list[int], threads: list[int]
+) -> None:
+    """Each value must make a valid AioConfig; the message names the flag.
+
+    Raises:
+        UsageError: one does not.
+    """
+    for b, q, t in itertools.product(block_sizes, queue_depths, threads):
+        try:
+            AioConfig(block_size=b, queue_depth=q, num_threads=t)
+        except SwapConfigError as exc:
+            message = str(exc)
+            for field, flag in _FLAGS.items():
+                message = message.replace(f"{field}=", f"{flag} ")
+            raise UsageError(message) from None
+
+
+def _block_sizes(args: argparse.Namespace, file_nbytes: int, ndirs: int) -> list[int]:
+    """Block sizes to try. Defaults larger than the file shrink to it; given ones must fit.
+
+    Raises:
+        UsageError: a given block size is larger than a file.
+    """
+    if args.block_size is None:
+        defaults = SWEEP_BLOCK_SIZES if args.sweep else (DEFAULT_BLOCK_SIZE,)
+        fitting = [b for b in defaults if b <= file_nbytes]
+        return fitting or [file_nbytes]
+    for b in args.block_size:
+        if b > file_nbytes:
+            per = f" per file over {ndirs} dirs" if ndirs > 1 else ""
+            raise UsageError(
+                f"--size gives {format_size(file_nbytes)}{per}, smaller than "
+                f"--block-size {format_size(b)}"
+            )
+    return list(dict.fromkeys(args.block_size))
+
+
+def _unique(values: Sequence[int]) -> list[int]:
+    """``values`` without repeats, in order."""
+    return list(dict.fromkeys(values))
+
+
+def _backends(args: argparse.Namespace) -> list[Backend]:
+    if args.backend is not None:
+        return check_backends(args.backend)
+    if args.sweep:
+        return default_sweep_backends()
+    return check_backends([Backend.AUTO])
+
+
+def _grid(args: argparse.Namespace, file_nbytes: int, ndirs: int) -> list[Setting]:
+    """The swapper engine settings to measure: the product of the (default) lists.
+
+    Raises:
+        UsageError: a value cannot work here.
+    """
+    sweep = args.sweep
+    block_sizes = _block_sizes(args, file_nbytes, ndirs)
+    queue_depths = _unique(
+        args.queue_depth or (SWEEP_QUEUE_DEPTHS if sweep else [DEFAULT_QUEUE_DEPTH])
+    )
+    threads = _unique(args.threads or (SWEEP_THREADS if sweep else [DEFAULT_THREADS]))
+    _check_engine_values(block_sizes, queue_depths, threads)
+    return [
+        Setting(
+            engine=ENGINE_SWAPPER,
+            backend=backend,
+            block_size=b,
+            queue_depth=q,
+            threads=t,
+            direct=args.direct,
+            role="sweep" if sweep else "main",
+        )
+        # Backend innermost: neighbours in time differ by backend only, so a load change
+        # on the shared disk (MACHINE.md: "compare in one sitting, alternating") hits
+        # both backends alike instead of one half of the grid.
+        for b, q, t, backend in itertools.product(
+            block_sizes, queue_depths, threads, _backends(args)
+        )
+    ]
+
+
+def _check_outputs(args: argparse.Namespace) -> None:
+    """Output files must be writable where asked, and --plot needs matplotlib.
+
+    Raises:
+        UsageError: they cannot.
+    """
+    check_output_path("--json", args.json)
+    check_output_path("--emit-config", args.emit_config)
+    check_output_path("--plot", args.plot)
+    if args.plot is not None:
+        try:
+            report.check_plotting()
+        except ImportError:
+            raise UsageError(f"--plot needs matplotlib: {PLOT_HINT}") from None
+
+
+def build_plan(args: argparse.Namespace) -> DiskPlan:
+    """Check the arguments and decide every setting to measure.
+
+    Raises:
+        UsageError: an argument cannot work here; the message names it.
+    """
+    dirs = check_dirs(args.dirs)
+    total_nbytes = DEFAULT_SIZE_NBYTES if args.size is None else args.size
+    file_nbytes = split_nbytes(total_nbytes, len(dirs))
+    if file_nbytes < DIRECT_ALIGNMENT:
+        raise UsageError(
+            f"--size {format_size(total_nbytes)} is too small: each of the {len(dirs)} "
+            f"file(s) needs at least {DIRECT_ALIGNMENT} bytes"
+        )
+    settings = _grid(args, file_nbytes, len(dirs))
+    if args.baselines or (args.baselines is None and not args.sweep):
+        settings += baseline_settings(settings[0])
+    _check_outputs(args)
+    check_free_space(dirs, file_nbytes)
+    check_memory(file_nbytes * len(dirs))
+    ops = {"both": ("write", "read"), "write": ("write",), "read": ("read",)}[args.op]
+    return DiskPlan(
+        dirs=dirs,
+        file_nbytes=file_nbytes,
+        ops=ops,
+        settings=settings,
+        loops=args.loops or (1 if args.sweep else DEFAULT_LOOPS),
+        warmup=args.warmup if args.warmup is not None else (0 if args.sweep else DEFAULT_WARMUP),
+    )
+
+
+# ----------------------------------------------------------------------------------------
+# Output
+
+
+def _where(plan: DiskPlan) -> str:
+    total = format_size(plan.total_nbytes)
+    places = ", ".join(f"{d} ({filesystem_type(d)})" for d in plan.dirs)
+    if len(plan.dirs) == 1:
+        return f"{total} in {places}"
+    return f"{total} over {len(plan.dirs)} dirs ({format_size(plan.file_nbytes)} each): {places}"
+
+
+def _values(items: list[Any], fmt: Callable[[Any], str] = str) -> str:
+    return ",".join(fmt(i) for i in dict.fromkeys(items))
+
+
+def header(plan: DiskPlan, sweep: bool) -> str:
+    """What will be measured, where and how; printed before the run."""
+    main = [s for s in plan.settings if s.role != "baseline"]
+    io = "O_DIRECT" if main[0].direct else "buffered"
+    if len(main) == 1:
+        s = main[0]
+        what = (
+            f"backend {s.backend.value}, {io}, bs {format_size(s.block_size)} "
+            f"qd {s.queue_depth} threads {s.threads}"
+        )
+    else:
+        what = (
+            f"{io}, {len(main)} settings: bs {_values([s.block_size for s in main], format_size)}"
+            f" x qd {_values([s.queue_depth for s in main])}"
+            f" x threads {_values([s.threads for s in main])}"
+            f" x backend {_values([s.backend.value for s in main])}"
+        )
+    name = f"{PROG} {DEFAULT_COMMAND}{' --sweep' if sweep else ''}"
+    lines = [f"{name}: {_where(plan)}, {what}"]
+    warm = f" after {plan.warmup} warm-up" if plan.warmup else ""
+    passes = f"{plan.loops} timed pass{'es' if plan.loops > 1 else ''}{warm} per setting"
+    lines.append(f"  {passes}; ops: {', '.join(plan.ops)}")
+    baselines = [s.label for s in plan.settings if s.role == "baseline"]
+    if baselines:
+        lines.append(f"  baselines: {', '.join(baselines)}")
+    lines.append(
+        "  writes timed up to fsync; reads: page cache bypassed (O_DIRECT) or emptied "
+        "before each pass (buffered), see the cache column"
+    )
+    return "\n".join(lines)
+
+
+def _meta(plan: DiskPlan, run: DiskRun) -> dict[str, Any]:
+    return {
+        "command": DEFAULT_COMMAND,
+        "version": swapper.__version__,
+        "dirs": [str(d) for d in plan.dirs],
+        "filesystems": [filesystem_type(d) for d in plan.dirs],
+        "total_nbytes": plan.total_nbytes,
+        "file_nbytes": plan.file_nbytes,
+        "loops": plan.loops,
+        "warmup": plan.warmup,
+        "buffer_backing": run.buffer_backing,
+        "seconds": run.seconds,
+        "gb": "10^9 bytes",
+    }
+
+
+def _run_with_progress(plan: DiskPlan) -> DiskRun:
+    """run_disk with a progress bar on stderr (terminals only) when there are several."""
+    show = len(plan.settings) > 1
+    with tqdm(
+        total=len(plan.settings),
+        desc=PROG,
+        unit="setting",
+        file=sys.stderr,
+        disable=None if show else True,  # None: only on a terminal
+        leave=False,
+    ) as bar:
+        return run_disk(plan, on_setting_done=lambda _done: bar.update(1))
+
+
+def _write_outputs(
+    args: argparse.Namespace,
+    plan: DiskPlan,
+    run: DiskRun,
+    best: dict[str, report.Choice],
+) -> None:
+    if args.json is not None:
+        report.write_results(args.json, run.measurements, best, _meta(plan, run))
+        print(f"results written to {args.json}")
+    if args.emit_config is not None:
+        report.write_config(args.emit_config, best["both"])
+        print(f"config written to {args.emit_config} (load with AioConfig.from_json)")
+    if args.plot is not None:
+        report.write_plot(args.plot, run.measurements)
+        print(f"plot written to {args.plot}")
+
+
+def run_disk_command(args: argparse.Namespace) -> int:
+    """``swapper-bench disk``: returns the exit code."""
+    plan = build_plan(args)
+    print(header(plan, args.sweep), flush=True)
+    run = _run_with_progress(plan)
+    measurements: list[Measurement] = run.measurements
+    print(report.format_table(measurements))
+    best = report.best_settings(measurements)
+    options = report.choices(measurements)
+    if len(options) > 1 or args.sweep:
+        print(report.format_best(best, options))
+    print(
+        f"host buffer: {format_size(plan.total_nbytes)} ({run.buffer_backing}); "
+        f"finished in {run.seconds:.1f} s"
+    )
+    _write_outputs(args, plan, run, best)
+    return 0
