@@ -1027,10 +1027,10 @@ def test_failed_construction_is_undone(backend: Backend, monkeypatch: pytest.Mon
     made: list[Any] = []
     closed: list[Any] = []
 
-    def init(self: Any, *args: Any) -> None:
+    def init(self: Any, *args: Any, **kwargs: Any) -> None:
         if len(made) == 2:
             raise OSError(errno.EAGAIN, os.strerror(errno.EAGAIN))
-        real_init(self, *args)
+        real_init(self, *args, **kwargs)
         made.append(self)
 
     def close(self: Any) -> None:
@@ -1126,6 +1126,43 @@ def test_backend_by_name(swap_dir: Path, name: str) -> None:
         assert name in repr(engine)
         path = swap_dir / "x.bin"
         roundtrip(engine, path, path, 12345, 3 * MiB + 5, seed=3, src_phase=7, dst_phase=0)
+
+
+@pytest.mark.parametrize("single_submit", [True, False], ids=["single", "batched"])
+def test_submission_modes(swap_dir: Path, backend: Backend, single_submit: bool) -> None:
+    """One iocb per io_submit (the default) and batched submission move the same bytes."""
+    config = AioConfig(
+        backend=backend, block_size=64 * KiB, queue_depth=8, single_submit=single_submit
+    )
+    with AioEngine(config) as engine:
+        path = swap_dir / "x.bin"
+        roundtrip(engine, path, path, 4096, 2 * MiB + 3, seed=5, src_phase=0, dst_phase=0)
+
+
+def test_single_submit_stops_at_a_refusal(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A refusal after the first single submit reports the count taken, not an error."""
+    provider = _provider(LibAio)
+    calls: list[int] = []
+    refuse_at = 3
+
+    def submit(ctx: int, nr: int, iocbpp: Any) -> int:
+        calls.append(nr)
+        if len(calls) == refuse_at:
+            raise OSError(errno.EAGAIN, "io_submit")
+        return 1
+
+    context = engine_mod._NativeContext(provider, 8, single_submit=True)
+    try:
+        monkeypatch.setattr(provider, "submit", submit)
+        assert context._submit_iocbs(5) == 2  # the third was refused: two taken
+        assert calls == [1, 1, 1]
+        calls.clear()
+        refuse_at = 1
+        with pytest.raises(OSError):  # the first refused: an error, nothing taken
+            context._submit_iocbs(5)
+    finally:
+        monkeypatch.undo()
+        context.close()
 
 
 def _provider(cls: type) -> Any:

@@ -190,7 +190,7 @@ def test_sweep_names_best_and_emits_a_loadable_config(
     ds = emitted["deepspeed"]["aio"]
     assert {"block_size", "queue_depth", "intra_op_parallelism"} <= ds.keys()
     assert "thread_count" not in ds
-    assert ds["single_submit"] is False and ds["overlap_events"] is True
+    assert ds["single_submit"] is AioConfig().single_submit and ds["overlap_events"] is True
     assert ds["use_gds"] is False
     loaded = AioConfig.from_json(config)
     best = data["best"]["both"]

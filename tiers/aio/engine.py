@@ -145,9 +145,10 @@ class _Piece:
 class _NativeContext:
     """A kernel AIO context with ``depth`` iocb slots, reused for every piece."""
 
-    def __init__(self, provider: _Provider, depth: int) -> None:
+    def __init__(self, provider: _Provider, depth: int, *, single_submit: bool) -> None:
         self._provider = provider
         self._depth = depth
+        self._single_submit = single_submit
         self._ctx = provider.setup(depth)
         self._iocbs = ffi.new("struct iocb[]", depth)  # zeroed: key, rw_flags, flags stay 0
         self._ptrs = ffi.new("struct iocb *[]", depth)
@@ -170,13 +171,29 @@ class _NativeContext:
             self._ptrs[i] = self._iocbs + slot
             self._slots[slot] = piece
         try:
-            accepted = self._provider.submit(self._ctx, len(pieces), self._ptrs)
+            accepted = self._submit_iocbs(len(pieces))
         except OSError:
-            accepted = 0
             self._release(used)
             raise
         self._release(used[accepted:])
         return accepted
+
+    def _submit_iocbs(self, n: int) -> int:
+        """Submit ``self._ptrs[:n]``; returns how many the kernel took.
+
+        Raises:
+            OSError: the kernel refused the first one.
+        """
+        if not self._single_submit:
+            return self._provider.submit(self._ctx, n, self._ptrs)
+        for i in range(n):  # one per call: nothing for the block layer to plug and merge
+            try:
+                self._provider.submit(self._ctx, 1, self._ptrs + i)
+            except OSError:
+                if i == 0:
+                    raise
+                return i
+        return n
 
     def _release(self, slots: list[int]) -> None:
         for slot in slots:
@@ -478,7 +495,9 @@ class AioEngine:
                 if provider is None:
                     context = _ThreadContext(self.config.queue_depth, name)
                 else:
-                    context = _NativeContext(provider, self.config.queue_depth)
+                    context = _NativeContext(
+                        provider, self.config.queue_depth, single_submit=self.config.single_submit
+                    )
                 self._workers.append(_Worker(context, self.config.queue_depth, name))
         except OSError as exc:
             for worker in self._workers:
