@@ -106,7 +106,7 @@ def run_swapper(
             sys.executable, "-m", "swapper.bench", "disk", "--dir", str(workdir),
             "--size", str(nbytes), "--op", op, "--block-size", str(block_size),
             "--queue-depth", str(queue_depth), "--threads", "1", "--backend", "libaio",
-            "--direct", "--loops", "1", "--warmup", "0", "--no-baselines", "--json", out.name,
+            "--direct", "--loops", "1", "--warmup", "1", "--no-baselines", "--json", out.name,
         ]  # fmt: skip
         subprocess.run(cmd, check=True, capture_output=True, text=True)
         records = json.loads(Path(out.name).read_text())["results"]
