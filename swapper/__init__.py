@@ -11,12 +11,31 @@ from tiers import (
     SwapNoSpaceError,
 )
 
+from swapper.manager import (
+    EntryState,
+    Kind,
+    ManagerConfig,
+    ManagerStats,
+    Policy,
+    SwapEntry,
+    Tier,
+    TierManager,
+)
+
 __version__ = "0.1.0"
 
 __all__ = [
     "AioConfig",
     "AioEngine",
     "Backend",
+    "EntryState",
+    "Kind",
+    "ManagerConfig",
+    "ManagerStats",
+    "Policy",
+    "SwapEntry",
+    "Tier",
+    "TierManager",
     "SwapConfigError",
     "SwapEOFError",
     "SwapError",

@@ -28,6 +28,7 @@ from tiers.aio import AioEngine, IOFuture
 from tiers.aio.engine import Op
 from tiers.config import AioConfig, Backend
 from tiers.errors import SwapConfigError, SwapError, SwapIOError, SwapNoSpaceError
+from tiers.extents import RangeAllocator
 from tiers.nvme import (
     ChecksumError,
     ManifestError,
@@ -35,7 +36,6 @@ from tiers.nvme import (
     StoreClosedError,
     StoreExistsError,
     StoreKeyError,
-    _Allocator,
 )
 
 KiB = 1024
@@ -227,7 +227,7 @@ def test_delete_reuses_holes_and_coalesces(tmp_path: Path, engine: AioEngine) ->
 
 
 def test_allocator_first_fit_coalescing_and_double_free() -> None:
-    a = _Allocator()
+    a = RangeAllocator()
     offsets = [a.allocate(4096) for _ in range(4)]
     assert offsets == [0, 4096, 8192, 12288] and a.end_nbytes == 16384
     a.free(4096, 4096)
@@ -236,14 +236,14 @@ def test_allocator_first_fit_coalescing_and_double_free() -> None:
     assert a.allocate(4096) == 4096  # first fit
     a.free(12288, 4096)  # merges with the hole before it, and that reaches the end:
     assert a.holes == [] and a.end_nbytes == 8192 and a.used_nbytes == 8192
-    b = _Allocator.rebuild([(8192, 4096), (0, 4096)])
+    b = RangeAllocator.rebuild([(8192, 4096), (0, 4096)])
     assert b.holes == [(4096, 4096)] and b.end_nbytes == 12288 and b.used_nbytes == 8192
     with pytest.raises(ValueError, match="overlaps"):
-        _Allocator.rebuild([(0, 8192), (4096, 4096)])
+        RangeAllocator.rebuild([(0, 8192), (4096, 4096)])
 
 
 def test_allocator_double_free_detected() -> None:
-    a = _Allocator()
+    a = RangeAllocator()
     x = a.allocate(8192)
     a.allocate(4096)
     a.free(x, 8192)

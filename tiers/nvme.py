@@ -51,7 +51,6 @@ page-aligned buffers (:mod:`tiers.buffers`) for the fast path.
 
 from __future__ import annotations
 
-import bisect
 import concurrent.futures
 import contextlib
 import dataclasses
@@ -64,7 +63,7 @@ import tempfile
 import threading
 import zlib
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -73,6 +72,7 @@ import torch
 from tiers.aio.engine import AioEngine, IOFuture, Op
 from tiers.config import DIRECT_ALIGNMENT
 from tiers.errors import SwapConfigError, SwapError, SwapIOError
+from tiers.extents import RangeAllocator, pad
 from tiers.files import SwapFile, make_private_dir
 from tiers.units import format_size
 
@@ -151,7 +151,7 @@ class Extent:
     @property
     def allocated_nbytes(self) -> int:
         """Bytes of file space the extent occupies (``nbytes`` padded to 4 KiB)."""
-        return _pad(self.nbytes)
+        return pad(self.nbytes)
 
 
 @dataclass(frozen=True)
@@ -182,88 +182,6 @@ class DirUsage:
     allocated_nbytes: int
     end_nbytes: int
     file_nbytes: int
-
-
-# -- allocation ---------------------------------------------------------------------------
-
-
-def _pad(nbytes: int) -> int:
-    return -(-nbytes // DIRECT_ALIGNMENT) * DIRECT_ALIGNMENT
-
-
-@dataclass
-class _Allocator:
-    """First-fit allocation of 4 KiB-aligned ranges of one file; sizes in bytes.
-
-    ``holes`` are the free ranges below ``end_nbytes`` as sorted ``(offset, nbytes)``
-    pairs, never touching each other nor the end (freeing coalesces them).
-    """
-
-    holes: list[tuple[int, int]] = field(default_factory=list)
-    end_nbytes: int = 0
-    used_nbytes: int = 0
-
-    def allocate(self, nbytes: int) -> int:
-        """Offset of ``nbytes`` (a positive multiple of 4 KiB) newly allocated bytes."""
-        for i, (offset, size) in enumerate(self.holes):
-            if size >= nbytes:
-                if size == nbytes:
-                    del self.holes[i]
-                else:
-                    self.holes[i] = (offset + nbytes, size - nbytes)
-                self.used_nbytes += nbytes
-                return offset
-        offset = self.end_nbytes
-        self.end_nbytes += nbytes
-        self.used_nbytes += nbytes
-        return offset
-
-    def free(self, offset: int, nbytes: int) -> None:
-        """Return ``[offset, offset + nbytes)``, merging it with neighbouring free space.
-
-        Raises:
-            RuntimeError: the range is not wholly allocated (a bookkeeping bug: a double
-                free would hand the same bytes to two tensors, so it must not pass).
-        """
-        end = offset + nbytes
-        i = bisect.bisect_left(self.holes, (offset,))
-        prev = self.holes[i - 1] if i > 0 else None
-        nxt = self.holes[i] if i < len(self.holes) else None
-        if (
-            end > self.end_nbytes
-            or (prev is not None and prev[0] + prev[1] > offset)
-            or (nxt is not None and nxt[0] < end)
-        ):
-            raise RuntimeError(f"freeing [{offset}, {end}) which is not allocated")
-        self.used_nbytes -= nbytes
-        if prev is not None and prev[0] + prev[1] == offset:
-            offset = prev[0]
-            i -= 1
-            del self.holes[i]
-        if nxt is not None and nxt[0] == end:
-            end = nxt[0] + nxt[1]
-            del self.holes[i]
-        if end == self.end_nbytes:
-            self.end_nbytes = offset  # the file's tail is free again: no hole, just a lower end
-        else:
-            self.holes.insert(i, (offset, end - offset))
-
-    @classmethod
-    def rebuild(cls, used: list[tuple[int, int]]) -> _Allocator:
-        """The allocator whose allocated ranges are exactly ``used`` ``(offset, nbytes)``.
-
-        Raises:
-            ValueError: two ranges overlap.
-        """
-        allocator = cls()
-        for offset, nbytes in sorted(used):
-            if offset < allocator.end_nbytes:
-                raise ValueError(f"extent at offset {offset} overlaps the one before it")
-            if offset > allocator.end_nbytes:
-                allocator.holes.append((allocator.end_nbytes, offset - allocator.end_nbytes))
-            allocator.end_nbytes = offset + nbytes
-            allocator.used_nbytes += nbytes
-        return allocator
 
 
 # -- futures ------------------------------------------------------------------------------
@@ -393,7 +311,7 @@ class _StoreDir:
     path: Path
     data_path: Path
     file: SwapFile
-    allocator: _Allocator
+    allocator: RangeAllocator
     created_dir: bool
 
 
@@ -469,7 +387,7 @@ class NvmeStore:
                     data_path.unlink()
                     raise
                 created.append(
-                    _StoreDir(path, data_path, swap_file, _Allocator(), path in created_dirs)
+                    _StoreDir(path, data_path, swap_file, RangeAllocator(), path in created_dirs)
                 )
         except BaseException:
             for d in created:
@@ -770,7 +688,7 @@ class NvmeStore:
                     raise ManifestError(
                         f"data file {data_path} named by manifest {manifest_path} is missing"
                     ) from None
-                opened.append(_StoreDir(path, data_path, swap_file, _Allocator(), False))
+                opened.append(_StoreDir(path, data_path, swap_file, RangeAllocator(), False))
                 used = [
                     (e.offset, e.allocated_nbytes)
                     for t in spec.tensors
@@ -778,7 +696,7 @@ class NvmeStore:
                     if e.dir_index == i
                 ]
                 try:
-                    opened[i].allocator = _Allocator.rebuild(used)
+                    opened[i].allocator = RangeAllocator.rebuild(used)
                 except ValueError as exc:
                     raise ManifestError(f"manifest {manifest_path}: {data_path}: {exc}") from None
                 size = swap_file.size()
@@ -863,7 +781,7 @@ class NvmeStore:
         n_dirs = len(self._dirs)
         first = min(range(n_dirs), key=lambda i: self._dirs[i].allocator.used_nbytes)
         if n_dirs == 1 or nbytes <= self._stripe:
-            offset = self._dirs[first].allocator.allocate(_pad(nbytes))
+            offset = self._dirs[first].allocator.allocate(pad(nbytes))
             return (Extent(first, offset, nbytes),)
         # One region per directory holds all of its chunks back to back, so each drive
         # reads and writes its share sequentially.
@@ -873,14 +791,14 @@ class NvmeStore:
         ]
         region = [0] * n_dirs
         for dir_index, size in chunks:
-            region[dir_index] += _pad(size)
+            region[dir_index] += pad(size)
         cursor = [
             self._dirs[i].allocator.allocate(region[i]) if region[i] else 0 for i in range(n_dirs)
         ]
         extents = []
         for dir_index, size in chunks:
             extents.append(Extent(dir_index, cursor[dir_index], size))
-            cursor[dir_index] += _pad(size)
+            cursor[dir_index] += pad(size)
         return tuple(extents)
 
     def _free(self, extents: tuple[Extent, ...]) -> None:

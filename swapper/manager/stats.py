@@ -1,0 +1,178 @@
+"""What the tier manager measures: bytes moved per tier pair, speed, stalls, read-ahead."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+from swapper.manager.config import Tier
+from tiers.units import format_size
+
+__all__ = ["ManagerStats", "StatsRecorder", "TierStats", "TransferStats"]
+
+
+@dataclass(frozen=True)
+class TransferStats:
+    """Transfers from one tier to another.
+
+    Attributes:
+        nbytes: bytes moved by transfers that succeeded.
+        count: transfers that succeeded.
+        busy_s: seconds of wall time during which at least one such transfer was running
+            (concurrent transfers count once, so ``gbps`` is the achieved throughput).
+    """
+
+    nbytes: int = 0
+    count: int = 0
+    busy_s: float = 0.0
+
+    @property
+    def gbps(self) -> float:
+        """Achieved throughput in GB/s (10^9 bytes per second) while busy; 0 when idle."""
+        return self.nbytes / self.busy_s / 1e9 if self.busy_s > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class TierStats:
+    """Bytes of one tier: its budget's limit (None: unlimited), bytes held now, and the
+    most held at once (None where not tracked: NVMe)."""
+
+    limit_nbytes: int | None
+    used_nbytes: int
+    peak_nbytes: int | None
+
+
+@dataclass(frozen=True)
+class ManagerStats:
+    """A snapshot of :meth:`~swapper.manager.TierManager.stats`.
+
+    Attributes:
+        transfers: (source tier, destination tier) → transfers; device↔NVMe transfers go
+            through host memory and count as two hops.
+        tiers: bytes per tier.
+        stall_s: seconds ``fetch`` calls spent waiting for bytes that were not there yet.
+        fetches: ``fetch`` calls that returned a tensor.
+        prefetch_hits: fetches that found the tensor in the tier, or on its way there.
+        prefetch_misses: fetches that had to start the transfer themselves.
+        prefetch_dropped: read-ahead requests given up (window full, no room without
+            evicting something needed sooner, or failed).
+        prefetch_wasted: tensors read ahead and evicted again before any fetch.
+        write_errors: writes to NVMe that failed.
+    """
+
+    transfers: Mapping[tuple[Tier, Tier], TransferStats]
+    tiers: Mapping[Tier, TierStats]
+    stall_s: float
+    fetches: int
+    prefetch_hits: int
+    prefetch_misses: int
+    prefetch_dropped: int
+    prefetch_wasted: int
+    write_errors: int
+
+    def moved(self, src: Tier, dst: Tier) -> TransferStats:
+        """Transfers from ``src`` to ``dst`` (zeros when there were none)."""
+        return self.transfers.get((src, dst), TransferStats())
+
+    def summary(self) -> str:
+        """One line for logs."""
+        moved = " ".join(
+            f"{s.value}->{d.value}={format_size(t.nbytes)}@{t.gbps:.2f}GB/s"
+            for (s, d), t in sorted(self.transfers.items(), key=lambda kv: kv[0])
+            if t.count
+        )
+        peaks = " ".join(
+            f"{tier.value}_peak={format_size(t.peak_nbytes)}"
+            for tier, t in self.tiers.items()
+            if t.peak_nbytes is not None
+        )
+        return (
+            f"fetches={self.fetches} hits={self.prefetch_hits} misses={self.prefetch_misses} "
+            f"stall={self.stall_s:.3f}s {moved or 'nothing moved'} {peaks}"
+        )
+
+
+@dataclass
+class _Meter:
+    nbytes: int = 0
+    count: int = 0
+    busy_s: float = 0.0
+    active: int = 0
+    since: float = 0.0
+
+
+@dataclass
+class StatsRecorder:
+    """Thread-safe counters behind :class:`ManagerStats` (its own lock: cheap to update
+    from I/O completion callbacks)."""
+
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _meters: dict[tuple[Tier, Tier], _Meter] = field(default_factory=dict)
+    stall_s: float = 0.0
+    fetches: int = 0
+    prefetch_hits: int = 0
+    prefetch_misses: int = 0
+    prefetch_dropped: int = 0
+    prefetch_wasted: int = 0
+    write_errors: int = 0
+
+    def begin(self, src: Tier, dst: Tier) -> None:
+        """A transfer from ``src`` to ``dst`` starts; pair with :meth:`end`."""
+        with self._lock:
+            meter = self._meters.setdefault((src, dst), _Meter())
+            if meter.active == 0:
+                meter.since = time.monotonic()
+            meter.active += 1
+
+    def end(self, src: Tier, dst: Tier, nbytes: int | None) -> None:
+        """The transfer ended: moved ``nbytes`` bytes, or failed (None)."""
+        with self._lock:
+            meter = self._meters[(src, dst)]
+            meter.active -= 1
+            if meter.active == 0:
+                meter.busy_s += time.monotonic() - meter.since
+            if nbytes is not None:
+                meter.nbytes += nbytes
+                meter.count += 1
+
+    @contextlib.contextmanager
+    def transfer(self, src: Tier, dst: Tier, nbytes: int) -> Iterator[None]:
+        """Time a transfer done within the block; it counts only if the block succeeds."""
+        self.begin(src, dst)
+        ok = False
+        try:
+            yield
+            ok = True
+        finally:
+            self.end(src, dst, nbytes if ok else None)
+
+    def add(self, **counts: float) -> None:
+        """Add to the named counters (``stall_s=0.2, prefetch_hits=1``)."""
+        with self._lock:
+            for name, value in counts.items():
+                setattr(self, name, getattr(self, name) + value)
+
+    def snapshot(self, tiers: Mapping[Tier, TierStats]) -> ManagerStats:
+        with self._lock:
+            now = time.monotonic()
+            transfers = {
+                pair: TransferStats(
+                    m.nbytes, m.count, m.busy_s + (now - m.since if m.active else 0.0)
+                )
+                for pair, m in self._meters.items()
+            }
+            return ManagerStats(
+                transfers=MappingProxyType(transfers),
+                tiers=MappingProxyType(dict(tiers)),
+                stall_s=self.stall_s,
+                fetches=self.fetches,
+                prefetch_hits=self.prefetch_hits,
+                prefetch_misses=self.prefetch_misses,
+                prefetch_dropped=self.prefetch_dropped,
+                prefetch_wasted=self.prefetch_wasted,
+                write_errors=self.write_errors,
+            )
