@@ -394,6 +394,7 @@ def _io_error(piece: _Piece, code: int, what: str) -> SwapIOError:
 
 
 _auto_choice: tuple[Backend, str] | None = None
+_auto_resolved: dict[tuple[type, type], tuple[Backend, _Provider | None, str]] = {}
 _auto_lock = threading.Lock()
 
 
@@ -431,11 +432,27 @@ def probe_backend(backend: Backend) -> tuple[_Provider | None, str]:
 def resolve_backend(backend: Backend) -> tuple[Backend, _Provider | None]:
     """Resolve AUTO to the best backend available; log the choice once per process.
 
+    The AUTO probe (creating and destroying a kernel context, ~30 ms) runs once per
+    process: the machine's answer does not change while it runs.
+
     Raises:
         BackendUnavailableError: an explicitly named backend cannot run here.
     """
     if backend is not Backend.AUTO:
         return backend, probe_backend(backend)[0]
+    key = (LibAio, KernelAio)  # tests swap these to simulate machines without them
+    with _auto_lock:
+        cached = _auto_resolved.get(key)
+    if cached is None:
+        cached = _probe_auto()
+        with _auto_lock:
+            _auto_resolved[key] = cached
+    chosen, provider, why = cached
+    _log_auto(chosen, why)
+    return chosen, provider
+
+
+def _probe_auto() -> tuple[Backend, _Provider | None, str]:
     reasons = []
     for candidate in (Backend.LIBAIO, Backend.KERNEL):
         try:
@@ -444,10 +461,8 @@ def resolve_backend(backend: Backend) -> tuple[Backend, _Provider | None]:
             reasons.append(str(exc.__cause__ or exc))
             continue
         why = "native Linux AIO" + (f" ({'; '.join(reasons)})" if reasons else "")
-        _log_auto(candidate, why)
-        return candidate, provider
-    _log_auto(Backend.THREADS, "; ".join(reasons))
-    return Backend.THREADS, None
+        return candidate, provider, why
+    return Backend.THREADS, None, "; ".join(reasons)
 
 
 def _log_auto(backend: Backend, why: str) -> None:
