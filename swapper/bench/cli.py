@@ -225,11 +225,28 @@ def _run_disk(args: argparse.Namespace) -> int:
     return run_disk_command(args)
 
 
+def _add_tiers(p: argparse.ArgumentParser) -> None:
+    from swapper.bench.tiers_command import add_tiers_arguments
+
+    add_tiers_arguments(p)
+
+
+def _run_tiers(args: argparse.Namespace) -> int:
+    from swapper.bench.tiers_command import run_tiers_command
+
+    return run_tiers_command(args)
+
+
 COMMANDS: dict[str, Command] = {
     "disk": Command(
         help="write and read throughput of swap files (the default command)",
         add_arguments=add_disk_arguments,
         run=_run_disk,
+    ),
+    "tiers": Command(
+        help="evict and fetch tensors through the tier manager, beside the raw disk figure",
+        add_arguments=_add_tiers,
+        run=_run_tiers,
     ),
 }
 DEFAULT_COMMAND = "disk"

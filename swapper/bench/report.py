@@ -185,7 +185,7 @@ def format_best(best: dict[str, Choice], options: Sequence[Choice] = ()) -> str:
 # Files
 
 
-def _write_json(path: str | os.PathLike[str], data: Any) -> None:
+def write_json(path: str | os.PathLike[str], data: Any) -> None:
     Path(path).write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
 
 
@@ -200,7 +200,7 @@ def write_results(
     if best is not None:
         data["best"] = {k: c.to_json() for k, c in best.items()}
     data["meta"] = meta
-    _write_json(path, data)
+    write_json(path, data)
 
 
 def emitted_config(choice: Choice) -> dict[str, Any]:
@@ -239,7 +239,7 @@ def emitted_config(choice: Choice) -> dict[str, Any]:
 
 def write_config(path: str | os.PathLike[str], choice: Choice) -> None:
     """Write :func:`emitted_config` to ``path``."""
-    _write_json(path, emitted_config(choice))
+    write_json(path, emitted_config(choice))
 
 
 # ----------------------------------------------------------------------------------------

@@ -1,0 +1,326 @@
+"""``swapper-bench tiers``: evict and fetch tensors through the tier manager, next to raw disk.
+
+One run measures, in the same directories and with the same I/O settings:
+
+1. the raw disk (``disk``'s O_DIRECT write and read of one file per directory), and
+2. the :class:`~swapper.manager.TierManager`: a set of bf16 tensors (sizes drawn between
+   ``--tensor-min`` and ``--tensor-max``, ``--size`` in all) registered in the host tier,
+   then, per pass, all evicted to NVMe at once (write-behind; timed until every future
+   is done, i.e. every byte durable) and all fetched back (read-ahead of every key, then
+   ``fetch`` in order; timed until the last is in host memory).
+
+and prints the manager's GB/s beside the raw figure (evict against write, fetch against
+read) with their ratio. The first manager pass also checks every tensor's bytes (crc32)
+after the fetch; timed passes do not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import random
+import statistics
+import sys
+import time
+import zlib
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import swapper
+from swapper.bench import report
+from swapper.bench.cli import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_LOOPS,
+    DEFAULT_QUEUE_DEPTH,
+    DEFAULT_THREADS,
+    DEFAULT_WARMUP,
+    UsageError,
+    check_backends,
+    check_dirs,
+    check_free_space,
+    check_memory,
+    check_output_path,
+)
+from swapper.bench.disk import (
+    ENGINE_SWAPPER,
+    BenchError,
+    DiskPlan,
+    Measurement,
+    Setting,
+    Workspace,
+    run_disk,
+    split_nbytes,
+)
+from swapper.manager import Kind, ManagerConfig, Tier, TierManager
+from tiers.config import DIRECT_ALIGNMENT, Backend
+from tiers.units import format_size
+
+DEFAULT_TIERS_SIZE_NBYTES = 1 << 30
+DEFAULT_TENSOR_MIN_NBYTES = 4 << 20
+DEFAULT_TENSOR_MAX_NBYTES = 64 << 20
+_ELEMENT_NBYTES = 2  # bf16
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TiersPlan:
+    """Everything one ``tiers`` run will do, checked before any file is made."""
+
+    dirs: list[Path]
+    total_nbytes: int
+    tensor_nbytes: list[int]
+    setting: Setting
+    loops: int
+    warmup: int
+    checksum: bool
+
+
+@dataclasses.dataclass(kw_only=True)
+class TiersMeasurement:
+    """The timed passes of one manager operation, with the raw disk figure beside it."""
+
+    op: str  #: "evict" or "fetch"
+    nbytes: int
+    seconds: list[float]
+    disk: Measurement
+
+    @property
+    def gbps(self) -> float:
+        return statistics.median(self.nbytes / s / 1e9 for s in self.seconds)
+
+    @property
+    def ratio(self) -> float:
+        return self.gbps / self.disk.gbps
+
+    def to_record(self, plan: TiersPlan) -> dict[str, Any]:
+        s = plan.setting
+        each = [self.nbytes / x / 1e9 for x in self.seconds]
+        return {
+            "op": self.op,
+            "backend": self.disk.backend,
+            "direct": self.disk.direct,
+            "block_size": s.block_size,
+            "queue_depth": s.queue_depth,
+            "threads": s.threads,
+            "nbytes": self.nbytes,
+            "seconds": list(self.seconds),
+            "gbps": self.gbps,
+            "gbps_min": min(each),
+            "gbps_max": max(each),
+            "disk_gbps": self.disk.gbps,
+            "disk_op": self.disk.op,
+            "ratio": self.ratio,
+            "tensors": len(plan.tensor_nbytes),
+            "checksum": plan.checksum,
+            "dirs": [str(d) for d in plan.dirs],
+        }
+
+
+def add_tiers_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of ``tiers`` (besides the shared --dir, --size, --json)."""
+    p.add_argument("--tensor-min", type=_size_arg, metavar="SIZE", help="default 4MiB")
+    p.add_argument("--tensor-max", type=_size_arg, metavar="SIZE", help="default 64MiB")
+    p.add_argument(
+        "--block-size",
+        type=_size_arg,
+        metavar="SIZE",
+        help=f"bytes per kernel request (default {format_size(DEFAULT_BLOCK_SIZE)})",
+    )
+    p.add_argument("--queue-depth", type=int, metavar="N", help=f"default {DEFAULT_QUEUE_DEPTH}")
+    p.add_argument("--threads", type=int, metavar="N", help=f"default {DEFAULT_THREADS}")
+    p.add_argument("--backend", metavar="NAME", help="auto, libaio, kernel or threads")
+    p.add_argument("--loops", type=int, metavar="N", help=f"timed passes (default {DEFAULT_LOOPS})")
+    p.add_argument("--warmup", type=int, metavar="N", help=f"default {DEFAULT_WARMUP}")
+    p.add_argument(
+        "--checksum",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="record a crc32 of every tensor written, as the manager does by default (default: on)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="tensor sizes and contents (default 0)")
+
+
+def _size_arg(text: str) -> int:
+    from swapper.bench.cli import _size
+
+    return _size(text)
+
+
+def build_plan(args: argparse.Namespace) -> TiersPlan:
+    """Check the arguments and draw the tensor sizes.
+
+    Raises:
+        UsageError: an argument cannot work here; the message names it.
+    """
+    dirs = check_dirs(args.dirs)
+    total = DEFAULT_TIERS_SIZE_NBYTES if args.size is None else args.size
+    low = DEFAULT_TENSOR_MIN_NBYTES if args.tensor_min is None else args.tensor_min
+    high = DEFAULT_TENSOR_MAX_NBYTES if args.tensor_max is None else args.tensor_max
+    if not 0 < low <= high:
+        raise UsageError(f"--tensor-min {low} and --tensor-max {high}: need 0 < min <= max")
+    if total < low:
+        raise UsageError(f"--size {format_size(total)} is smaller than --tensor-min")
+    for flag, value, least in (
+        ("--loops", args.loops, 1),
+        ("--warmup", args.warmup, 0),
+        ("--queue-depth", args.queue_depth, 1),
+        ("--threads", args.threads, 1),
+    ):
+        if value is not None and value < least:
+            raise UsageError(f"{flag} must be at least {least}, got {value}")
+    try:
+        backend = check_backends([Backend(args.backend or "auto")])[0]
+    except ValueError:
+        names = "auto, libaio, kernel or threads"
+        raise UsageError(f"--backend {args.backend!r}: use {names}") from None
+    setting = Setting(
+        engine=ENGINE_SWAPPER,
+        backend=backend,
+        block_size=args.block_size or DEFAULT_BLOCK_SIZE,
+        queue_depth=args.queue_depth or DEFAULT_QUEUE_DEPTH,
+        threads=args.threads or DEFAULT_THREADS,
+        direct=True,
+    )
+    if setting.block_size % DIRECT_ALIGNMENT:
+        raise UsageError(f"--block-size must be a multiple of {DIRECT_ALIGNMENT}")
+    check_output_path("--json", args.json)
+    sizes = _draw_sizes(total, low, high, random.Random(args.seed))
+    # The raw disk run and the manager each hold the whole size in host memory.
+    check_memory(2 * total)
+    check_free_space(dirs, 2 * split_nbytes(total, len(dirs)) + high)
+    return TiersPlan(
+        dirs=dirs,
+        total_nbytes=sum(sizes),
+        tensor_nbytes=sizes,
+        setting=setting,
+        loops=args.loops or DEFAULT_LOOPS,
+        warmup=DEFAULT_WARMUP if args.warmup is None else args.warmup,
+        checksum=args.checksum,
+    )
+
+
+def _draw_sizes(total: int, low: int, high: int, rng: random.Random) -> list[int]:
+    """Tensor sizes in [low, high] (whole bf16 elements) adding up to about ``total``."""
+    sizes: list[int] = []
+    left = total
+    while left >= low:
+        n = min(left, rng.randint(low, high))
+        n -= n % _ELEMENT_NBYTES
+        sizes.append(n)
+        left -= n
+    return sizes
+
+
+def _manager_passes(plan: TiersPlan, workspace: Workspace) -> tuple[list[float], list[float]]:
+    """Warm-up and timed evict/fetch passes; returns (evict seconds, fetch seconds)."""
+    config = ManagerConfig(
+        device_nbytes=0,
+        host_nbytes=None,
+        nvme_dirs=list(workspace.tmpdirs),
+        aio=plan.setting.aio_config(),
+        placement={Kind.OPTIM_STATE: (Tier.HOST, Tier.NVME)},
+        checksum=plan.checksum,
+    )
+    gen = torch.Generator().manual_seed(len(plan.tensor_nbytes))
+    keys = [f"t{i:04d}" for i in range(len(plan.tensor_nbytes))]
+    crcs: dict[str, int] = {}
+    evict_s: list[float] = []
+    fetch_s: list[float] = []
+    with TierManager(config) as manager:
+        for key, nbytes in zip(keys, plan.tensor_nbytes, strict=True):
+            t = torch.randint(-(2**15), 2**15, (nbytes // 2,), dtype=torch.int16, generator=gen)
+            crcs[key] = zlib.crc32(t.numpy())
+            manager.register(key, t.view(torch.bfloat16), Kind.OPTIM_STATE)
+            del t
+        for i in range(plan.warmup + plan.loops):
+            start = time.perf_counter()
+            for future in [manager.evict(k, Tier.NVME) for k in keys]:
+                future.result()
+            evicted = time.perf_counter() - start
+            start = time.perf_counter()
+            manager.prefetch(keys, Tier.HOST)
+            fetched = [manager.fetch(k, Tier.HOST) for k in keys]
+            done = time.perf_counter() - start
+            if i == 0:  # untimed or not, the first pass proves the bytes came back
+                for key, tensor in zip(keys, fetched, strict=True):
+                    if zlib.crc32(tensor.view(torch.int16).numpy()) != crcs[key]:
+                        raise BenchError(f"key={key!r} came back from NVMe with other bytes")
+            del fetched
+            for k in keys:
+                manager.release(k, modified=True)  # so the next pass writes it again
+            if i >= plan.warmup:
+                evict_s.append(evicted)
+                fetch_s.append(done)
+    return evict_s, fetch_s
+
+
+def run_tiers(plan: TiersPlan) -> list[TiersMeasurement]:
+    """Measure the raw disk, then the manager, in the same directories."""
+    disk_plan = DiskPlan(
+        dirs=plan.dirs,
+        file_nbytes=split_nbytes(plan.total_nbytes, len(plan.dirs)),
+        ops=("write", "read"),
+        settings=[plan.setting],
+        loops=plan.loops,
+        warmup=plan.warmup,
+    )
+    raw = {m.op: m for m in run_disk(disk_plan).measurements}
+    with Workspace(plan.dirs) as workspace:
+        evict_s, fetch_s = _manager_passes(plan, workspace)
+    return [
+        TiersMeasurement(op="evict", nbytes=plan.total_nbytes, seconds=evict_s, disk=raw["write"]),
+        TiersMeasurement(op="fetch", nbytes=plan.total_nbytes, seconds=fetch_s, disk=raw["read"]),
+    ]
+
+
+def format_table(results: list[TiersMeasurement]) -> str:
+    rows = [("op", "GB/s", "min-max", "disk op", "disk GB/s", "ratio")]
+    for r in results:
+        each = [r.nbytes / s / 1e9 for s in r.seconds]
+        rows.append(
+            (
+                r.op,
+                f"{r.gbps:.2f}",
+                f"{min(each):.2f}-{max(each):.2f}",
+                r.disk.op,
+                f"{r.disk.gbps:.2f}",
+                f"{r.ratio:.2f}",
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = [
+        "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(cells))
+        for cells in (list(zip(row, widths, strict=True)) for row in rows)
+    ]
+    lines.append("GB/s: median of the timed passes, GB = 10^9 bytes; ratio = manager / raw disk")
+    return "\n".join(lines)
+
+
+def run_tiers_command(args: argparse.Namespace) -> int:
+    """``swapper-bench tiers``: returns the exit code."""
+    plan = build_plan(args)
+    s = plan.setting
+    where = ", ".join(str(d) for d in plan.dirs)
+    print(
+        f"swapper-bench tiers: {len(plan.tensor_nbytes)} bf16 tensors "
+        f"({format_size(min(plan.tensor_nbytes))}-{format_size(max(plan.tensor_nbytes))}), "
+        f"{format_size(plan.total_nbytes)} in all, in {where}; backend {s.backend.value}, "
+        f"O_DIRECT, bs {format_size(s.block_size)} qd {s.queue_depth} threads {s.threads}, "
+        f"checksum {'on' if plan.checksum else 'off'}",
+        flush=True,
+    )
+    print(
+        f"  raw disk first, then the manager; {plan.loops} timed passes after "
+        f"{plan.warmup} warm-up each",
+        file=sys.stdout,
+        flush=True,
+    )
+    results = run_tiers(plan)
+    print(format_table(results))
+    if args.json is not None:
+        meta = {"command": "tiers", "version": swapper.__version__, "gb": "10^9 bytes"}
+        records = [r.to_record(plan) for r in results]
+        report.write_json(args.json, {"results": records, "meta": meta})
+        print(f"results written to {args.json}")
+    return 0
