@@ -1,16 +1,5 @@
 """swapper: a tiered-memory swap service for training models larger than accelerator memory."""
 
-from tiers import (
-    AioConfig,
-    AioEngine,
-    Backend,
-    SwapConfigError,
-    SwapEOFError,
-    SwapError,
-    SwapIOError,
-    SwapNoSpaceError,
-)
-
 from swapper.manager import (
     EntryState,
     Kind,
@@ -20,6 +9,16 @@ from swapper.manager import (
     SwapEntry,
     Tier,
     TierManager,
+)
+from tiers import (
+    AioConfig,
+    AioEngine,
+    Backend,
+    SwapConfigError,
+    SwapEOFError,
+    SwapError,
+    SwapIOError,
+    SwapNoSpaceError,
 )
 
 __version__ = "0.1.0"
@@ -33,13 +32,13 @@ __all__ = [
     "ManagerConfig",
     "ManagerStats",
     "Policy",
-    "SwapEntry",
-    "Tier",
-    "TierManager",
     "SwapConfigError",
     "SwapEOFError",
+    "SwapEntry",
     "SwapError",
     "SwapIOError",
     "SwapNoSpaceError",
+    "Tier",
+    "TierManager",
     "__version__",
 ]

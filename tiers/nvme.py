@@ -21,7 +21,7 @@ Life of one version of a key::
     write(key, t): validate, allocate extents, reserve file space ──ENOSPC──▶ extents
       │                                                  freed, SwapNoSpaceError raised
       ▼
-    WRITING: all pieces issued at once; crc32 computed on the caller's thread meanwhile
+    WRITING: all pieces issued at once; content hash computed on the caller's thread meanwhile
       │
       ├─ a piece failed ──────────────────────▶ DISCARDED: extents freed, the key keeps its
       │                                           old version; the future raises SwapIOError
@@ -38,7 +38,9 @@ The saved manifest pins the versions it names until the next :meth:`NvmeStore.sa
 so that reopening after a crash finds exactly the bytes the manifest describes even when
 the keys were rewritten since.
 
-Checksums: ``zlib.crc32`` of the tensor's bytes, on the calling thread, while the pieces
+Checksums: the XXH3-64 hash (``xxhash``, ~17 GB/s on one core here against 2.3 GB/s for
+``zlib.crc32``, which capped evictions below disk speed) of the tensor's bytes, on the
+calling thread, while the pieces
 are being written. It runs at about 2 GB/s on one core (zlib 1.2.13, measured on the
 development machine), i.e. ~0.5 s per GiB: slower than a fast NVMe drive, so on write-heavy
 paths the checksum can be what ``write`` waits for. zlib releases the GIL for it, so other
@@ -61,13 +63,13 @@ import os
 import re
 import tempfile
 import threading
-import zlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
 import torch
+import xxhash
 
 from tiers.aio.engine import AioEngine, IOFuture, Op
 from tiers.config import DIRECT_ALIGNMENT
@@ -91,7 +93,14 @@ __all__ = [
 ]
 
 #: Version of the manifest's JSON layout; :meth:`NvmeStore.open` refuses others.
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2  # 2: checksums are XXH3-64 (1 was zlib.crc32)
+
+
+def content_hash(tensor: torch.Tensor) -> int:
+    """XXH3-64 of a contiguous CPU tensor's bytes (the GIL is released while hashing)."""
+    return xxhash.xxh3_64_intdigest(tensor.view(torch.uint8).numpy() if tensor.numel() else b"")
+
+
 _MANIFEST_FORMAT = "swapper-nvme-store"
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 
@@ -124,8 +133,8 @@ class ChecksumError(SwapError):
 
     Attributes:
         key: the tensor's key.
-        expected: the crc32 recorded at write time.
-        actual: the crc32 of the bytes read now.
+        expected: the XXH3-64 hash recorded at write time.
+        actual: the XXH3-64 hash of the bytes read now.
     """
 
     def __init__(self, message: str, *, key: str, expected: int, actual: int) -> None:
@@ -158,7 +167,7 @@ class Extent:
 class StoredTensor:
     """What the store knows of one tensor: its extents are in tensor byte order.
 
-    ``checksum`` is the crc32 of its bytes, or None when written with checksums off.
+    ``checksum`` is the XXH3-64 hash of its bytes, or None when written with checksums off.
     """
 
     key: str
@@ -330,7 +339,7 @@ class NvmeStore:
         engine: the engine that does the I/O; the caller closes it after the store.
         stripe_nbytes: tensors larger than this are striped over the directories in chunks
             of this many bytes; a positive multiple of 4 KiB.
-        checksum: record a crc32 of every tensor written (see the module docstring).
+        checksum: record an XXH3-64 hash of every tensor written (see the module docstring).
         name: the files' base name: ``<name>.bin`` in each directory, ``<name>.json`` (the
             manifest) in ``dirs[0]``. Give each store sharing a directory its own name.
 
@@ -430,7 +439,7 @@ class NvmeStore:
 
     @property
     def checksum(self) -> bool:
-        """Whether writes record a crc32."""
+        """Whether writes record a content hash (XXH3-64)."""
         return self._checksum
 
     @property
@@ -527,7 +536,7 @@ class NvmeStore:
         if self._checksum:
             # After the pieces are issued, so that the crc overlaps the I/O.
             try:
-                version.checksum = zlib.crc32(data.numpy())
+                version.checksum = content_hash(data)
             except BaseException as exc:  # e.g. KeyboardInterrupt: still settle the write
                 future._part_done(exc)
                 raise
@@ -568,14 +577,14 @@ class NvmeStore:
         future.result()
         if stored.checksum is None:
             return False
-        actual = zlib.crc32(buffer.numpy())
+        actual = content_hash(buffer)
         if actual != stored.checksum:
             where = ", ".join(
                 f"{self._dirs[e.dir_index].data_path}@{e.offset}+{e.nbytes}" for e in stored.extents
             )
             raise ChecksumError(
-                f"key={key!r}: crc32 of the {stored.nbytes} bytes read back is "
-                f"{actual:#010x}, {stored.checksum:#010x} was written ({where})",
+                f"key={key!r}: XXH3-64 hash of the {stored.nbytes} bytes read back is "
+                f"{actual:#018x}, {stored.checksum:#018x} was written ({where})",
                 key=key,
                 expected=stored.checksum,
                 actual=actual,

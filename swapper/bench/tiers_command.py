@@ -2,27 +2,29 @@
 
 One run measures, in the same directories and with the same I/O settings:
 
-1. the raw disk (``disk``'s O_DIRECT write and read of one file per directory), and
+1. the raw disk (``disk``'s O_DIRECT pass: one request per file, one file per directory), and
 2. the :class:`~swapper.manager.TierManager`: a set of bf16 tensors (sizes drawn between
    ``--tensor-min`` and ``--tensor-max``, ``--size`` in all) registered in the host tier,
    then, per pass, all evicted to NVMe at once (write-behind; timed until every future
    is done, i.e. every byte durable) and all fetched back (read-ahead of every key, then
    ``fetch`` in order; timed until the last is in host memory).
 
-and prints the manager's GB/s beside the raw figure (evict against write, fetch against
-read) with their ratio. The first manager pass also checks every tensor's bytes (crc32)
-after the fetch; timed passes do not.
+alternating within every pass (raw write, evict, raw read, fetch) so that the shared
+disk's changes of speed hit both alike, and prints the manager's GB/s beside the raw
+figure (evict against write, fetch against read) with their ratio. The first manager
+pass also checks every tensor's bytes (a content hash) after the fetch; timed passes do
+not.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import random
 import statistics
 import sys
 import time
-import zlib
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +37,6 @@ from swapper.bench.cli import (
     DEFAULT_LOOPS,
     DEFAULT_QUEUE_DEPTH,
     DEFAULT_THREADS,
-    DEFAULT_WARMUP,
     UsageError,
     check_backends,
     check_dirs,
@@ -46,18 +47,26 @@ from swapper.bench.cli import (
 from swapper.bench.disk import (
     ENGINE_SWAPPER,
     BenchError,
-    DiskPlan,
     Measurement,
     Setting,
     Workspace,
-    run_disk,
+    _engine_pass,
+    fill_random,
     split_nbytes,
 )
 from swapper.manager import Kind, ManagerConfig, Tier, TierManager
+from tiers.aio import AioEngine
+from tiers.buffers import allocate
 from tiers.config import DIRECT_ALIGNMENT, Backend
+from tiers.nvme import content_hash
 from tiers.units import format_size
 
 DEFAULT_TIERS_SIZE_NBYTES = 1 << 30
+#: Untimed passes: the store writes a new version beside the old one and frees the old
+#: one only when the new one is durable (nothing is lost if a write fails), so the first
+#: two passes allocate fresh file space; from the third on it reuses freed extents, the
+#: steady state of a training loop.
+DEFAULT_TIERS_WARMUP = 2
 DEFAULT_TENSOR_MIN_NBYTES = 4 << 20
 DEFAULT_TENSOR_MAX_NBYTES = 64 << 20
 _ELEMENT_NBYTES = 2  # bf16
@@ -131,12 +140,12 @@ def add_tiers_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, metavar="N", help=f"default {DEFAULT_THREADS}")
     p.add_argument("--backend", metavar="NAME", help="auto, libaio, kernel or threads")
     p.add_argument("--loops", type=int, metavar="N", help=f"timed passes (default {DEFAULT_LOOPS})")
-    p.add_argument("--warmup", type=int, metavar="N", help=f"default {DEFAULT_WARMUP}")
+    p.add_argument("--warmup", type=int, metavar="N", help=f"default {DEFAULT_TIERS_WARMUP}")
     p.add_argument(
         "--checksum",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="record a crc32 of every tensor written, as the manager does by default (default: on)",
+        help="hash every tensor written, as the manager does by default (default: on)",
     )
     p.add_argument("--seed", type=int, default=0, help="tensor sizes and contents (default 0)")
 
@@ -195,7 +204,7 @@ def build_plan(args: argparse.Namespace) -> TiersPlan:
         tensor_nbytes=sizes,
         setting=setting,
         loops=args.loops or DEFAULT_LOOPS,
-        warmup=DEFAULT_WARMUP if args.warmup is None else args.warmup,
+        warmup=DEFAULT_TIERS_WARMUP if args.warmup is None else args.warmup,
         checksum=args.checksum,
     )
 
@@ -212,8 +221,52 @@ def _draw_sizes(total: int, low: int, high: int, rng: random.Random) -> list[int
     return sizes
 
 
-def _manager_passes(plan: TiersPlan, workspace: Workspace) -> tuple[list[float], list[float]]:
-    """Warm-up and timed evict/fetch passes; returns (evict seconds, fetch seconds)."""
+@dataclasses.dataclass
+class _Timings:
+    """Seconds of each timed pass, per operation."""
+
+    evict: list[float] = dataclasses.field(default_factory=list)
+    fetch: list[float] = dataclasses.field(default_factory=list)
+    write: list[float] = dataclasses.field(default_factory=list)
+    read: list[float] = dataclasses.field(default_factory=list)
+    backend: str = ""  #: the raw passes' resolved backend
+    direct: bool = True  #: whether the raw passes really used O_DIRECT
+
+
+def _evict_all(manager: TierManager, keys: list[str]) -> float:
+    """Evict every key to NVMe at once; seconds until all are durable."""
+    start = time.perf_counter()
+    for future in [manager.evict(k, Tier.NVME) for k in keys]:
+        future.result()
+    return time.perf_counter() - start
+
+
+def _fetch_all(manager: TierManager, keys: list[str], hashes: dict[str, int] | None) -> float:
+    """Read every key ahead, then fetch in order; seconds until the last is in host memory.
+
+    With ``hashes``, every tensor's bytes are checked (after the clock stops). All keys
+    are released as modified, so the next eviction writes them again.
+    """
+    start = time.perf_counter()
+    manager.prefetch(keys, Tier.HOST)
+    fetched = [manager.fetch(k, Tier.HOST) for k in keys]
+    seconds = time.perf_counter() - start
+    if hashes is not None:
+        for key, tensor in zip(keys, fetched, strict=True):
+            if content_hash(tensor) != hashes[key]:
+                raise BenchError(f"key={key!r} came back from NVMe with other bytes")
+    del fetched
+    for k in keys:
+        manager.release(k, modified=True)
+    return seconds
+
+
+def _timed_passes(plan: TiersPlan, workspace: Workspace) -> _Timings:
+    """Warm-up and timed passes, raw disk and manager alternating in every pass.
+
+    Per pass: raw write, manager evict, raw read, manager fetch, so that a change in the
+    shared disk's speed during the run hits both sides alike.
+    """
     config = ManagerConfig(
         device_nbytes=0,
         host_nbytes=None,
@@ -224,53 +277,69 @@ def _manager_passes(plan: TiersPlan, workspace: Workspace) -> tuple[list[float],
     )
     gen = torch.Generator().manual_seed(len(plan.tensor_nbytes))
     keys = [f"t{i:04d}" for i in range(len(plan.tensor_nbytes))]
-    crcs: dict[str, int] = {}
-    evict_s: list[float] = []
-    fetch_s: list[float] = []
-    with TierManager(config) as manager:
+    hashes: dict[str, int] = {}
+    times = _Timings()
+    file_nbytes = split_nbytes(plan.total_nbytes, len(plan.dirs))
+    with contextlib.ExitStack() as stack:
+        raw = stack.enter_context(allocate(file_nbytes * len(plan.dirs)))
+        engine = stack.enter_context(AioEngine(plan.setting.aio_config()))
+        files = [
+            stack.enter_context(engine.open(d / "raw.bin", create=True)) for d in workspace.tmpdirs
+        ]
+        views = [raw.tensor[i * file_nbytes : (i + 1) * file_nbytes] for i in range(len(files))]
+        fill_random(raw.tensor)
+        _engine_pass(engine, "write", files, views)  # allocate the raw files (untimed)
+        manager = stack.enter_context(TierManager(config))
         for key, nbytes in zip(keys, plan.tensor_nbytes, strict=True):
             t = torch.randint(-(2**15), 2**15, (nbytes // 2,), dtype=torch.int16, generator=gen)
-            crcs[key] = zlib.crc32(t.numpy())
+            hashes[key] = content_hash(t)
             manager.register(key, t.view(torch.bfloat16), Kind.OPTIM_STATE)
             del t
         for i in range(plan.warmup + plan.loops):
-            start = time.perf_counter()
-            for future in [manager.evict(k, Tier.NVME) for k in keys]:
-                future.result()
-            evicted = time.perf_counter() - start
-            start = time.perf_counter()
-            manager.prefetch(keys, Tier.HOST)
-            fetched = [manager.fetch(k, Tier.HOST) for k in keys]
-            done = time.perf_counter() - start
-            if i == 0:  # untimed or not, the first pass proves the bytes came back
-                for key, tensor in zip(keys, fetched, strict=True):
-                    if zlib.crc32(tensor.view(torch.int16).numpy()) != crcs[key]:
-                        raise BenchError(f"key={key!r} came back from NVMe with other bytes")
-            del fetched
-            for k in keys:
-                manager.release(k, modified=True)  # so the next pass writes it again
+            write_s = _engine_pass(engine, "write", files, views)
+            evict_s = _evict_all(manager, keys)
+            read_s = _engine_pass(engine, "read", files, views)
+            # The first pass, timed or not, proves the bytes come back intact.
+            fetch_s = _fetch_all(manager, keys, hashes if i == 0 else None)
             if i >= plan.warmup:
-                evict_s.append(evicted)
-                fetch_s.append(done)
-    return evict_s, fetch_s
+                times.write.append(write_s)
+                times.evict.append(evict_s)
+                times.read.append(read_s)
+                times.fetch.append(fetch_s)
+        times.backend = engine.backend.value
+        times.direct = all(f.direct_fd is not None for f in files)
+    return times
 
 
 def run_tiers(plan: TiersPlan) -> list[TiersMeasurement]:
-    """Measure the raw disk, then the manager, in the same directories."""
-    disk_plan = DiskPlan(
-        dirs=plan.dirs,
-        file_nbytes=split_nbytes(plan.total_nbytes, len(plan.dirs)),
-        ops=("write", "read"),
-        settings=[plan.setting],
-        loops=plan.loops,
-        warmup=plan.warmup,
-    )
-    raw = {m.op: m for m in run_disk(disk_plan).measurements}
+    """Measure the manager and the raw disk, alternating, in the same directories."""
     with Workspace(plan.dirs) as workspace:
-        evict_s, fetch_s = _manager_passes(plan, workspace)
+        times = _timed_passes(plan, workspace)
+    file_nbytes = split_nbytes(plan.total_nbytes, len(plan.dirs))
+
+    def raw(op: str, seconds: list[float]) -> Measurement:
+        return Measurement(
+            op=op,
+            setting=plan.setting,
+            backend=times.backend,
+            direct=times.direct,
+            nbytes=file_nbytes * len(plan.dirs),
+            seconds=seconds,
+            cpu_seconds=0.0,
+            cache="O_DIRECT",
+            dirs=[str(d) for d in plan.dirs],
+        )
+
     return [
-        TiersMeasurement(op="evict", nbytes=plan.total_nbytes, seconds=evict_s, disk=raw["write"]),
-        TiersMeasurement(op="fetch", nbytes=plan.total_nbytes, seconds=fetch_s, disk=raw["read"]),
+        TiersMeasurement(
+            op="evict",
+            nbytes=plan.total_nbytes,
+            seconds=times.evict,
+            disk=raw("write", times.write),
+        ),
+        TiersMeasurement(
+            op="fetch", nbytes=plan.total_nbytes, seconds=times.fetch, disk=raw("read", times.read)
+        ),
     ]
 
 
@@ -311,8 +380,8 @@ def run_tiers_command(args: argparse.Namespace) -> int:
         flush=True,
     )
     print(
-        f"  raw disk first, then the manager; {plan.loops} timed passes after "
-        f"{plan.warmup} warm-up each",
+        f"  raw disk and manager alternating: {plan.loops} timed passes after "
+        f"{plan.warmup} warm-up",
         file=sys.stdout,
         flush=True,
     )

@@ -87,7 +87,7 @@ class ManagerConfig:
             ``"cuda:N"``.
         store_name: base name of the NVMe store's files.
         stripe_nbytes: tensors larger than this are striped over ``nvme_dirs``.
-        checksum: record a crc32 of every tensor written to NVMe.
+        checksum: record a content hash (XXH3-64) of every tensor written to NVMe.
         host_arena_nbytes: size of each host arena (see :mod:`tiers.host`).
         mover_threads: threads that run ``evict`` and ``prefetch`` requests.
 
