@@ -1013,3 +1013,59 @@ def test_cuda_device_tier_round_trip(dirs: list[Path]) -> None:
             got = m.fetch(key)
             assert _same(got.cpu(), t)
             m.release(key, modified=False)
+
+
+# -- review findings (regressions) ---------------------------------------------------
+
+
+def _small_manager(tmp_path: Path, **overrides: Any) -> TierManager:
+    settings: dict[str, Any] = {
+        "device_nbytes": 64 * KiB,
+        "host_nbytes": 128 * KiB,
+        "nvme_dirs": [tmp_path / "swap"],
+        "aio": AioConfig(block_size=64 * KiB),
+        "stripe_nbytes": 8 * KiB,
+        "timeout_s": 10,
+    }
+    settings.update(overrides)
+    return TierManager(ManagerConfig(**settings))
+
+
+def test_evict_callback_may_call_the_manager(tmp_path: Path) -> None:
+    """A done-callback on an evict future may fetch from NVMe (it once deadlocked: the
+    future was resolved on the AIO worker the fetch's read needed)."""
+    with _small_manager(tmp_path) as m:
+        m.register("a", torch.ones(2048), Kind.OPTIM_STATE)
+        m.evict("a").result()
+        m.register("b", torch.ones(2048), Kind.OPTIM_STATE)
+        got = threading.Event()
+        seen: list[float] = []
+
+        def callback(_future: Any) -> None:
+            seen.append(float(m.fetch("a").sum()))
+            m.release("a")
+            got.set()
+
+        m.evict("b").add_done_callback(callback)
+        assert got.wait(20), "the callback's fetch never finished"
+        assert seen == [2048.0]
+
+
+def test_fetch_of_a_read_ahead_tensor_returns_its_window(tmp_path: Path) -> None:
+    """Read ahead into host, then fetched into the device (its home): the read-ahead
+    window share must come back, or later prefetches are dropped for good."""
+    with _small_manager(tmp_path, prefetch_window_nbytes=16 * KiB) as m:
+        for i in range(4):
+            m.register(f"k{i}", torch.full((2048,), float(i)), Kind.PARAM16)  # 8 KiB each
+            m.evict(f"k{i}").result()
+        assert m.prefetch(["k0", "k1"], tier="host") == 2
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(
+            m.info(k).tier is not Tier.HOST for k in ("k0", "k1")
+        ):
+            time.sleep(0.01)
+        for k in ("k0", "k1"):
+            m.fetch(k)  # home is the device: moved host -> device
+            m.release(k, modified=False)
+        assert m.prefetch(["k2", "k3"], tier="host") == 2
+        assert m.stats().prefetch_dropped == 0

@@ -23,6 +23,7 @@ logic above runs unchanged, which is how the CPU-only tests exercise it.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import torch
 
@@ -91,9 +92,15 @@ class DeviceBlock:
         charged_nbytes: what the tier's budget counts for it (``nbytes``).
     """
 
-    def __init__(self, tensor: torch.Tensor, reservation: Reservation) -> None:
+    def __init__(
+        self,
+        tensor: torch.Tensor,
+        reservation: Reservation,
+        side_stream: Callable[[], torch.cuda.Stream] | None = None,
+    ) -> None:
         self._tensor: torch.Tensor | None = tensor
         self._reservation = reservation
+        self._side_stream = side_stream
         self._lock = threading.Lock()
         self.nbytes = tensor.numel()
         self.charged_nbytes = reservation.nbytes
@@ -123,16 +130,25 @@ class DeviceBlock:
     def released(self) -> bool:
         return self._tensor is None
 
-    def release(self) -> None:
+    def release(self, after: torch.cuda.Event | None = None) -> None:
         """Drop the memory (back to torch's caching allocator) and the budget's bytes.
 
         Idempotent. Copies still running on the side stream keep the memory, through
-        ``record_stream``, until they finish.
+        ``record_stream``, until they finish. ``after`` (from :meth:`DeviceTier.mark_ready`)
+        is the end of a user's work on the block on some other stream: the allocator
+        then hands the memory out again only once that work is done too.
         """
         with self._lock:
-            if self._tensor is None:
-                return
-            self._tensor = None
+            tensor, self._tensor = self._tensor, None
+        if tensor is None:
+            return
+        if after is not None and self._side_stream is not None and tensor.is_cuda:
+            # The allocator reuses a block once every stream recorded on it has passed the
+            # point of the free; the side stream passes it only after ``after``.
+            stream = self._side_stream()
+            stream.wait_event(after)
+            tensor.record_stream(stream)
+        del tensor
         self._reservation.release()
 
     def __repr__(self) -> str:
@@ -207,7 +223,7 @@ class DeviceTier:
         except BaseException:
             reservation.release()
             raise
-        return DeviceBlock(tensor, reservation)
+        return DeviceBlock(tensor, reservation, self._side_stream if self.is_cuda else None)
 
     def mark_ready(self) -> torch.cuda.Event | None:
         """An event after everything queued so far on the calling thread's current stream

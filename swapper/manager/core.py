@@ -158,6 +158,11 @@ class TierManager:
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=config.mover_threads, thread_name_prefix="swapper-mover"
         )
+        # Futures handed to callers are resolved here, never on an AIO worker: a caller's
+        # done-callback may call the manager, and a read it issues needs those workers.
+        self._notifier = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="swapper-notify"
+        )
 
     def _load_entries(self) -> None:
         store = self._store
@@ -500,6 +505,7 @@ class TierManager:
             for entry in self._entries.values():
                 self._free_memory(entry)
             self._closed = True
+        self._notifier.shutdown(wait=True)  # every caller's future is resolved by now
         if self._store is not None:
             self._store.close()
         if self._engine is not None:
@@ -619,6 +625,10 @@ class TierManager:
             raise
         with self._cond:
             entry.block, entry.tier = block, tier
+            if tier is Tier.DEVICE:
+                # The copy was queued on the caller's stream: later copies out (on a mover
+                # thread's stream) must wait for it, or they could read stale bytes.
+                entry.ready = self._device.mark_ready()
             self._set_state(entry, _S.RESIDENT)
 
     def _write_new(self, entry: SwapEntry, tensor: torch.Tensor) -> None:
@@ -897,6 +907,9 @@ class TierManager:
             if pin:
                 entry.users += 1
                 self._set_state(entry, _S.IN_USE)
+                if entry.readahead is not None:  # a read-ahead that a fetch moved on
+                    entry.readahead.release()
+                    entry.readahead = None
             else:
                 if readahead is not None:
                     entry.readahead = readahead
@@ -970,9 +983,9 @@ class TierManager:
             named = None if error is None else _named(error, "writing", entry.key)
             self._end_write(entry, version, staging, window, named, keep)
             if named is None:
-                future.set_result(None)
+                self._notifier.submit(future.set_result, None)
             else:
-                future.set_exception(named)
+                self._notifier.submit(future.set_exception, named)
 
         store_future.add_done_callback(done)
 
@@ -1213,7 +1226,11 @@ class TierManager:
 
     def _free_memory(self, entry: SwapEntry) -> None:
         if entry.block is not None:
-            entry.block.release()
+            if entry.tier is Tier.DEVICE:
+                # A user's kernels may still read it on their own stream (CUDA).
+                entry.block.release(after=entry.ready)
+            else:
+                entry.block.release()
         if entry.readahead is not None:
             entry.readahead.release()
         entry.block, entry.tier, entry.readahead = None, None, None
