@@ -27,6 +27,7 @@ from collections.abc import Callable
 
 import torch
 
+from tiers.blocks import TierBlock
 from tiers.budget import ByteBudget, Reservation
 from tiers.errors import SwapConfigError
 from tiers.units import format_size
@@ -84,13 +85,15 @@ class DeviceCopy:
             self._event.synchronize()
 
 
-class DeviceBlock:
+class DeviceBlock(TierBlock):
     """``nbytes`` bytes of device memory held from a :class:`DeviceTier` until :meth:`release`.
 
     Attributes:
         nbytes: the size, in bytes.
         charged_nbytes: what the tier's budget counts for it (``nbytes``).
     """
+
+    _released_message = "device block was released"
 
     def __init__(
         self,
@@ -104,31 +107,6 @@ class DeviceBlock:
         self._lock = threading.Lock()
         self.nbytes = tensor.numel()
         self.charged_nbytes = reservation.nbytes
-
-    @property
-    def tensor(self) -> torch.Tensor:
-        """The block as ``torch.uint8`` on the tier's device, exactly ``nbytes`` long.
-
-        Raises:
-            RuntimeError: the block was released.
-        """
-        tensor = self._tensor
-        if tensor is None:
-            raise RuntimeError("device block was released")
-        return tensor
-
-    def view(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-        """The block's bytes as a ``dtype`` tensor of ``shape`` (shares the memory).
-
-        Raises:
-            RuntimeError: the block was released, or ``dtype``/``shape`` do not make
-                exactly ``nbytes`` bytes.
-        """
-        return self.tensor.view(dtype).view(shape)
-
-    @property
-    def released(self) -> bool:
-        return self._tensor is None
 
     def release(self, after: torch.cuda.Event | None = None) -> None:
         """Drop the memory (back to torch's caching allocator) and the budget's bytes.

@@ -46,6 +46,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tiers.blocks import TierBlock
 from tiers.budget import ByteBudget, Reservation
 from tiers.buffers import HostBuffer, HugeMode, allocate
 from tiers.config import DIRECT_ALIGNMENT
@@ -75,13 +76,15 @@ class _Arena:
     allocator: RangeAllocator
 
 
-class HostBlock:
+class HostBlock(TierBlock):
     """``nbytes`` bytes of host memory held from a :class:`HostTier` until :meth:`release`.
 
     Attributes:
         nbytes: the size asked for, in bytes.
         charged_nbytes: what the tier's budget counts for it (``nbytes`` padded to 4 KiB).
     """
+
+    _released_message = "host block was released; its memory may belong to another"
 
     def __init__(
         self,
@@ -100,30 +103,6 @@ class HostBlock:
         self._dedicated = dedicated
         self.nbytes = tensor.numel()
         self.charged_nbytes = reservation.nbytes
-
-    @property
-    def tensor(self) -> torch.Tensor:
-        """The block as ``torch.uint8``, exactly ``nbytes`` long, 4 KiB-aligned.
-
-        Raises:
-            RuntimeError: the block was released.
-        """
-        if self._tensor is None:
-            raise RuntimeError("host block was released; its memory may belong to another")
-        return self._tensor
-
-    def view(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-        """The block's bytes as a ``dtype`` tensor of ``shape`` (shares the memory).
-
-        Raises:
-            RuntimeError: the block was released, or ``dtype``/``shape`` do not make
-                exactly ``nbytes`` bytes.
-        """
-        return self.tensor.view(dtype).view(shape)
-
-    @property
-    def released(self) -> bool:
-        return self._tensor is None
 
     def release(self) -> None:
         """Give the memory back to the tier and the bytes to its budget. Idempotent.
