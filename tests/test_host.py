@@ -15,7 +15,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from tiers.budget import BudgetExceededError, BudgetTimeout
 from tiers.config import DIRECT_ALIGNMENT
 from tiers.errors import SwapConfigError
-from tiers.host import HostBlock, HostTier, padded_nbytes
+from tiers.extents import pad as padded_nbytes
+from tiers.host import HostBlock, HostTier
 
 KiB = 1024
 

@@ -53,19 +53,14 @@ from tiers.config import DIRECT_ALIGNMENT
 from tiers.errors import SwapConfigError
 
 # The store's first-fit allocator of 4 KiB-aligned ranges is exactly what an arena needs.
-from tiers.extents import RangeAllocator
+from tiers.extents import RangeAllocator, pad
 from tiers.units import format_size
 
-__all__ = ["HostBlock", "HostTier", "padded_nbytes"]
+__all__ = ["HostBlock", "HostTier"]
 
 #: Default arena size: large enough that a step's tensors fit in a few, small enough that
 #: making one (prefaulting it) takes milliseconds, not seconds.
 DEFAULT_ARENA_NBYTES = 64 << 20
-
-
-def padded_nbytes(nbytes: int) -> int:
-    """``nbytes`` rounded up to the 4 KiB O_DIRECT alignment: what a host block costs."""
-    return -(-nbytes // DIRECT_ALIGNMENT) * DIRECT_ALIGNMENT
 
 
 @dataclass(eq=False)
@@ -182,7 +177,7 @@ class HostTier:
 
     def charge(self, nbytes: int) -> int:
         """Bytes the budget counts for a block of ``nbytes`` bytes."""
-        return padded_nbytes(nbytes)
+        return pad(nbytes)  # what a host block costs: 4 KiB-aligned
 
     def try_alloc(self, nbytes: int, *, what: str) -> HostBlock | None:
         """A block of ``nbytes`` bytes if the budget has room now, else None at once.
