@@ -22,9 +22,9 @@ import argparse
 import contextlib
 import dataclasses
 import random
-import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +51,7 @@ from swapper.bench.disk import (
     Setting,
     Workspace,
     _engine_pass,
+    cpu_seconds,
     fill_random,
     split_nbytes,
 )
@@ -87,42 +88,25 @@ class TiersPlan:
 
 @dataclasses.dataclass(kw_only=True)
 class TiersMeasurement:
-    """The timed passes of one manager operation, with the raw disk figure beside it."""
+    """One manager operation's timed passes, with the raw disk's taken alongside."""
 
-    op: str  #: "evict" or "fetch"
-    nbytes: int
-    seconds: list[float]
-    disk: Measurement
-
-    @property
-    def gbps(self) -> float:
-        return statistics.median(self.nbytes / s / 1e9 for s in self.seconds)
+    manager: Measurement  #: op "evict" or "fetch", engine "manager"
+    disk: Measurement  #: op "write" or "read", the raw O_DIRECT passes
 
     @property
     def ratio(self) -> float:
-        return self.gbps / self.disk.gbps
+        return self.manager.gbps / self.disk.gbps
 
     def to_record(self, plan: TiersPlan) -> dict[str, Any]:
-        s = plan.setting
-        each = [self.nbytes / x / 1e9 for x in self.seconds]
+        """``disk``'s record schema for the manager side, plus the raw figure beside it."""
         return {
-            "op": self.op,
-            "backend": self.disk.backend,
-            "direct": self.disk.direct,
-            "block_size": s.block_size,
-            "queue_depth": s.queue_depth,
-            "threads": s.threads,
-            "nbytes": self.nbytes,
-            "seconds": list(self.seconds),
-            "gbps": self.gbps,
-            "gbps_min": min(each),
-            "gbps_max": max(each),
+            **self.manager.to_record(),
             "disk_gbps": self.disk.gbps,
             "disk_op": self.disk.op,
+            "disk_cpu_seconds_per_gb": self.disk.cpu_seconds_per_gb,
             "ratio": self.ratio,
             "tensors": len(plan.tensor_nbytes),
             "checksum": plan.checksum,
-            "dirs": [str(d) for d in plan.dirs],
         }
 
 
@@ -222,15 +206,18 @@ def _draw_sizes(total: int, low: int, high: int, rng: random.Random) -> list[int
 
 
 @dataclasses.dataclass
-class _Timings:
-    """Seconds of each timed pass, per operation."""
+class _Passes:
+    """Seconds and CPU seconds of the timed passes of one operation."""
 
-    evict: list[float] = dataclasses.field(default_factory=list)
-    fetch: list[float] = dataclasses.field(default_factory=list)
-    write: list[float] = dataclasses.field(default_factory=list)
-    read: list[float] = dataclasses.field(default_factory=list)
-    backend: str = ""  #: the raw passes' resolved backend
-    direct: bool = True  #: whether the raw passes really used O_DIRECT
+    seconds: list[float] = dataclasses.field(default_factory=list)
+    cpu_seconds: float = 0.0
+
+
+def _timed(run: Callable[[], float]) -> tuple[float, float]:
+    """(seconds the pass reports, CPU seconds of the process meanwhile)."""
+    cpu_start = cpu_seconds()
+    elapsed = run()
+    return elapsed, cpu_seconds() - cpu_start
 
 
 def _evict_all(manager: TierManager, keys: list[str]) -> float:
@@ -261,11 +248,13 @@ def _fetch_all(manager: TierManager, keys: list[str], hashes: dict[str, int] | N
     return seconds
 
 
-def _timed_passes(plan: TiersPlan, workspace: Workspace) -> _Timings:
+def _timed_passes(plan: TiersPlan, workspace: Workspace) -> tuple[dict[str, _Passes], str, bool]:
     """Warm-up and timed passes, raw disk and manager alternating in every pass.
 
     Per pass: raw write, manager evict, raw read, manager fetch, so that a change in the
-    shared disk's speed during the run hits both sides alike.
+    shared disk's speed during the run hits both sides alike. Returns the passes per
+    operation (write, evict, read, fetch), the raw passes' backend and whether they
+    really used O_DIRECT.
     """
     config = ManagerConfig(
         device_nbytes=0,
@@ -278,7 +267,7 @@ def _timed_passes(plan: TiersPlan, workspace: Workspace) -> _Timings:
     gen = torch.Generator().manual_seed(len(plan.tensor_nbytes))
     keys = [f"t{i:04d}" for i in range(len(plan.tensor_nbytes))]
     hashes: dict[str, int] = {}
-    times = _Timings()
+    passes = {op: _Passes() for op in ("write", "evict", "read", "fetch")}
     file_nbytes = split_nbytes(plan.total_nbytes, len(plan.dirs))
     with contextlib.ExitStack() as stack:
         raw = stack.enter_context(allocate(file_nbytes * len(plan.dirs)))
@@ -296,62 +285,61 @@ def _timed_passes(plan: TiersPlan, workspace: Workspace) -> _Timings:
             manager.register(key, t.view(torch.bfloat16), Kind.OPTIM_STATE)
             del t
         for i in range(plan.warmup + plan.loops):
-            write_s = _engine_pass(engine, "write", files, views)
-            evict_s = _evict_all(manager, keys)
-            read_s = _engine_pass(engine, "read", files, views)
-            # The first pass, timed or not, proves the bytes come back intact.
-            fetch_s = _fetch_all(manager, keys, hashes if i == 0 else None)
-            if i >= plan.warmup:
-                times.write.append(write_s)
-                times.evict.append(evict_s)
-                times.read.append(read_s)
-                times.fetch.append(fetch_s)
-        times.backend = engine.backend.value
-        times.direct = all(f.direct_fd is not None for f in files)
-    return times
+            runs = {
+                "write": lambda: _engine_pass(engine, "write", files, views),
+                "evict": lambda: _evict_all(manager, keys),
+                "read": lambda: _engine_pass(engine, "read", files, views),
+                # The first pass, timed or not, proves the bytes come back intact.
+                "fetch": lambda i=i: _fetch_all(manager, keys, hashes if i == 0 else None),
+            }
+            for op, run in runs.items():
+                elapsed, cpu = _timed(run)
+                if i >= plan.warmup:
+                    passes[op].seconds.append(elapsed)
+                    passes[op].cpu_seconds += cpu
+        backend = engine.backend.value
+        direct = all(f.direct_fd is not None for f in files)
+    return passes, backend, direct
 
 
 def run_tiers(plan: TiersPlan) -> list[TiersMeasurement]:
     """Measure the manager and the raw disk, alternating, in the same directories."""
     with Workspace(plan.dirs) as workspace:
-        times = _timed_passes(plan, workspace)
-    file_nbytes = split_nbytes(plan.total_nbytes, len(plan.dirs))
+        passes, backend, direct = _timed_passes(plan, workspace)
+    raw_nbytes = split_nbytes(plan.total_nbytes, len(plan.dirs)) * len(plan.dirs)
 
-    def raw(op: str, seconds: list[float]) -> Measurement:
+    def measurement(op: str, nbytes: int, engine: str) -> Measurement:
         return Measurement(
             op=op,
-            setting=plan.setting,
-            backend=times.backend,
-            direct=times.direct,
-            nbytes=file_nbytes * len(plan.dirs),
-            seconds=seconds,
-            cpu_seconds=0.0,
+            setting=dataclasses.replace(plan.setting, engine=engine),
+            backend=backend,
+            direct=direct,
+            nbytes=nbytes,
+            seconds=passes[op].seconds,
+            cpu_seconds=passes[op].cpu_seconds,
             cache="O_DIRECT",
             dirs=[str(d) for d in plan.dirs],
         )
 
     return [
         TiersMeasurement(
-            op="evict",
-            nbytes=plan.total_nbytes,
-            seconds=times.evict,
-            disk=raw("write", times.write),
-        ),
-        TiersMeasurement(
-            op="fetch", nbytes=plan.total_nbytes, seconds=times.fetch, disk=raw("read", times.read)
-        ),
+            manager=measurement(op, plan.total_nbytes, "manager"),
+            disk=measurement(raw_op, raw_nbytes, ENGINE_SWAPPER),
+        )
+        for op, raw_op in (("evict", "write"), ("fetch", "read"))
     ]
 
 
 def format_table(results: list[TiersMeasurement]) -> str:
-    rows = [("op", "GB/s", "min-max", "disk op", "disk GB/s", "ratio")]
+    rows = [("op", "GB/s", "min-max", "CPU s/GB", "disk op", "disk GB/s", "ratio")]
     for r in results:
-        each = [r.nbytes / s / 1e9 for s in r.seconds]
+        m = r.manager
         rows.append(
             (
-                r.op,
-                f"{r.gbps:.2f}",
-                f"{min(each):.2f}-{max(each):.2f}",
+                m.op,
+                f"{m.gbps:.2f}",
+                f"{m.gbps_min:.2f}-{m.gbps_max:.2f}",
+                f"{m.cpu_seconds_per_gb:.3f}",
                 r.disk.op,
                 f"{r.disk.gbps:.2f}",
                 f"{r.ratio:.2f}",
