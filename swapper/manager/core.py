@@ -420,14 +420,7 @@ class TierManager:
         with self._cond:
             self._check_open()
             entry = self._get(key)
-            while entry.state.transient or entry.prefetch is Prefetch.RUNNING:
-                self._wait(deadline, entry)
-            if entry.state is _S.GONE:
-                raise UnknownKeyError(f"no tensor registered under key={key!r}")
-            if entry.state is _S.IN_USE:
-                raise EntryInUseError(
-                    f"unregister of key={key!r}: it is in use ({entry.users} fetch(es))"
-                )
+            self._await_idle(entry, deadline, "unregister")
             self._free_memory(entry)
             store_key = _store_key(entry)
             # Under the lock: a new registration of the key must not lose its bytes to this.
@@ -1027,14 +1020,7 @@ class TierManager:
         # The future is resolved outside the lock: its callbacks may call the manager.
         try:
             with self._cond:
-                while entry.state.transient or entry.prefetch is Prefetch.RUNNING:
-                    self._wait(deadline, entry)
-                if entry.state is _S.GONE:
-                    raise UnknownKeyError(f"key={entry.key!r} was unregistered before its evict")
-                if entry.state is _S.IN_USE:
-                    raise EntryInUseError(
-                        f"evict of key={entry.key!r}: fetched again before its eviction started"
-                    )
+                self._await_idle(entry, deadline, "evict")
                 work = entry.tier is not None and entry.tier.rank < to.rank  # else: there
                 if work and entry.readahead is not None:
                     entry.readahead.release()
@@ -1214,6 +1200,24 @@ class TierManager:
                     f"{entry.tier.value}; release it first"
                 )
             return False, waited
+
+    def _await_idle(self, entry: SwapEntry, deadline: float, doing: str) -> None:
+        """Lock held: wait until no transfer of ``entry`` runs; it must be neither
+        unregistered nor in use by then.
+
+        Raises:
+            UnknownKeyError: it was unregistered meanwhile.
+            EntryInUseError: it is (or was fetched again and is) in use.
+            ManagerTimeout: a transfer did not end by ``deadline``.
+        """
+        while entry.state.transient or entry.prefetch is Prefetch.RUNNING:
+            self._wait(deadline, entry)
+        if entry.state is _S.GONE:
+            raise UnknownKeyError(f"{doing} of key={entry.key!r}: it is no longer registered")
+        if entry.state is _S.IN_USE:
+            raise EntryInUseError(
+                f"{doing} of key={entry.key!r}: it is in use ({entry.users} fetch(es) not released)"
+            )
 
     def _pin(self, entry: SwapEntry) -> torch.Tensor:
         entry.users += 1
