@@ -10,6 +10,14 @@ from swapper.manager import (
     Tier,
     TierManager,
 )
+from swapper.step import (
+    DynamicLossScaler,
+    OffloadAdamW,
+    StateDictError,
+    StepFailedError,
+    StepPendingError,
+    StepReport,
+)
 from tiers import (
     AioConfig,
     AioEngine,
@@ -27,11 +35,17 @@ __all__ = [
     "AioConfig",
     "AioEngine",
     "Backend",
+    "DynamicLossScaler",
     "EntryState",
     "Kind",
     "ManagerConfig",
     "ManagerStats",
+    "OffloadAdamW",
     "Policy",
+    "StateDictError",
+    "StepFailedError",
+    "StepPendingError",
+    "StepReport",
     "SwapConfigError",
     "SwapEOFError",
     "SwapEntry",

@@ -40,6 +40,9 @@ class Kind(str, enum.Enum):
     PARAM16 = "param16"  #: 16-bit parameters
     GRAD16 = "grad16"  #: 16-bit gradients, retained after backward
     OPTIM_STATE = "optim_state"  #: fp32 master weights and Adam moments
+    #: fp32 gradients; only the incumbent's way of stepping writes them (see
+    #: ``swapper-bench step --legacy-grad-swap``), ours builds them from grad16 in memory
+    GRAD32 = "grad32"
 
 
 class Policy(str, enum.Enum):
@@ -56,6 +59,7 @@ DEFAULT_PLACEMENT: Mapping[Kind, tuple[Tier, ...]] = MappingProxyType(
         Kind.PARAM16: (Tier.DEVICE, Tier.HOST, Tier.NVME),
         Kind.GRAD16: (Tier.DEVICE, Tier.HOST, Tier.NVME),
         Kind.OPTIM_STATE: (Tier.HOST, Tier.NVME),
+        Kind.GRAD32: (Tier.HOST, Tier.NVME),
     }
 )
 

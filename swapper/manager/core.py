@@ -634,7 +634,7 @@ class TierManager:
         deadline = time.monotonic() + self.config.timeout_s
         window = self._reserve_window(self._writebehind, entry, deadline)
         try:
-            with self._stats.transfer(Tier.HOST, Tier.NVME, entry.nbytes):
+            with self._stats.transfer(Tier.HOST, Tier.NVME, entry.nbytes, entry.kind):
                 self._store.write(_store_key(entry), source).result()
         except OSError as exc:
             raise _named(exc, "writing", entry.key) from exc
@@ -886,7 +886,7 @@ class TierManager:
             if source is None:
                 self._read_into(entry, block, target, deadline)
             else:
-                with self._stats.transfer(source, target, entry.nbytes):
+                with self._stats.transfer(source, target, entry.nbytes, entry.kind):
                     self._device.copy(block.tensor, entry.block.tensor, after=entry.ready).wait()
         except BaseException:
             with self._cond:
@@ -920,7 +920,7 @@ class TierManager:
         )
         try:
             self._read(entry, staging.tensor)
-            with self._stats.transfer(Tier.HOST, target, entry.nbytes):
+            with self._stats.transfer(Tier.HOST, target, entry.nbytes, entry.kind):
                 self._device.copy(block.tensor, staging.tensor).wait()
         finally:
             with self._cond:
@@ -928,7 +928,7 @@ class TierManager:
                 self._notify()
 
     def _read(self, entry: SwapEntry, out: torch.Tensor) -> None:
-        with self._stats.transfer(Tier.NVME, Tier.HOST, entry.nbytes):
+        with self._stats.transfer(Tier.NVME, Tier.HOST, entry.nbytes, entry.kind):
             try:
                 self._store.read(_store_key(entry), out).result()
             except OSError as exc:
@@ -952,7 +952,7 @@ class TierManager:
                     what=f"staging for key={entry.key!r}",
                     deadline=deadline,
                 )
-                with self._stats.transfer(Tier.DEVICE, Tier.HOST, entry.nbytes):
+                with self._stats.transfer(Tier.DEVICE, Tier.HOST, entry.nbytes, entry.kind):
                     self._device.copy(staging.tensor, entry.block.tensor, after=entry.ready).wait()
                 source = staging.view(entry.dtype, entry.shape)
             else:
@@ -972,7 +972,7 @@ class TierManager:
 
         def done(store_future: Future[int]) -> None:
             error = store_future.exception()
-            self._stats.end(Tier.HOST, Tier.NVME, None if error else entry.nbytes)
+            self._stats.end(Tier.HOST, Tier.NVME, None if error else entry.nbytes, entry.kind)
             named = None if error is None else _named(error, "writing", entry.key)
             self._end_write(entry, version, staging, window, named, keep)
             if named is None:

@@ -9,7 +9,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-from swapper.manager.config import Tier
+from swapper.manager.config import Kind, Tier
 from tiers.units import format_size
 
 __all__ = ["ManagerStats", "StatsRecorder", "TierStats", "TransferStats"]
@@ -62,6 +62,9 @@ class ManagerStats:
             evicting something needed sooner, or failed).
         prefetch_wasted: tensors read ahead and evicted again before any fetch.
         write_errors: writes to NVMe that failed.
+        kind_nbytes: (kind, source tier, destination tier) → bytes moved by transfers
+            that succeeded, split by what the tensors are (the same bytes as
+            ``transfers``).
     """
 
     transfers: Mapping[tuple[Tier, Tier], TransferStats]
@@ -73,6 +76,13 @@ class ManagerStats:
     prefetch_dropped: int
     prefetch_wasted: int
     write_errors: int
+    kind_nbytes: Mapping[tuple[Kind, Tier, Tier], int] = field(
+        default_factory=lambda: MappingProxyType({})
+    )
+
+    def moved_nbytes(self, kind: Kind, src: Tier, dst: Tier) -> int:
+        """Bytes of tensors of ``kind`` moved from ``src`` to ``dst`` (0 when none)."""
+        return self.kind_nbytes.get((kind, src, dst), 0)
 
     def moved(self, src: Tier, dst: Tier) -> TransferStats:
         """Transfers from ``src`` to ``dst`` (zeros when there were none)."""
@@ -112,6 +122,7 @@ class StatsRecorder:
 
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _meters: dict[tuple[Tier, Tier], _Meter] = field(default_factory=dict)
+    _kind_nbytes: dict[tuple[Kind, Tier, Tier], int] = field(default_factory=dict)
     stall_s: float = 0.0
     fetches: int = 0
     prefetch_hits: int = 0
@@ -128,8 +139,8 @@ class StatsRecorder:
                 meter.since = time.monotonic()
             meter.active += 1
 
-    def end(self, src: Tier, dst: Tier, nbytes: int | None) -> None:
-        """The transfer ended: moved ``nbytes`` bytes, or failed (None)."""
+    def end(self, src: Tier, dst: Tier, nbytes: int | None, kind: Kind | None = None) -> None:
+        """The transfer ended: moved ``nbytes`` bytes of ``kind``, or failed (None)."""
         with self._lock:
             meter = self._meters[(src, dst)]
             meter.active -= 1
@@ -138,9 +149,14 @@ class StatsRecorder:
             if nbytes is not None:
                 meter.nbytes += nbytes
                 meter.count += 1
+                if kind is not None:
+                    by_kind = (kind, src, dst)
+                    self._kind_nbytes[by_kind] = self._kind_nbytes.get(by_kind, 0) + nbytes
 
     @contextlib.contextmanager
-    def transfer(self, src: Tier, dst: Tier, nbytes: int) -> Iterator[None]:
+    def transfer(
+        self, src: Tier, dst: Tier, nbytes: int, kind: Kind | None = None
+    ) -> Iterator[None]:
         """Time a transfer done within the block; it counts only if the block succeeds."""
         self.begin(src, dst)
         ok = False
@@ -148,7 +164,7 @@ class StatsRecorder:
             yield
             ok = True
         finally:
-            self.end(src, dst, nbytes if ok else None)
+            self.end(src, dst, nbytes if ok else None, kind)
 
     def add(self, **counts: float) -> None:
         """Add to the named counters (``stall_s=0.2, prefetch_hits=1``)."""
@@ -175,4 +191,5 @@ class StatsRecorder:
                 prefetch_dropped=self.prefetch_dropped,
                 prefetch_wasted=self.prefetch_wasted,
                 write_errors=self.write_errors,
+                kind_nbytes=MappingProxyType(dict(self._kind_nbytes)),
             )

@@ -1,0 +1,30 @@
+"""The optimizer step pipeline: fp32 state streamed from the tiers, fp32 gradients built
+from the retained 16-bit ones (never written to disk), PyTorch's fused AdamW."""
+
+from swapper.step.layout import ALIGN_NUMEL, Piece, SubGroup, plan_sub_groups
+from swapper.step.optimizer import (
+    OffloadAdamW,
+    StateDictError,
+    StepPendingError,
+    StepReport,
+    SubGroupStates,
+)
+from swapper.step.pipeline import PipelineClosedError, StepFailedError, StepPipeline, StepTraffic
+from swapper.step.scaler import DynamicLossScaler
+
+__all__ = [
+    "ALIGN_NUMEL",
+    "DynamicLossScaler",
+    "OffloadAdamW",
+    "Piece",
+    "PipelineClosedError",
+    "StateDictError",
+    "StepFailedError",
+    "StepPendingError",
+    "StepPipeline",
+    "StepReport",
+    "StepTraffic",
+    "SubGroup",
+    "SubGroupStates",
+    "plan_sub_groups",
+]

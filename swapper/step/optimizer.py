@@ -1,0 +1,634 @@
+"""``OffloadAdamW``: AdamW over 16-bit parameters with fp32 state streamed from the tiers.
+
+The 16-bit parameters and their 16-bit gradients stay where they are (ordinary tensors);
+the fp32 master weights and both moments live in a :class:`~swapper.manager.TierManager`
+in sub-groups (see :mod:`swapper.step.layout`) and stream through memory during
+:meth:`OffloadAdamW.step` (see :mod:`swapper.step.pipeline`). The fp32 gradient of a
+sub-group is built from the retained 16-bit gradient into one reused fp32 buffer, right
+before the fused AdamW kernel needs it: fp32 gradients never go to disk.
+
+Memory besides the manager's budgets: one fp32 buffer of a sub-group's elements (4 B per
+element of ``sub_group_numel``) per device the state is computed on, one fp32 scratch of
+a sub-group's state (12 B per element) while the state is being set up, and, with
+``accumulate_fp32=True``, 4 B per parameter element of host memory for the fp32
+gradient accumulators.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
+
+import torch
+
+from swapper.manager import Kind, ManagerConfig, Tier, TierManager
+from swapper.step.layout import ALIGN_NUMEL, SIXTEEN_BIT, STATE_ROWS, SubGroup, plan_sub_groups
+from swapper.step.pipeline import StepPipeline, StepTraffic
+from swapper.step.scaler import DynamicLossScaler
+from tiers.errors import SwapConfigError, SwapError
+
+__all__ = ["OffloadAdamW", "StateDictError", "StepPendingError", "StepReport", "SubGroupStates"]
+
+#: Version of the layout written by :meth:`OffloadAdamW.state_dict`.
+STATE_FORMAT = 1
+
+
+class StepPendingError(SwapError, RuntimeError):
+    """A step failed part-way and must be finished (call ``step()`` again) first."""
+
+
+class StateDictError(SwapError, ValueError):
+    """A state dict does not fit this optimizer (other parameters, shapes or layout)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StepReport:
+    """What one call of :meth:`OffloadAdamW.step` did.
+
+    Attributes:
+        step: the optimizer's step count after it.
+        skipped: the step was skipped (inf/NaN gradients under a loss scaler).
+        grad_norm: global L2 norm of the unscaled gradients (None when neither clipping
+            nor a loss scaler asked for it).
+        seconds: wall time of the call.
+        stall_seconds: time spent waiting for state to arrive from NVMe.
+        traffic: bytes read from and written to NVMe, by kind.
+    """
+
+    step: int
+    skipped: bool
+    grad_norm: float | None
+    seconds: float
+    stall_seconds: float
+    traffic: StepTraffic
+
+
+class OffloadAdamW(torch.optim.Optimizer):
+    """AdamW (decoupled weight decay) over 16-bit parameters, state in the tiers.
+
+    Use it like ``torch.optim.AdamW``: ``loss.backward()``, ``optimizer.step()``,
+    ``optimizer.zero_grad()``. The update is PyTorch's fused AdamW kernel
+    (``torch._fused_adamw_``, the one ``torch.optim.AdamW(fused=True)`` runs), applied to
+    the fp32 master weights; the 16-bit parameters are then rounded from them. It runs
+    where the state was fetched to: on the accelerator when the manager's placement puts
+    ``optim_state`` there, else on the CPU.
+
+    A parameter whose ``.grad`` is None at a step is stepped with a zero gradient (its
+    moments decay, weight decay applies), as in ZeRO's flat partitions; ``torch.optim``
+    would skip it.
+
+    Args:
+        params: 16-bit (bf16 or fp16), contiguous tensors, or param groups (dicts), as for
+            any ``torch.optim`` optimizer; ``(name, tensor)`` pairs name them in errors.
+        lr, betas, eps, weight_decay: AdamW's hyper-parameters (per group; lr schedulers
+            work as usual).
+        tiers: the :class:`TierManager` to keep the state in (shared, not closed by
+            :meth:`close`), or a :class:`ManagerConfig` for one of its own.
+        sub_group_numel: elements per sub-group (rounded up to a multiple of 1024). Each
+            sub-group's state is 12 B per element; the host budget must hold at least one,
+            and holds the read-ahead and write-behind ones too.
+        host_fraction: fraction of the sub-groups (the first ones) kept in memory for
+            the optimizer's life instead of streamed.
+        max_grad_norm: clip the global L2 norm of the (unscaled) gradients to this.
+        loss_scaler: for fp16: the scaler whose scale the gradients carry; a step with
+            inf/NaN gradients is skipped and leaves all state and parameters untouched.
+        accumulate_fp32: accumulate gradients over micro-steps in fp32 accumulators in
+            host memory (4 B per parameter element) instead of in the 16-bit ``.grad``.
+        readahead: sub-groups read ahead (``None``: what the host budget allows).
+        name: prefix of this optimizer's keys in the manager.
+        legacy_grad_swap: for comparison only (``swapper-bench step``): write fp32
+            gradients to NVMe at the start of each step and read them back per sub-group,
+            the way DeepSpeed ZeRO-Infinity does. Same results, 4 B/param more each way.
+
+    Raises:
+        SwapConfigError: a hyper-parameter or setting is out of range (named), a parameter
+            is not a 16-bit contiguous tensor (named by group, index, name and shape) or
+            appears twice.
+        and what :class:`TierManager` raises while the state is set up (nothing is kept).
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        *,
+        tiers: TierManager | ManagerConfig,
+        sub_group_numel: int = 25_000_000,
+        host_fraction: float = 0.0,
+        max_grad_norm: float | None = None,
+        loss_scaler: DynamicLossScaler | None = None,
+        accumulate_fp32: bool = False,
+        readahead: int | None = None,
+        name: str = "adamw",
+        legacy_grad_swap: bool = False,
+    ) -> None:
+        _check_hyper(lr, betas, eps, weight_decay)
+        if max_grad_norm is not None and (
+            not isinstance(max_grad_norm, (int, float)) or not max_grad_norm > 0
+        ):
+            raise SwapConfigError(f"max_grad_norm={max_grad_norm!r} must be > 0 or None")
+        if loss_scaler is not None and not isinstance(loss_scaler, DynamicLossScaler):
+            raise SwapConfigError(f"loss_scaler={loss_scaler!r} must be a DynamicLossScaler")
+        defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
+        super().__init__(params, defaults)
+        self._check_params()
+        for group in self.param_groups:
+            _check_hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+            group.setdefault("step", 0)
+        plan = plan_sub_groups(
+            [[p.numel() for p in g["params"]] for g in self.param_groups], sub_group_numel
+        )
+        self.sub_group_numel = sub_group_numel
+        self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
+        self.loss_scaler = loss_scaler
+        self.legacy_grad_swap = bool(legacy_grad_swap)
+        self.last_step: StepReport | None = None
+        self._step_count = 0
+        self._pending: int | None = None  # a step that failed part-way
+        self._grad32: dict[torch.device, torch.Tensor] = {}
+        self._owns_manager = isinstance(tiers, ManagerConfig)
+        if not self._owns_manager and not isinstance(tiers, TierManager):
+            raise SwapConfigError(f"tiers={tiers!r} must be a TierManager or a ManagerConfig")
+        self.manager: TierManager = TierManager(tiers) if self._owns_manager else tiers
+        try:
+            self._pipeline = StepPipeline(
+                self.manager, plan, name=name, host_fraction=host_fraction, readahead=readahead
+            )
+            self._check_budget()
+            self._pipeline.initialize(self._initial_state)
+        except BaseException:
+            if self._owns_manager:
+                self.manager.close()
+            raise
+        self._accumulators: list[torch.Tensor] = []
+        self._hooks: list[Any] = []
+        if accumulate_fp32:
+            self._start_fp32_accumulation()
+
+    # -- the public surface --------------------------------------------------------------
+
+    @property
+    def sub_groups(self) -> tuple[SubGroup, ...]:
+        """The sub-groups the state is cut into."""
+        return self._pipeline.sub_groups
+
+    @property
+    def step_count(self) -> int:
+        """Steps taken (skipped ones not counted)."""
+        return self._step_count
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """One AdamW step over every sub-group (see :mod:`swapper.step.pipeline`).
+
+        Returns:
+            the closure's loss, if a closure was given.
+
+        Raises:
+            StepFailedError: an I/O error or timeout stopped the step part-way. The
+                sub-groups done are kept; call ``step()`` again (same gradients) to finish
+                the rest, which never applies the step twice to any sub-group.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        started = time.perf_counter()
+        before = self._pipeline.counters()
+        stall_before = self.manager.stats().stall_s
+        target = self._step_count + 1
+        grad_norm, found_inf = self._grad_norm()
+        skipped = found_inf and self.loss_scaler is not None and self._pending is None
+        if skipped:
+            self.loss_scaler.update(True)
+        else:
+            factor = self._grad_factor(grad_norm)
+            self._pending = target
+            self._run(target, factor)
+            self._pending = None
+            self._step_count = target
+            for group in self.param_groups:
+                group["step"] = target
+            if self.loss_scaler is not None:
+                self.loss_scaler.update(False)
+        self.last_step = StepReport(
+            step=self._step_count,
+            skipped=skipped,
+            grad_norm=grad_norm,
+            seconds=time.perf_counter() - started,
+            stall_seconds=self.manager.stats().stall_s - stall_before,
+            traffic=self._pipeline.traffic_since(before),
+        )
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the gradients (and the fp32 accumulators).
+
+        Raises:
+            StepPendingError: a step failed part-way; finish it with ``step()`` first (its
+                remaining sub-groups need these gradients).
+        """
+        if self._pending is not None:
+            raise StepPendingError(
+                f"step {self._pending} failed part-way; call step() again to finish it "
+                "before zero_grad() (the sub-groups left need these gradients)"
+            )
+        super().zero_grad(set_to_none=set_to_none)
+        for accumulator in self._accumulators:
+            accumulator.zero_()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The optimizer's state, streamed: ``"state"`` is a mapping from sub-group index
+        to ``{"master", "exp_avg", "exp_avg_sq"}`` (fp32, the sub-group's elements) whose
+        values are read from the tiers one at a time when looked up.
+
+        It reflects the optimizer at this call; reading it after a later ``step()``
+        raises :class:`StateDictError`. ``torch.save`` of it reads every sub-group (all in
+        memory at once); :meth:`~swapper.step.OffloadAdamW.load_state_dict` of it, into
+        another optimizer, streams.
+        """
+        groups = []
+        index = 0
+        for group in self.param_groups:
+            saved = {k: v for k, v in group.items() if k not in ("params", "param_names")}
+            saved["params"] = list(range(index, index + len(group["params"])))
+            index += len(group["params"])
+            groups.append(saved)
+        return {
+            "state": SubGroupStates(self),
+            "param_groups": groups,
+            "swapper": {
+                "format": STATE_FORMAT,
+                "step": self._step_count,
+                "sub_group_numel": self.sub_group_numel,
+                "numels": [[p.numel() for p in g["params"]] for g in self.param_groups],
+                "loss_scaler": None if self.loss_scaler is None else self.loss_scaler.state_dict(),
+            },
+        }
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Load what :meth:`state_dict` returned, one sub-group at a time; each is durable
+        before the next is read.
+
+        Raises:
+            StateDictError: it is not such a state dict, or it is of other parameters
+                (counts, element counts or sub-group size differ; the first difference is
+                named).
+        """
+        meta = _state_meta(state_dict)
+        numels = [[p.numel() for p in g["params"]] for g in self.param_groups]
+        _check_same_layout(meta, numels, self.sub_group_numel)
+        states = state_dict["state"]
+        for sg in self.sub_groups:
+            try:
+                entry = states[sg.index]
+            except KeyError:
+                raise StateDictError(f"state dict: sub-group {sg.index} is missing") from None
+            tensors = [_state_tensor(entry, row, sg) for row in STATE_ROWS]
+
+            def fill(state: torch.Tensor, tensors: list[torch.Tensor] = tensors) -> None:
+                state.zero_()
+                for row, tensor in enumerate(tensors):
+                    state[row, : tensor.numel()].copy_(tensor)
+
+            self._pipeline.write(sg.index, fill, meta["step"])
+            del entry, tensors
+        for group, saved in zip(self.param_groups, state_dict["param_groups"], strict=True):
+            for key, value in saved.items():
+                if key not in ("params", "param_names"):
+                    group[key] = value
+        self._step_count = meta["step"]
+        self._pending = None
+        if self.loss_scaler is not None and meta.get("loss_scaler") is not None:
+            self.loss_scaler.load_state_dict(meta["loss_scaler"])
+
+    def close(self) -> None:
+        """Forget the state (its NVMe copy is deleted), remove the hooks, and close the
+        manager if the optimizer made it. Idempotent."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+        self._pipeline.close()
+        if self._owns_manager:
+            self.manager.close()
+
+    def __enter__(self) -> OffloadAdamW:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- set-up ---------------------------------------------------------------------------
+
+    def _check_params(self) -> None:
+        seen: dict[int, str] = {}
+        for g_index, group in enumerate(self.param_groups):
+            names = group.get("param_names")
+            for p_index, param in enumerate(group["params"]):
+                label = f"parameter {p_index} of group {g_index}"
+                if names is not None:
+                    label += f" ({names[p_index]!r})"
+                label += f", shape {list(param.shape)}"
+                if param.dtype not in SIXTEEN_BIT:
+                    raise SwapConfigError(
+                        f"{label} is {param.dtype}: OffloadAdamW takes 16-bit parameters "
+                        "(torch.bfloat16 or torch.float16) and keeps the fp32 master copy "
+                        "itself; convert the model with .to(torch.bfloat16)"
+                    )
+                if not param.is_contiguous():
+                    raise SwapConfigError(f"{label} is not contiguous")
+                if id(param) in seen:
+                    raise SwapConfigError(f"{label} is also {seen[id(param)]}: pass it once")
+                seen[id(param)] = label
+
+    def _check_budget(self) -> None:
+        host = self.manager.config.host_nbytes
+        if host is None or not self.sub_groups:
+            return
+        largest = max(sg.state_nbytes for sg in self.sub_groups)
+        if host < largest:
+            raise SwapConfigError(
+                f"host_nbytes={host} cannot hold one sub-group's state ({largest} bytes = "
+                f"12 B x {largest // 12} elements): lower sub_group_numel (now "
+                f"{self.sub_group_numel}) or raise the host budget"
+            )
+
+    def _param(self, sg: SubGroup, param_index: int) -> torch.Tensor:
+        return self.param_groups[sg.group_index]["params"][param_index]
+
+    def _initial_state(self, sg: SubGroup, state: torch.Tensor) -> None:
+        master = state[0]
+        for piece in sg.pieces:
+            source = self._param(sg, piece.param_index).detach().view(-1)
+            end = piece.param_offset + piece.numel
+            master[piece.offset : piece.offset + piece.numel].copy_(
+                source[piece.param_offset : end]
+            )
+
+    def _start_fp32_accumulation(self) -> None:
+        for group in self.param_groups:
+            numel = sum(p.numel() for p in group["params"])
+            accumulator = torch.zeros(numel, dtype=torch.float32)
+            self._accumulators.append(accumulator)
+            offset = 0
+            for param in group["params"]:
+                target = accumulator[offset : offset + param.numel()]
+                offset += param.numel()
+
+                def add(param: torch.Tensor, target: torch.Tensor = target) -> None:
+                    # fp32 sum of the micro-steps' 16-bit gradients; the 16-bit one is freed
+                    target.add_(param.grad.reshape(-1))
+                    param.grad = None
+
+                self._hooks.append(param.register_post_accumulate_grad_hook(add))
+
+    # -- one step -------------------------------------------------------------------------
+
+    def _gradients(self) -> list[torch.Tensor]:
+        if self._accumulators:
+            return list(self._accumulators)
+        return [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+
+    def _grad_norm(self) -> tuple[float | None, bool]:
+        """(unscaled global L2 norm, found inf/NaN), when clipping or scaling needs it."""
+        if self.max_grad_norm is None and self.loss_scaler is None:
+            return None, False
+        grads = self._gradients()
+        if not grads:
+            return 0.0, False
+        norms = [torch.linalg.vector_norm(g, dtype=torch.float32).cpu() for g in grads]
+        total = float(torch.linalg.vector_norm(torch.stack(norms)))
+        if not math.isfinite(total):
+            return total, True
+        if self.loss_scaler is not None:
+            total /= self.loss_scaler.loss_scale
+        return total, False
+
+    def _grad_factor(self, grad_norm: float | None) -> float:
+        """What the fp32 gradients are multiplied by: 1/scale, times the clip coefficient."""
+        factor = 1.0
+        if self.loss_scaler is not None:
+            factor = 1.0 / self.loss_scaler.loss_scale
+        if self.max_grad_norm is not None and grad_norm is not None:
+            factor *= min(1.0, self.max_grad_norm / (grad_norm + 1e-6))
+        return factor
+
+    def _run(self, target: int, factor: float) -> None:
+        extra_keys = None
+        if self.legacy_grad_swap:
+            self._legacy_write_grads(target, factor)
+            extra_keys = self._legacy_keys
+        try:
+            self._pipeline.run(
+                target,
+                lambda sg, state, extras: self._update(sg, state, extras, target, factor),
+                self._publish,
+                extra_keys=extra_keys,
+            )
+        finally:
+            if self.legacy_grad_swap:
+                self._legacy_drop_grads()
+
+    def _grad_buffer(self, device: torch.device, numel: int) -> torch.Tensor:
+        buffer = self._grad32.get(device)
+        if buffer is None:
+            largest = max(sg.numel for sg in self.sub_groups)
+            buffer = self._grad32[device] = torch.empty(largest, device=device)
+        return buffer[:numel]
+
+    def _build_grad(self, sg: SubGroup, out: torch.Tensor, factor: float) -> None:
+        """The fp32 gradient of ``sg`` from the retained 16-bit gradients, into ``out``."""
+        if self._accumulators:
+            accumulator = self._accumulators[sg.group_index]
+            out.copy_(accumulator[sg.flat_offset : sg.flat_offset + sg.numel])
+        else:
+            for piece in sg.pieces:
+                window = out[piece.offset : piece.offset + piece.numel]
+                grad = self._param(sg, piece.param_index).grad
+                if grad is None:
+                    window.zero_()
+                    continue
+                end = piece.param_offset + piece.numel
+                window.copy_(grad.reshape(-1)[piece.param_offset : end])
+        if factor != 1.0:
+            out.mul_(factor)
+
+    def _update(
+        self,
+        sg: SubGroup,
+        state: torch.Tensor,
+        extras: list[torch.Tensor],
+        step: int,
+        factor: float,
+    ) -> None:
+        group = self.param_groups[sg.group_index]
+        n = sg.numel
+        if extras:  # legacy: the fp32 gradient came back from disk
+            grad = extras[0][:n]
+        else:
+            grad = self._grad_buffer(state.device, n)
+            self._build_grad(sg, grad, factor)
+        beta1, beta2 = group["betas"]
+        torch._fused_adamw_(
+            [state[0, :n]],
+            [grad],
+            [state[1, :n]],
+            [state[2, :n]],
+            [],
+            [torch.tensor(float(step), device=state.device)],
+            lr=float(group["lr"]),
+            beta1=float(beta1),
+            beta2=float(beta2),
+            weight_decay=float(group["weight_decay"]),
+            eps=float(group["eps"]),
+            amsgrad=False,
+            maximize=False,
+        )
+
+    def _publish(self, sg: SubGroup, state: torch.Tensor) -> None:
+        """Round the new master weights into the 16-bit parameters."""
+        master = state[0]
+        for piece in sg.pieces:
+            target = self._param(sg, piece.param_index).detach().view(-1)
+            end = piece.param_offset + piece.numel
+            target[piece.param_offset : end].copy_(
+                master[piece.offset : piece.offset + piece.numel]
+            )
+
+    # -- the incumbent's way, for comparison ------------------------------------------------
+
+    def _legacy_key(self, sg: SubGroup) -> str:
+        return f"{self._pipeline.name}/grad32/{sg.index}"
+
+    def _legacy_keys(self, sg: SubGroup) -> list[str]:
+        return [self._legacy_key(sg)]
+
+    def _legacy_write_grads(self, target: int, factor: float) -> None:
+        """Write every sub-group's fp32 gradient to NVMe and wait (DeepSpeed does this at
+        the gradient-accumulation boundary, then reads them back in its step)."""
+        if not self.manager.config.nvme_dirs:
+            raise SwapConfigError("legacy_grad_swap needs an NVMe tier (nvme_dirs)")
+        largest = max(sg.padded_numel for sg in self.sub_groups)
+        scratch = torch.zeros(largest)
+        writes = []
+        for sg in self.sub_groups:
+            if self._pipeline.applied[sg.index] >= target:
+                continue  # a repeated step: this one is done
+            grad = scratch[: sg.padded_numel]
+            self._build_grad(sg, grad[: sg.numel], factor)
+            key = self._legacy_key(sg)
+            self.manager.register(key, grad, Kind.GRAD32)
+            writes.append(self.manager.evict(key, Tier.NVME))
+        for write in writes:
+            write.result()
+
+    def _legacy_drop_grads(self) -> None:
+        keys = set(self.manager.keys())
+        for sg in self.sub_groups:
+            key = self._legacy_key(sg)
+            if key in keys:
+                self.manager.unregister(key)
+
+
+class SubGroupStates(Mapping[int, dict[str, torch.Tensor]]):
+    """The ``"state"`` of :meth:`OffloadAdamW.state_dict`: sub-group index → its state,
+    read from the tiers on each lookup (a copy; the caller may keep or drop it)."""
+
+    def __init__(self, optimizer: OffloadAdamW) -> None:
+        self._optimizer = optimizer
+        self._step = optimizer.step_count
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        optimizer = self._optimizer
+        if optimizer.step_count != self._step or optimizer._pending is not None:
+            raise StateDictError(
+                f"this state dict was taken at step {self._step}; the optimizer has moved "
+                f"on (step {optimizer.step_count}): take a new one"
+            )
+        if not isinstance(index, int) or not 0 <= index < len(optimizer.sub_groups):
+            raise KeyError(index)
+        sg = optimizer.sub_groups[index]
+        state = optimizer._pipeline.read(index)
+        return {row: state[i, : sg.numel] for i, row in enumerate(STATE_ROWS)}
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(len(self._optimizer.sub_groups)))
+
+    def __len__(self) -> int:
+        return len(self._optimizer.sub_groups)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # torch.save / pickle: a plain dict, every sub-group read (all in memory at once)
+        return (dict, (dict(self.items()),))
+
+
+def _check_hyper(lr: Any, betas: Any, eps: Any, weight_decay: Any) -> None:
+    def number(value: Any) -> bool:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+    if not number(lr) or not lr >= 0:
+        raise SwapConfigError(f"lr={lr!r} must be a number >= 0")
+    if (
+        not isinstance(betas, (tuple, list))
+        or len(betas) != 2
+        or not all(number(b) and 0.0 <= b < 1.0 for b in betas)
+    ):
+        raise SwapConfigError(f"betas={betas!r} must be two numbers in [0, 1)")
+    if not number(eps) or not eps >= 0:
+        raise SwapConfigError(f"eps={eps!r} must be a number >= 0")
+    if not number(weight_decay) or not weight_decay >= 0:
+        raise SwapConfigError(f"weight_decay={weight_decay!r} must be a number >= 0")
+
+
+def _state_meta(state_dict: Mapping[str, Any]) -> dict[str, Any]:
+    if not isinstance(state_dict, Mapping) or not {"state", "param_groups"} <= set(state_dict):
+        raise StateDictError("not an optimizer state dict (needs 'state' and 'param_groups')")
+    meta = state_dict.get("swapper")
+    if not isinstance(meta, Mapping) or meta.get("format") != STATE_FORMAT:
+        raise StateDictError(
+            "not an OffloadAdamW state dict (no 'swapper' section of format "
+            f"{STATE_FORMAT}); a torch.optim state dict keeps state per parameter, this one "
+            "per sub-group"
+        )
+    return dict(meta)
+
+
+def _check_same_layout(meta: Mapping[str, Any], numels: list[list[int]], sub: int) -> None:
+    theirs = meta.get("numels")
+    if not isinstance(theirs, list) or len(theirs) != len(numels):
+        count = len(theirs) if isinstance(theirs, list) else "?"
+        raise StateDictError(f"state dict has {count} param group(s), this optimizer {len(numels)}")
+    for g, (a, b) in enumerate(zip(theirs, numels, strict=True)):
+        if len(a) != len(b):
+            raise StateDictError(
+                f"state dict: group {g} has {len(a)} parameter(s), this optimizer {len(b)}"
+            )
+        for p, (x, y) in enumerate(zip(a, b, strict=True)):
+            if x != y:
+                raise StateDictError(
+                    f"state dict: parameter {p} of group {g} has {x} elements there, {y} "
+                    "here: the state is of another model"
+                )
+    if -(-meta.get("sub_group_numel", 0) // ALIGN_NUMEL) != -(-sub // ALIGN_NUMEL):
+        raise StateDictError(
+            f"state dict was cut into sub-groups of {meta.get('sub_group_numel')} elements, "
+            f"this optimizer into {sub}: create it with the same sub_group_numel"
+        )
+
+
+def _state_tensor(entry: Any, row: str, sg: SubGroup) -> torch.Tensor:
+    tensor = entry.get(row) if isinstance(entry, Mapping) else None
+    if not isinstance(tensor, torch.Tensor):
+        raise StateDictError(f"state dict: sub-group {sg.index} has no tensor {row!r}")
+    if tensor.numel() != sg.numel or tensor.dtype != torch.float32:
+        raise StateDictError(
+            f"state dict: sub-group {sg.index} {row!r} is {tensor.dtype} with "
+            f"{tensor.numel()} elements; expected torch.float32 with {sg.numel}"
+        )
+    return tensor.reshape(-1)

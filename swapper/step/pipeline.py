@@ -1,0 +1,370 @@
+"""The step pipeline: optimizer state streamed through memory, one sub-group at a time.
+
+Each sub-group's state (fp32 master weights, ``exp_avg``, ``exp_avg_sq``; see
+:mod:`swapper.step.layout`) is one tensor in the :class:`~swapper.manager.TierManager`,
+of kind ``optim_state``. A step walks the sub-groups in order; while sub-group k computes,
+the read-ahead of k+1 (up to ``readahead`` sub-groups) is in flight and k-1 is being
+written behind. What bounds the sub-groups in flight is the manager's host budget: a
+read-ahead takes room only when the budget has it, and a fetch waits for a write to end.
+
+States of one sub-group during step t (``applied`` and ``durable`` are the step numbers
+its state reflects in memory and on NVMe)::
+
+                 prefetch (k-1 computing)            fetch (k's turn)
+    ON_NVME ─────────────────────────────> READING ───────────────────> FETCHED
+       ^                                                                   │ compute: fp32 grad
+       │                                                                   │ from grad16, AdamW
+       │ write durable                                                     v
+    WRITING <─────────────── release(modified), evict ─────────────── APPLIED (applied=t)
+       │                      (k+1 computes meanwhile)                  publish: 16-bit
+       │ write failed                                                   params from master
+       v
+    DIRTY (applied=t, durable<t; memory holds it) ──── next step(): evict again, no compute
+
+Sub-groups kept in host memory (``host_fraction``) stay FETCHED for the optimizer's life:
+they compute in place and are never written during a step (they are as durable as
+memory; :meth:`StepPipeline.close` leaves them on NVMe through the manager).
+
+A step succeeds only when every streamed sub-group it touched is durable. When it fails
+part-way (an I/O error, a timeout), the sub-groups done stay done: the next run of the
+same step skips their compute (it never applies a step twice), rewrites those not yet
+durable, and computes the rest.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import logging
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+
+from swapper.manager import Kind, Tier, TierManager
+from swapper.step.layout import SubGroup
+from tiers.errors import SwapConfigError, SwapError
+
+__all__ = ["PipelineClosedError", "StepFailedError", "StepPipeline", "StepTraffic"]
+
+log = logging.getLogger(__name__)
+
+#: compute(sub_group, state, extra) → None; runs on the caller's thread with the state
+#: fetched (``extra``: the tensors of the extra keys, fetched too).
+Compute = Callable[[SubGroup, torch.Tensor, list[torch.Tensor]], None]
+
+
+class StepFailedError(SwapError, RuntimeError):
+    """A step could not finish; what was done is kept (see :attr:`undone`).
+
+    Attributes:
+        step: the step number that failed.
+        undone: indices of sub-groups not yet durable at this step.
+    """
+
+    def __init__(self, message: str, *, step: int, undone: Sequence[int]) -> None:
+        super().__init__(message)
+        self.step = step
+        self.undone = tuple(undone)
+
+
+class PipelineClosedError(SwapError, RuntimeError):
+    """The optimizer (and its state) is closed."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTraffic:
+    """Bytes that crossed the disk during one step, by kind.
+
+    Attributes:
+        read_nbytes: kind → bytes read from NVMe.
+        written_nbytes: kind → bytes written to NVMe.
+    """
+
+    read_nbytes: dict[Kind, int]
+    written_nbytes: dict[Kind, int]
+
+    @property
+    def total_read_nbytes(self) -> int:
+        """All bytes read, every kind."""
+        return sum(self.read_nbytes.values())
+
+    @property
+    def total_written_nbytes(self) -> int:
+        """All bytes written, every kind."""
+        return sum(self.written_nbytes.values())
+
+
+class StepPipeline:
+    """Streams the state of ``sub_groups`` through ``manager`` and runs a step over it.
+
+    Args:
+        manager: where the state lives; it is not closed by :meth:`close`.
+        sub_groups: the plan (see :func:`~swapper.step.layout.plan_sub_groups`).
+        name: prefix of the manager keys, ``<name>/state/<index>``; unique per manager.
+        host_fraction: the first ``round(host_fraction * len(sub_groups))`` sub-groups are
+            kept in memory (fetched once, never written during a step).
+        readahead: how many sub-groups to read ahead (``None``: as many as the host
+            budget holds besides the one computing and the one being written, at least 1).
+
+    Raises:
+        SwapConfigError: ``host_fraction`` is not in [0, 1] or ``readahead`` < 0.
+    """
+
+    def __init__(
+        self,
+        manager: TierManager,
+        sub_groups: Sequence[SubGroup],
+        *,
+        name: str,
+        host_fraction: float = 0.0,
+        readahead: int | None = None,
+    ) -> None:
+        if not isinstance(host_fraction, (int, float)) or not 0.0 <= host_fraction <= 1.0:
+            raise SwapConfigError(f"host_fraction={host_fraction!r} must be between 0 and 1")
+        if readahead is not None and (not isinstance(readahead, int) or readahead < 0):
+            raise SwapConfigError(f"readahead={readahead!r} must be an int >= 0 or None")
+        self.manager = manager
+        self.sub_groups = tuple(sub_groups)
+        self.name = name
+        self.kept = round(host_fraction * len(self.sub_groups))
+        self.readahead = self._default_readahead() if readahead is None else readahead
+        self.streams = manager.config.nvme_dirs != ()
+        count = len(self.sub_groups)
+        self.applied = [0] * count  # step reflected by the state in memory or on NVMe
+        self.durable = [0] * count  # step reflected by the NVMe copy (or memory, if kept)
+        self._held: dict[int, torch.Tensor] = {}
+        self._registered = 0
+        self._closed = False
+
+    # -- set-up ---------------------------------------------------------------------------
+
+    def key(self, index: int) -> str:
+        """The manager key of sub-group ``index``'s state."""
+        return f"{self.name}/state/{index}"
+
+    def initialize(self, fill: Callable[[SubGroup, torch.Tensor], None]) -> None:
+        """Register every sub-group's state; ``fill(sub_group, buffer)`` writes it into a
+        zeroed fp32 buffer of the state's shape (reused: one sub-group in memory at a time
+        besides what the manager keeps).
+
+        Raises:
+            what :meth:`TierManager.register` raises; the sub-groups registered so far are
+            unregistered again.
+        """
+        try:
+            largest = max((sg.padded_numel for sg in self.sub_groups), default=0)
+            scratch = torch.empty((3, largest), dtype=torch.float32)
+            for sg in self.sub_groups:
+                buffer = scratch[:, : sg.padded_numel]
+                buffer.zero_()
+                fill(sg, buffer)
+                self.manager.register(self.key(sg.index), buffer, Kind.OPTIM_STATE)
+                self._registered += 1
+            del scratch
+            for sg in self.sub_groups[: self.kept]:
+                self._held[sg.index] = self.manager.fetch(self.key(sg.index))
+        except BaseException:
+            self._unregister()
+            raise
+
+    def _default_readahead(self) -> int:
+        host = self.manager.config.host_nbytes
+        streamed = self.sub_groups[self.kept :]
+        if not streamed:
+            return 0
+        if host is None:
+            return 2
+        kept = sum(sg.state_nbytes for sg in self.sub_groups[: self.kept])
+        largest = max(sg.state_nbytes for sg in streamed)
+        # one computing and one being written behind; the rest of the budget reads ahead
+        return max(1, (host - kept) // largest - 2)
+
+    # -- one step -------------------------------------------------------------------------
+
+    def run(
+        self,
+        step: int,
+        compute: Compute,
+        publish: Callable[[SubGroup, torch.Tensor], None],
+        *,
+        extra_keys: Callable[[SubGroup], list[str]] | None = None,
+        timeout_s: float | None = None,
+    ) -> None:
+        """Bring every sub-group to step ``step``.
+
+        For each sub-group not yet at ``step``: fetch its state (read ahead), ``compute``
+        on it (which updates the state in place), ``publish`` the result (the 16-bit
+        params), then write the state behind. Sub-groups already at ``step`` (a repeated
+        call after a failure) are only written again if their write failed.
+
+        Raises:
+            StepFailedError: some sub-groups could not be read or written (the cause is
+                chained); what was done is kept, and calling again with the same ``step``
+                finishes the rest.
+        """
+        self._check_open()
+        extra = extra_keys or (lambda sg: [])
+        todo = [sg for sg in self.sub_groups if self.durable[sg.index] < step]
+        compute_todo = [sg for sg in todo if self.applied[sg.index] < step]
+        position = {sg.index: i for i, sg in enumerate(compute_todo)}
+        writes: dict[int, concurrent.futures.Future[None]] = {}
+        first_error: BaseException | None = None
+        try:
+            for sg in todo:
+                index = sg.index
+                if self.applied[index] < step:
+                    self._read_ahead(compute_todo, position[index] + 1, extra)
+                    self._compute_one(sg, compute, publish, extra(sg), step, timeout_s)
+                if index in self._held or not self.streams:
+                    self.durable[index] = step
+                else:
+                    writes[index] = self.manager.evict(self.key(index), Tier.NVME)
+        except Exception as exc:  # reported below, once the writes have ended
+            first_error = exc
+        finally:
+            failed = self._wait_writes(writes, step)
+        if first_error is None and not failed:
+            return
+        undone = [sg.index for sg in self.sub_groups if self.durable[sg.index] < step]
+        cause = first_error or next(iter(failed.values()))
+        what = (
+            f"step {step} did not finish: {len(undone)} of {len(self.sub_groups)} "
+            f"sub-group(s) not durable at step {step} (first: {undone[:8]}); "
+            f"{len(self.sub_groups) - len(undone)} done and kept. Call step() again with "
+            f"the same gradients to finish it. Cause: {cause}"
+        )
+        raise StepFailedError(what, step=step, undone=undone) from cause
+
+    def _read_ahead(
+        self, order: list[SubGroup], start: int, extra: Callable[[SubGroup], list[str]]
+    ) -> None:
+        keys: list[str] = []
+        for sg in order[start : start + self.readahead]:
+            if sg.index not in self._held:
+                keys.append(self.key(sg.index))
+            keys.extend(extra(sg))
+        if keys:
+            self.manager.prefetch(keys)
+
+    def _compute_one(
+        self,
+        sg: SubGroup,
+        compute: Compute,
+        publish: Callable[[SubGroup, torch.Tensor], None],
+        extra_keys: list[str],
+        step: int,
+        timeout_s: float | None,
+    ) -> None:
+        index = sg.index
+        held = self._held.get(index)
+        fetched: list[str] = []
+        try:
+            if held is None:
+                state = self.manager.fetch(self.key(index), timeout_s=timeout_s)
+                fetched.append(self.key(index))
+            else:
+                state = held
+            extras = []
+            for key in extra_keys:
+                extras.append(self.manager.fetch(key, timeout_s=timeout_s))
+                fetched.append(key)
+            compute(sg, state, extras)
+            # From here the state holds step `step`: it must never be computed again.
+            self.applied[index] = step
+            publish(sg, state)
+        finally:
+            for key in fetched:
+                self.manager.release(key, modified=key == self.key(index))
+
+    def _wait_writes(
+        self, writes: dict[int, concurrent.futures.Future[None]], step: int
+    ) -> dict[int, BaseException]:
+        failed: dict[int, BaseException] = {}
+        for index, future in writes.items():
+            try:
+                future.result()
+            except Exception as exc:  # collected; run() raises
+                log.warning("sub-group %d: write-behind at step %d failed: %s", index, step, exc)
+                failed[index] = exc
+            else:
+                self.durable[index] = step
+        return failed
+
+    # -- reading and writing whole sub-groups (state_dict, load_state_dict) ----------------
+
+    def read(self, index: int) -> torch.Tensor:
+        """A copy of sub-group ``index``'s state tensor (padding included)."""
+        self._check_open()
+        held = self._held.get(index)
+        if held is not None:
+            return held.clone()
+        key = self.key(index)
+        state = self.manager.fetch(key)
+        try:
+            return state.clone()
+        finally:
+            self.manager.release(key, modified=False)
+
+    def write(self, index: int, fill: Callable[[torch.Tensor], None], step: int) -> None:
+        """Overwrite sub-group ``index``'s state in place with ``fill(state)``, mark it at
+        ``step``, and make it durable before returning."""
+        self._check_open()
+        held = self._held.get(index)
+        if held is not None:
+            fill(held)
+        else:
+            key = self.key(index)
+            state = self.manager.fetch(key)
+            try:
+                fill(state)
+            finally:
+                self.manager.release(key, modified=True)
+            if self.streams:
+                self.manager.evict(key, Tier.NVME).result()
+        self.applied[index] = self.durable[index] = step
+
+    def iter_states(self) -> Iterator[tuple[SubGroup, torch.Tensor]]:
+        """Each sub-group with a copy of its state, one at a time."""
+        for sg in self.sub_groups:
+            yield sg, self.read(sg.index)
+
+    # -- end ------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Release the kept sub-groups and forget every sub-group's state. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._unregister()
+
+    def _unregister(self) -> None:
+        for index in list(self._held):
+            self.manager.release(self.key(index), modified=True)
+            del self._held[index]
+        for sg in self.sub_groups[: self._registered]:
+            self.manager.unregister(self.key(sg.index))
+        self._registered = 0
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise PipelineClosedError(f"the optimizer state {self.name!r} is closed")
+
+    def traffic_since(self, before: dict[tuple[Kind, Tier, Tier], int]) -> StepTraffic:
+        """Bytes moved between NVMe and memory since ``before`` (a
+        :meth:`counters` snapshot), by kind."""
+        now = self.counters()
+        read: dict[Kind, int] = {}
+        written: dict[Kind, int] = {}
+        for (kind, src, dst), nbytes in now.items():
+            delta = nbytes - before.get((kind, src, dst), 0)
+            if not delta:
+                continue
+            if src is Tier.NVME:
+                read[kind] = read.get(kind, 0) + delta
+            elif dst is Tier.NVME:
+                written[kind] = written.get(kind, 0) + delta
+        return StepTraffic(read, written)
+
+    def counters(self) -> dict[tuple[Kind, Tier, Tier], int]:
+        """The manager's bytes moved by (kind, source, destination), now."""
+        return dict(self.manager.stats().kind_nbytes)
