@@ -237,6 +237,18 @@ def _run_tiers(args: argparse.Namespace) -> int:
     return run_tiers_command(args)
 
 
+def _add_step(p: argparse.ArgumentParser) -> None:
+    from swapper.bench.step_command import add_step_arguments
+
+    add_step_arguments(p)
+
+
+def _run_step(args: argparse.Namespace) -> int:
+    from swapper.bench.step_command import run_step_command
+
+    return run_step_command(args)
+
+
 COMMANDS: dict[str, Command] = {
     "disk": Command(
         help="write and read throughput of swap files (the default command)",
@@ -247,6 +259,12 @@ COMMANDS: dict[str, Command] = {
         help="evict and fetch tensors through the tier manager, beside the raw disk figure",
         add_arguments=_add_tiers,
         run=_run_tiers,
+    ),
+    "step": Command(
+        help="time optimizer steps over NVMe-resident state: I/O only, compute only, the "
+        "pipeline, and (--legacy-grad-swap) fp32 gradients through the disk",
+        add_arguments=_add_step,
+        run=_run_step,
     ),
 }
 DEFAULT_COMMAND = "disk"

@@ -1,0 +1,384 @@
+"""``swapper-bench step``: time optimizer steps over NVMe-resident state.
+
+One run builds, over the same 16-bit parameters and gradients (``--params`` elements in
+tensors of at most 10M, bf16), and in the same directories:
+
+- **io-only**: the step pipeline with nothing computed: every sub-group's state read
+  (with read-ahead) and written back (write-behind), as a step moves it;
+- **compute-only**: :class:`~swapper.step.OffloadAdamW` with all state in memory (no NVMe
+  tier): building fp32 gradients, the fused AdamW kernel, rounding the 16-bit params;
+- **step**: :class:`~swapper.step.OffloadAdamW` with its state on NVMe: both at once;
+- **legacy** (``--legacy-grad-swap``): the same, but fp32 gradients are written to NVMe
+  at the start of the step and read back per sub-group, as DeepSpeed ZeRO-Infinity does.
+
+and runs them in turns, one step of each per round (the order rotating every round), so
+that the shared disk's changes of speed hit all alike. The figures are medians over the
+timed rounds; the pipeline's figure of merit is ``step / max(io-only, compute-only)``
+(1.0: I/O and compute fully overlapped) and, with ``--legacy-grad-swap``,
+``legacy / step``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import swapper
+from swapper.bench import report
+from swapper.bench.cli import (
+    UsageError,
+    check_dirs,
+    check_free_space,
+    check_memory,
+    check_output_path,
+)
+from swapper.bench.disk import Workspace
+from swapper.manager import ManagerConfig
+from swapper.step import OffloadAdamW, StepPipeline
+from swapper.step.layout import plan_sub_groups
+from tiers.config import AioConfig
+from tiers.units import format_size
+
+DEFAULT_PARAMS = 200_000_000
+DEFAULT_SUB_GROUP = 25_000_000
+DEFAULT_STEPS = 3
+DEFAULT_WARMUP = 1
+#: Parameters are tensors of at most this many elements (like a model's layers), so that
+#: sub-groups cut through some of them.
+TENSOR_NUMEL = 10_000_000
+STATE_BYTES_PER_PARAM = 12
+PASSES = ("io-only", "compute-only", "step", "legacy")
+
+__all__ = ["add_step_arguments", "build_plan", "run_step_command", "summarize"]
+
+
+def _count(text: str) -> int:
+    """A count with an optional decimal suffix: 200M, 25M, 1.5G, 4096."""
+    text = text.strip()
+    scale = {"K": 10**3, "M": 10**6, "G": 10**9}.get(text[-1:].upper(), 1)
+    number = text[:-1] if scale != 1 else text
+    try:
+        value = float(number) * scale
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a count (e.g. 200M)") from None
+    if value != int(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a whole number > 0")
+    return int(value)
+
+
+def add_step_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of ``step`` (besides the shared --dir and --json; --size is unused)."""
+    p.add_argument("--params", type=_count, metavar="N", help="parameters (default 200M)")
+    p.add_argument(
+        "--sub-group", type=_count, metavar="N", help="elements per sub-group (default 25M)"
+    )
+    p.add_argument("--steps", type=int, metavar="N", help=f"timed rounds (default {DEFAULT_STEPS})")
+    p.add_argument("--warmup", type=int, metavar="N", help=f"default {DEFAULT_WARMUP}")
+    p.add_argument(
+        "--host-budget",
+        type=_size_arg,
+        metavar="SIZE",
+        help="host (pinned) budget of each NVMe-backed optimizer; bounds the sub-groups in "
+        "flight (default: 4 sub-groups' state)",
+    )
+    p.add_argument(
+        "--legacy-grad-swap",
+        action="store_true",
+        help="also time steps that write fp32 gradients to NVMe and read them back "
+        "(DeepSpeed ZeRO-Infinity's way)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="parameters and gradients (default 0)")
+
+
+def _size_arg(text: str) -> int:
+    from swapper.bench.cli import _size
+
+    return _size(text)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StepPlan:
+    """Everything one ``step`` run does, checked before any file is made."""
+
+    dirs: list[Path]
+    params: int
+    sub_group: int
+    steps: int
+    warmup: int
+    host_nbytes: int
+    legacy: bool
+    seed: int
+
+    @property
+    def state_nbytes(self) -> int:
+        return sum(sg.state_nbytes for sg in self.sub_groups())
+
+    def sub_groups(self) -> list[Any]:
+        return plan_sub_groups([_tensor_numels(self.params)], self.sub_group)
+
+    @property
+    def passes(self) -> tuple[str, ...]:
+        return PASSES if self.legacy else PASSES[:3]
+
+
+def _tensor_numels(params: int) -> list[int]:
+    full, rest = divmod(params, TENSOR_NUMEL)
+    return [TENSOR_NUMEL] * full + ([rest] if rest else [])
+
+
+def build_plan(args: argparse.Namespace) -> StepPlan:
+    """Check the arguments.
+
+    Raises:
+        UsageError: an argument cannot work here; the message names it.
+    """
+    dirs = check_dirs(args.dirs)
+    if args.size is not None:
+        raise UsageError("--size does not apply to 'step': give --params")
+    params = args.params or DEFAULT_PARAMS
+    sub_group = args.sub_group or DEFAULT_SUB_GROUP
+    for flag, value, least in (("--steps", args.steps, 1), ("--warmup", args.warmup, 0)):
+        if value is not None and value < least:
+            raise UsageError(f"{flag} must be at least {least}, got {value}")
+    check_output_path("--json", args.json)
+    plan = StepPlan(
+        dirs=dirs,
+        params=params,
+        sub_group=sub_group,
+        steps=args.steps or DEFAULT_STEPS,
+        warmup=DEFAULT_WARMUP if args.warmup is None else args.warmup,
+        host_nbytes=0,
+        legacy=args.legacy_grad_swap,
+        seed=args.seed,
+    )
+    largest = max(sg.state_nbytes for sg in plan.sub_groups())
+    host = 4 * largest if args.host_budget is None else args.host_budget
+    if host < largest:
+        raise UsageError(
+            f"--host-budget {format_size(host)} cannot hold one sub-group's state "
+            f"({format_size(largest)}): raise it or lower --sub-group"
+        )
+    plan = dataclasses.replace(plan, host_nbytes=host)
+    stores = 3 if plan.legacy else 2  # io-only, step, legacy each have their own state
+    # params + grads (bf16), the in-memory state, each store's host budget, grad buffers
+    check_memory(4 * params + plan.state_nbytes + stores * host + 4 * sub_group * 4)
+    # every store may hold a second version of a sub-group while it is being rewritten
+    per_dir = stores * (plan.state_nbytes + 2 * largest) // len(dirs)
+    if plan.legacy:
+        per_dir += 4 * params // len(dirs)
+    check_free_space(dirs, per_dir)
+    return plan
+
+
+@dataclasses.dataclass
+class _Pass:
+    seconds: list[float] = dataclasses.field(default_factory=list)
+    read_nbytes: dict[str, int] = dataclasses.field(default_factory=dict)
+    written_nbytes: dict[str, int] = dataclasses.field(default_factory=dict)
+    stall_seconds: list[float] = dataclasses.field(default_factory=list)
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.seconds)
+
+
+def _make_params(plan: StepPlan) -> list[torch.nn.Parameter]:
+    gen = torch.Generator().manual_seed(plan.seed)
+    params = []
+    for numel in _tensor_numels(plan.params):
+        p = torch.nn.Parameter(torch.randn(numel, generator=gen).to(torch.bfloat16))
+        p.grad = (torch.randn(numel, generator=gen) * 1e-3).to(torch.bfloat16)
+        params.append(p)
+    return params
+
+
+def _manager_config(plan: StepPlan, dirs: list[Path], name: str) -> ManagerConfig:
+    return ManagerConfig(
+        device_nbytes=0,
+        host_nbytes=plan.host_nbytes,
+        nvme_dirs=dirs,
+        aio=AioConfig(),
+        store_name=f"swapper-bench-{name}",
+    )
+
+
+def _run_rounds(plan: StepPlan, dirs: list[Path], say: Callable[[str], None]) -> dict[str, _Pass]:
+    params = _make_params(plan)
+    sub_groups = plan.sub_groups()
+    results = {name: _Pass() for name in plan.passes}
+    with contextlib.ExitStack() as stack:
+        say("  setting up the state (io-only, step" + (", legacy" if plan.legacy else "") + ")")
+        io_manager = stack.enter_context(
+            swapper.TierManager(_manager_config(plan, dirs, "io-only"))
+        )
+        pipeline = StepPipeline(io_manager, sub_groups, name="io-only")
+        stack.callback(pipeline.close)
+        pipeline.initialize(lambda sg, buffer: None)
+        optimizers: dict[str, OffloadAdamW] = {}
+        for name in plan.passes[1:]:
+            config: ManagerConfig
+            if name == "compute-only":
+                config = ManagerConfig(device_nbytes=0, host_nbytes=None)
+            else:
+                config = _manager_config(plan, dirs, name)
+            optimizers[name] = stack.enter_context(
+                OffloadAdamW(
+                    params,
+                    lr=1e-4,
+                    tiers=config,
+                    sub_group_numel=plan.sub_group,
+                    name=name,
+                    legacy_grad_swap=name == "legacy",
+                )
+            )
+        io_step = 0
+
+        def io_only() -> _Outcome:
+            nonlocal io_step
+            io_step += 1
+            before = pipeline.counters()
+            stall = io_manager.stats().stall_s
+            start = time.perf_counter()
+            pipeline.run(io_step, lambda sg, state, extra: None, lambda sg, state: None)
+            seconds = time.perf_counter() - start
+            traffic = pipeline.traffic_since(before)
+            return _Outcome(seconds, traffic, io_manager.stats().stall_s - stall)
+
+        def optimizer_step(opt: OffloadAdamW) -> _Outcome:
+            opt.step()
+            report_ = opt.last_step
+            return _Outcome(report_.seconds, report_.traffic, report_.stall_seconds)
+
+        runs: dict[str, Callable[[], _Outcome]] = {"io-only": io_only}
+        for name, opt in optimizers.items():
+            runs[name] = lambda opt=opt: optimizer_step(opt)
+        names = list(plan.passes)
+        for round_ in range(plan.warmup + plan.steps):
+            timed = round_ >= plan.warmup
+            order = names[round_ % len(names) :] + names[: round_ % len(names)]
+            cells = []
+            for name in order:
+                outcome = runs[name]()
+                cells.append(f"{name} {outcome.seconds:.2f}s")
+                if timed:
+                    outcome.add_to(results[name])
+            label = f"round {round_ + 1 - plan.warmup}" if timed else "warm-up"
+            say(f"  {label}: " + ", ".join(cells))
+    return results
+
+
+@dataclasses.dataclass(frozen=True)
+class _Outcome:
+    seconds: float
+    traffic: swapper.step.StepTraffic
+    stall_seconds: float
+
+    def add_to(self, result: _Pass) -> None:
+        result.seconds.append(self.seconds)
+        result.stall_seconds.append(self.stall_seconds)
+        # the same every step; the last one is kept
+        result.read_nbytes = {k.value: v for k, v in self.traffic.read_nbytes.items()}
+        result.written_nbytes = {k.value: v for k, v in self.traffic.written_nbytes.items()}
+
+
+def summarize(plan: StepPlan, results: dict[str, _Pass]) -> dict[str, Any]:
+    """The JSON document (also what the table prints)."""
+    step, io, compute = (results[n].median for n in ("step", "io-only", "compute-only"))
+    per_param = plan.params
+    doc: dict[str, Any] = {
+        "params": plan.params,
+        "sub_group_numel": plan.sub_group,
+        "sub_groups": len(plan.sub_groups()),
+        "state_nbytes": plan.state_nbytes,
+        "host_budget_nbytes": plan.host_nbytes,
+        "steps": plan.steps,
+        "step_seconds": step,
+        "io_only_seconds": io,
+        "compute_only_seconds": compute,
+        "overlap_ratio": step / max(io, compute),
+        "read_bytes_per_param": sum(results["step"].read_nbytes.values()) / per_param,
+        "write_bytes_per_param": sum(results["step"].written_nbytes.values()) / per_param,
+        "read_bytes_by_kind": results["step"].read_nbytes,
+        "write_bytes_by_kind": results["step"].written_nbytes,
+        "passes": {
+            name: {
+                "seconds": r.seconds,
+                "median_seconds": r.median,
+                "stall_seconds": r.stall_seconds,
+                "read_nbytes": r.read_nbytes,
+                "written_nbytes": r.written_nbytes,
+            }
+            for name, r in results.items()
+        },
+    }
+    if plan.legacy:
+        legacy = results["legacy"]
+        doc["legacy_step_seconds"] = legacy.median
+        doc["legacy_read_bytes_per_param"] = sum(legacy.read_nbytes.values()) / per_param
+        doc["legacy_write_bytes_per_param"] = sum(legacy.written_nbytes.values()) / per_param
+        doc["legacy_speedup"] = legacy.median / step
+    return doc
+
+
+def format_table(doc: dict[str, Any]) -> str:
+    rows = [("pass", "s/step", "min-max", "stall s", "read B/param", "written B/param")]
+    for name, r in doc["passes"].items():
+        rows.append(
+            (
+                name,
+                f"{r['median_seconds']:.3f}",
+                f"{min(r['seconds']):.3f}-{max(r['seconds']):.3f}",
+                f"{statistics.median(r['stall_seconds']):.3f}",
+                f"{sum(r['read_nbytes'].values()) / doc['params']:.2f}",
+                f"{sum(r['written_nbytes'].values()) / doc['params']:.2f}",
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = [
+        "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(cells))
+        for cells in (list(zip(row, widths, strict=True)) for row in rows)
+    ]
+    lines.append(
+        f"step / max(io-only, compute-only) = {doc['overlap_ratio']:.3f} "
+        "(1.0: I/O and compute fully overlapped)"
+    )
+    if "legacy_speedup" in doc:
+        lines.append(
+            f"legacy / step = {doc['legacy_speedup']:.3f} (fp32 gradients through the disk "
+            "vs built from the 16-bit ones)"
+        )
+    return "\n".join(lines)
+
+
+def run_step_command(args: argparse.Namespace) -> int:
+    """``swapper-bench step``: returns the exit code."""
+    plan = build_plan(args)
+    where = ", ".join(str(d) for d in plan.dirs)
+    print(
+        f"swapper-bench step: {plan.params:,} bf16 params, {len(plan.sub_groups())} sub-groups "
+        f"of {plan.sub_group:,}, {format_size(plan.state_nbytes)} of fp32 state per store, "
+        f"in {where}; host budget {format_size(plan.host_nbytes)} per store; "
+        f"{plan.steps} timed round(s) after {plan.warmup} warm-up",
+        flush=True,
+    )
+
+    def say(line: str) -> None:
+        print(line, flush=True)
+
+    with Workspace(plan.dirs) as workspace:
+        results = _run_rounds(plan, list(workspace.tmpdirs), say)
+    doc = summarize(plan, results)
+    print(format_table(doc))
+    if args.json is not None:
+        meta = {"command": "step", "version": swapper.__version__, "torch": torch.__version__}
+        report.write_json(args.json, {**doc, "meta": meta})
+        print(f"results written to {args.json}")
+    return 0
