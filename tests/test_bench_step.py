@@ -1,0 +1,78 @@
+"""Tests of ``swapper-bench step``: the four passes, their traffic, the JSON record."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from swapper.bench import main
+from swapper.bench.step_command import _count
+
+
+def test_step_json_record(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    work = tmp_path / "work"
+    work.mkdir()
+    out = tmp_path / "step.json"
+    argv = ["step", "--dir", str(work), "--params", "300K", "--sub-group", "50K"]
+    argv += ["--steps", "2", "--warmup", "1", "--legacy-grad-swap", "--json", str(out)]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    for name in ("io-only", "compute-only", "step", "legacy", "legacy / step"):
+        assert name in printed
+    doc = json.loads(out.read_text())
+    for key in ("step_seconds", "io_only_seconds", "compute_only_seconds"):
+        assert doc[key] > 0
+    assert doc["overlap_ratio"] == pytest.approx(
+        doc["step_seconds"] / max(doc["io_only_seconds"], doc["compute_only_seconds"])
+    )
+    # 12 B of state each way per parameter, plus the sub-groups' padding (< 1 % here)
+    # 50K rounds up to 51200 elements: 5 full sub-groups and one of 44000 (padded 44032)
+    padded = 12 * (5 * 51200 + 44032) / 300_000
+    assert doc["read_bytes_per_param"] == pytest.approx(padded)
+    assert doc["write_bytes_per_param"] == pytest.approx(padded)
+    assert set(doc["read_bytes_by_kind"]) == {"optim_state"}
+    # the legacy pass also moves 4 B of fp32 gradient per parameter each way
+    assert doc["legacy_read_bytes_per_param"] == pytest.approx(padded * 16 / 12)
+    assert doc["legacy_write_bytes_per_param"] == pytest.approx(padded * 16 / 12)
+    assert doc["passes"]["legacy"]["read_nbytes"]["grad32"] > 0
+    assert doc["passes"]["compute-only"]["read_nbytes"] == {}
+    assert all(len(p["seconds"]) == 2 for p in doc["passes"].values())
+    assert list(work.iterdir()) == []  # everything it made is gone
+
+
+def test_step_without_legacy(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "step.json"
+    argv = ["step", "--dir", str(tmp_path), "--params", "100K", "--sub-group", "30K"]
+    argv += ["--steps", "1", "--warmup", "0", "--json", str(out)]
+    assert main(argv) == 0
+    doc = json.loads(out.read_text())
+    assert "legacy_step_seconds" not in doc
+    assert set(doc["passes"]) == {"io-only", "compute-only", "step"}
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--params", "0"],
+        ["--params", "12x"],
+        ["--sub-group", "1.5"],
+        ["--steps", "0"],
+        ["--size", "1GiB"],
+        ["--params", "100K", "--sub-group", "50K", "--host-budget", "4KiB"],
+    ],
+)
+def test_step_bad_arguments(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str]
+) -> None:
+    assert main(["step", "--dir", str(tmp_path), *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("swapper-bench: error:") and len(err.splitlines()) == 1
+
+
+def test_count_suffixes() -> None:
+    assert _count("200M") == 200_000_000
+    assert _count("1.5G") == 1_500_000_000
+    assert _count("4096") == 4096
+    assert _count("25k") == 25_000
