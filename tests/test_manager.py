@@ -536,6 +536,32 @@ def test_close_leaves_everything_durable_and_open_brings_it_back(dirs: list[Path
         TierManager.open(_config(None))
 
 
+def test_close_remove_writes_nothing_and_deletes_the_store(dirs: list[Path]) -> None:
+    m = TierManager(_config(dirs))
+    m.register("o", _rand(torch.float32, (20 * KiB,), 3), Kind.OPTIM_STATE)
+    m.evict("o").result()
+    m.register("p", _rand(torch.bfloat16, (300,), 1), Kind.PARAM16)  # in memory, not written
+    written = m.stats().moved(Tier.HOST, Tier.NVME).nbytes
+    m.close(remove=True)
+    assert m.stats().moved(Tier.HOST, Tier.NVME).nbytes == written
+    assert not any(d.exists() for d in dirs)  # the directories it made are gone too
+    m.close(remove=True)  # idempotent
+
+
+def test_stats_count_bytes_by_kind(manager: TierManager) -> None:
+    manager.register("o", _rand(torch.float32, (1000,), 3), Kind.OPTIM_STATE)
+    manager.register("g", _rand(torch.float32, (500,), 4), Kind.GRAD32)
+    for key in ("o", "g"):
+        manager.evict(key).result()
+        manager.fetch(key, Tier.HOST)
+        manager.release(key, modified=False)
+    stats = manager.stats()
+    for kind, nbytes in ((Kind.OPTIM_STATE, 4000), (Kind.GRAD32, 2000)):
+        assert stats.moved_nbytes(kind, Tier.HOST, Tier.NVME) == nbytes
+        assert stats.moved_nbytes(kind, Tier.NVME, Tier.HOST) == nbytes
+    assert stats.moved_nbytes(Kind.PARAM16, Tier.HOST, Tier.NVME) == 0
+
+
 def test_closed_manager_refuses_work(manager: TierManager) -> None:
     manager.register("a", torch.ones(3), "param16")
     manager.close()

@@ -448,12 +448,13 @@ class TierManager:
         timeout = self.config.close_timeout_s if timeout_s is None else timeout_s
         self._flush(time.monotonic() + timeout, final=False)
 
-    def close(self) -> None:
+    def close(self, *, remove: bool = False) -> None:
         """Make every tensor durable on NVMe, save the manifest, free everything. Idempotent.
 
         Waits for requests queued and writes in flight (up to ``config.close_timeout_s``).
         Tensors still in use are released first, as modified (logged as a warning).
-        Without NVMe the tensors are simply dropped.
+        Without NVMe the tensors are simply dropped. With ``remove`` nothing is written:
+        every tensor is dropped and the store's files are deleted (a scratch manager).
 
         Raises:
             NotDurableError: some tensors could not be written (named): everything is
@@ -467,6 +468,9 @@ class TierManager:
             self._closing = True
             self._notify()
         self._pool.shutdown(wait=True)  # queued evictions run; queued read-aheads give up
+        if remove:
+            self._release_all(remove=True)
+            return
         failed: NotDurableError | None = None
         if self._store is not None:
             with self._cond:
@@ -493,14 +497,14 @@ class TierManager:
         if failed is not None:
             raise failed
 
-    def _release_all(self) -> None:
+    def _release_all(self, *, remove: bool = False) -> None:
         with self._cond:
             for entry in self._entries.values():
                 self._free_memory(entry)
             self._closed = True
         self._notifier.shutdown(wait=True)  # every caller's future is resolved by now
         if self._store is not None:
-            self._store.close()
+            self._store.close(remove=remove)
         if self._engine is not None:
             self._engine.close()
         self._host.close()

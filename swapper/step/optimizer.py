@@ -164,7 +164,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             self._pipeline.initialize(self._initial_state)
         except BaseException:
             if self._owns_manager:
-                self.manager.close()
+                self.manager.close(remove=True)
             raise
         self._accumulators: list[torch.Tensor] = []
         self._hooks: list[Any] = []
@@ -310,13 +310,13 @@ class OffloadAdamW(torch.optim.Optimizer):
 
     def close(self) -> None:
         """Forget the state (its NVMe copy is deleted), remove the hooks, and close the
-        manager if the optimizer made it. Idempotent."""
+        manager if the optimizer made it (its files are deleted). Idempotent."""
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
         self._pipeline.close()
         if self._owns_manager:
-            self.manager.close()
+            self.manager.close(remove=True)
 
     def __enter__(self) -> OffloadAdamW:
         return self
