@@ -28,6 +28,7 @@ from swapper.manager import Kind, ManagerConfig, Tier, TierManager
 from swapper.step.layout import ALIGN_NUMEL, SIXTEEN_BIT, STATE_ROWS, SubGroup, plan_sub_groups
 from swapper.step.pipeline import StepPipeline, StepTraffic
 from swapper.step.scaler import DynamicLossScaler
+from swapper.step.sources import LocalParams, ParamSource, TieredModel
 from tiers.errors import SwapConfigError, SwapError
 
 __all__ = ["OffloadAdamW", "StateDictError", "StepPendingError", "StepReport", "SubGroupStates"]
@@ -86,7 +87,9 @@ class OffloadAdamW(torch.optim.Optimizer):
         lr, betas, eps, weight_decay: AdamW's hyper-parameters (per group; lr schedulers
             work as usual).
         tiers: the :class:`TierManager` to keep the state in (shared, not closed by
-            :meth:`close`), or a :class:`ManagerConfig` for one of its own.
+            :meth:`close`), or a :class:`ManagerConfig` for one of its own, or a model
+            wrapped by :func:`swapper.offload` (its parameters live in its manager, which
+            then holds the state too).
         sub_group_numel: elements per sub-group (rounded up to a multiple of 1024). Each
             sub-group's state is 12 B per element; the host budget must hold at least one,
             and holds the read-ahead and write-behind ones too.
@@ -118,7 +121,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         eps: float = 1e-8,
         weight_decay: float = 1e-2,
         *,
-        tiers: TierManager | ManagerConfig,
+        tiers: TierManager | ManagerConfig | TieredModel,
         sub_group_numel: int = 25_000_000,
         host_fraction: float = 0.0,
         max_grad_norm: float | None = None,
@@ -137,13 +140,26 @@ class OffloadAdamW(torch.optim.Optimizer):
             raise SwapConfigError(f"loss_scaler={loss_scaler!r} must be a DynamicLossScaler")
         defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
         super().__init__(params, defaults)
+        manager: TierManager
+        self._source: ParamSource
+        if isinstance(tiers, TieredModel):
+            manager, self._source = tiers.manager, tiers.param_source()
+            if accumulate_fp32:
+                raise SwapConfigError(
+                    "accumulate_fp32 does not apply to an offloaded model: its 16-bit "
+                    "gradients already accumulate in their retained buffers"
+                )
+        elif isinstance(tiers, (TierManager, ManagerConfig)):
+            self._source = LocalParams()
+        else:
+            raise SwapConfigError(
+                f"tiers={tiers!r} must be a TierManager, a ManagerConfig or an offloaded model"
+            )
         self._check_params()
         for group in self.param_groups:
             _check_hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"])
             group.setdefault("step", 0)
-        plan = plan_sub_groups(
-            [[p.numel() for p in g["params"]] for g in self.param_groups], sub_group_numel
-        )
+        plan = plan_sub_groups(self._numels(), sub_group_numel)
         self.sub_group_numel = sub_group_numel
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         self.loss_scaler = loss_scaler
@@ -153,9 +169,11 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._pending: int | None = None  # a step that failed part-way
         self._grad32: dict[torch.device, torch.Tensor] = {}
         self._owns_manager = isinstance(tiers, ManagerConfig)
-        if not self._owns_manager and not isinstance(tiers, TierManager):
-            raise SwapConfigError(f"tiers={tiers!r} must be a TierManager or a ManagerConfig")
-        self.manager: TierManager = TierManager(tiers) if self._owns_manager else tiers
+        if isinstance(tiers, ManagerConfig):
+            manager = TierManager(tiers)
+        elif isinstance(tiers, TierManager):
+            manager = tiers
+        self.manager = manager
         try:
             self._pipeline = StepPipeline(
                 self.manager, plan, name=name, host_fraction=host_fraction, readahead=readahead
@@ -239,7 +257,10 @@ class OffloadAdamW(torch.optim.Optimizer):
                 f"step {self._pending} failed part-way; call step() again to finish it "
                 "before zero_grad() (the sub-groups left need these gradients)"
             )
-        super().zero_grad(set_to_none=set_to_none)
+        if isinstance(self._source, LocalParams):
+            super().zero_grad(set_to_none=set_to_none)
+        else:
+            self._source.zero_grad(self._all_params())
         for accumulator in self._accumulators:
             accumulator.zero_()
 
@@ -267,7 +288,7 @@ class OffloadAdamW(torch.optim.Optimizer):
                 "format": STATE_FORMAT,
                 "step": self._step_count,
                 "sub_group_numel": self.sub_group_numel,
-                "numels": [[p.numel() for p in g["params"]] for g in self.param_groups],
+                "numels": self._numels(),
                 "loss_scaler": None if self.loss_scaler is None else self.loss_scaler.state_dict(),
             },
         }
@@ -282,8 +303,7 @@ class OffloadAdamW(torch.optim.Optimizer):
                 named).
         """
         meta = _state_meta(state_dict)
-        numels = [[p.numel() for p in g["params"]] for g in self.param_groups]
-        _check_same_layout(meta, numels, self.sub_group_numel)
+        _check_same_layout(meta, self._numels(), self.sub_group_numel)
         states = state_dict["state"]
         for sg in self.sub_groups:
             try:
@@ -326,22 +346,32 @@ class OffloadAdamW(torch.optim.Optimizer):
 
     # -- set-up ---------------------------------------------------------------------------
 
+    def _all_params(self) -> list[torch.Tensor]:
+        return [p for g in self.param_groups for p in g["params"]]
+
+    def _numels(self) -> list[list[int]]:
+        """Per group, the element count of each parameter (from the source: an offloaded
+        parameter's ``.data`` is a placeholder)."""
+        return [[self._source.shape(p).numel() for p in g["params"]] for g in self.param_groups]
+
     def _check_params(self) -> None:
         seen: dict[int, str] = {}
+        source = self._source
         for g_index, group in enumerate(self.param_groups):
             names = group.get("param_names")
             for p_index, param in enumerate(group["params"]):
                 label = f"parameter {p_index} of group {g_index}"
                 if names is not None:
                     label += f" ({names[p_index]!r})"
-                label += f", shape {list(param.shape)}"
-                if param.dtype not in SIXTEEN_BIT:
+                label += f", shape {list(source.shape(param))}"
+                dtype = source.dtype(param)
+                if dtype not in SIXTEEN_BIT:
                     raise SwapConfigError(
-                        f"{label} is {param.dtype}: OffloadAdamW takes 16-bit parameters "
+                        f"{label} is {dtype}: OffloadAdamW takes 16-bit parameters "
                         "(torch.bfloat16 or torch.float16) and keeps the fp32 master copy "
                         "itself; convert the model with .to(torch.bfloat16)"
                     )
-                if not param.is_contiguous():
+                if not source.contiguous(param):
                     raise SwapConfigError(f"{label} is not contiguous")
                 if id(param) in seen:
                     raise SwapConfigError(f"{label} is also {seen[id(param)]}: pass it once")
@@ -365,10 +395,10 @@ class OffloadAdamW(torch.optim.Optimizer):
     def _initial_state(self, sg: SubGroup, state: torch.Tensor) -> None:
         master = state[0]
         for piece in sg.pieces:
-            source = self._param(sg, piece.param_index).detach().view(-1)
-            end = piece.param_offset + piece.numel
-            master[piece.offset : piece.offset + piece.numel].copy_(
-                source[piece.param_offset : end]
+            self._source.read_param(
+                self._param(sg, piece.param_index),
+                piece.param_offset,
+                master[piece.offset : piece.offset + piece.numel],
             )
 
     def _start_fp32_accumulation(self) -> None:
@@ -390,19 +420,19 @@ class OffloadAdamW(torch.optim.Optimizer):
 
     # -- one step -------------------------------------------------------------------------
 
-    def _gradients(self) -> list[torch.Tensor]:
+    def _gradients(self) -> Iterable[torch.Tensor]:
         if self._accumulators:
             return list(self._accumulators)
-        return [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        return self._source.grads(self._all_params())
 
     def _grad_norm(self) -> tuple[float | None, bool]:
         """(unscaled global L2 norm, found inf/NaN), when clipping or scaling needs it."""
         if self.max_grad_norm is None and self.loss_scaler is None:
             return None, False
-        grads = self._gradients()
-        if not grads:
+        # one gradient at a time: an offloaded one is fetched, measured and released
+        norms = [torch.linalg.vector_norm(g, dtype=torch.float32).cpu() for g in self._gradients()]
+        if not norms:
             return 0.0, False
-        norms = [torch.linalg.vector_norm(g, dtype=torch.float32).cpu() for g in grads]
         total = float(torch.linalg.vector_norm(torch.stack(norms)))
         if not math.isfinite(total):
             return total, True
@@ -450,12 +480,9 @@ class OffloadAdamW(torch.optim.Optimizer):
         else:
             for piece in sg.pieces:
                 window = out[piece.offset : piece.offset + piece.numel]
-                grad = self._param(sg, piece.param_index).grad
-                if grad is None:
+                param = self._param(sg, piece.param_index)
+                if not self._source.read_grad(param, piece.param_offset, window):
                     window.zero_()
-                    continue
-                end = piece.param_offset + piece.numel
-                window.copy_(grad.reshape(-1)[piece.param_offset : end])
         if factor != 1.0:
             out.mul_(factor)
 
@@ -495,10 +522,10 @@ class OffloadAdamW(torch.optim.Optimizer):
         """Round the new master weights into the 16-bit parameters."""
         master = state[0]
         for piece in sg.pieces:
-            target = self._param(sg, piece.param_index).detach().view(-1)
-            end = piece.param_offset + piece.numel
-            target[piece.param_offset : end].copy_(
-                master[piece.offset : piece.offset + piece.numel]
+            self._source.write_param(
+                self._param(sg, piece.param_index),
+                piece.param_offset,
+                master[piece.offset : piece.offset + piece.numel],
             )
 
     # -- the incumbent's way, for comparison ------------------------------------------------

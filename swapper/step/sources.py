@@ -1,0 +1,102 @@
+"""Where :class:`~swapper.step.OffloadAdamW` finds the 16-bit parameters and gradients.
+
+A step touches them through four calls, each on a range of one parameter's flattened
+elements, so the optimizer does not care whether they are ordinary tensors
+(:class:`LocalParams`) or live in the tier manager (``swapper.zero``'s source).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+import torch
+
+if TYPE_CHECKING:
+    from swapper.manager import TierManager
+
+__all__ = ["LocalParams", "ParamSource", "TieredModel"]
+
+
+class ParamSource(Protocol):
+    """The 16-bit parameters of an optimizer and their retained gradients."""
+
+    def shape(self, param: torch.Tensor) -> torch.Size:
+        """The parameter's real shape (its ``.data`` may be a placeholder)."""
+        ...
+
+    def dtype(self, param: torch.Tensor) -> torch.dtype:
+        """The parameter's dtype."""
+        ...
+
+    def contiguous(self, param: torch.Tensor) -> bool:
+        """Whether its elements are laid out contiguously (row-major)."""
+        ...
+
+    def read_param(self, param: torch.Tensor, start: int, out: torch.Tensor) -> None:
+        """Copy elements ``[start, start + out.numel())`` of the flattened parameter into
+        ``out`` (fp32, converted exactly)."""
+        ...
+
+    def read_grad(self, param: torch.Tensor, start: int, out: torch.Tensor) -> bool:
+        """Copy the same range of its gradient into ``out``; False (``out`` untouched)
+        when it has no gradient."""
+        ...
+
+    def write_param(self, param: torch.Tensor, start: int, source: torch.Tensor) -> None:
+        """Round ``source`` (fp32) into elements ``[start, start + source.numel())``."""
+        ...
+
+    def grads(self, params: Sequence[torch.Tensor]) -> Iterator[torch.Tensor]:
+        """Each parameter's gradient that exists, one at a time (for the global norm)."""
+        ...
+
+    def zero_grad(self, params: Sequence[torch.Tensor]) -> None:
+        """Drop the gradients."""
+        ...
+
+
+class LocalParams:
+    """Parameters that are ordinary tensors, with their gradients in ``.grad``."""
+
+    def shape(self, param: torch.Tensor) -> torch.Size:
+        return param.shape
+
+    def dtype(self, param: torch.Tensor) -> torch.dtype:
+        return param.dtype
+
+    def contiguous(self, param: torch.Tensor) -> bool:
+        return param.is_contiguous()
+
+    def read_param(self, param: torch.Tensor, start: int, out: torch.Tensor) -> None:
+        out.copy_(param.detach().view(-1)[start : start + out.numel()])
+
+    def read_grad(self, param: torch.Tensor, start: int, out: torch.Tensor) -> bool:
+        grad = param.grad
+        if grad is None:
+            return False
+        out.copy_(grad.reshape(-1)[start : start + out.numel()])
+        return True
+
+    def write_param(self, param: torch.Tensor, start: int, source: torch.Tensor) -> None:
+        param.detach().view(-1)[start : start + source.numel()].copy_(source)
+
+    def grads(self, params: Sequence[torch.Tensor]) -> Iterator[torch.Tensor]:
+        return (p.grad for p in params if p.grad is not None)
+
+    def zero_grad(self, params: Sequence[torch.Tensor]) -> None:
+        for p in params:
+            p.grad = None
+
+
+@runtime_checkable
+class TieredModel(Protocol):
+    """A model whose parameters live in a tier manager (what :func:`swapper.offload`
+    returns); :class:`~swapper.step.OffloadAdamW` keeps its state in the same manager."""
+
+    @property
+    def manager(self) -> TierManager: ...
+
+    def param_source(self) -> ParamSource:
+        """Access to its parameters and their retained gradients."""
+        ...
