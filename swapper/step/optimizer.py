@@ -16,6 +16,7 @@ gradient accumulators.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 import time
@@ -26,7 +27,7 @@ import torch
 
 from swapper.manager import Kind, ManagerConfig, Tier, TierManager
 from swapper.step.layout import ALIGN_NUMEL, SIXTEEN_BIT, STATE_ROWS, SubGroup, plan_sub_groups
-from swapper.step.pipeline import StepPipeline, StepTraffic
+from swapper.step.pipeline import PipelineClosedError, StepFailedError, StepPipeline, StepTraffic
 from swapper.step.scaler import DynamicLossScaler
 from swapper.step.sources import LocalParams, ParamSource, TieredModel
 from tiers.errors import SwapConfigError, SwapError
@@ -168,26 +169,37 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._step_count = 0
         self._pending: int | None = None  # a step that failed part-way
         self._grad32: dict[torch.device, torch.Tensor] = {}
+        self._closed = False
+        self._load_incomplete = False  # a load_state_dict stopped part-way
+        self._accumulators: list[torch.Tensor] = []
+        self._hooks: list[Any] = []
         self._owns_manager = isinstance(tiers, ManagerConfig)
         if isinstance(tiers, ManagerConfig):
             manager = TierManager(tiers)
         elif isinstance(tiers, TierManager):
             manager = tiers
         self.manager = manager
+        if legacy_grad_swap and not manager.config.nvme_dirs:
+            raise SwapConfigError("legacy_grad_swap needs an NVMe tier: give nvme_dirs")
+        pipeline: StepPipeline | None = None
         try:
-            self._pipeline = StepPipeline(
+            pipeline = StepPipeline(
                 self.manager, plan, name=name, host_fraction=host_fraction, readahead=readahead
             )
+            self._pipeline = pipeline
             self._check_budget()
-            self._pipeline.initialize(self._initial_state)
+            if accumulate_fp32:
+                self._start_fp32_accumulation()
+            pipeline.initialize(self._initial_state)
         except BaseException:
+            for hook in self._hooks:
+                hook.remove()
+            if pipeline is not None:
+                pipeline.close()
             if self._owns_manager:
                 self.manager.close(remove=True)
             raise
-        self._accumulators: list[torch.Tensor] = []
-        self._hooks: list[Any] = []
-        if accumulate_fp32:
-            self._start_fp32_accumulation()
+        self._constructed = True
 
     # -- the public surface --------------------------------------------------------------
 
@@ -227,6 +239,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             self.loss_scaler.update(True)
         else:
             factor = self._grad_factor(grad_norm)
+            self._check_open()
             self._pending = target
             self._run(target, factor)
             self._pending = None
@@ -297,14 +310,44 @@ class OffloadAdamW(torch.optim.Optimizer):
         """Load what :meth:`state_dict` returned, one sub-group at a time; each is durable
         before the next is read.
 
+        Everything but the tensors is checked before anything is written; a sub-group
+        whose tensors are wrong stops the load there, and ``step()`` then refuses until
+        a load succeeds (the state would be part old, part new).
+
         Raises:
             StateDictError: it is not such a state dict, or it is of other parameters
                 (counts, element counts or sub-group size differ; the first difference is
-                named).
+                named), or a value in it is invalid (named).
+            SwapIOError: writing a sub-group failed; ``step()`` refuses until a load succeeds.
         """
         meta = _state_meta(state_dict)
         _check_same_layout(meta, self._numels(), self.sub_group_numel)
+        step = meta.get("step")
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise StateDictError(f"state dict: step={step!r} must be an int >= 0")
+        groups = state_dict["param_groups"]
+        if not isinstance(groups, (list, tuple)) or len(groups) != len(self.param_groups):
+            raise StateDictError(
+                f"state dict has {len(groups) if isinstance(groups, (list, tuple)) else '?'} "
+                f"param group(s), this optimizer {len(self.param_groups)}"
+            )
+        hyper = ("lr", "betas", "eps", "weight_decay")
+        for g, saved in enumerate(groups):
+            if not isinstance(saved, Mapping) or not set(hyper) <= set(saved):
+                raise StateDictError(f"state dict: param group {g} lacks one of {hyper}")
+            try:
+                _check_hyper(*(saved[k] for k in hyper))
+            except SwapConfigError as exc:
+                raise StateDictError(f"state dict: param group {g}: {exc}") from None
+        scaler = meta.get("loss_scaler")
+        if self.loss_scaler is not None and scaler is not None:
+            DynamicLossScaler().load_state_dict(scaler)  # validates, changes nothing here
         states = state_dict["state"]
+        if not isinstance(states, Mapping):
+            raise StateDictError("state dict: 'state' must map sub-group index to tensors")
+        self._check_open()
+        # From the first write until the last, the state is part old, part new.
+        self._load_incomplete = True
         for sg in self.sub_groups:
             try:
                 entry = states[sg.index]
@@ -317,26 +360,52 @@ class OffloadAdamW(torch.optim.Optimizer):
                 for row, tensor in enumerate(tensors):
                     state[row, : tensor.numel()].copy_(tensor)
 
-            self._pipeline.write(sg.index, fill, meta["step"])
+            self._pipeline.write(sg.index, fill, step)
             del entry, tensors
-        for group, saved in zip(self.param_groups, state_dict["param_groups"], strict=True):
+        for group, saved in zip(self.param_groups, groups, strict=True):
             for key, value in saved.items():
                 if key not in ("params", "param_names"):
                     group[key] = value
-        self._step_count = meta["step"]
+        self._step_count = step
         self._pending = None
-        if self.loss_scaler is not None and meta.get("loss_scaler") is not None:
-            self.loss_scaler.load_state_dict(meta["loss_scaler"])
+        if self.loss_scaler is not None and scaler is not None:
+            self.loss_scaler.load_state_dict(scaler)
+        self._load_incomplete = False
 
     def close(self) -> None:
         """Forget the state (its NVMe copy is deleted), remove the hooks, and close the
         manager if the optimizer made it (its files are deleted). Idempotent."""
+        if self._closed:
+            return
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
         self._pipeline.close()
         if self._owns_manager:
             self.manager.close(remove=True)
+        self._closed = True
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Only while constructing: the state is laid out once.
+
+        Raises:
+            SwapConfigError: called after construction.
+        """
+        if getattr(self, "_constructed", False):
+            raise SwapConfigError(
+                "OffloadAdamW lays its state out once: pass every param group to the "
+                "constructor (add_param_group afterwards is not supported)"
+            )
+        super().add_param_group(param_group)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise PipelineClosedError("the optimizer is closed")
+        if self._load_incomplete:
+            raise StateDictError(
+                "a load_state_dict() stopped part-way: the state is partly old, partly "
+                "loaded; load a state dict again before stepping"
+            )
 
     def __enter__(self) -> OffloadAdamW:
         return self
@@ -381,12 +450,16 @@ class OffloadAdamW(torch.optim.Optimizer):
         host = self.manager.config.host_nbytes
         if host is None or not self.sub_groups:
             return
-        largest = max(sg.state_nbytes for sg in self.sub_groups)
-        if host < largest:
+        kept_count = self._pipeline.kept
+        kept = sum(sg.state_nbytes for sg in self.sub_groups[:kept_count])
+        streamed = self.sub_groups[kept_count:]
+        largest = max((sg.state_nbytes for sg in streamed), default=0)
+        if host < kept + largest:
             raise SwapConfigError(
-                f"host_nbytes={host} cannot hold one sub-group's state ({largest} bytes = "
-                f"12 B x {largest // 12} elements): lower sub_group_numel (now "
-                f"{self.sub_group_numel}) or raise the host budget"
+                f"host_nbytes={host} cannot hold the kept sub-groups' state ({kept} bytes, "
+                f"host_fraction) and one streamed sub-group ({largest} bytes = 12 B x "
+                f"{largest // 12} elements): lower sub_group_numel (now "
+                f"{self.sub_group_numel}) or host_fraction, or raise the host budget"
             )
 
     def _param(self, sg: SubGroup, param_index: int) -> torch.Tensor:
@@ -404,7 +477,14 @@ class OffloadAdamW(torch.optim.Optimizer):
     def _start_fp32_accumulation(self) -> None:
         for group in self.param_groups:
             numel = sum(p.numel() for p in group["params"])
-            accumulator = torch.zeros(numel, dtype=torch.float32)
+            for param in group["params"]:
+                if not param.requires_grad:
+                    raise SwapConfigError(
+                        f"accumulate_fp32: a parameter of shape {list(param.shape)} does not "
+                        "require grad, so it never gets a gradient to accumulate"
+                    )
+            device = group["params"][0].device if group["params"] else torch.device("cpu")
+            accumulator = torch.zeros(numel, dtype=torch.float32, device=device)
             self._accumulators.append(accumulator)
             offset = 0
             for param in group["params"]:
@@ -430,10 +510,12 @@ class OffloadAdamW(torch.optim.Optimizer):
         if self.max_grad_norm is None and self.loss_scaler is None:
             return None, False
         # one gradient at a time: an offloaded one is fetched, measured and released
-        norms = [torch.linalg.vector_norm(g, dtype=torch.float32).cpu() for g in self._gradients()]
+        norms = [torch.linalg.vector_norm(g, dtype=torch.float32) for g in self._gradients()]
         if not norms:
             return 0.0, False
-        total = float(torch.linalg.vector_norm(torch.stack(norms)))
+        device = norms[0].device
+        # one host sync for the whole norm, not one per gradient
+        total = float(torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms])))
         if not math.isfinite(total):
             return total, True
         if self.loss_scaler is not None:
@@ -450,11 +532,10 @@ class OffloadAdamW(torch.optim.Optimizer):
         return factor
 
     def _run(self, target: int, factor: float) -> None:
-        extra_keys = None
-        if self.legacy_grad_swap:
-            self._legacy_write_grads(target, factor)
-            extra_keys = self._legacy_keys
+        extra_keys = self._legacy_keys if self.legacy_grad_swap else None
         try:
+            if self.legacy_grad_swap:
+                self._legacy_write_grads(target, factor)
             self._pipeline.run(
                 target,
                 lambda sg, state, extras: self._update(sg, state, extras, target, factor),
@@ -469,7 +550,8 @@ class OffloadAdamW(torch.optim.Optimizer):
         buffer = self._grad32.get(device)
         if buffer is None:
             largest = max(sg.numel for sg in self.sub_groups)
-            buffer = self._grad32[device] = torch.empty(largest, device=device)
+            buffer = torch.empty(largest, dtype=torch.float32, device=device)
+            self._grad32[device] = buffer
         return buffer[:numel]
 
     def _build_grad(self, sg: SubGroup, out: torch.Tensor, factor: float) -> None:
@@ -508,7 +590,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             [state[1, :n]],
             [state[2, :n]],
             [],
-            [torch.tensor(float(step), device=state.device)],
+            [torch.tensor(float(step), dtype=torch.float32, device=state.device)],
             lr=float(group["lr"]),
             beta1=float(beta1),
             beta2=float(beta2),
@@ -539,21 +621,27 @@ class OffloadAdamW(torch.optim.Optimizer):
     def _legacy_write_grads(self, target: int, factor: float) -> None:
         """Write every sub-group's fp32 gradient to NVMe and wait (DeepSpeed does this at
         the gradient-accumulation boundary, then reads them back in its step)."""
-        if not self.manager.config.nvme_dirs:
-            raise SwapConfigError("legacy_grad_swap needs an NVMe tier (nvme_dirs)")
         largest = max(sg.padded_numel for sg in self.sub_groups)
-        scratch = torch.zeros(largest)
+        scratch = torch.zeros(largest, dtype=torch.float32)
         writes = []
-        for sg in self.sub_groups:
-            if self._pipeline.applied[sg.index] >= target:
-                continue  # a repeated step: this one is done
-            grad = scratch[: sg.padded_numel]
-            self._build_grad(sg, grad[: sg.numel], factor)
-            key = self._legacy_key(sg)
-            self.manager.register(key, grad, Kind.GRAD32)
-            writes.append(self.manager.evict(key, Tier.NVME))
-        for write in writes:
-            write.result()
+        try:
+            for sg in self.sub_groups:
+                if self._pipeline.progress[sg.index].applied >= target:
+                    continue  # a repeated step: this one is done
+                grad = scratch[: sg.padded_numel]
+                self._build_grad(sg, grad[: sg.numel], factor)
+                key = self._legacy_key(sg)
+                self.manager.register(key, grad, Kind.GRAD32)
+                writes.append(self.manager.evict(key, Tier.NVME))
+        finally:
+            errors = [w.exception() for w in writes]
+        failed = [e for e in errors if e is not None]
+        if failed:
+            raise StepFailedError(
+                f"step {target}: writing fp32 gradients (legacy_grad_swap) failed: {failed[0]}",
+                step=target,
+                undone=[sg.index for sg in self.sub_groups],
+            ) from failed[0]
 
     def _legacy_drop_grads(self) -> None:
         keys = set(self.manager.keys())
@@ -591,8 +679,9 @@ class SubGroupStates(Mapping[int, dict[str, torch.Tensor]]):
         return len(self._optimizer.sub_groups)
 
     def __reduce__(self) -> tuple[Any, ...]:
-        # torch.save / pickle: a plain dict, every sub-group read (all in memory at once)
-        return (dict, (dict(self.items()),))
+        # torch.save / pickle: every sub-group read (all in memory at once). An
+        # OrderedDict, because torch.load(weights_only=True) refuses builtins.dict here.
+        return (collections.OrderedDict, (list(self.items()),))
 
 
 def _check_hyper(lr: Any, betas: Any, eps: Any, weight_decay: Any) -> None:
@@ -642,7 +731,10 @@ def _check_same_layout(meta: Mapping[str, Any], numels: list[list[int]], sub: in
                     f"state dict: parameter {p} of group {g} has {x} elements there, {y} "
                     "here: the state is of another model"
                 )
-    if -(-meta.get("sub_group_numel", 0) // ALIGN_NUMEL) != -(-sub // ALIGN_NUMEL):
+    theirs_sub = meta.get("sub_group_numel")
+    if isinstance(theirs_sub, bool) or not isinstance(theirs_sub, int):
+        raise StateDictError(f"state dict: sub_group_numel={theirs_sub!r} is not an int")
+    if -(-theirs_sub // ALIGN_NUMEL) != -(-sub // ALIGN_NUMEL):
         raise StateDictError(
             f"state dict was cut into sub-groups of {meta.get('sub_group_numel')} elements, "
             f"this optimizer into {sub}: create it with the same sub_group_numel"

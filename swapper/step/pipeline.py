@@ -21,9 +21,12 @@ its state reflects in memory and on NVMe)::
        v
     DIRTY (applied=t, durable<t; memory holds it) ──── next step(): evict again, no compute
 
+(``published`` records that the 16-bit parameters were written from the new master
+weights; a sub-group applied but not published is published again, without computing.)
+
 Sub-groups kept in host memory (``host_fraction``) stay FETCHED for the optimizer's life:
-they compute in place and are never written during a step (they are as durable as
-memory; :meth:`StepPipeline.close` leaves them on NVMe through the manager).
+they compute in place and are never written during a step; memory counts as durable for
+them (and for every sub-group when the manager has no NVMe tier).
 
 A step succeeds only when every streamed sub-group it touched is durable. When it fails
 part-way (an I/O error, a timeout), the sub-groups done stay done: the next run of the
@@ -34,8 +37,11 @@ durable, and computes the rest.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import logging
+import signal
+import threading
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
@@ -44,7 +50,14 @@ from swapper.manager import Kind, Tier, TierManager
 from swapper.step.layout import SubGroup
 from tiers.errors import SwapConfigError, SwapError
 
-__all__ = ["PipelineClosedError", "StepFailedError", "StepPipeline", "StepTraffic"]
+__all__ = [
+    "PipelineClosedError",
+    "Progress",
+    "StepFailedError",
+    "StepPipeline",
+    "StepTraffic",
+    "interrupts_deferred",
+]
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +82,43 @@ class StepFailedError(SwapError, RuntimeError):
 
 class PipelineClosedError(SwapError, RuntimeError):
     """The optimizer (and its state) is closed."""
+
+
+@dataclasses.dataclass
+class Progress:
+    """How far one sub-group got: the step its state reflects (``applied``), the step
+    its 16-bit parameters reflect (``published``) and the step its NVMe copy reflects
+    (``durable``; for a sub-group kept in memory, memory counts as durable)."""
+
+    applied: int = 0
+    published: int = 0
+    durable: int = 0
+
+
+#: Failures a repeated step() can get past: I/O errors and timeouts.
+_RETRYABLE = (SwapError, OSError, TimeoutError, concurrent.futures.TimeoutError)
+
+
+@contextlib.contextmanager
+def interrupts_deferred() -> Iterator[None]:
+    """Hold SIGINT back until the block ends, then deliver it (main thread only;
+    elsewhere signals never arrive anyway). Python raises KeyboardInterrupt at the first
+    bytecode after a C call returns: inside a step that could be between updating a
+    sub-group's state and recording that it was updated."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if received:
+            if callable(previous):
+                previous(signal.SIGINT, None)
+            elif previous == signal.SIG_DFL:
+                raise KeyboardInterrupt
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,7 +154,8 @@ class StepPipeline:
         host_fraction: the first ``round(host_fraction * len(sub_groups))`` sub-groups are
             kept in memory (fetched once, never written during a step).
         readahead: how many sub-groups to read ahead (``None``: as many as the host
-            budget holds besides the one computing and the one being written, at least 1).
+            budget holds besides the kept ones, the one computing and the one being
+            written; at least 1 when it holds two, 0 when it holds only one).
 
     Raises:
         SwapConfigError: ``host_fraction`` is not in [0, 1] or ``readahead`` < 0.
@@ -129,9 +180,8 @@ class StepPipeline:
         self.kept = round(host_fraction * len(self.sub_groups))
         self.readahead = self._default_readahead() if readahead is None else readahead
         self.streams = manager.config.nvme_dirs != ()
-        count = len(self.sub_groups)
-        self.applied = [0] * count  # step reflected by the state in memory or on NVMe
-        self.durable = [0] * count  # step reflected by the NVMe copy (or memory, if kept)
+        #: per sub-group: how far it got (see the module docstring)
+        self.progress = tuple(Progress() for _ in self.sub_groups)
         self._held: dict[int, torch.Tensor] = {}
         self._registered = 0
         self._closed = False
@@ -177,7 +227,10 @@ class StepPipeline:
         kept = sum(sg.state_nbytes for sg in self.sub_groups[: self.kept])
         largest = max(sg.state_nbytes for sg in streamed)
         # one computing and one being written behind; the rest of the budget reads ahead
-        return max(1, (host - kept) // largest - 2)
+        slots = (host - kept) // largest
+        # one computing and one being written behind; the rest of the budget reads ahead.
+        # With room for one only, a read-ahead would evict the sub-group about to compute.
+        return 0 if slots < 2 else max(1, slots - 2)
 
     # -- one step -------------------------------------------------------------------------
 
@@ -194,39 +247,51 @@ class StepPipeline:
 
         For each sub-group not yet at ``step``: fetch its state (read ahead), ``compute``
         on it (which updates the state in place), ``publish`` the result (the 16-bit
-        params), then write the state behind. Sub-groups already at ``step`` (a repeated
-        call after a failure) are only written again if their write failed.
+        params), then write the state behind. A repeated call after a failure skips what
+        is done: a sub-group already computed is only published and written again if
+        those failed. Ctrl-C is held back while a sub-group computes and publishes, so an
+        interrupt never leaves one computed but not marked so.
 
         Raises:
-            StepFailedError: some sub-groups could not be read or written (the cause is
-                chained); what was done is kept, and calling again with the same ``step``
-                finishes the rest.
+            StepFailedError: some sub-groups could not be read or written (an I/O error or
+                a timeout, chained); what was done is kept, and calling again with the same
+                ``step`` finishes the rest.
+            Anything else ``compute`` or ``publish`` raise, as it is (after the writes in
+            flight have ended; the bookkeeping stays exact).
         """
         self._check_open()
         extra = extra_keys or (lambda sg: [])
-        todo = [sg for sg in self.sub_groups if self.durable[sg.index] < step]
-        compute_todo = [sg for sg in todo if self.applied[sg.index] < step]
+        todo = [sg for sg in self.sub_groups if self.progress[sg.index].durable < step]
+        compute_todo = [sg for sg in todo if self.progress[sg.index].applied < step]
         position = {sg.index: i for i, sg in enumerate(compute_todo)}
         writes: dict[int, concurrent.futures.Future[None]] = {}
-        first_error: BaseException | None = None
+        error: BaseException | None = None
         try:
             for sg in todo:
                 index = sg.index
-                if self.applied[index] < step:
-                    self._read_ahead(compute_todo, position[index] + 1, extra)
-                    self._compute_one(sg, compute, publish, extra(sg), step, timeout_s)
+                progress = self.progress[index]
+                if progress.applied < step:
+
+                    def read_ahead(sg: SubGroup = sg) -> None:
+                        self._read_ahead(compute_todo, position[sg.index] + 1, extra)
+
+                    self._compute_one(sg, compute, publish, extra(sg), step, timeout_s, read_ahead)
+                elif progress.published < step:
+                    self._publish_again(sg, publish, step, timeout_s)
                 if index in self._held or not self.streams:
-                    self.durable[index] = step
+                    progress.durable = step
                 else:
                     writes[index] = self.manager.evict(self.key(index), Tier.NVME)
-        except Exception as exc:  # reported below, once the writes have ended
-            first_error = exc
+        except BaseException as exc:  # raised below, once the writes have ended
+            error = exc
         finally:
             failed = self._wait_writes(writes, step)
-        if first_error is None and not failed:
+        if error is not None and not isinstance(error, _RETRYABLE):
+            raise error
+        if error is None and not failed:
             return
-        undone = [sg.index for sg in self.sub_groups if self.durable[sg.index] < step]
-        cause = first_error or next(iter(failed.values()))
+        undone = [sg.index for sg in self.sub_groups if self.progress[sg.index].durable < step]
+        cause = error or next(iter(failed.values()))
         what = (
             f"step {step} did not finish: {len(undone)} of {len(self.sub_groups)} "
             f"sub-group(s) not durable at step {step} (first: {undone[:8]}); "
@@ -254,27 +319,58 @@ class StepPipeline:
         extra_keys: list[str],
         step: int,
         timeout_s: float | None,
+        read_ahead: Callable[[], None],
     ) -> None:
         index = sg.index
+        progress = self.progress[index]
         held = self._held.get(index)
         fetched: list[str] = []
+        computed = False
         try:
             if held is None:
                 state = self.manager.fetch(self.key(index), timeout_s=timeout_s)
                 fetched.append(self.key(index))
             else:
                 state = held
+            # Issued once k is in: a read-ahead racing k's own fetch could take k's room
+            # and be evicted again before use.
+            read_ahead()
             extras = []
             for key in extra_keys:
                 extras.append(self.manager.fetch(key, timeout_s=timeout_s))
                 fetched.append(key)
-            compute(sg, state, extras)
-            # From here the state holds step `step`: it must never be computed again.
-            self.applied[index] = step
-            publish(sg, state)
+            with interrupts_deferred():
+                compute(sg, state, extras)
+                computed = True
+                # From here the state holds step `step`: it must never be computed again.
+                progress.applied = step
+                publish(sg, state)
+                progress.published = step
         finally:
+            state_key = self.key(index)
             for key in fetched:
-                self.manager.release(key, modified=key == self.key(index))
+                self.manager.release(key, modified=computed and key == state_key)
+
+    def _publish_again(
+        self,
+        sg: SubGroup,
+        publish: Callable[[SubGroup, torch.Tensor], None],
+        step: int,
+        timeout_s: float | None,
+    ) -> None:
+        """Publish a sub-group computed by an earlier, failed call (the state is not
+        changed, so this is safe to repeat)."""
+        held = self._held.get(sg.index)
+        if held is not None:
+            publish(sg, held)
+        else:
+            key = self.key(sg.index)
+            state = self.manager.fetch(key, timeout_s=timeout_s)
+            try:
+                publish(sg, state)
+            finally:
+                self.manager.release(key, modified=False)
+        self.progress[sg.index].published = step
 
     def _wait_writes(
         self, writes: dict[int, concurrent.futures.Future[None]], step: int
@@ -287,7 +383,7 @@ class StepPipeline:
                 log.warning("sub-group %d: write-behind at step %d failed: %s", index, step, exc)
                 failed[index] = exc
             else:
-                self.durable[index] = step
+                self.progress[index].durable = step
         return failed
 
     # -- reading and writing whole sub-groups (state_dict, load_state_dict) ----------------
@@ -321,7 +417,8 @@ class StepPipeline:
                 self.manager.release(key, modified=True)
             if self.streams:
                 self.manager.evict(key, Tier.NVME).result()
-        self.applied[index] = self.durable[index] = step
+        progress = self.progress[index]
+        progress.applied = progress.published = progress.durable = step
 
     def iter_states(self) -> Iterator[tuple[SubGroup, torch.Tensor]]:
         """Each sub-group with a copy of its state, one at a time."""
@@ -331,19 +428,20 @@ class StepPipeline:
     # -- end ------------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Release the kept sub-groups and forget every sub-group's state. Idempotent."""
+        """Release the kept sub-groups and forget every sub-group's state (their NVMe
+        copies are deleted). Idempotent; if it raises, calling it again finishes."""
         if self._closed:
             return
-        self._closed = True
         self._unregister()
+        self._closed = True
 
     def _unregister(self) -> None:
         for index in list(self._held):
             self.manager.release(self.key(index), modified=True)
             del self._held[index]
-        for sg in self.sub_groups[: self._registered]:
-            self.manager.unregister(self.key(sg.index))
-        self._registered = 0
+        while self._registered:
+            self.manager.unregister(self.key(self.sub_groups[self._registered - 1].index))
+            self._registered -= 1
 
     def _check_open(self) -> None:
         if self._closed:
