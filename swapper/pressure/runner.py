@@ -1,0 +1,319 @@
+"""Train a GPT under tight per-tier budgets, next to an unlimited run, and compare.
+
+One run (:func:`run_pressure`):
+
+1. measures the baseline: the process's resident memory with torch loaded and a tiny
+   model trained for one step through the same code (allocator, thread pools warm), but
+   without the model under test;
+2. the **pressure run**: the model built on the meta device and materialised module by
+   module straight into the tiers (:func:`swapper.offload`), trained for ``steps``
+   steps with :class:`~swapper.OffloadAdamW` whose state is in the same tiers, under
+   the given device and host budgets, spilling to NVMe in ``dirs``; its peak resident
+   memory is taken from ``VmHWM`` (reset before it starts);
+3. the **reference run**: the same seed, model, data and code with unlimited budgets
+   (everything in memory);
+
+and reports per-step losses of both, whether losses and final parameters are
+bit-identical, peak bytes per tier against the budgets, the pressure run's peak RSS,
+bytes moved and stall fraction (time ``fetch`` waited for bytes / training time).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from swapper.manager import Tier
+from swapper.pressure.model import GPT, GPTConfig, batches, materialize_
+from swapper.step import DynamicLossScaler, OffloadAdamW
+from swapper.zero.config import OffloadConfig
+from swapper.zero.offload import OffloadedModel
+from tiers.errors import SwapConfigError
+from tiers.nvme import content_hash
+
+__all__ = ["PressureResult", "PressureSettings", "run_pressure"]
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PressureSettings:
+    """What one pressure run does. Sizes in bytes.
+
+    Attributes:
+        params: target parameter count of the GPT (see ``GPTConfig.for_params``).
+        steps: optimizer steps.
+        seed: model initialisation and data.
+        device_nbytes: device budget (``None``: a quarter of the 16-bit parameters).
+        host_nbytes: host budget (``None``: a quarter of the optimizer state, 12 B/param).
+        dirs: swap directories (empty: a temporary directory, removed after).
+        dtype: ``"bf16"`` or ``"fp16"`` (fp16 trains with a dynamic loss scaler).
+        batch, seq: sequences per step and tokens per sequence.
+        sub_group_numel: optimizer sub-group size (``None``: what lets the host budget
+            hold 4 sub-groups).
+        lr: AdamW learning rate.
+    """
+
+    params: int = 2_000_000
+    steps: int = 5
+    seed: int = 0
+    device_nbytes: int | None = None
+    host_nbytes: int | None = None
+    dirs: tuple[Path, ...] = ()
+    dtype: str = "bf16"
+    batch: int = 4
+    seq: int = 64
+    sub_group_numel: int | None = None
+    lr: float = 1e-3
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise SwapConfigError(f"dtype={self.dtype!r} must be one of {sorted(DTYPES)}")
+        for name in ("params", "steps", "batch", "seq"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise SwapConfigError(f"{name}={value!r} must be an int >= 1")
+
+
+@dataclasses.dataclass
+class _Run:
+    losses: list[float]
+    param_hashes: dict[str, int]
+    stats: Any
+    seconds: float
+    peak_rss_bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class PressureResult:
+    """What :func:`run_pressure` found; :meth:`to_json` is ``swapper-pressure --json``."""
+
+    settings: PressureSettings
+    model: GPTConfig
+    num_params: int
+    losses: list[float]
+    reference_losses: list[float]
+    identical: bool
+    peak_bytes: dict[str, int]
+    budget_bytes: dict[str, int | None]
+    peak_rss_bytes: int
+    baseline_rss_bytes: int
+    bytes_moved: int
+    stall_fraction: float
+    seconds: float
+    reference_seconds: float
+
+    @property
+    def within_budgets(self) -> bool:
+        """Every tier's peak is within its budget."""
+        return all(
+            limit is None or self.peak_bytes[tier] <= limit
+            for tier, limit in self.budget_bytes.items()
+        )
+
+    @property
+    def rss_bound_bytes(self) -> int:
+        """Host budget + device budget + the baseline: what the peak RSS should stay
+        under (the activations of the batch come on top; small by default)."""
+        return (
+            (self.budget_bytes["host"] or 0)
+            + (self.budget_bytes["device"] or 0)
+            + self.baseline_rss_bytes
+        )
+
+    @property
+    def ok(self) -> bool:
+        """Identical results within budgets: the run proves what it should."""
+        return self.identical and self.within_budgets
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "params": self.num_params,
+            "model": dataclasses.asdict(self.model),
+            "steps": self.settings.steps,
+            "seed": self.settings.seed,
+            "dtype": self.settings.dtype,
+            "losses": self.losses,
+            "reference_losses": self.reference_losses,
+            "identical": self.identical,
+            "peak_bytes": self.peak_bytes,
+            "budget_bytes": self.budget_bytes,
+            "within_budgets": self.within_budgets,
+            "peak_rss_bytes": self.peak_rss_bytes,
+            "baseline_rss_bytes": self.baseline_rss_bytes,
+            "rss_bound_bytes": self.rss_bound_bytes,
+            "bytes_moved": self.bytes_moved,
+            "stall_fraction": self.stall_fraction,
+            "seconds": self.seconds,
+            "reference_seconds": self.reference_seconds,
+        }
+
+
+def run_pressure(
+    settings: PressureSettings, *, say: Callable[[str], None] = lambda line: None
+) -> PressureResult:
+    """Run the pressure and reference trainings and compare them (see the module
+    docstring). ``say`` receives progress lines.
+
+    Raises:
+        SwapConfigError: a budget cannot work for this model (named).
+        SwapError, OSError: the tiers failed.
+    """
+    model_config = GPTConfig.for_params(settings.params)
+    num_params = model_config.num_params()
+    dtype = DTYPES[settings.dtype]
+    param_nbytes = 2 * num_params
+    state_nbytes = 12 * num_params
+    device = settings.device_nbytes if settings.device_nbytes is not None else param_nbytes // 4
+    host = settings.host_nbytes if settings.host_nbytes is not None else state_nbytes // 4
+    sub_group = settings.sub_group_numel or max(1024, host // 4 // 12)
+    data = batches(
+        model_config,
+        batch=settings.batch,
+        seq=settings.seq,
+        steps=settings.steps,
+        seed=settings.seed,
+    )
+    _reset_peak_rss()
+    baseline = _baseline_rss(settings, dtype)
+    say(
+        f"swapper-pressure: GPT of {num_params:,} params ({model_config.n_layers} layers, "
+        f"d_model {model_config.d_model}), {settings.dtype}, {settings.steps} steps; "
+        f"device budget {device:,} B (16-bit params {param_nbytes:,} B), host budget "
+        f"{host:,} B (optimizer state {state_nbytes:,} B)"
+    )
+    with _swap_dirs(settings.dirs) as dirs:
+        config = OffloadConfig(
+            device_nbytes=device,
+            host_nbytes=host,
+            nvme_dirs=dirs,
+            sub_group_numel=sub_group,
+            device="cpu",
+        )
+        _reset_peak_rss()
+        pressure = _train(model_config, config, data, settings, dtype, say, "pressure")
+    reference_config = OffloadConfig(
+        device_nbytes=None, host_nbytes=None, sub_group_numel=sub_group, device="cpu"
+    )
+    reference = _train(model_config, reference_config, data, settings, dtype, say, "reference")
+    identical = (
+        _same_floats(pressure.losses, reference.losses)
+        and pressure.param_hashes == reference.param_hashes
+    )
+    stats = pressure.stats
+    peaks = {tier.value: stats.tiers[tier].peak_nbytes or 0 for tier in (Tier.DEVICE, Tier.HOST)}
+    moved = sum(t.nbytes for t in stats.transfers.values())
+    return PressureResult(
+        settings=settings,
+        model=model_config,
+        num_params=num_params,
+        losses=pressure.losses,
+        reference_losses=reference.losses,
+        identical=identical,
+        peak_bytes=peaks,
+        budget_bytes={"device": device, "host": host},
+        peak_rss_bytes=pressure.peak_rss_bytes,
+        baseline_rss_bytes=baseline,
+        bytes_moved=moved,
+        stall_fraction=stats.stall_s / pressure.seconds if pressure.seconds > 0 else 0.0,
+        seconds=pressure.seconds,
+        reference_seconds=reference.seconds,
+    )
+
+
+def _train(
+    model_config: GPTConfig,
+    config: OffloadConfig,
+    data: list[torch.Tensor],
+    settings: PressureSettings,
+    dtype: torch.dtype,
+    say: Callable[[str], None],
+    label: str,
+) -> _Run:
+    with torch.device("meta"):
+        model = GPT(model_config)
+
+    def materialize(module: torch.nn.Module, place: Callable[[str, torch.nn.Module], None]) -> None:
+        materialize_(model, dtype=dtype, seed=settings.seed, on_module=place)
+
+    losses: list[float] = []
+    scaler = DynamicLossScaler(2.0**12) if dtype == torch.float16 else None
+    with contextlib.ExitStack() as stack:
+        wrapped = stack.enter_context(OffloadedModel(model, config, materialize=materialize))
+        optimizer = stack.enter_context(
+            OffloadAdamW(
+                wrapped.parameters(),
+                lr=settings.lr,
+                weight_decay=0.01,
+                tiers=wrapped,
+                sub_group_numel=config.sub_group_numel,
+                max_grad_norm=1.0,
+                loss_scaler=scaler,
+            )
+        )
+        start = time.perf_counter()
+        for step, tokens in enumerate(data, 1):
+            loss = model.loss(tokens)
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(float(loss))
+            say(f"  {label} step {step}: loss {losses[-1]:.6f}")
+        seconds = time.perf_counter() - start
+        peak_rss = _peak_rss()
+        stats = wrapped.stats()
+        hashes = {name: content_hash(t) for name, t in wrapped.iter_state_dict()}
+    return _Run(losses, hashes, stats, seconds, peak_rss)
+
+
+def _baseline_rss(settings: PressureSettings, dtype: torch.dtype) -> int:
+    """Peak RSS with torch loaded and a tiny model trained one step through the same
+    code (so thread pools and allocator caches are warm), without the model under test."""
+    tiny = dataclasses.replace(settings, params=200_000, steps=1, dirs=())
+    model_config = GPTConfig.for_params(tiny.params)
+    data = batches(model_config, batch=settings.batch, seq=settings.seq, steps=1, seed=0)
+    config = OffloadConfig(device_nbytes=None, host_nbytes=None, device="cpu")
+    _train(model_config, config, data, tiny, dtype, lambda line: None, "baseline")
+    return _peak_rss()
+
+
+@contextlib.contextmanager
+def _swap_dirs(dirs: tuple[Path, ...]) -> Iterator[list[Path]]:
+    if dirs:
+        yield [Path(d) / f"swapper-pressure-{os.getpid()}" for d in dirs]
+        return
+    with tempfile.TemporaryDirectory(prefix="swapper-pressure-") as tmp:
+        yield [Path(tmp) / "swap"]
+
+
+def _same_floats(a: list[float], b: list[float]) -> bool:
+    return len(a) == len(b) and all(
+        x == y or (x != x and y != y) for x, y in zip(a, b, strict=True)
+    )
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status", encoding="ascii") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _peak_rss() -> int:
+    """The process's peak resident memory since the last reset, in bytes (VmHWM)."""
+    return _status_kib("VmHWM")
+
+
+def _reset_peak_rss() -> None:
+    """Reset VmHWM to the current RSS (Linux ≥ 4.0: ``5`` into clear_refs)."""
+    with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w", encoding="ascii") as f:
+        f.write("5")

@@ -1,0 +1,571 @@
+"""``swapper.offload(model, config)``: a module's 16-bit parameters live in the tiers.
+
+Every parameter is one tensor of kind ``param16`` in a :class:`~swapper.manager.TierManager`
+(key ``param/<name>``); between uses its ``.data`` is an empty placeholder. Hooks on each
+module that owns parameters (``recurse=False``) bring them in around the module's work:
+
+- forward pre-hook: fetch them into the first tier of ``config.param_tiers`` (the device)
+  and point ``.data`` at the fetched bytes; forward hook: release them again. The
+  forward hook also passes the outputs through :class:`_BeforeBackward`, whose backward
+  runs just before the module's own backward and fetches them again;
+- when a parameter's gradient has been accumulated (``register_post_accumulate_grad_hook``:
+  every use of it in the graph has contributed, tied weights included), the gradient is
+  moved into its retained 16-bit buffer (kind ``grad16``, key ``grad/<name>``, host tier
+  by default; added to it on later micro-steps), ``.grad`` is dropped, and the backward
+  holds on the parameter are released;
+- at the end of each backward, holds left (parameters without gradients) are released.
+
+A parameter used by several modules (tied weights) is one entry; it is fetched once and
+counted per user, so it is never released twice nor early.
+
+The first forward and backward record the order in which parameters are fetched; from
+then on every fetch reads ahead the next ones along it (up to ``config.prefetch_nbytes``
+of them) and the manager evicts by it (Belady).
+
+Parameters are placed at wrap time, one module at a time: each goes to the fastest tier of
+its placement with room (device, else pinned host, else written to NVMe), and a model
+built on the meta device is materialised module by module (``materialize``), so a model
+larger than host memory can be initialised.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import threading
+import weakref
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from swapper.manager import Kind, ManagerStats, Tier, TierManager
+from swapper.step.sources import ParamSource
+from swapper.zero.config import OffloadConfig
+from tiers.errors import SwapConfigError
+from tiers.units import format_size
+
+__all__ = ["OffloadedModel", "offload"]
+
+log = logging.getLogger(__name__)
+
+#: materialize(model, place): see :class:`OffloadedModel`.
+Materialize = Callable[[nn.Module, Callable[[str, nn.Module], None]], None]
+
+#: Modules wrapped so far (a module may be wrapped once).
+_WRAPPED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+
+@dataclasses.dataclass(eq=False)
+class _Slot:
+    """One offloaded parameter: its keys, real shape, and who holds it now."""
+
+    name: str
+    param: nn.Parameter
+    shape: torch.Size
+    dtype: torch.dtype
+    placeholder: torch.Tensor
+    users: int = 0  # fetches outstanding (forward and backward holds)
+    backward_holds: int = 0  # of which taken for a backward
+    has_grad: bool = False  # its retained gradient is registered
+
+    @property
+    def key(self) -> str:
+        return f"param/{self.name}"
+
+    @property
+    def grad_key(self) -> str:
+        return f"grad/{self.name}"
+
+    @property
+    def nbytes(self) -> int:
+        return self.shape.numel() * self.dtype.itemsize
+
+
+class _BeforeBackward(torch.autograd.Function):
+    """Identity on a module's outputs whose backward fetches the module's parameters."""
+
+    @staticmethod
+    def forward(ctx: Any, hook: Callable[[], None], *tensors: torch.Tensor) -> Any:  # type: ignore[override]
+        ctx.hook = hook
+        outputs = tuple(t.detach() for t in tensors)
+        return outputs if len(outputs) > 1 else outputs[0]
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> Any:  # type: ignore[override]
+        ctx.hook()
+        return (None, *grads)
+
+
+def offload(
+    model: nn.Module, config: OffloadConfig, *, materialize: Materialize | None = None
+) -> OffloadedModel:
+    """Wrap ``model`` so its 16-bit parameters live in the tiers (see the module docstring).
+
+    The parameters must be bf16 or fp16; a model built on the meta device is given values
+    module by module by ``materialize`` (see :class:`OffloadedModel`). Use the result as
+    the model; build the optimizer with
+    ``swapper.OffloadAdamW(wrapped.parameters(), tiers=wrapped)``.
+
+    Raises:
+        SwapConfigError: the model is wrapped already; a parameter is not 16-bit; the
+            device budget cannot hold the largest module's parameters (names the module
+            and the bytes it needs).
+        and what :class:`TierManager` raises.
+    """
+    return OffloadedModel(model, config, materialize=materialize)
+
+
+class OffloadedModel(nn.Module):
+    """A module whose 16-bit parameters live in a :class:`TierManager`.
+
+    Args:
+        module: the model; its parameters are replaced by placeholders between uses.
+        config: budgets, directories and placement.
+        materialize: for a model built on the meta device: ``materialize(model, place)``
+            gives the modules' parameters values one module at a time and calls
+            ``place(name, module)`` after each, which moves that module's own parameters
+            into the tiers before the next module is made (so the whole model is never in
+            memory at once). A tied parameter must stay one Parameter object.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        config: OffloadConfig,
+        *,
+        materialize: Materialize | None = None,
+    ) -> None:
+        super().__init__()
+        if not isinstance(module, nn.Module):
+            raise SwapConfigError(f"offload: expected an nn.Module, got {type(module).__name__}")
+        if isinstance(module, OffloadedModel) or module in _WRAPPED:
+            raise SwapConfigError(
+                f"offload: this {type(module).__name__} is already wrapped; wrap a model once"
+            )
+        if not isinstance(config, OffloadConfig):
+            raise SwapConfigError(f"offload: config must be an OffloadConfig, got {config!r}")
+        self.module = module
+        self.config = config
+        self._slots: dict[int, _Slot] = {}  # id(param) → slot
+        self._by_name: dict[str, _Slot] = {}
+        self._module_slots: dict[nn.Module, list[_Slot]] = {}
+        self._lock = threading.RLock()
+        self._handles: list[Any] = []
+        self._order: list[str] | None = None  # fetch order, once recorded
+        self._recording: list[str] | None = []  # being recorded (the first step)
+        self._position: dict[str, list[int]] = {}
+        self._cursor = -1
+        self._in_backward = False
+        self._closed = False
+        self._check_modules(module)
+        self._manager = TierManager(config.manager_config())
+        try:
+            self._place_all(module, materialize)
+            self._install_hooks(module)
+        except BaseException:
+            for handle in self._handles:
+                handle.remove()
+            self._manager.close(remove=True)
+            raise
+        _WRAPPED.add(module)
+
+    # -- what the optimizer and the user see ----------------------------------------------
+
+    @property
+    def manager(self) -> TierManager:
+        """The tier manager holding the parameters (and the optimizer's state)."""
+        return self._manager
+
+    def param_source(self) -> ParamSource:
+        """Access to the parameters and their retained gradients, for the optimizer."""
+        return _TieredParams(self)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    def stats(self) -> ManagerStats:
+        """The manager's counters: bytes moved, stall time, peaks per tier."""
+        return self._manager.stats()
+
+    def named_offloaded(self) -> Iterator[tuple[str, torch.Size, torch.dtype]]:
+        """(name, shape, dtype) of every offloaded parameter."""
+        for slot in self._by_name.values():
+            yield slot.name, slot.shape, slot.dtype
+
+    def iter_state_dict(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, an ordinary CPU copy of the parameter), one parameter at a time; the
+        names are the wrapped model's own (no ``module.`` prefix)."""
+        for name, slot in self._by_name.items():
+            with self._holding(slot) as tensor:
+                yield name, tensor.detach().to("cpu", copy=True)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
+        """The wrapped model's state dict with ordinary tensors (parameters fetched and
+        copied one at a time; buffers as they are). Keys are the wrapped model's own."""
+        if args or kwargs:
+            raise TypeError("OffloadedModel.state_dict() takes no arguments")
+        params = dict(self.iter_state_dict())
+        out: dict[str, Any] = {}
+        for name, value in self.module.state_dict(keep_vars=True).items():
+            out[name] = params.get(
+                name, value.detach() if isinstance(value, torch.Tensor) else value
+            )
+        # tied parameters appear under every name that uses them
+        for name, param in self.module.named_parameters(remove_duplicate=False):
+            if name not in params and id(param) in self._slots:
+                out[name] = params[self._slots[id(param)].name]
+        return out
+
+    def close(self) -> None:
+        """Remove the hooks and drop the tiers (their files deleted); the parameters stay
+        placeholders. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._manager.close(remove=True)
+        _WRAPPED.discard(self.module)
+
+    def __enter__(self) -> OffloadedModel:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- set-up ---------------------------------------------------------------------------
+
+    def _check_modules(self, module: nn.Module) -> None:
+        """Refuse a device budget that cannot hold some module's parameters at once."""
+        limit = self.config.device_nbytes
+        first = self.config.param_tiers[0]
+        if first is Tier.HOST:
+            limit = self.config.host_nbytes
+
+        def nbytes_of(p: torch.Tensor) -> int:
+            # a meta parameter becomes 16-bit when materialised (checked at registration)
+            return p.numel() * (2 if p.is_meta else p.element_size())
+
+        seen: set[int] = set()
+        shared = 0  # tied parameters may be held through a whole backward
+        uses: dict[int, int] = {}
+        for sub in module.modules():
+            for p in sub.parameters(recurse=False):
+                uses[id(p)] = uses.get(id(p), 0) + 1
+        for sub in module.modules():
+            for p in sub.parameters(recurse=False):
+                if uses[id(p)] > 1 and id(p) not in seen:
+                    shared += nbytes_of(p)
+                seen.add(id(p))
+        if limit is None:
+            return
+        for name, sub in module.named_modules():
+            own = [p for p in sub.parameters(recurse=False)]
+            nbytes = sum(nbytes_of(p) for p in own)
+            tied_elsewhere = shared - sum(nbytes_of(p) for p in own if uses[id(p)] > 1)
+            need = nbytes + tied_elsewhere
+            if own and need > limit:
+                raise SwapConfigError(
+                    f"offload: module {name or type(sub).__name__!r} "
+                    f"({type(sub).__name__}) needs {need} bytes ({format_size(need)}) of "
+                    f"{first.value} memory at once (its parameters"
+                    + (", and tied parameters held through the backward" if tied_elsewhere else "")
+                    + f"), more than the {first.value} budget of {limit} bytes: raise it to "
+                    f"at least {need}"
+                )
+
+    def _place_all(self, module: nn.Module, materialize: Materialize | None) -> None:
+        if materialize is not None:
+            materialize(module, self._place_module)
+        for name, sub in module.named_modules():
+            if sub not in self._module_slots:
+                self._place_module(name, sub)
+
+    def _place_module(self, name: str, module: nn.Module) -> None:
+        """Move the module's own parameters into the tiers (once per module)."""
+        if module in self._module_slots:
+            return
+        slots = []
+        for p_name, param in module.named_parameters(recurse=False):
+            slot = self._slots.get(id(param))
+            if slot is None:
+                slot = self._register(f"{name}.{p_name}" if name else p_name, param)
+            slots.append(slot)
+        if slots:
+            self._module_slots[module] = slots
+
+    def _register(self, name: str, param: nn.Parameter) -> _Slot:
+        if param.is_meta:
+            raise SwapConfigError(
+                f"offload: parameter {name!r} is on the meta device; pass materialize= to "
+                "give the model's parameters values module by module"
+            )
+        if param.dtype not in (torch.bfloat16, torch.float16):
+            raise SwapConfigError(
+                f"offload: parameter {name!r} (shape {list(param.shape)}) is {param.dtype}; "
+                "convert the model to bf16 or fp16 first (model.to(torch.bfloat16))"
+            )
+        slot = _Slot(
+            name=name,
+            param=param,
+            shape=param.shape,
+            dtype=param.dtype,
+            placeholder=torch.empty(0, dtype=param.dtype),
+        )
+        self._manager.register(slot.key, param.detach(), Kind.PARAM16)
+        param.data = slot.placeholder  # the tiers hold it now
+        self._slots[id(param)] = slot
+        self._by_name[name] = slot
+        return slot
+
+    def _install_hooks(self, module: nn.Module) -> None:
+        for sub, slots in self._module_slots.items():
+            self._handles.append(sub.register_forward_pre_hook(self._pre_forward_hook(slots)))
+            self._handles.append(sub.register_forward_hook(self._post_forward_hook(slots)))
+        for slot in self._by_name.values():
+            if slot.param.requires_grad:
+                self._handles.append(
+                    slot.param.register_post_accumulate_grad_hook(self._grad_hook(slot))
+                )
+
+    # -- hooks ----------------------------------------------------------------------------
+
+    def _pre_forward_hook(self, slots: list[_Slot]) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any) -> None:
+            for slot in slots:
+                self._acquire(slot)
+
+        return hook
+
+    def _post_forward_hook(self, slots: list[_Slot]) -> Callable[..., Any]:
+        def before_backward() -> None:
+            self._backward_started()
+            for slot in slots:
+                self._acquire(slot)
+                with self._lock:
+                    slot.backward_holds += 1
+
+        def hook(module: nn.Module, args: Any, output: Any) -> Any:
+            for slot in slots:
+                self._release(slot)
+            if not torch.is_grad_enabled():
+                return output
+            return _mark_outputs(output, before_backward)
+
+        return hook
+
+    def _grad_hook(self, slot: _Slot) -> Callable[[torch.Tensor], None]:
+        def hook(param: torch.Tensor) -> None:
+            grad = param.grad
+            if grad is not None:
+                self._retain_grad(slot, grad)
+                param.grad = None  # moved: the retained buffer holds it now
+            with self._lock:
+                holds, slot.backward_holds = slot.backward_holds, 0
+            for _ in range(holds):
+                self._release(slot)
+
+        return hook
+
+    def _backward_started(self) -> None:
+        with self._lock:
+            if self._in_backward:
+                return
+            self._in_backward = True
+        torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
+
+    def _backward_ended(self) -> None:
+        with self._lock:
+            self._in_backward = False
+            leftovers = [(s, s.backward_holds) for s in self._by_name.values() if s.backward_holds]
+            for slot, _ in leftovers:
+                slot.backward_holds = 0
+        for slot, holds in leftovers:
+            for _ in range(holds):
+                self._release(slot)
+        if self._recording is not None and self._recording:
+            self._order = self._recording
+            self._recording = None
+            self._position = {}
+            for i, key in enumerate(self._order):
+                self._position.setdefault(key, []).append(i)
+            self._manager.record_access_order(self._order)
+            log.info("offload: recorded a fetch order of %d steps", len(self._order))
+
+    def _retain_grad(self, slot: _Slot, grad: torch.Tensor) -> None:
+        """Move ``grad`` into the retained buffer (one copy; added on later micro-steps)."""
+        with self._lock:
+            first = not slot.has_grad
+            slot.has_grad = True
+        if first:
+            self._manager.register(slot.grad_key, grad.detach(), Kind.GRAD16)
+            return
+        retained = self._manager.fetch(slot.grad_key)
+        try:
+            retained.add_(grad.view(slot.shape))
+        finally:
+            self._manager.release(slot.grad_key, modified=True)
+
+    # -- fetching and releasing -------------------------------------------------------------
+
+    def _acquire(self, slot: _Slot) -> None:
+        with self._lock:
+            slot.users += 1
+            if slot.users > 1:
+                return
+        try:
+            tensor = self._manager.fetch(slot.key, self.config.param_tiers[0])
+        except BaseException:
+            with self._lock:
+                slot.users -= 1
+            raise
+        with self._lock:
+            slot.param.data = tensor
+        self._note_fetch(slot.key)
+
+    def _release(self, slot: _Slot) -> None:
+        with self._lock:
+            slot.users -= 1
+            if slot.users > 0:
+                return
+            slot.param.data = slot.placeholder
+        self._manager.release(slot.key, modified=False)
+
+    @contextlib.contextmanager
+    def _holding(self, slot: _Slot) -> Iterator[torch.Tensor]:
+        self._acquire(slot)
+        try:
+            yield slot.param.data
+        finally:
+            self._release(slot)
+
+    def _note_fetch(self, key: str) -> None:
+        """Record the fetch order (first step), or read ahead along it (later steps)."""
+        if self._recording is not None:
+            self._recording.append(key)
+            return
+        order = self._order
+        if not order:
+            return
+        positions = self._position.get(key)
+        if not positions:
+            return
+        after = [i for i in positions if i > self._cursor]
+        self._cursor = after[0] if after else positions[0]
+        window = self.config.prefetch_nbytes
+        ahead: list[str] = []
+        taken = 0
+        for i in range(self._cursor + 1, self._cursor + len(order)):
+            next_key = order[i % len(order)]
+            nbytes = self._by_name[next_key.removeprefix("param/")].nbytes
+            if window is not None and taken + nbytes > window:
+                break
+            if next_key != key and next_key not in ahead:
+                ahead.append(next_key)
+                taken += nbytes
+        if ahead:
+            self._manager.prefetch(ahead, self.config.param_tiers[0])
+
+
+def _mark_outputs(output: Any, hook: Callable[[], None]) -> Any:
+    """``output`` with its grad-requiring tensors passed through :class:`_BeforeBackward`."""
+    if isinstance(output, torch.Tensor):
+        return _BeforeBackward.apply(hook, output) if output.requires_grad else output
+    if isinstance(output, (tuple, list)):
+        tensors = [t for t in output if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not tensors:
+            return output
+        marked = _BeforeBackward.apply(hook, *tensors)
+        marked = marked if isinstance(marked, tuple) else (marked,)
+        it = iter(marked)
+        items = [next(it) if isinstance(t, torch.Tensor) and t.requires_grad else t for t in output]
+        return type(output)(items) if isinstance(output, list) else tuple(items)
+    if isinstance(output, Mapping):
+        keys = [k for k, v in output.items() if isinstance(v, torch.Tensor) and v.requires_grad]
+        if not keys:
+            return output
+        marked = _BeforeBackward.apply(hook, *(output[k] for k in keys))
+        marked = marked if isinstance(marked, tuple) else (marked,)
+        return {**output, **dict(zip(keys, marked, strict=True))}
+    return output
+
+
+class _TieredParams:
+    """:class:`~swapper.step.sources.ParamSource` over an :class:`OffloadedModel`."""
+
+    def __init__(self, model: OffloadedModel) -> None:
+        self._model = model
+        self._manager = model.manager
+
+    def _slot(self, param: torch.Tensor) -> _Slot:
+        slot = self._model._slots.get(id(param))
+        if slot is None:
+            raise SwapConfigError(
+                f"a parameter of shape {list(param.shape)} given to the optimizer is not one "
+                "of the offloaded model's: pass wrapped.parameters()"
+            )
+        return slot
+
+    def shape(self, param: torch.Tensor) -> torch.Size:
+        return self._slot(param).shape
+
+    def dtype(self, param: torch.Tensor) -> torch.dtype:
+        return self._slot(param).dtype
+
+    def contiguous(self, param: torch.Tensor) -> bool:
+        self._slot(param)
+        return True  # the tiers hold every parameter contiguous
+
+    def read_param(self, param: torch.Tensor, start: int, out: torch.Tensor) -> None:
+        key = self._slot(param).key
+        tensor = self._manager.fetch(key)
+        try:
+            out.copy_(tensor.view(-1)[start : start + out.numel()])
+        finally:
+            self._manager.release(key, modified=False)
+
+    def read_grad(self, param: torch.Tensor, start: int, out: torch.Tensor) -> bool:
+        slot = self._slot(param)
+        if not slot.has_grad:
+            return False
+        tensor = self._manager.fetch(slot.grad_key)
+        try:
+            out.copy_(tensor.view(-1)[start : start + out.numel()])
+        finally:
+            self._manager.release(slot.grad_key, modified=False)
+        return True
+
+    def write_param(self, param: torch.Tensor, start: int, source: torch.Tensor) -> None:
+        slot = self._slot(param)
+        if slot.users:
+            raise SwapConfigError(
+                f"optimizer step while parameter {slot.name!r} is in use (inside a forward "
+                "or backward?)"
+            )
+        tensor = self._manager.fetch(slot.key)
+        try:
+            tensor.view(-1)[start : start + source.numel()].copy_(source)
+        finally:
+            self._manager.release(slot.key, modified=True)
+
+    def grads(self, params: Sequence[torch.Tensor]) -> Iterator[torch.Tensor]:
+        for param in params:
+            slot = self._slot(param)
+            if not slot.has_grad:
+                continue
+            tensor = self._manager.fetch(slot.grad_key)
+            try:
+                yield tensor
+            finally:
+                self._manager.release(slot.grad_key, modified=False)
+
+    def zero_grad(self, params: Sequence[torch.Tensor]) -> None:
+        for param in params:
+            slot = self._slot(param)
+            if slot.has_grad:
+                self._manager.unregister(slot.grad_key)
+                slot.has_grad = False
