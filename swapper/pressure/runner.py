@@ -265,7 +265,7 @@ def _train(
             (scaler.scale(loss) if scaler is not None else loss).backward()
             optimizer.step()
             optimizer.zero_grad()
-            losses.append(float(loss))
+            losses.append(float(loss.detach()))
             say(f"  {label} step {step}: loss {losses[-1]:.6f}")
         seconds = time.perf_counter() - start
         peak_rss = _peak_rss()

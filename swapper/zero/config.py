@@ -1,0 +1,699 @@
+"""Settings of the training integration: one frozen dataclass, :class:`OffloadConfig`.
+
+``swapper.offload(model, config)`` keeps a model's 16-bit parameters (and their retained
+16-bit gradients) in the tiers, and :class:`~swapper.step.OffloadAdamW` keeps the fp32
+optimizer state there; both read their :class:`~swapper.manager.TierManager` settings from
+:meth:`OffloadConfig.manager_config`.
+
+A config comes from keyword arguments, from a mapping of our own keys
+(:meth:`OffloadConfig.from_dict`), from a JSON file (:meth:`OffloadConfig.from_json`), or
+from a DeepSpeed config (:meth:`OffloadConfig.from_deepspeed`). DeepSpeed has no byte
+budgets, so a caller loading one usually passes ``device_nbytes=`` and ``host_nbytes=`` as
+overrides.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from swapper.manager.config import MEMORY_TIERS, Kind, ManagerConfig, Tier
+from tiers.config import AioConfig
+from tiers.errors import SwapConfigError
+from tiers.units import parse_size
+
+__all__ = ["OffloadConfig"]
+
+_BYTE_FIELDS = ("device_nbytes", "host_nbytes", "prefetch_nbytes")
+_TIER_FIELDS = ("param_tiers", "grad_tiers", "optimizer_tiers")
+_DEVICE = re.compile(r"^(cpu|cuda(:\d+)?)$")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OffloadConfig:
+    """Where a model's training state lives and how it moves. Sizes in bytes.
+
+    Attributes:
+        device_nbytes: device-tier budget, for the 16-bit parameters being used
+            (``None``: unlimited).
+        host_nbytes: pinned host budget, for 16-bit gradients, the optimizer state in
+            flight and every I/O staging buffer (``None``: unlimited).
+        nvme_dirs: swap directories (normalised to a tuple of :class:`~pathlib.Path`);
+            empty for no NVMe tier.
+        aio: settings of the AIO engine that reads and writes the swap files.
+        param_tiers: where 16-bit parameters may live, in order of preference; the first
+            is where they are used and must be a memory tier. ``None`` (the default):
+            ``(device, host, nvme)``, without ``nvme`` when ``nvme_dirs`` is empty.
+            Normalised to a tuple of :class:`~swapper.manager.Tier`.
+        grad_tiers: where retained 16-bit gradients may live. ``None``: ``(host, nvme)``,
+            without ``nvme`` when ``nvme_dirs`` is empty.
+        optimizer_tiers: where fp32 optimizer state (master weights, Adam moments) may
+            live. ``None``: ``(host, nvme)``, without ``nvme`` when ``nvme_dirs`` is empty.
+        prefetch_nbytes: read-ahead window: at most this many bytes read ahead and not yet
+            used (``None``: half the device budget, or the manager's default when the
+            device budget is unlimited). Bytes read ahead sit in host memory, so
+            :meth:`manager_config` clamps the window to ``host_nbytes``.
+        sub_group_numel: optimizer sub-group size in elements; each sub-group's state is
+            12 B per element and the host budget must hold at least one.
+        host_fraction: fraction of the optimizer sub-groups kept in host memory for the
+            optimizer's life instead of streamed from NVMe, in [0, 1].
+        device: ``None`` (CUDA if available, else the CPU stand-in), ``"cpu"``,
+            ``"cuda"``, ``"cuda:N"``. Whether CUDA is present is checked when the manager
+            starts, not here.
+        store_name: base name of the swap files.
+
+    Raises:
+        SwapConfigError: a setting is invalid; the message names it and says what to fix.
+    """
+
+    device_nbytes: int | None = None
+    host_nbytes: int | None = None
+    nvme_dirs: Sequence[str | os.PathLike[str]] = ()
+    aio: AioConfig = dataclasses.field(default_factory=AioConfig)
+    param_tiers: Sequence[Tier | str] | None = None
+    grad_tiers: Sequence[Tier | str] | None = None
+    optimizer_tiers: Sequence[Tier | str] | None = None
+    prefetch_nbytes: int | None = None
+    sub_group_numel: int = 25_000_000
+    host_fraction: float = 0.0
+    device: str | None = None
+    store_name: str = "swapper-offload"
+
+    def __post_init__(self) -> None:
+        for name in _BYTE_FIELDS:
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise SwapConfigError(
+                    f"{name}={value!r} must be an int number of bytes >= 0, or None "
+                    "(from_dict also takes sizes such as '64MiB')"
+                )
+            if value is not None and value < 0:
+                raise SwapConfigError(f"{name}={value} must be >= 0 bytes, or None")
+        if self.prefetch_nbytes == 0:
+            raise SwapConfigError(
+                "prefetch_nbytes=0 must be > 0 bytes, or None for the default window"
+            )
+        self._set("nvme_dirs", _checked_dirs(self.nvme_dirs))
+        if not isinstance(self.aio, AioConfig):
+            raise SwapConfigError(
+                f"aio={self.aio!r} must be an AioConfig (from_dict also takes a dict)"
+            )
+        has_nvme = bool(self.nvme_dirs)
+        defaults = {
+            "param_tiers": (Tier.DEVICE, Tier.HOST, Tier.NVME),
+            "grad_tiers": (Tier.HOST, Tier.NVME),
+            "optimizer_tiers": (Tier.HOST, Tier.NVME),
+        }
+        for name in _TIER_FIELDS:
+            given = getattr(self, name)
+            if given is None:
+                tiers = tuple(t for t in defaults[name] if has_nvme or t is not Tier.NVME)
+            else:
+                tiers = _checked_tiers(name, given, has_nvme=has_nvme)
+            self._set(name, tiers)
+        first = self.param_tiers[0]
+        if first not in MEMORY_TIERS:
+            raise SwapConfigError(
+                f"param_tiers={_names(self.param_tiers)} must start with a memory tier "
+                "('device' or 'host'): parameters are used where the first tier is"
+            )
+        if self.host_nbytes == 0:
+            for name in _TIER_FIELDS:
+                tiers = getattr(self, name)
+                if Tier.DEVICE in tiers and Tier.NVME in tiers:
+                    raise SwapConfigError(
+                        f"host_nbytes=0, but {name}={_names(tiers)} moves device tensors to "
+                        "NVMe, which goes through host staging buffers: give the host tier "
+                        "room for the largest tensor, or drop 'device' or 'nvme' from "
+                        f"{name}"
+                    )
+        numel = self.sub_group_numel
+        if isinstance(numel, bool) or not isinstance(numel, int) or numel <= 0:
+            raise SwapConfigError(
+                f"sub_group_numel={numel!r} must be an int number of elements > 0 (e.g. 25_000_000)"
+            )
+        fraction = self.host_fraction
+        if (
+            isinstance(fraction, bool)
+            or not isinstance(fraction, (int, float))
+            or not 0.0 <= fraction <= 1.0  # also refuses NaN
+        ):
+            raise SwapConfigError(
+                f"host_fraction={fraction!r} must be a number from 0 to 1 (the fraction of "
+                "optimizer sub-groups kept in host memory)"
+            )
+        self._set("host_fraction", float(fraction))
+        if self.device is not None and (
+            not isinstance(self.device, str) or not _DEVICE.match(self.device)
+        ):
+            raise SwapConfigError(
+                f"device={self.device!r} must be None (CUDA if available, else CPU), 'cpu', "
+                "'cuda' or 'cuda:N'"
+            )
+        if not isinstance(self.store_name, str) or not self.store_name:
+            raise SwapConfigError(f"store_name={self.store_name!r} must be a non-empty name")
+        # Every valid OffloadConfig makes a valid ManagerConfig: the checks above cover the
+        # manager's rules with our names; this catches any rule they miss.
+        try:
+            self.manager_config()
+        except SwapConfigError as exc:
+            raise SwapConfigError(
+                f"these settings make no valid TierManager config: {exc}"
+            ) from None
+
+    def _set(self, name: str, value: Any) -> None:
+        object.__setattr__(self, name, value)  # frozen: normalising in __post_init__ only
+
+    # -- what the integration uses -------------------------------------------------------
+
+    @property
+    def prefetch_window_nbytes(self) -> int | None:
+        """The read-ahead window :meth:`manager_config` passes to the manager.
+
+        ``prefetch_nbytes``, or half of ``device_nbytes`` when it is None, clamped to
+        ``host_nbytes`` (bytes read ahead wait in host memory, and the manager refuses a
+        window larger than the host budget). ``None`` when that leaves nothing (no device
+        budget, or a window of 0 bytes): the manager then uses its own default, half the
+        host budget or unlimited.
+        """
+        window = self.prefetch_nbytes
+        if window is None and self.device_nbytes is not None:
+            window = self.device_nbytes // 2
+        if window is not None and self.host_nbytes is not None:
+            window = min(window, self.host_nbytes)
+        return window or None
+
+    def manager_config(self) -> ManagerConfig:
+        """The :class:`~swapper.manager.TierManager` settings these make.
+
+        Budgets, ``nvme_dirs``, ``aio``, ``device`` and ``store_name`` pass through;
+        placement is ``param16 → param_tiers``, ``grad16 → grad_tiers`` and
+        ``optim_state`` and ``grad32 → optimizer_tiers``; the read-ahead window is
+        :attr:`prefetch_window_nbytes`. The other manager settings keep their defaults.
+
+        Raises:
+            SwapConfigError: never for a config that constructed (``__post_init__`` builds
+                one to check); listed for the manager's own validation.
+        """
+        return ManagerConfig(
+            device_nbytes=self.device_nbytes,
+            host_nbytes=self.host_nbytes,
+            nvme_dirs=self.nvme_dirs,
+            aio=self.aio,
+            placement={
+                Kind.PARAM16: self.param_tiers,
+                Kind.GRAD16: self.grad_tiers,
+                Kind.OPTIM_STATE: self.optimizer_tiers,
+                Kind.GRAD32: self.optimizer_tiers,
+            },
+            prefetch_window_nbytes=self.prefetch_window_nbytes,
+            device=self.device,
+            store_name=self.store_name,
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        """The settings as JSON values; :meth:`from_dict` of the result gives an equal config.
+
+        Tiers and paths become strings, ``aio`` a dict of its fields (its backend as a
+        string), the tier lists the normalised ones (so the defaults appear explicitly).
+        """
+        aio = {f.name: getattr(self.aio, f.name) for f in dataclasses.fields(self.aio)}
+        aio["backend"] = self.aio.backend.value
+        return {
+            "device_nbytes": self.device_nbytes,
+            "host_nbytes": self.host_nbytes,
+            "nvme_dirs": [os.fspath(d) for d in self.nvme_dirs],
+            "aio": aio,
+            "param_tiers": _names(self.param_tiers),
+            "grad_tiers": _names(self.grad_tiers),
+            "optimizer_tiers": _names(self.optimizer_tiers),
+            "prefetch_nbytes": self.prefetch_nbytes,
+            "sub_group_numel": self.sub_group_numel,
+            "host_fraction": self.host_fraction,
+            "device": self.device,
+            "store_name": self.store_name,
+        }
+
+    # -- loading -------------------------------------------------------------------------
+
+    @classmethod
+    def from_dict(cls, mapping: Mapping[str, Any], **overrides: Any) -> OffloadConfig:
+        """Build a config from a mapping of our own keys (the field names).
+
+        Sizes (``device_nbytes``, ``host_nbytes``, ``prefetch_nbytes``) may be ints or
+        strings such as ``"64MiB"`` (see :func:`tiers.units.parse_size`); ``aio`` may be a
+        dict (read by :meth:`AioConfig.from_dict`); tiers are lists of names. ``overrides``
+        are the same keys and win over the mapping.
+
+        Raises:
+            SwapConfigError: a key is not a setting (all such keys are named), a size does
+                not parse, or a value does not validate (named).
+        """
+        if not isinstance(mapping, Mapping):
+            raise SwapConfigError(
+                f"an offload config must be a mapping of settings, got {type(mapping).__name__}"
+            )
+        values = {**mapping, **overrides}
+        known = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(str(key) for key in values if key not in known)
+        if unknown:
+            raise SwapConfigError(
+                f"unknown offload setting(s): {', '.join(unknown)} (known: {', '.join(known)})"
+            )
+        return cls(**{name: _coerce(name, value) for name, value in values.items()})
+
+    @classmethod
+    def from_json(cls, path: str | os.PathLike[str], **overrides: Any) -> OffloadConfig:
+        """Load a config from a JSON file of our own keys, or from a DeepSpeed config.
+
+        A file with a ``zero_optimization`` key is read as a DeepSpeed config
+        (:meth:`from_deepspeed`), any other object as our keys (:meth:`from_dict`).
+
+        Raises:
+            OSError: the file cannot be read.
+            SwapConfigError: it is not a JSON object, or its settings do not validate; the
+                message names the file.
+        """
+        data = _read_json(path)
+        try:
+            if "zero_optimization" in data:
+                return cls.from_deepspeed(data, **overrides)
+            return cls.from_dict(data, **overrides)
+        except SwapConfigError as exc:
+            raise SwapConfigError(f"{os.fspath(path)}: {exc}") from None
+
+    @classmethod
+    def from_deepspeed(
+        cls, ds: Mapping[str, Any] | str | os.PathLike[str], **overrides: Any
+    ) -> OffloadConfig:
+        """Build a config from a DeepSpeed config (a mapping, or a JSON file's path).
+
+        What is read (everything else at the top level — ``train_batch_size``, ``fp16``,
+        ``bf16``, ``optimizer``, ``scheduler``, ... — is not ours and is ignored):
+
+        ``zero_optimization``: ``stage`` must be 3 (parameter offload is ZeRO-3's);
+        ``sub_group_size`` → ``sub_group_numel`` (absent: ours, 25M, not DeepSpeed's 1e9);
+        the deprecated ``cpu_offload_param: true`` reads as ``offload_param.device: cpu``
+        where ``offload_param`` is absent. DeepSpeed's other ZeRO settings (buckets,
+        communication, persistence thresholds, quantization, ...) are accepted and
+        ignored: they tune collectives and GPU-side caching that swapper does not do, or
+        that its byte budgets replace.
+
+        ``offload_param``: ``device`` ``"none"`` (or no section) → ``param_tiers``
+        ``(device,)``, ``"cpu"`` → ``(device, host)``, ``"nvme"`` → ``(device, host,
+        nvme)``; ``nvme_path`` (a path, or a list of them) → ``nvme_dirs``, read only with
+        ``device: nvme``, as DeepSpeed does. ``pin_memory``, ``buffer_count``,
+        ``buffer_size`` and ``max_in_cpu`` are ignored: swapper pins host memory whenever
+        CUDA is present and sizes its buffers from the byte budgets.
+
+        ``offload_optimizer``: ``device`` ``"none"``/``"cpu"`` (or no section) →
+        ``optimizer_tiers`` ``(host,)`` (OffloadAdamW steps on the host either way),
+        ``"nvme"`` → ``(host, nvme)``; ``nvme_path`` as above. Where both sections give
+        paths, ``nvme_dirs`` holds all of them in order (parameters' first) without
+        repeats: swapper stripes every kind over all its directories, so a per-kind disk
+        is not kept. ``pin_memory``, ``buffer_count``, ``buffer_size``, ``fast_init``,
+        ``pipeline_read``, ``pipeline_write`` (the step pipeline always overlaps reads and
+        writes), ``ratio``, ``super_offload`` and ``cpuadam_cores_perc`` are ignored.
+
+        Gradients: ``grad_tiers`` is left to its default, ``(host, nvme)`` with NVMe
+        directories, else ``(host,)``.
+
+        ``aio``: ``block_size``, ``queue_depth``, ``single_submit`` and the thread count
+        → :class:`AioConfig` (keys not given keep swapper's defaults, not DeepSpeed's).
+        The thread count is ``intra_op_parallelism``; ``thread_count`` (older DeepSpeed)
+        and ``num_threads`` are honoured as aliases, though current DeepSpeed silently
+        ignores them; two of them with different values are refused. ``overlap_events``
+        is ignored; ``use_gds: true`` is refused (GPUDirect Storage is not supported).
+
+        ``overrides`` (our field names, e.g. ``device_nbytes``, ``host_nbytes``) win over
+        what the config gives.
+
+        Raises:
+            OSError: ``ds`` is a path that cannot be read.
+            SwapConfigError: ``zero_optimization`` is missing or its stage is not 3, a
+                section holds a key DeepSpeed does not have (named with its section), a
+                value has the wrong type, ``use_gds`` is true, NVMe offload has no path,
+                or the result does not validate. With a path, the message names the file.
+        """
+        if isinstance(ds, (str, os.PathLike)):
+            data = _read_json(ds)
+            try:
+                return cls.from_deepspeed(data, **overrides)
+            except SwapConfigError as exc:
+                raise SwapConfigError(f"{os.fspath(ds)}: {exc}") from None
+        if not isinstance(ds, Mapping):
+            raise SwapConfigError(
+                f"a DeepSpeed config must be a mapping or a JSON file's path, got "
+                f"{type(ds).__name__}"
+            )
+        values, needs_nvme = _read_deepspeed(ds)
+        values.update(overrides)
+        if not values.get("nvme_dirs"):
+            for field, where in needs_nvme:
+                if field not in overrides:
+                    raise SwapConfigError(
+                        f"{where}.device='nvme' but no {where}.nvme_path is given: name a "
+                        "swap directory there, or pass nvme_dirs=[...]"
+                    )
+        return cls.from_dict(values)
+
+
+# -- our own keys ------------------------------------------------------------------------
+
+
+def _checked_dirs(dirs: object) -> tuple[Path, ...]:
+    if isinstance(dirs, (str, bytes, os.PathLike)) or not isinstance(dirs, Sequence):
+        raise SwapConfigError(
+            f"nvme_dirs={dirs!r} must be a list of directories, not a single path"
+        )
+    paths: list[Path] = []
+    for d in dirs:
+        if not isinstance(d, (str, os.PathLike)) or not os.fspath(d):
+            raise SwapConfigError(f"nvme_dirs: {d!r} is not a directory path")
+        path = Path(d)
+        if path in paths:
+            raise SwapConfigError(f"nvme_dirs names {os.fspath(path)!r} twice: list it once")
+        paths.append(path)
+    return tuple(paths)
+
+
+def _checked_tiers(name: str, given: object, *, has_nvme: bool) -> tuple[Tier, ...]:
+    if isinstance(given, (str, Tier)) or not isinstance(given, Sequence):
+        raise SwapConfigError(
+            f"{name}={given!r} must be a list of tiers, e.g. ['host', 'nvme'] "
+            "(tiers: device, host, nvme)"
+        )
+    tiers: list[Tier] = []
+    for raw in given:
+        try:
+            tier = Tier(raw)
+        except (ValueError, TypeError):
+            raise SwapConfigError(
+                f"{name}={_shown(given)} names {raw!r}, which is not a tier "
+                "(tiers: device, host, nvme)"
+            ) from None
+        if tier in tiers:
+            raise SwapConfigError(
+                f"{name}={_shown(given)} names {tier.value!r} twice: list each tier once"
+            )
+        tiers.append(tier)
+    if not tiers:
+        raise SwapConfigError(f"{name}=[] must name at least one tier (device, host, nvme)")
+    if Tier.NVME in tiers and not has_nvme:
+        raise SwapConfigError(
+            f"{name}={_names(tiers)} names 'nvme' but nvme_dirs is empty: give swap "
+            "directories in nvme_dirs, or leave nvme out"
+        )
+    return tuple(tiers)
+
+
+def _names(tiers: Sequence[Tier]) -> list[str]:
+    return [t.value for t in tiers]
+
+
+def _shown(given: Sequence[Any]) -> list[Any]:
+    """A tier list as given, for messages: ``['host', 'nvme']``, not enum reprs."""
+    return [t.value if isinstance(t, Tier) else t for t in given]
+
+
+def _coerce(name: str, value: Any) -> Any:
+    """A JSON value for field ``name`` as the dataclass wants it; the rest is validated."""
+    if name in _BYTE_FIELDS and isinstance(value, str):
+        try:
+            return parse_size(value)
+        except ValueError as exc:
+            raise SwapConfigError(f"{name}={value!r}: {exc}") from None
+    if name == "aio" and isinstance(value, Mapping):
+        try:
+            return AioConfig.from_dict(value)
+        except SwapConfigError as exc:
+            raise SwapConfigError(f"aio: {exc}") from None
+    return value
+
+
+def _read_json(path: str | os.PathLike[str]) -> Mapping[str, Any]:
+    text = Path(path).read_text(encoding="utf-8")
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise SwapConfigError(f"{os.fspath(path)}: not valid JSON: {exc}") from None
+    if not isinstance(data, Mapping):
+        raise SwapConfigError(f"{os.fspath(path)}: expected a JSON object at the top")
+    return data
+
+
+# -- DeepSpeed ---------------------------------------------------------------------------
+
+#: ``zero_optimization`` keys we read.
+_DS_ZERO_READ = frozenset(
+    {"stage", "sub_group_size", "offload_param", "offload_optimizer", "cpu_offload_param"}
+)
+
+#: ``zero_optimization`` keys DeepSpeed has (with the names its aliases also accept) that
+#: swapper accepts and ignores: collective bucketing and overlap (single-process offload
+#: has no collectives to tune), GPU-side persistence and live-parameter limits (the device
+#: budget bounds these), quantized communication, checkpoint gathering, MiCS/hpZ
+#: partitioning, and deprecated switches whose meaning the offload sections carry
+#: (``cpu_offload`` = optimizer offload to CPU, which is where our optimizer state is
+#: anyway; ``cpu_offload_use_pin_memory``: swapper pins whenever CUDA is present).
+_DS_ZERO_IGNORED = frozenset(
+    {
+        "allgather_bucket_size",
+        "allgather_partitions",
+        "allgather_sequential",
+        "contiguous_gradients",
+        "cpu_offload",
+        "cpu_offload_use_pin_memory",
+        "elastic_checkpoint",
+        "enable_sanity_checks",
+        "gather_16bit_weights_on_model_save",
+        "ignore_unused_parameters",
+        "leaf_module",
+        "legacy_stage1",
+        "load_from_fp32_weights",
+        "log_trace_cache_warnings",
+        "max_live_parameters",
+        "max_reuse_distance",
+        "memory_efficient_linear",
+        "mics_hierarchical_params_gather",
+        "mics_shard_size",
+        "model_persistence_threshold",
+        "module_granularity_threshold",
+        "overlap_comm",
+        "override_module_apply",
+        "param_persistence_threshold",
+        "pipeline_loading_checkpoint",
+        "prefetch_bucket_size",
+        "reduce_bucket_size",
+        "reduce_scatter",
+        "round_robin_gradients",
+        "save_muon_momentum_buffer_in_memory",
+        "stage3_allgather_sequential",
+        "stage3_gather_16bit_weights_on_model_save",
+        "stage3_gather_fp16_weights_on_model_save",
+        "stage3_max_live_parameters",
+        "stage3_max_reuse_distance",
+        "stage3_model_persistence_threshold",
+        "stage3_module_granularity_threshold",
+        "stage3_param_persistence_threshold",
+        "stage3_prefetch_bucket_size",
+        "stage3_use_all_reduce_for_fetch_params",
+        "use_all_reduce_for_fetch_params",
+        "use_multi_rank_bucket_allreduce",
+        "zenflow",
+        "zero_hpz_partition_size",
+        "zero_quantized_gradients",
+        "zero_quantized_nontrainable_weights",
+        "zero_quantized_weights",
+        "zeropp_loco_param",
+    }
+)
+
+_DS_PARAM_READ = frozenset({"device", "nvme_path"})
+#: swapper pins host memory whenever CUDA is present and sizes its buffers (count, size,
+#: parameters kept in host memory) from the byte budgets.
+_DS_PARAM_IGNORED = frozenset({"pin_memory", "buffer_count", "buffer_size", "max_in_cpu"})
+
+_DS_OPTIMIZER_READ = frozenset({"device", "nvme_path"})
+#: Buffers: as above. ``pipeline_read``/``pipeline_write``: the step pipeline always
+#: overlaps read-ahead and write-behind. ``fast_init``: state starts in the tiers directly.
+#: ``ratio``, ``super_offload``, ``cpuadam_cores_perc``: how DeepSpeed splits the step
+#: between GPU and CPU Adam; OffloadAdamW has one way of stepping.
+_DS_OPTIMIZER_IGNORED = frozenset(
+    {
+        "pin_memory",
+        "buffer_count",
+        "buffer_size",
+        "fast_init",
+        "pipeline_read",
+        "pipeline_write",
+        "ratio",
+        "super_offload",
+        "cpuadam_cores_perc",
+    }
+)
+
+#: DeepSpeed reads ``intra_op_parallelism``; ``thread_count`` is its older name and
+#: ``num_threads`` ours. Current DeepSpeed ignores the two; swapper honours all three.
+_DS_AIO_THREADS = ("intra_op_parallelism", "thread_count", "num_threads")
+_DS_AIO_READ = frozenset(
+    {"block_size", "queue_depth", "single_submit", "use_gds", *_DS_AIO_THREADS}
+)
+#: ``overlap_events``: each request has its own future, so completions always overlap.
+_DS_AIO_IGNORED = frozenset({"overlap_events"})
+
+_PARAM_TIERS_BY_DEVICE = {
+    "none": (Tier.DEVICE,),
+    "cpu": (Tier.DEVICE, Tier.HOST),
+    "nvme": (Tier.DEVICE, Tier.HOST, Tier.NVME),
+}
+_OPTIMIZER_TIERS_BY_DEVICE = {
+    "none": (Tier.HOST,),
+    "cpu": (Tier.HOST,),
+    "nvme": (Tier.HOST, Tier.NVME),
+}
+
+
+def _read_deepspeed(ds: Mapping[str, Any]) -> tuple[dict[str, Any], list[tuple[str, str]]]:
+    """Our settings from a DeepSpeed config, and the (field, section) pairs that need NVMe."""
+    if "zero_optimization" not in ds:
+        raise SwapConfigError(
+            "the DeepSpeed config has no zero_optimization section: parameter offload needs "
+            "'zero_optimization': {'stage': 3, 'offload_param': {...}}"
+        )
+    zero = _ds_section(ds["zero_optimization"], "zero_optimization")
+    _check_keys(zero, "zero_optimization", _DS_ZERO_READ, _DS_ZERO_IGNORED)
+    stage = zero.get("stage", 0)
+    if stage != 3 or isinstance(stage, bool):
+        raise SwapConfigError(
+            f"zero_optimization.stage={stage!r}: parameter offload needs ZeRO stage 3; set "
+            "'stage': 3"
+        )
+    values: dict[str, Any] = {}
+    needs_nvme: list[tuple[str, str]] = []
+    if zero.get("sub_group_size") is not None:
+        values["sub_group_numel"] = _ds_count(
+            zero["sub_group_size"], "zero_optimization.sub_group_size", minimum=1
+        )
+    dirs: list[str] = []
+
+    param = zero.get("offload_param")
+    if param is None and zero.get("cpu_offload_param") is True:
+        param = {"device": "cpu"}  # DeepSpeed's deprecated spelling of the same
+    if param is not None:
+        where = "zero_optimization.offload_param"
+        param = _ds_section(param, where)
+        _check_keys(param, where, _DS_PARAM_READ, _DS_PARAM_IGNORED)
+        device = _ds_offload_device(param, where)
+        values["param_tiers"] = _names(_PARAM_TIERS_BY_DEVICE[device])
+        if device == "nvme":
+            needs_nvme.append(("param_tiers", where))
+            dirs += _ds_paths(param.get("nvme_path"), f"{where}.nvme_path")
+    else:
+        values["param_tiers"] = _names(_PARAM_TIERS_BY_DEVICE["none"])
+
+    optimizer = zero.get("offload_optimizer")
+    if optimizer is not None:
+        where = "zero_optimization.offload_optimizer"
+        optimizer = _ds_section(optimizer, where)
+        _check_keys(optimizer, where, _DS_OPTIMIZER_READ, _DS_OPTIMIZER_IGNORED)
+        device = _ds_offload_device(optimizer, where)
+        values["optimizer_tiers"] = _names(_OPTIMIZER_TIERS_BY_DEVICE[device])
+        if device == "nvme":
+            needs_nvme.append(("optimizer_tiers", where))
+            dirs += _ds_paths(optimizer.get("nvme_path"), f"{where}.nvme_path")
+    else:
+        values["optimizer_tiers"] = _names(_OPTIMIZER_TIERS_BY_DEVICE["none"])
+    values["nvme_dirs"] = list(dict.fromkeys(os.fspath(Path(d)) for d in dirs))
+
+    if ds.get("aio") is not None:
+        values["aio"] = _ds_aio(_ds_section(ds["aio"], "aio"))
+    return values, needs_nvme
+
+
+def _ds_section(value: object, where: str) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise SwapConfigError(f"{where}={value!r} must be an object of settings")
+    return value
+
+
+def _check_keys(
+    section: Mapping[str, Any], where: str, read: frozenset[str], ignored: frozenset[str]
+) -> None:
+    known = read | ignored
+    for key in section:
+        if key not in known:
+            raise SwapConfigError(
+                f"{where}.{key} is not a DeepSpeed setting swapper knows; known: "
+                f"{', '.join(sorted(known))}"
+            )
+
+
+def _ds_offload_device(section: Mapping[str, Any], where: str) -> str:
+    device = section.get("device", "none")
+    if device is None:
+        device = "none"
+    if device not in ("none", "cpu", "nvme"):
+        raise SwapConfigError(f"{where}.device={device!r} must be 'none', 'cpu' or 'nvme'")
+    return str(device)
+
+
+def _ds_paths(value: object, where: str) -> list[str]:
+    if value is None:
+        return []
+    items = [value] if isinstance(value, (str, os.PathLike)) else value
+    if not isinstance(items, Sequence) or not all(
+        isinstance(p, (str, os.PathLike)) and os.fspath(p) for p in items
+    ):
+        raise SwapConfigError(f"{where}={value!r} must be a directory path or a list of them")
+    return [os.fspath(p) for p in items]
+
+
+def _ds_count(value: object, where: str, *, minimum: int) -> int:
+    """An int from DeepSpeed's JSON, where counts are often written as floats (``1e9``)."""
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise SwapConfigError(f"{where}={value!r} must be an integer >= {minimum}")
+    return value
+
+
+def _ds_aio(section: Mapping[str, Any]) -> AioConfig:
+    _check_keys(section, "aio", _DS_AIO_READ, _DS_AIO_IGNORED)
+    if section.get("use_gds"):
+        raise SwapConfigError(
+            f"aio.use_gds={section['use_gds']!r}: GPUDirect Storage is not supported by "
+            "swapper; set it to false (reads and writes go through pinned host memory)"
+        )
+    settings: dict[str, Any] = {}
+    for key in ("block_size", "queue_depth"):
+        if section.get(key) is not None:
+            settings[key] = _ds_count(section[key], f"aio.{key}", minimum=1)
+    threads = {
+        key: _ds_count(section[key], f"aio.{key}", minimum=1)
+        for key in _DS_AIO_THREADS
+        if section.get(key) is not None
+    }
+    if len(set(threads.values())) > 1:
+        given = ", ".join(f"aio.{key}={value}" for key, value in threads.items())
+        raise SwapConfigError(
+            f"{given}: each sets the I/O thread count, and they disagree; give one "
+            "(intra_op_parallelism is DeepSpeed's current name)"
+        )
+    if threads:
+        settings["num_threads"] = next(iter(threads.values()))
+    if section.get("single_submit") is not None:
+        single = section["single_submit"]
+        if not isinstance(single, bool):
+            raise SwapConfigError(f"aio.single_submit={single!r} must be true or false")
+        settings["single_submit"] = single
+    try:
+        return AioConfig(**settings)
+    except SwapConfigError as exc:
+        raise SwapConfigError(f"aio: {exc}") from None
