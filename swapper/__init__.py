@@ -18,6 +18,7 @@ from swapper.step import (
     StepPendingError,
     StepReport,
 )
+from swapper.zero import OffloadConfig, OffloadedModel, offload
 from tiers import (
     AioConfig,
     AioEngine,
@@ -41,6 +42,8 @@ __all__ = [
     "ManagerConfig",
     "ManagerStats",
     "OffloadAdamW",
+    "OffloadConfig",
+    "OffloadedModel",
     "Policy",
     "StateDictError",
     "StepFailedError",
@@ -55,4 +58,5 @@ __all__ = [
     "Tier",
     "TierManager",
     "__version__",
+    "offload",
 ]

@@ -34,6 +34,9 @@ from tiers.errors import SwapConfigError, SwapError
 
 __all__ = ["OffloadAdamW", "StateDictError", "StepPendingError", "StepReport", "SubGroupStates"]
 
+#: Elements per sub-group unless told (12 B each: 300 MB of state).
+DEFAULT_SUB_GROUP_NUMEL = 25_000_000
+
 #: Version of the layout written by :meth:`OffloadAdamW.state_dict`.
 STATE_FORMAT = 1
 
@@ -91,11 +94,14 @@ class OffloadAdamW(torch.optim.Optimizer):
             :meth:`close`), or a :class:`ManagerConfig` for one of its own, or a model
             wrapped by :func:`swapper.offload` (its parameters live in its manager, which
             then holds the state too).
-        sub_group_numel: elements per sub-group (rounded up to a multiple of 1024). Each
-            sub-group's state is 12 B per element; the host budget must hold at least one,
-            and holds the read-ahead and write-behind ones too.
+        sub_group_numel: elements per sub-group (rounded up to a multiple of 1024;
+            default: the offloaded model's config, else 25M). Each sub-group's state is
+            12 B per element; the host budget must hold the kept ones and one more, and
+            holds the read-ahead and write-behind ones too (two or more let a step
+            overlap I/O with compute).
         host_fraction: fraction of the sub-groups (the first ones) kept in memory for
-            the optimizer's life instead of streamed.
+            the optimizer's life instead of streamed (default: the offloaded model's
+            config, else 0).
         max_grad_norm: clip the global L2 norm of the (unscaled) gradients to this.
         loss_scaler: for fp16: the scaler whose scale the gradients carry; a step with
             inf/NaN gradients is skipped and leaves all state and parameters untouched.
@@ -123,8 +129,8 @@ class OffloadAdamW(torch.optim.Optimizer):
         weight_decay: float = 1e-2,
         *,
         tiers: TierManager | ManagerConfig | TieredModel,
-        sub_group_numel: int = 25_000_000,
-        host_fraction: float = 0.0,
+        sub_group_numel: int | None = None,
+        host_fraction: float | None = None,
         max_grad_norm: float | None = None,
         loss_scaler: DynamicLossScaler | None = None,
         accumulate_fp32: bool = False,
@@ -143,8 +149,10 @@ class OffloadAdamW(torch.optim.Optimizer):
         super().__init__(params, defaults)
         manager: TierManager
         self._source: ParamSource
+        defaults_from: dict[str, Any] = {}
         if isinstance(tiers, TieredModel):
             manager, self._source = tiers.manager, tiers.param_source()
+            defaults_from = tiers.optimizer_defaults()
             if accumulate_fp32:
                 raise SwapConfigError(
                     "accumulate_fp32 does not apply to an offloaded model: its 16-bit "
@@ -156,6 +164,10 @@ class OffloadAdamW(torch.optim.Optimizer):
             raise SwapConfigError(
                 f"tiers={tiers!r} must be a TierManager, a ManagerConfig or an offloaded model"
             )
+        if sub_group_numel is None:
+            sub_group_numel = defaults_from.get("sub_group_numel", DEFAULT_SUB_GROUP_NUMEL)
+        if host_fraction is None:
+            host_fraction = defaults_from.get("host_fraction", 0.0)
         self._check_params()
         for group in self.param_groups:
             _check_hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"])

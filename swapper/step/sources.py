@@ -8,7 +8,7 @@ elements, so the optimizer does not care whether they are ordinary tensors
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
@@ -99,4 +99,9 @@ class TieredModel(Protocol):
 
     def param_source(self) -> ParamSource:
         """Access to its parameters and their retained gradients."""
+        ...
+
+    def optimizer_defaults(self) -> dict[str, Any]:
+        """Settings its config gives the optimizer (``sub_group_numel``,
+        ``host_fraction``), used where the optimizer's caller gives none."""
         ...

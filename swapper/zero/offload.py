@@ -183,6 +183,13 @@ class OffloadedModel(nn.Module):
         """Access to the parameters and their retained gradients, for the optimizer."""
         return _TieredParams(self)
 
+    def optimizer_defaults(self) -> dict[str, Any]:
+        """The optimizer settings ``config`` gives: sub-group size and host fraction."""
+        return {
+            "sub_group_numel": self.config.sub_group_numel,
+            "host_fraction": self.config.host_fraction,
+        }
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
 

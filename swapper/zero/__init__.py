@@ -1,0 +1,6 @@
+"""Training integration: ZeRO-3-style parameter offload through the tiers."""
+
+from swapper.zero.config import OffloadConfig
+from swapper.zero.offload import OffloadedModel, offload
+
+__all__ = ["OffloadConfig", "OffloadedModel", "offload"]
