@@ -148,9 +148,12 @@ def _summary(res: PressureResult) -> str:
         limit = res.budget_bytes[tier]
         shown = "unlimited" if limit is None else format_size(limit)
         lines.append(f"{tier} peak {format_size(res.peak_bytes[tier])} of budget {shown}")
+    mib = 1 << 20
     lines.append(
-        f"peak RSS {format_size(res.peak_rss_bytes)} (host + device budgets + baseline "
-        f"{format_size(res.baseline_rss_bytes)} = {format_size(res.rss_bound_bytes)})"
+        f"peak RSS {res.peak_rss_bytes / mib:.1f} MiB, bound {res.rss_bound_bytes / mib:.1f} "
+        f"MiB (budgets + baseline {res.baseline_rss_bytes / mib:.1f} + optimizer buffers "
+        f"{16 * res.sub_group_numel / mib:.1f} + 2 x activations "
+        f"{res.activation_bytes / mib:.1f})"
     )
     lines.append(
         f"bytes moved {format_size(res.bytes_moved)}; stall fraction {res.stall_fraction:.3f}; "

@@ -21,6 +21,7 @@ bytes moved and stall fraction (time ``fetch`` waited for bytes / training time)
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import os
 import tempfile
@@ -90,6 +91,33 @@ class _Run:
     stats: Any
     seconds: float
     peak_rss_bytes: int
+    activation_bytes: int
+
+
+class _SavedBytes:
+    """Bytes of the tensors autograd saves for backward in one forward (activations;
+    parameters excluded: they are the tiers'), the most over all forwards."""
+
+    def __init__(self) -> None:
+        self.peak_nbytes = 0
+        self._storages: set[int] = set()
+        self._nbytes = 0
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        if not isinstance(tensor, torch.nn.Parameter):
+            storage = tensor.untyped_storage()
+            if storage.data_ptr() not in self._storages:
+                self._storages.add(storage.data_ptr())
+                self._nbytes += storage.nbytes()
+        return tensor
+
+    @contextlib.contextmanager
+    def counting(self) -> Iterator[None]:
+        self._storages.clear()
+        self._nbytes = 0
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda tensor: tensor):
+            yield
+        self.peak_nbytes = max(self.peak_nbytes, self._nbytes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,6 +134,8 @@ class PressureResult:
     budget_bytes: dict[str, int | None]
     peak_rss_bytes: int
     baseline_rss_bytes: int
+    sub_group_numel: int
+    activation_bytes: int
     bytes_moved: int
     stall_fraction: float
     seconds: float
@@ -121,12 +151,17 @@ class PressureResult:
 
     @property
     def rss_bound_bytes(self) -> int:
-        """Host budget + device budget + the baseline: what the peak RSS should stay
-        under (the activations of the batch come on top; small by default)."""
+        """What the peak RSS should stay under: host budget + device budget + the
+        baseline + what the run holds outside the budgets by design: the optimizer's
+        buffers (16 B per sub-group element: a 12 B scratch while the state is set up,
+        then the 4 B fp32 gradient buffer) and the batch's activations, twice (the
+        tensors saved for backward, and their gradients while backward runs)."""
         return (
             (self.budget_bytes["host"] or 0)
             + (self.budget_bytes["device"] or 0)
             + self.baseline_rss_bytes
+            + 16 * self.sub_group_numel
+            + 2 * self.activation_bytes
         )
 
     @property
@@ -150,6 +185,8 @@ class PressureResult:
             "peak_rss_bytes": self.peak_rss_bytes,
             "baseline_rss_bytes": self.baseline_rss_bytes,
             "rss_bound_bytes": self.rss_bound_bytes,
+            "sub_group_numel": self.sub_group_numel,
+            "activation_bytes": self.activation_bytes,
             "bytes_moved": self.bytes_moved,
             "stall_fraction": self.stall_fraction,
             "seconds": self.seconds,
@@ -182,6 +219,7 @@ def run_pressure(
         steps=settings.steps,
         seed=settings.seed,
     )
+    _return_freed_memory()
     _reset_peak_rss()
     baseline = _baseline_rss(settings, dtype)
     say(
@@ -222,6 +260,8 @@ def run_pressure(
         budget_bytes={"device": device, "host": host},
         peak_rss_bytes=pressure.peak_rss_bytes,
         baseline_rss_bytes=baseline,
+        sub_group_numel=sub_group,
+        activation_bytes=pressure.activation_bytes,
         bytes_moved=moved,
         stall_fraction=stats.stall_s / pressure.seconds if pressure.seconds > 0 else 0.0,
         seconds=pressure.seconds,
@@ -260,8 +300,10 @@ def _train(
             )
         )
         start = time.perf_counter()
+        activations = _SavedBytes()
         for step, tokens in enumerate(data, 1):
-            loss = model.loss(tokens)
+            with activations.counting():
+                loss = model.loss(tokens)
             (scaler.scale(loss) if scaler is not None else loss).backward()
             optimizer.step()
             optimizer.zero_grad()
@@ -271,18 +313,38 @@ def _train(
         peak_rss = _peak_rss()
         stats = wrapped.stats()
         hashes = {name: content_hash(t) for name, t in wrapped.iter_state_dict()}
-    return _Run(losses, hashes, stats, seconds, peak_rss)
+    return _Run(losses, hashes, stats, seconds, peak_rss, activations.peak_nbytes)
 
 
 def _baseline_rss(settings: PressureSettings, dtype: torch.dtype) -> int:
     """Peak RSS with torch loaded and a tiny model trained one step through the same
-    code (so thread pools and allocator caches are warm), without the model under test."""
-    tiny = dataclasses.replace(settings, params=200_000, steps=1, dirs=())
+    code, NVMe tier included (so the AIO engine, thread pools and allocator caches are
+    up), without the model under test."""
+    tiny = dataclasses.replace(settings, params=200_000, steps=1)
     model_config = GPTConfig.for_params(tiny.params)
     data = batches(model_config, batch=settings.batch, seq=settings.seq, steps=1, seed=0)
-    config = OffloadConfig(device_nbytes=None, host_nbytes=None, device="cpu")
-    _train(model_config, config, data, tiny, dtype, lambda line: None, "baseline")
+    with _swap_dirs(settings.dirs) as dirs:
+        config = OffloadConfig(device_nbytes=None, host_nbytes=None, nvme_dirs=dirs, device="cpu")
+        _train(model_config, config, data, tiny, dtype, lambda line: None, "baseline")
     return _peak_rss()
+
+
+def _return_freed_memory() -> None:
+    """Make glibc give freed tensors back to the OS at once.
+
+    glibc raises its mmap threshold each time a large mmapped block is freed (up to 32
+    MiB), after which large tensors come from the heap and stay resident once freed:
+    the peak RSS would then measure the allocator's cache, not what the run holds. Fixed
+    thresholds (as ``MALLOC_MMAP_THRESHOLD_`` would set) keep every block of 64 KiB or
+    more in its own mapping. A no-op where glibc is not the C library.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    libc.mallopt(m_mmap_threshold, 64 << 10)
+    libc.mallopt(m_trim_threshold, 1 << 20)
 
 
 @contextlib.contextmanager

@@ -507,6 +507,11 @@ class _TieredParams:
     def __init__(self, model: OffloadedModel) -> None:
         self._model = model
         self._manager = model.manager
+        # The optimizer reads and writes parameters on the host (where it computes),
+        # not in the device tier they are used from: no device room taken, and between
+        # steps a parameter waits in host memory (or on NVMe) anyway.
+        tiers = model.config.param_tiers
+        self._tier = Tier.HOST if Tier.HOST in tiers else tiers[0]
 
     def _slot(self, param: torch.Tensor) -> _Slot:
         slot = self._model._slots.get(id(param))
@@ -529,7 +534,7 @@ class _TieredParams:
 
     def read_param(self, param: torch.Tensor, start: int, out: torch.Tensor) -> None:
         key = self._slot(param).key
-        tensor = self._manager.fetch(key)
+        tensor = self._manager.fetch(key, self._tier)
         try:
             out.copy_(tensor.view(-1)[start : start + out.numel()])
         finally:
@@ -553,7 +558,7 @@ class _TieredParams:
                 f"optimizer step while parameter {slot.name!r} is in use (inside a forward "
                 "or backward?)"
             )
-        tensor = self._manager.fetch(slot.key)
+        tensor = self._manager.fetch(slot.key, self._tier)
         try:
             tensor.view(-1)[start : start + source.numel()].copy_(source)
         finally:
