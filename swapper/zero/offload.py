@@ -162,14 +162,20 @@ class OffloadedModel(nn.Module):
         self._closed = False
         self._check_modules(module)
         self._manager = TierManager(config.manager_config())
+        self._originals: list[tuple[nn.Parameter, torch.Tensor]] = []  # until placed
         try:
             self._place_all(module, materialize)
             self._install_hooks(module)
         except BaseException:
             for handle in self._handles:
                 handle.remove()
+            # Nothing lost: the parameters emptied so far get their own bytes back.
+            for param, data in self._originals:
+                param.data = data
             self._manager.close(remove=True)
             raise
+        finally:
+            self._originals = []
         _WRAPPED.add(module)
 
     # -- what the optimizer and the user see ----------------------------------------------
@@ -247,7 +253,15 @@ class OffloadedModel(nn.Module):
     # -- set-up ---------------------------------------------------------------------------
 
     def _check_modules(self, module: nn.Module) -> None:
-        """Refuse a device budget that cannot hold some module's parameters at once."""
+        """Refuse parameters that are not 16-bit, and a device budget that cannot hold
+        some module's parameters at once, before anything is moved."""
+        for name, param in module.named_parameters():
+            if not param.is_meta and param.dtype not in (torch.bfloat16, torch.float16):
+                raise SwapConfigError(
+                    f"offload: parameter {name!r} (shape {list(param.shape)}) is "
+                    f"{param.dtype}; convert the model to bf16 or fp16 first "
+                    "(model.to(torch.bfloat16))"
+                )
         limit = self.config.device_nbytes
         first = self.config.param_tiers[0]
         if first is Tier.HOST:
@@ -324,6 +338,7 @@ class OffloadedModel(nn.Module):
             placeholder=torch.empty(0, dtype=param.dtype),
         )
         self._manager.register(slot.key, param.detach(), Kind.PARAM16)
+        self._originals.append((param, param.data))
         param.data = slot.placeholder  # the tiers hold it now
         self._slots[id(param)] = slot
         self._by_name[name] = slot

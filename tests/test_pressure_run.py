@@ -1,0 +1,143 @@
+"""End-to-end memory-pressure runs (``swapper.pressure``): a GPT whose 16-bit parameters are
+at least 4x the device budget and whose optimizer state is at least 4x the host budget
+trains bit-identically to an unlimited run, within its budgets, and leaves nothing in its
+swap directory; and the ``swapper-pressure`` command around it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from swapper.pressure.cli import main
+from swapper.pressure.model import GPTConfig
+from swapper.pressure.runner import PressureResult, PressureSettings, run_pressure
+
+# GPTConfig.for_params(300_000): d_model 64, 5 layers, 291 008 parameters. Its largest
+# module needs (64 * 256 + 256) * 2 B + the tied 512 x 64 embedding held through backward
+# (65 536 B) = 98 816 B of device memory, under the quarter of its 16-bit parameters.
+PARAMS = 300_000
+NUM_PARAMS = GPTConfig.for_params(PARAMS).num_params()
+DEVICE_NBYTES = 2 * NUM_PARAMS // 4
+HOST_NBYTES = 12 * NUM_PARAMS // 4
+
+
+def _check_result(result: PressureResult, steps: int) -> None:
+    device = result.budget_bytes["device"]
+    host = result.budget_bytes["host"]
+    assert device is not None and host is not None
+    # the pressure is real: 16-bit params >= 4x the device budget, optimizer state
+    # (12 B/param) >= 4x the host budget
+    assert 2 * result.num_params >= 4 * device
+    assert 12 * result.num_params >= 4 * host
+
+    assert len(result.losses) == steps
+    assert len(result.reference_losses) == steps
+    assert result.identical
+    assert result.losses == result.reference_losses
+    assert result.within_budgets
+    assert result.ok
+    assert 0 < result.peak_bytes["device"] <= device
+    assert 0 < result.peak_bytes["host"] <= host
+    assert result.bytes_moved > 0
+    assert result.peak_rss_bytes > 0
+    assert result.peak_rss_bytes <= result.rss_bound_bytes
+    # the bound is the two budgets plus the measured baseline (plus what the runner
+    # says the run holds outside the budgets by design)
+    assert result.rss_bound_bytes >= host + device + result.baseline_rss_bytes
+
+
+@pytest.mark.parametrize(("dtype", "steps"), [("bf16", 5), ("fp16", 3)])
+def test_pressure_run_is_identical_within_budgets(dtype: str, steps: int, tmp_path: Path) -> None:
+    swap = tmp_path / "swap"
+    swap.mkdir()
+    settings = PressureSettings(
+        params=PARAMS,
+        steps=steps,
+        device_nbytes=DEVICE_NBYTES,
+        host_nbytes=HOST_NBYTES,
+        dirs=(swap,),
+        dtype=dtype,
+    )
+    lines: list[str] = []
+    result = run_pressure(settings, say=lines.append)
+
+    assert result.num_params == NUM_PARAMS
+    assert result.budget_bytes == {"device": DEVICE_NBYTES, "host": HOST_NBYTES}
+    _check_result(result, steps)
+    assert lines  # progress was reported
+    # the per-process swap subdirectory is gone, and nothing else was left
+    assert list(swap.iterdir()) == []
+
+
+def test_cli_writes_json_and_exits_0(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    swap = tmp_path / "swap"
+    swap.mkdir()
+    out = tmp_path / "result.json"
+    code = main(["--params", "300k", "--steps", "2", "--dir", str(swap), "--json", str(out)])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert "FAILED" not in captured.err
+
+    data = json.loads(out.read_text(encoding="utf-8"))
+    for key in (
+        "losses",
+        "reference_losses",
+        "identical",
+        "peak_bytes",
+        "budget_bytes",
+        "peak_rss_bytes",
+        "bytes_moved",
+        "stall_fraction",
+    ):
+        assert key in data, key
+    assert data["identical"] is True
+    assert len(data["losses"]) == 2
+    assert data["losses"] == data["reference_losses"]
+    assert set(data["peak_bytes"]) == {"device", "host"}
+    assert set(data["budget_bytes"]) == {"device", "host"}
+    # defaults: a quarter of the 16-bit params, a quarter of the optimizer state
+    assert data["budget_bytes"] == {"device": DEVICE_NBYTES, "host": HOST_NBYTES}
+    for tier in ("device", "host"):
+        assert 0 < data["peak_bytes"][tier] <= data["budget_bytes"][tier]
+    assert data["peak_rss_bytes"] > 0
+    assert data["bytes_moved"] > 0
+    assert 0.0 <= data["stall_fraction"] <= 1.0
+    assert list(swap.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [(["--dtype", "fp8"], "--dtype"), (["--params", "0"], "--params")],
+)
+def test_cli_bad_arguments_exit_2_with_one_line(
+    argv: list[str], named: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1, captured.err
+    assert lines[0].startswith("swapper-pressure: error:")
+    assert named in lines[0]
+    assert captured.out == ""
+
+
+def test_cli_budget_too_small_for_largest_module_exits_1(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    swap = tmp_path / "swap"
+    swap.mkdir()
+    code = main(
+        ["--params", "300k", "--steps", "1", "--device-budget", "10KiB", "--dir", str(swap)]
+    )
+    captured = capsys.readouterr()
+    assert code == 1
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1, captured.err
+    assert lines[0].startswith("swapper-pressure: error:")
+    assert "'tok_emb'" in lines[0]  # the 512 x 64 embedding: 65 536 B
+    assert "65536" in lines[0]
+    # the failed run left nothing behind either
+    assert list(swap.iterdir()) == []
