@@ -548,6 +548,28 @@ def test_close_remove_writes_nothing_and_deletes_the_store(dirs: list[Path]) -> 
     m.close(remove=True)  # idempotent
 
 
+def test_fetch_cancels_a_read_ahead_that_has_not_started(manager: TierManager) -> None:
+    """A read-ahead queued behind busy movers must not read the tensor again after a
+    fetch has moved it, been used, and written it out."""
+    manager.register("o", _rand(torch.float32, (1000,), 3), Kind.OPTIM_STATE)
+    manager.evict("o").result()
+    held: list[Callable[[], None]] = []
+    submit = manager._pool.submit
+    manager._pool.submit = lambda fn, *a: held.append(lambda: fn(*a))  # type: ignore[method-assign]
+    try:
+        assert manager.prefetch(["o"], Tier.HOST) == 1
+    finally:
+        manager._pool.submit = submit  # type: ignore[method-assign]
+    manager.fetch("o", Tier.HOST).add_(1)
+    manager.release("o")
+    manager.evict("o").result()
+    read = manager.stats().moved(Tier.NVME, Tier.HOST).nbytes
+    for job in held:
+        job()  # the late read-ahead
+    assert manager.stats().moved(Tier.NVME, Tier.HOST).nbytes == read
+    assert manager.info("o").state is EntryState.ON_NVME
+
+
 def test_stats_count_bytes_by_kind(manager: TierManager) -> None:
     manager.register("o", _rand(torch.float32, (1000,), 3), Kind.OPTIM_STATE)
     manager.register("g", _rand(torch.float32, (500,), 4), Kind.GRAD32)

@@ -265,6 +265,10 @@ class TierManager:
             target = self._fetch_tier(entry, tier)
             self._note_access(entry)
             entry.waiters += 1  # from here on it is nobody's victim
+            if entry.prefetch is Prefetch.QUEUED:
+                # This fetch moves it now; a read-ahead starting later would read it
+                # again after the caller has used it (and perhaps written it out).
+                entry.prefetch = Prefetch.NONE
         hit, waited, ok = False, False, False
         try:
             while True:

@@ -185,14 +185,18 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._load_incomplete = False  # a load_state_dict stopped part-way
         self._accumulators: list[torch.Tensor] = []
         self._hooks: list[Any] = []
+        if isinstance(tiers, ManagerConfig | TierManager):
+            nvme_dirs = (tiers if isinstance(tiers, ManagerConfig) else tiers.config).nvme_dirs
+        else:
+            nvme_dirs = manager.config.nvme_dirs
+        if legacy_grad_swap and not nvme_dirs:
+            raise SwapConfigError("legacy_grad_swap needs an NVMe tier: give nvme_dirs")
         self._owns_manager = isinstance(tiers, ManagerConfig)
         if isinstance(tiers, ManagerConfig):
             manager = TierManager(tiers)
         elif isinstance(tiers, TierManager):
             manager = tiers
         self.manager = manager
-        if legacy_grad_swap and not manager.config.nvme_dirs:
-            raise SwapConfigError("legacy_grad_swap needs an NVMe tier: give nvme_dirs")
         pipeline: StepPipeline | None = None
         try:
             pipeline = StepPipeline(
@@ -357,7 +361,8 @@ class OffloadAdamW(torch.optim.Optimizer):
         states = state_dict["state"]
         if not isinstance(states, Mapping):
             raise StateDictError("state dict: 'state' must map sub-group index to tensors")
-        self._check_open()
+        if self._closed:  # (a load left incomplete is what a new load repairs)
+            raise PipelineClosedError("the optimizer is closed")
         # From the first write until the last, the state is part old, part new.
         self._load_incomplete = True
         for sg in self.sub_groups:
@@ -408,7 +413,10 @@ class OffloadAdamW(torch.optim.Optimizer):
                 "OffloadAdamW lays its state out once: pass every param group to the "
                 "constructor (add_param_group afterwards is not supported)"
             )
-        super().add_param_group(param_group)
+        try:
+            super().add_param_group(param_group)
+        except ValueError as exc:  # e.g. a parameter in two groups
+            raise SwapConfigError(f"param group {len(self.param_groups)}: {exc}") from None
 
     def _check_open(self) -> None:
         if self._closed:
