@@ -39,6 +39,19 @@ def test_step_json_record(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     assert doc["passes"]["legacy"]["read_nbytes"]["grad32"] > 0
     assert doc["passes"]["compute-only"]["read_nbytes"] == {}
     assert all(len(p["seconds"]) == 2 for p in doc["passes"].values())
+    rounds = doc["passes"]
+    assert doc["overlap_ratio_per_round"] == pytest.approx(
+        [
+            s / max(i, c)
+            for s, i, c in zip(
+                rounds["step"]["seconds"],
+                rounds["io-only"]["seconds"],
+                rounds["compute-only"]["seconds"],
+                strict=True,
+            )
+        ]
+    )
+    assert len(doc["legacy_speedup_per_round"]) == 2
     assert list(work.iterdir()) == []  # everything it made is gone
 
 
