@@ -81,6 +81,10 @@ class OffloadAdamW(torch.optim.Optimizer):
     where the state was fetched to: on the accelerator when the manager's placement puts
     ``optim_state`` there, else on the CPU.
 
+    While the state streams from NVMe, :meth:`step` runs PyTorch's intra-op pool with one
+    thread fewer than configured (``torch.set_num_threads``, restored after), leaving a
+    core to the I/O threads.
+
     A parameter whose ``.grad`` is None at a step is stepped with a zero gradient (its
     moments decay, weight decay applies), as in ZeRO's flat partitions; ``torch.optim``
     would skip it.
@@ -553,7 +557,14 @@ class OffloadAdamW(torch.optim.Optimizer):
 
     def _run(self, target: int, factor: float) -> None:
         extra_keys = self._legacy_keys if self.legacy_grad_swap else None
+        threads = torch.get_num_threads()
         try:
+            if self._pipeline.streams and threads > 1:
+                # The kernel runs while reads and writes are in flight, and O_DIRECT
+                # submission and completion take CPU too: on a small machine a kernel on
+                # every core starves them, and the step stops overlapping (measured in
+                # docs/benchmarks.md). So the step leaves one core to the I/O threads.
+                torch.set_num_threads(threads - 1)
             if self.legacy_grad_swap:
                 self._legacy_write_grads(target, factor)
             self._pipeline.run(
@@ -563,6 +574,7 @@ class OffloadAdamW(torch.optim.Optimizer):
                 extra_keys=extra_keys,
             )
         finally:
+            torch.set_num_threads(threads)
             if self.legacy_grad_swap:
                 self._legacy_drop_grads()
 
