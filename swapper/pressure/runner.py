@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from swapper.manager import Tier
+from swapper.manager import ManagerStats, Tier
 from swapper.pressure.model import GPT, GPTConfig, batches, materialize_
 from swapper.step import DynamicLossScaler, OffloadAdamW
 from swapper.zero.config import OffloadConfig
@@ -92,6 +92,40 @@ class _Run:
     seconds: float
     peak_rss_bytes: int
     activation_bytes: int
+    phases: _Phases
+
+
+@dataclasses.dataclass
+class _Phases:
+    """Per step: seconds and stall of forward+backward and of the optimizer step, and
+    bytes read from plus written to NVMe."""
+
+    model_s: list[float] = dataclasses.field(default_factory=list)
+    model_stall_s: list[float] = dataclasses.field(default_factory=list)
+    optimizer_s: list[float] = dataclasses.field(default_factory=list)
+    optimizer_stall_s: list[float] = dataclasses.field(default_factory=list)
+    nvme_nbytes: list[int] = dataclasses.field(default_factory=list)
+    _t: float = 0.0
+    _stall: float = 0.0
+    _nvme: int = 0
+
+    def begin(self, stats: ManagerStats) -> None:
+        self._t, self._stall, self._nvme = time.perf_counter(), stats.stall_s, _nvme(stats)
+
+    def backward_done(self, stats: ManagerStats) -> None:
+        now = time.perf_counter()
+        self.model_s.append(now - self._t)
+        self.model_stall_s.append(stats.stall_s - self._stall)
+        self._t, self._stall = now, stats.stall_s
+
+    def step_done(self, stats: ManagerStats) -> None:
+        self.optimizer_s.append(time.perf_counter() - self._t)
+        self.optimizer_stall_s.append(stats.stall_s - self._stall)
+        self.nvme_nbytes.append(_nvme(stats) - self._nvme)
+
+
+def _nvme(stats: ManagerStats) -> int:
+    return stats.moved(Tier.NVME, Tier.HOST).nbytes + stats.moved(Tier.HOST, Tier.NVME).nbytes
 
 
 class _SavedBytes:
@@ -137,6 +171,8 @@ class PressureResult:
     sub_group_numel: int
     activation_bytes: int
     bytes_moved: int
+    phases: _Phases
+    reference_phases: _Phases
     stall_fraction: float
     seconds: float
     reference_seconds: float
@@ -189,6 +225,15 @@ class PressureResult:
             "activation_bytes": self.activation_bytes,
             "bytes_moved": self.bytes_moved,
             "stall_fraction": self.stall_fraction,
+            "steps_detail": {
+                "forward_backward_seconds": self.phases.model_s,
+                "forward_backward_stall_seconds": self.phases.model_stall_s,
+                "optimizer_seconds": self.phases.optimizer_s,
+                "optimizer_stall_seconds": self.phases.optimizer_stall_s,
+                "nvme_bytes": self.phases.nvme_nbytes,
+                "reference_forward_backward_seconds": self.reference_phases.model_s,
+                "reference_optimizer_seconds": self.reference_phases.optimizer_s,
+            },
             "seconds": self.seconds,
             "reference_seconds": self.reference_seconds,
         }
@@ -263,6 +308,8 @@ def run_pressure(
         sub_group_numel=sub_group,
         activation_bytes=pressure.activation_bytes,
         bytes_moved=moved,
+        phases=pressure.phases,
+        reference_phases=reference.phases,
         stall_fraction=stats.stall_s / pressure.seconds if pressure.seconds > 0 else 0.0,
         seconds=pressure.seconds,
         reference_seconds=reference.seconds,
@@ -301,19 +348,28 @@ def _train(
         )
         start = time.perf_counter()
         activations = _SavedBytes()
+        phases = _Phases()
         for step, tokens in enumerate(data, 1):
+            phases.begin(wrapped.stats())
             with activations.counting():
                 loss = model.loss(tokens)
             (scaler.scale(loss) if scaler is not None else loss).backward()
+            phases.backward_done(wrapped.stats())
             optimizer.step()
+            phases.step_done(wrapped.stats())
             optimizer.zero_grad()
             losses.append(float(loss.detach()))
-            say(f"  {label} step {step}: loss {losses[-1]:.6f}")
+            say(
+                f"  {label} step {step}: loss {losses[-1]:.6f}  "
+                f"(forward+backward {phases.model_s[-1]:.2f} s, stall "
+                f"{phases.model_stall_s[-1]:.2f}; optimizer {phases.optimizer_s[-1]:.2f} s, "
+                f"stall {phases.optimizer_stall_s[-1]:.2f})"
+            )
         seconds = time.perf_counter() - start
         peak_rss = _peak_rss()
         stats = wrapped.stats()
         hashes = {name: content_hash(t) for name, t in wrapped.iter_state_dict()}
-    return _Run(losses, hashes, stats, seconds, peak_rss, activations.peak_nbytes)
+    return _Run(losses, hashes, stats, seconds, peak_rss, activations.peak_nbytes, phases)
 
 
 def _baseline_rss(settings: PressureSettings, dtype: torch.dtype) -> int:

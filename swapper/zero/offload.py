@@ -20,7 +20,8 @@ counted per user, so it is never released twice nor early.
 
 The first forward and backward record the order in which parameters are fetched; from
 then on every fetch reads ahead the next ones along it (up to ``config.prefetch_nbytes``
-of them) and the manager evicts by it (Belady).
+of them). The manager records every fetch from the first forward to the second (so the
+optimizer's step is in it too) and evicts by that order (Belady).
 
 Parameters are placed at wrap time, one module at a time: each goes to the fastest tier of
 its placement with room (device, else pinned host, else written to NVMe), and a model
@@ -156,6 +157,8 @@ class OffloadedModel(nn.Module):
         self._handles: list[Any] = []
         self._order: list[str] | None = None  # fetch order, once recorded
         self._recording: list[str] | None = []  # being recorded (the first step)
+        self._manager_recording: contextlib.AbstractContextManager[None] | None = None
+        self._manager_recorded = False
         self._position: dict[str, list[int]] = {}
         self._cursor = -1
         self._in_backward = False
@@ -358,10 +361,26 @@ class OffloadedModel(nn.Module):
 
     def _pre_forward_hook(self, slots: list[_Slot]) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any) -> None:
+            self._step_boundary()
             for slot in slots:
                 self._acquire(slot)
 
         return hook
+
+    def _step_boundary(self) -> None:
+        """At the first forward, start recording every fetch of the manager; at the first
+        forward after a backward, stop: the manager's eviction order then covers a whole
+        training step (forward, backward, and the optimizer's fetches of state,
+        gradients and parameters), so the step's read-ahead does not evict what it is
+        about to use, nor keep what is needed last."""
+        with self._lock:
+            if self._manager_recording is None and not self._manager_recorded:
+                self._manager_recording = self._manager.recording()
+                self._manager_recording.__enter__()
+            elif self._manager_recording is not None and self._order is not None:
+                recording, self._manager_recording = self._manager_recording, None
+                self._manager_recorded = True
+                recording.__exit__(None, None, None)
 
     def _post_forward_hook(self, slots: list[_Slot]) -> Callable[..., Any]:
         def before_backward() -> None:
@@ -415,8 +434,7 @@ class OffloadedModel(nn.Module):
             self._position = {}
             for i, key in enumerate(self._order):
                 self._position.setdefault(key, []).append(i)
-            self._manager.record_access_order(self._order)
-            log.info("offload: recorded a fetch order of %d steps", len(self._order))
+            log.info("offload: recorded a fetch order of %d parameters", len(self._order))
 
     def _retain_grad(self, slot: _Slot, grad: torch.Tensor) -> None:
         """Move ``grad`` into the retained buffer (one copy; added on later micro-steps)."""
