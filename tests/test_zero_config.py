@@ -284,9 +284,9 @@ def test_prefetch_window_always_fits_the_host_budget(
     cfg = OffloadConfig(device_nbytes=device, host_nbytes=host, prefetch_nbytes=prefetch)
     assert cfg.prefetch_window_nbytes == window
     mc = cfg.manager_config()  # must not raise
-    # the manager's window (which the optimizer's read-ahead of state also uses) is its
-    # default; the parameters' window is applied by the offload itself
-    if host is not None:
+    if window is not None:
+        assert mc.prefetch_window_nbytes == window
+    elif host is not None:
         assert mc.prefetch_window_nbytes == host // 2
     else:
         assert mc.prefetch_window_nbytes is None
@@ -326,7 +326,7 @@ def test_from_dict_sizes_and_aio_dict(tmp_path: Path) -> None:
     assert cfg.host_fraction == 0.25
     assert cfg.device == "cpu"
     assert cfg.store_name == "exp"
-    assert cfg.prefetch_window_nbytes == 64 * MiB  # clamped to host
+    assert cfg.manager_config().prefetch_window_nbytes == 64 * MiB  # clamped to host
 
 
 def test_from_dict_overrides_win() -> None:
@@ -471,7 +471,7 @@ def test_from_deepspeed_zero_infinity_maps_every_field() -> None:
     assert mc.placement[Kind.GRAD16] == (H, N)
     assert mc.placement[Kind.OPTIM_STATE] == (H, N)
     assert mc.placement[Kind.GRAD32] == (H, N)
-    assert cfg.prefetch_window_nbytes == 2 * GiB
+    assert mc.prefetch_window_nbytes == 2 * GiB
 
 
 def test_from_deepspeed_reads_a_path(tmp_path: Path) -> None:
@@ -574,7 +574,7 @@ def test_from_deepspeed_overrides_win() -> None:
     assert cfg.sub_group_numel == 1000
     assert cfg.param_tiers == (D, H)
     assert cfg.aio == AioConfig(num_threads=8)
-    assert cfg.prefetch_window_nbytes == GiB  # clamped to host
+    assert cfg.manager_config().prefetch_window_nbytes == GiB  # clamped to host
 
 
 def test_from_deepspeed_unknown_override_named() -> None:

@@ -174,7 +174,7 @@ class OffloadConfig:
 
     @property
     def prefetch_window_nbytes(self) -> int | None:
-        """How many bytes of parameters the offload reads ahead (None: no limit).
+        """The read-ahead window :meth:`manager_config` passes to the manager.
 
         ``prefetch_nbytes``, or half of ``device_nbytes`` when it is None, clamped to
         ``host_nbytes`` (bytes read ahead wait in host memory, and the manager refuses a
@@ -194,11 +194,8 @@ class OffloadConfig:
 
         Budgets, ``nvme_dirs``, ``aio``, ``device`` and ``store_name`` pass through;
         placement is ``param16 → param_tiers``, ``grad16 → grad_tiers`` and
-        ``optim_state`` and ``grad32 → optimizer_tiers``. The manager's own read-ahead
-        window keeps its default (half the host budget): it also bounds the optimizer's
-        read-ahead of state sub-groups, which are far larger than the parameters' window
-        (:attr:`prefetch_window_nbytes`, which the offload applies to itself). The other
-        manager settings keep their defaults.
+        ``optim_state`` and ``grad32 → optimizer_tiers``; the read-ahead window is
+        :attr:`prefetch_window_nbytes`. The other manager settings keep their defaults.
 
         Raises:
             SwapConfigError: never for a config that constructed (``__post_init__`` builds
@@ -215,6 +212,7 @@ class OffloadConfig:
                 Kind.OPTIM_STATE: self.optimizer_tiers,
                 Kind.GRAD32: self.optimizer_tiers,
             },
+            prefetch_window_nbytes=self.prefetch_window_nbytes,
             device=self.device,
             store_name=self.store_name,
         )
