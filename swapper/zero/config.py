@@ -195,7 +195,10 @@ class OffloadConfig:
         Budgets, ``nvme_dirs``, ``aio``, ``device`` and ``store_name`` pass through;
         placement is ``param16 → param_tiers``, ``grad16 → grad_tiers`` and
         ``optim_state`` and ``grad32 → optimizer_tiers``; the read-ahead window is
-        :attr:`prefetch_window_nbytes`. The other manager settings keep their defaults.
+        :attr:`prefetch_window_nbytes`. The optimizer's state sub-groups, larger than
+        that window, are then read ahead one at a time: under pressure that measured
+        better than a deeper read-ahead, which puts more reads beside the write-behind
+        (docs/benchmarks.md). The other manager settings keep their defaults.
 
         Raises:
             SwapConfigError: never for a config that constructed (``__post_init__`` builds

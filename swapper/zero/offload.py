@@ -496,7 +496,7 @@ class OffloadedModel(nn.Module):
             return
         after = [i for i in positions if i > self._cursor]
         self._cursor = after[0] if after else positions[0]
-        window = self.config.prefetch_nbytes
+        window = self.config.prefetch_window_nbytes
         ahead: list[str] = []
         taken = 0
         for i in range(self._cursor + 1, self._cursor + len(order)):
