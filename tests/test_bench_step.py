@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from swapper.bench import main
-from swapper.bench.step_command import _count
+from swapper.cli_args import count_arg as _count
 
 
 def test_step_json_record(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

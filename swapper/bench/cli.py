@@ -19,13 +19,14 @@ import shutil
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 from swapper.bench.interrupts import Interrupted, interrupts_raise
+from swapper.cli_args import OneLineParser, UsageError, size_arg
 from tiers.aio import resolve_backend
 from tiers.config import Backend
 from tiers.errors import BackendUnavailableError, SwapError
-from tiers.units import format_size, parse_size
+from tiers.units import format_size
 
 PROG = "swapper-bench"
 
@@ -43,26 +44,8 @@ SWEEP_THREADS = (1, 2)
 PLOT_HINT = "pip install 'swapper[plot]'"
 
 
-class UsageError(Exception):
-    """Bad command-line arguments: reported in one line, exit code 2."""
-
-
-class BenchArgumentParser(argparse.ArgumentParser):
-    """An ArgumentParser whose errors are exceptions, so main() can print one line."""
-
-    def error(self, message: str) -> NoReturn:
-        raise UsageError(message)
-
-
 # ----------------------------------------------------------------------------------------
 # Argument types: ArgumentTypeError keeps our message (argparse hides other errors').
-
-
-def _size(text: str) -> int:
-    try:
-        return parse_size(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _list(text: str, parse: Callable[[str], Any]) -> list[Any]:
@@ -73,7 +56,7 @@ def _list(text: str, parse: Callable[[str], Any]) -> list[Any]:
 
 
 def _size_list(text: str) -> list[int]:
-    return _list(text, _size)
+    return _list(text, size_arg)
 
 
 def _int(text: str) -> int:
@@ -116,7 +99,7 @@ def _at_least(minimum: int) -> Callable[[str], int]:
 
 def common_parser() -> argparse.ArgumentParser:
     """The flags every subcommand shares: --dir, --size, --json."""
-    common = BenchArgumentParser(add_help=False)
+    common = OneLineParser(add_help=False)
     group = common.add_argument_group("common options")
     group.add_argument(
         "--dir",
@@ -130,7 +113,7 @@ def common_parser() -> argparse.ArgumentParser:
     )
     group.add_argument(
         "--size",
-        type=_size,
+        type=size_arg,
         metavar="SIZE",
         help="bytes to move per pass, e.g. 1GiB, 512MiB (disk default: 1GiB)",
     )
@@ -270,9 +253,9 @@ COMMANDS: dict[str, Command] = {
 DEFAULT_COMMAND = "disk"
 
 
-def build_parser() -> BenchArgumentParser:
+def build_parser() -> OneLineParser:
     """The top-level parser with one subparser per entry of :data:`COMMANDS`."""
-    parser = BenchArgumentParser(
+    parser = OneLineParser(
         prog=PROG,
         description="Measure disks for swapper, find the best I/O settings, emit a config. "
         f"COMMAND defaults to {DEFAULT_COMMAND!r}.",

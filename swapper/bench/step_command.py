@@ -41,6 +41,7 @@ from swapper.bench.cli import (
     check_output_path,
 )
 from swapper.bench.disk import Workspace
+from swapper.cli_args import count_arg, size_arg, table
 from swapper.manager import ManagerConfig
 from swapper.step import OffloadAdamW, StepPipeline
 from swapper.step.layout import plan_sub_groups
@@ -60,31 +61,17 @@ PASSES = ("io-only", "compute-only", "step", "legacy")
 __all__ = ["add_step_arguments", "build_plan", "run_step_command", "summarize"]
 
 
-def _count(text: str) -> int:
-    """A count with an optional decimal suffix: 200M, 25M, 1.5G, 4096."""
-    text = text.strip()
-    scale = {"K": 10**3, "M": 10**6, "G": 10**9}.get(text[-1:].upper(), 1)
-    number = text[:-1] if scale != 1 else text
-    try:
-        value = float(number) * scale
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a count (e.g. 200M)") from None
-    if value != int(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be a whole number > 0")
-    return int(value)
-
-
 def add_step_arguments(p: argparse.ArgumentParser) -> None:
     """The flags of ``step`` (besides the shared --dir and --json; --size is unused)."""
-    p.add_argument("--params", type=_count, metavar="N", help="parameters (default 200M)")
+    p.add_argument("--params", type=count_arg, metavar="N", help="parameters (default 200M)")
     p.add_argument(
-        "--sub-group", type=_count, metavar="N", help="elements per sub-group (default 25M)"
+        "--sub-group", type=count_arg, metavar="N", help="elements per sub-group (default 25M)"
     )
     p.add_argument("--steps", type=int, metavar="N", help=f"timed rounds (default {DEFAULT_STEPS})")
     p.add_argument("--warmup", type=int, metavar="N", help=f"default {DEFAULT_WARMUP}")
     p.add_argument(
         "--host-budget",
-        type=_size_arg,
+        type=size_arg,
         metavar="SIZE",
         help="host (pinned) budget of each NVMe-backed optimizer; bounds the sub-groups in "
         "flight (default: 4 sub-groups' state)",
@@ -96,12 +83,6 @@ def add_step_arguments(p: argparse.ArgumentParser) -> None:
         "(DeepSpeed ZeRO-Infinity's way)",
     )
     p.add_argument("--seed", type=int, default=0, help="parameters and gradients (default 0)")
-
-
-def _size_arg(text: str) -> int:
-    from swapper.bench.cli import _size
-
-    return _size(text)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -357,11 +338,7 @@ def format_table(doc: dict[str, Any]) -> str:
                 f"{sum(r['written_nbytes'].values()) / doc['params']:.2f}",
             )
         )
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = [
-        "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(cells))
-        for cells in (list(zip(row, widths, strict=True)) for row in rows)
-    ]
+    lines = table(rows)
     lines.append(
         f"step / max(io-only, compute-only) = {doc['overlap_ratio']:.3f} of the medians, "
         f"{doc['overlap_ratio_median_per_round']:.3f} median of the rounds' own "

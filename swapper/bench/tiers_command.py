@@ -55,6 +55,7 @@ from swapper.bench.disk import (
     fill_random,
     split_nbytes,
 )
+from swapper.cli_args import size_arg, table
 from swapper.manager import Kind, ManagerConfig, Tier, TierManager
 from tiers.aio import AioEngine
 from tiers.buffers import allocate
@@ -112,11 +113,11 @@ class TiersMeasurement:
 
 def add_tiers_arguments(p: argparse.ArgumentParser) -> None:
     """The flags of ``tiers`` (besides the shared --dir, --size, --json)."""
-    p.add_argument("--tensor-min", type=_size_arg, metavar="SIZE", help="default 4MiB")
-    p.add_argument("--tensor-max", type=_size_arg, metavar="SIZE", help="default 64MiB")
+    p.add_argument("--tensor-min", type=size_arg, metavar="SIZE", help="default 4MiB")
+    p.add_argument("--tensor-max", type=size_arg, metavar="SIZE", help="default 64MiB")
     p.add_argument(
         "--block-size",
-        type=_size_arg,
+        type=size_arg,
         metavar="SIZE",
         help=f"bytes per kernel request (default {format_size(DEFAULT_BLOCK_SIZE)})",
     )
@@ -132,12 +133,6 @@ def add_tiers_arguments(p: argparse.ArgumentParser) -> None:
         help="hash every tensor written, as the manager does by default (default: on)",
     )
     p.add_argument("--seed", type=int, default=0, help="tensor sizes and contents (default 0)")
-
-
-def _size_arg(text: str) -> int:
-    from swapper.bench.cli import _size
-
-    return _size(text)
 
 
 def build_plan(args: argparse.Namespace) -> TiersPlan:
@@ -345,11 +340,7 @@ def format_table(results: list[TiersMeasurement]) -> str:
                 f"{r.ratio:.2f}",
             )
         )
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = [
-        "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(cells))
-        for cells in (list(zip(row, widths, strict=True)) for row in rows)
-    ]
+    lines = table(rows)
     lines.append("GB/s: median of the timed passes, GB = 10^9 bytes; ratio = manager / raw disk")
     return "\n".join(lines)
 

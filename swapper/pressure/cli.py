@@ -12,10 +12,11 @@ import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING
 
+from swapper.cli_args import OneLineParser, UsageError, count_arg, size_arg
 from tiers.errors import SwapError
-from tiers.units import format_size, parse_size
+from tiers.units import format_size
 
 if TYPE_CHECKING:
     from swapper.pressure.runner import PressureResult
@@ -23,30 +24,8 @@ if TYPE_CHECKING:
 PROG = "swapper-pressure"
 
 
-class UsageError(Exception):
-    """Bad command-line arguments: one line, exit code 2."""
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        raise UsageError(message)
-
-
-def _size(text: str) -> int:
-    try:
-        return parse_size(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _count(text: str) -> int:
-    from swapper.bench.step_command import _count as count
-
-    return count(text)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(
+    p = OneLineParser(
         prog=PROG,
         description="Train a GPT-style model under per-tier budgets (device, pinned host, "
         "NVMe) next to a run with unlimited budgets and the same seed; report per-step "
@@ -55,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--params",
-        type=_count,
+        type=count_arg,
         default=2_000_000,
         metavar="N",
         help="model parameters, e.g. 2M, 100M (default 2M)",
@@ -64,13 +43,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="model and data (default 0)")
     p.add_argument(
         "--device-budget",
-        type=_size,
+        type=size_arg,
         metavar="SIZE",
         help="device tier budget (default: a quarter of the 16-bit params)",
     )
     p.add_argument(
         "--host-budget",
-        type=_size,
+        type=size_arg,
         metavar="SIZE",
         help="host tier budget (default: a quarter of the optimizer state)",
     )
@@ -87,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq", type=int, default=64, metavar="N", help="tokens per sequence")
     p.add_argument(
         "--sub-group",
-        type=_count,
+        type=count_arg,
         metavar="N",
         help="optimizer sub-group elements (default: a quarter of the host budget)",
     )
