@@ -558,3 +558,25 @@ def test_fp16_with_loss_scaler_bit_identical_to_unlimited(tmp_path: Path) -> Non
     assert all(torch.isfinite(v).all() for v in tight.params.values())
     assert tight.stats.moved(Tier.HOST, Tier.NVME).nbytes > 0
     _assert_within_budgets(tight.stats, tight_config)
+
+
+def test_module_zero_grad_drops_the_retained_gradients(tmp_path: Path) -> None:
+    """``model.zero_grad()`` (not only the optimizer's) must clear the retained buffers,
+    or the next backward would add to the old gradients."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 4)).to(torch.bfloat16)
+    x = torch.randn(3, 8, dtype=torch.bfloat16)
+    with swapper.offload(model, _unlimited()) as wrapped:
+        wrapped(x).float().sum().backward()
+        grad_keys = [k for k in list(wrapped.manager.keys()) if k.startswith("grad/")]
+        assert grad_keys
+        first = {k: wrapped.manager.fetch(k).clone() for k in grad_keys}
+        for k in first:
+            wrapped.manager.release(k, modified=False)
+        wrapped.zero_grad()
+        assert not [k for k in list(wrapped.manager.keys()) if k.startswith("grad/")]
+        wrapped(x).float().sum().backward()
+        for k, grad in first.items():
+            again = wrapped.manager.fetch(k)
+            assert torch.equal(again, grad), k  # not 2 x grad
+            wrapped.manager.release(k, modified=False)

@@ -202,6 +202,16 @@ class OffloadedModel(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop the retained 16-bit gradients (the optimizer's ``zero_grad`` does the
+        same): the next backward starts them afresh rather than adding to them."""
+        super().zero_grad(set_to_none=set_to_none)
+        for slot in self._by_name.values():
+            with self._lock:
+                had, slot.has_grad = slot.has_grad, False
+            if had:
+                self._manager.unregister(slot.grad_key)
+
     def stats(self) -> ManagerStats:
         """The manager's counters: bytes moved, stall time, peaks per tier."""
         return self._manager.stats()
@@ -611,6 +621,7 @@ class _TieredParams:
     def zero_grad(self, params: Sequence[torch.Tensor]) -> None:
         for param in params:
             slot = self._slot(param)
-            if slot.has_grad:
+            with self._model._lock:
+                had, slot.has_grad = slot.has_grad, False
+            if had:
                 self._manager.unregister(slot.grad_key)
-                slot.has_grad = False
