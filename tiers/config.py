@@ -156,13 +156,7 @@ class AioConfig:
             SwapConfigError: it is not JSON, or its ``aio`` section does not validate; the
                 message names the file.
         """
-        text = Path(path).read_text(encoding="utf-8")
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise SwapConfigError(f"{os.fspath(path)}: not valid JSON: {exc}") from None
-        if not isinstance(data, Mapping):
-            raise SwapConfigError(f"{os.fspath(path)}: expected a JSON object at the top")
+        data = read_json_object(path)
         try:
             return cls.from_dict(data, **overrides)
         except SwapConfigError as exc:
@@ -209,3 +203,20 @@ _ENV: dict[str, tuple[str, Any]] = {
     "close_timeout_s": ("SWAPPER_AIO_CLOSE_TIMEOUT", float),
     "single_submit": ("SWAPPER_AIO_SINGLE_SUBMIT", _parse_bool),
 }
+
+
+def read_json_object(path: str | os.PathLike[str]) -> Mapping[str, Any]:
+    """The JSON object in file ``path``.
+
+    Raises:
+        OSError: the file cannot be read.
+        SwapConfigError: it is not JSON, or not an object at the top (names the file).
+    """
+    text = Path(path).read_text(encoding="utf-8")
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise SwapConfigError(f"{os.fspath(path)}: not valid JSON: {exc}") from None
+    if not isinstance(data, Mapping):
+        raise SwapConfigError(f"{os.fspath(path)}: expected a JSON object at the top")
+    return data

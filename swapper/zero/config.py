@@ -15,7 +15,6 @@ overrides.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import re
@@ -24,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from swapper.manager.config import MEMORY_TIERS, Kind, ManagerConfig, Tier
-from tiers.config import AioConfig
+from tiers.config import AioConfig, read_json_object
 from tiers.errors import SwapConfigError
 from tiers.units import parse_size
 
@@ -283,7 +282,7 @@ class OffloadConfig:
             SwapConfigError: it is not a JSON object, or its settings do not validate; the
                 message names the file.
         """
-        data = _read_json(path)
+        data = read_json_object(path)
         try:
             if "zero_optimization" in data:
                 return cls.from_deepspeed(data, **overrides)
@@ -345,7 +344,7 @@ class OffloadConfig:
                 or the result does not validate. With a path, the message names the file.
         """
         if isinstance(ds, (str, os.PathLike)):
-            data = _read_json(ds)
+            data = read_json_object(ds)
             try:
                 return cls.from_deepspeed(data, **overrides)
             except SwapConfigError as exc:
@@ -438,17 +437,6 @@ def _coerce(name: str, value: Any) -> Any:
         except SwapConfigError as exc:
             raise SwapConfigError(f"aio: {exc}") from None
     return value
-
-
-def _read_json(path: str | os.PathLike[str]) -> Mapping[str, Any]:
-    text = Path(path).read_text(encoding="utf-8")
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise SwapConfigError(f"{os.fspath(path)}: not valid JSON: {exc}") from None
-    if not isinstance(data, Mapping):
-        raise SwapConfigError(f"{os.fspath(path)}: expected a JSON object at the top")
-    return data
 
 
 # -- DeepSpeed ---------------------------------------------------------------------------
@@ -586,33 +574,31 @@ def _read_deepspeed(ds: Mapping[str, Any]) -> tuple[dict[str, Any], list[tuple[s
         )
     dirs: list[str] = []
 
-    param = zero.get("offload_param")
-    if param is None and zero.get("cpu_offload_param") is True:
-        param = {"device": "cpu"}  # DeepSpeed's deprecated spelling of the same
-    if param is not None:
-        where = "zero_optimization.offload_param"
-        param = _ds_section(param, where)
-        _check_keys(param, where, _DS_PARAM_READ, _DS_PARAM_IGNORED)
-        device = _ds_offload_device(param, where)
-        values["param_tiers"] = _names(_PARAM_TIERS_BY_DEVICE[device])
+    sections = (
+        ("offload_param", "param_tiers", _DS_PARAM_READ, _DS_PARAM_IGNORED, _PARAM_TIERS_BY_DEVICE),
+        (
+            "offload_optimizer",
+            "optimizer_tiers",
+            _DS_OPTIMIZER_READ,
+            _DS_OPTIMIZER_IGNORED,
+            _OPTIMIZER_TIERS_BY_DEVICE,
+        ),
+    )
+    for key, field_name, read, ignored, tiers_by_device in sections:
+        section = zero.get(key)
+        if section is None and key == "offload_param" and zero.get("cpu_offload_param") is True:
+            section = {"device": "cpu"}  # DeepSpeed's deprecated spelling of the same
+        if section is None:
+            values[field_name] = _names(tiers_by_device["none"])
+            continue
+        where = f"zero_optimization.{key}"
+        section = _ds_section(section, where)
+        _check_keys(section, where, read, ignored)
+        device = _ds_offload_device(section, where)
+        values[field_name] = _names(tiers_by_device[device])
         if device == "nvme":
-            needs_nvme.append(("param_tiers", where))
-            dirs += _ds_paths(param.get("nvme_path"), f"{where}.nvme_path")
-    else:
-        values["param_tiers"] = _names(_PARAM_TIERS_BY_DEVICE["none"])
-
-    optimizer = zero.get("offload_optimizer")
-    if optimizer is not None:
-        where = "zero_optimization.offload_optimizer"
-        optimizer = _ds_section(optimizer, where)
-        _check_keys(optimizer, where, _DS_OPTIMIZER_READ, _DS_OPTIMIZER_IGNORED)
-        device = _ds_offload_device(optimizer, where)
-        values["optimizer_tiers"] = _names(_OPTIMIZER_TIERS_BY_DEVICE[device])
-        if device == "nvme":
-            needs_nvme.append(("optimizer_tiers", where))
-            dirs += _ds_paths(optimizer.get("nvme_path"), f"{where}.nvme_path")
-    else:
-        values["optimizer_tiers"] = _names(_OPTIMIZER_TIERS_BY_DEVICE["none"])
+            needs_nvme.append((field_name, where))
+            dirs += _ds_paths(section.get("nvme_path"), f"{where}.nvme_path")
     values["nvme_dirs"] = list(dict.fromkeys(os.fspath(Path(d)) for d in dirs))
 
     if ds.get("aio") is not None:
