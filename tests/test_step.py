@@ -1355,3 +1355,46 @@ def test_plan_example() -> None:
     assert plan[1].pieces == (P(2, 1048, 0, 1952), P(3, 0, 1952, 96))
     assert plan[2].pieces == (P(3, 96, 0, 104),)
     assert plan[3].pieces == (P(0, 0, 0, 5),)
+
+
+def test_ctrl_c_during_compute_is_delivered_after_the_sub_group_is_marked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SIGINT arriving while a sub-group's kernel runs is held until that sub-group is
+    computed, marked and published: the retry never applies the step to it twice."""
+    import signal
+
+    torch.manual_seed(0)
+    model, twin = _mlp(seed=5), _mlp(seed=5)
+    _random_grads(model, 1)
+    _random_grads(twin, 1)
+    calls = {"n": 0}
+    original = OffloadAdamW._update
+
+    def update(self: OffloadAdamW, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        calls["n"] += 1
+        if calls["n"] == 2:
+            signal.raise_signal(signal.SIGINT)  # lands right after the kernel returns
+
+    with (
+        OffloadAdamW(
+            model.parameters(), tiers=_config(tmp_path, "a"), sub_group_numel=SG_NUMEL
+        ) as opt,
+        OffloadAdamW(
+            twin.parameters(), tiers=_config(tmp_path, "b"), sub_group_numel=SG_NUMEL
+        ) as ref,
+    ):
+        assert len(opt.sub_groups) > 2
+        monkeypatch.setattr(OffloadAdamW, "_update", update)
+        with pytest.raises(KeyboardInterrupt):
+            opt.step()
+        monkeypatch.setattr(OffloadAdamW, "_update", original)
+        progress = opt._pipeline.progress[1]
+        assert progress.applied == progress.published == 1  # marked before the interrupt
+        opt.step()  # finishes the step
+        ref.step()
+        assert opt.step_count == ref.step_count == 1
+        _assert_params_equal(
+            list(model.parameters()), [p.detach() for p in twin.parameters()], "after retry"
+        )
