@@ -8,7 +8,7 @@ from typing import NoReturn
 
 from tiers.units import parse_size
 
-__all__ = ["OneLineParser", "UsageError", "count_arg", "size_arg", "table"]
+__all__ = ["OneLineParser", "UsageError", "count_arg", "one_line", "size_arg", "table"]
 
 
 class UsageError(Exception):
@@ -45,6 +45,12 @@ def count_arg(text: str) -> int:
     if value != int(value) or value <= 0:
         raise argparse.ArgumentTypeError(f"{text!r} must be a whole number > 0")
     return int(value)
+
+
+def one_line(text: object) -> str:
+    """``text`` with every run of whitespace (newlines too) made one space: error messages
+    print as one line."""
+    return " ".join(str(text).split())
 
 
 def table(rows: list[tuple[str, ...]]) -> list[str]:

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from swapper.bench.interrupts import Interrupted, interrupts_raise
-from swapper.cli_args import OneLineParser, UsageError, size_arg
+from swapper.cli_args import OneLineParser, UsageError, one_line, size_arg
 from tiers.aio import resolve_backend
 from tiers.config import Backend
 from tiers.errors import BackendUnavailableError, SwapError
@@ -280,10 +280,6 @@ def _with_default_command(argv: Sequence[str]) -> list[str]:
     return args
 
 
-def _one_line(text: str) -> str:
-    return " ".join(str(text).split())
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``swapper-bench``; returns the exit code (see the module docstring)."""
     argv = sys.argv[1:] if argv is None else argv
@@ -295,7 +291,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return exc.code if isinstance(exc.code, int) else 0
             return int(args.run(args))
     except UsageError as exc:
-        print(f"{PROG}: error: {_one_line(str(exc))}", file=sys.stderr)
+        print(f"{PROG}: error: {one_line(str(exc))}", file=sys.stderr)
         return 2
     except Interrupted as exc:
         print(f"{PROG}: interrupted ({exc}); temporary files removed", file=sys.stderr)
@@ -304,7 +300,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{PROG}: interrupted; temporary files removed", file=sys.stderr)
         return 130
     except (SwapError, OSError, MemoryError) as exc:
-        print(f"{PROG}: error: {_one_line(str(exc) or type(exc).__name__)}", file=sys.stderr)
+        print(f"{PROG}: error: {one_line(str(exc) or type(exc).__name__)}", file=sys.stderr)
         return 1
 
 

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from swapper.cli_args import OneLineParser, UsageError, count_arg, size_arg
+from swapper.cli_args import OneLineParser, UsageError, count_arg, one_line, size_arg
 from tiers.errors import SwapError
 from tiers.units import format_size
 
@@ -100,13 +100,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         result = run_pressure(settings, say=lambda line: print(line, flush=True))
     except UsageError as exc:
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        print(f"{PROG}: error: {one_line(exc)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)
         return 130
     except (SwapError, OSError, MemoryError) as exc:
-        print(f"{PROG}: error: {' '.join(str(exc).split())}", file=sys.stderr)
+        print(f"{PROG}: error: {one_line(str(exc) or type(exc).__name__)}", file=sys.stderr)
         return 1
     print(_summary(result))
     if args.json is not None:
