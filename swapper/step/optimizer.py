@@ -524,17 +524,14 @@ class OffloadAdamW(torch.optim.Optimizer):
 
     # -- one step -------------------------------------------------------------------------
 
-    def _gradients(self) -> Iterable[torch.Tensor]:
-        if self._accumulators:
-            return list(self._accumulators)
-        return self._source.grads(self._all_params())
-
     def _grad_norm(self) -> tuple[float | None, bool]:
         """(unscaled global L2 norm, found inf/NaN), when clipping or scaling needs it."""
         if self.max_grad_norm is None and self.loss_scaler is None:
             return None, False
-        # one gradient at a time: an offloaded one is fetched, measured and released
-        norms = [torch.linalg.vector_norm(g, dtype=torch.float32) for g in self._gradients()]
+        if self._accumulators:
+            norms = [torch.linalg.vector_norm(a, dtype=torch.float32) for a in self._accumulators]
+        else:
+            norms = self._source.grad_norms(self._all_params())
         if not norms:
             return 0.0, False
         device = norms[0].device

@@ -7,7 +7,7 @@ elements, so the optimizer does not care whether they are ordinary tensors
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
@@ -47,8 +47,9 @@ class ParamSource(Protocol):
         """Round ``source`` (fp32) into elements ``[start, start + source.numel())``."""
         ...
 
-    def grads(self, params: Sequence[torch.Tensor]) -> Iterator[torch.Tensor]:
-        """Each parameter's gradient that exists, one at a time (for the global norm)."""
+    def grad_norms(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The fp32 L2 norm (``torch.linalg.vector_norm(grad, dtype=torch.float32)``) of
+        each parameter's gradient that exists, for the global norm."""
         ...
 
     def zero_grad(self, params: Sequence[torch.Tensor]) -> None:
@@ -81,8 +82,12 @@ class LocalParams:
     def write_param(self, param: torch.Tensor, start: int, source: torch.Tensor) -> None:
         param.detach().view(-1)[start : start + source.numel()].copy_(source)
 
-    def grads(self, params: Sequence[torch.Tensor]) -> Iterator[torch.Tensor]:
-        return (p.grad for p in params if p.grad is not None)
+    def grad_norms(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        return [
+            torch.linalg.vector_norm(p.grad, dtype=torch.float32)
+            for p in params
+            if p.grad is not None
+        ]
 
     def zero_grad(self, params: Sequence[torch.Tensor]) -> None:
         for p in params:

@@ -71,6 +71,9 @@ class _Slot:
     users: int = 0  # fetches outstanding (forward and backward holds)
     backward_holds: int = 0  # of which taken for a backward
     has_grad: bool = False  # its retained gradient is registered
+    #: fp32 L2 norm of the retained gradient, taken when it is moved in (while it is in
+    #: memory anyway), so that the optimizer's global norm reads nothing back from NVMe
+    grad_norm: torch.Tensor | None = None
 
     @property
     def key(self) -> str:
@@ -208,7 +211,7 @@ class OffloadedModel(nn.Module):
         super().zero_grad(set_to_none=set_to_none)
         for slot in self._by_name.values():
             with self._lock:
-                had, slot.has_grad = slot.has_grad, False
+                had, slot.has_grad, slot.grad_norm = slot.has_grad, False, None
             if had:
                 self._manager.unregister(slot.grad_key)
 
@@ -453,10 +456,12 @@ class OffloadedModel(nn.Module):
             slot.has_grad = True
         if first:
             self._manager.register(slot.grad_key, grad.detach(), Kind.GRAD16)
+            slot.grad_norm = torch.linalg.vector_norm(grad, dtype=torch.float32)
             return
         retained = self._manager.fetch(slot.grad_key)
         try:
             retained.add_(grad.view(slot.shape))
+            slot.grad_norm = torch.linalg.vector_norm(retained, dtype=torch.float32)
         finally:
             self._manager.release(slot.grad_key, modified=True)
 
@@ -607,21 +612,18 @@ class _TieredParams:
         finally:
             self._manager.release(slot.key, modified=True)
 
-    def grads(self, params: Sequence[torch.Tensor]) -> Iterator[torch.Tensor]:
+    def grad_norms(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        norms = []
         for param in params:
             slot = self._slot(param)
-            if not slot.has_grad:
-                continue
-            tensor = self._manager.fetch(slot.grad_key)
-            try:
-                yield tensor
-            finally:
-                self._manager.release(slot.grad_key, modified=False)
+            if slot.has_grad and slot.grad_norm is not None:
+                norms.append(slot.grad_norm)
+        return norms
 
     def zero_grad(self, params: Sequence[torch.Tensor]) -> None:
         for param in params:
             slot = self._slot(param)
             with self._model._lock:
-                had, slot.has_grad = slot.has_grad, False
+                had, slot.has_grad, slot.grad_norm = slot.has_grad, False, None
             if had:
                 self._manager.unregister(slot.grad_key)
