@@ -1,15 +1,12 @@
-"""Tests of tiers.buffers: host buffers (alignment, backing, lifetime) and the slot pool."""
+"""Tests of tiers.buffers: host buffers (alignment, backing, lifetime)."""
 
 from __future__ import annotations
 
 import ctypes
 import errno
 import gc
-import itertools
 import logging
 import sys
-import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -17,9 +14,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tiers import BufferPoolTimeout, EngineClosedError, SwapConfigError
+from tiers import EngineClosedError, SwapConfigError
 from tiers import buffers as B
-from tiers.buffers import BufferClosedError, BufferPool, allocate, hugepage_bytes
+from tiers.buffers import BufferClosedError, allocate, hugepage_bytes
 
 MiB = 1 << 20
 HUGE = B.HUGE_PAGE_NBYTES
@@ -402,215 +399,6 @@ def test_close_unpins() -> None:
     assert not view.is_pinned()
 
 
-# -- pool -----------------------------------------------------------------------------
-
-
-def test_pool_acquire_release() -> None:
-    with BufferPool(1000, 3, lock=False) as pool:
-        assert pool.slot_nbytes == 4096  # rounded up to the O_DIRECT alignment
-        assert pool.num_slots == 3 and pool.free_slots == 3
-        with pool.acquire() as a:
-            assert a.tensor.numel() == 4096 and a.nbytes == 4096
-            assert a.address % 4096 == 0
-            assert pool.free_slots == 2
-            b = pool.acquire(timeout_s=0)
-            assert b.index != a.index
-            assert pool.free_slots == 1
-            b.release()
-            b.release()  # idempotent: not freed twice
-            assert pool.free_slots == 2
-            with pytest.raises(BufferClosedError, match="released"):
-                _ = b.tensor
-        assert pool.free_slots == 3
-        assert a.released
-
-
-def test_stale_release_does_not_free_a_reused_slot() -> None:
-    with BufferPool(4096, 1, lock=False) as pool:
-        first = pool.acquire()
-        first.release()
-        second = pool.acquire()
-        assert second.index == first.index
-        first.release()  # stale handle: must not give the slot away again
-        assert pool.free_slots == 0
-        assert pool.try_acquire() is None
-        second.release()
-
-
-def test_try_acquire_returns_none_when_exhausted() -> None:
-    with BufferPool(4096, 2, lock=False) as pool:
-        slots = [pool.try_acquire(), pool.try_acquire()]
-        assert all(s is not None for s in slots)
-        assert pool.try_acquire() is None
-        slots[0].release()  # type: ignore[union-attr]
-        again = pool.try_acquire()
-        assert again is not None and again.index == slots[0].index  # type: ignore[union-attr]
-
-
-def test_acquire_times_out() -> None:
-    with BufferPool(4096, 2, lock=False) as pool:
-        held = [pool.acquire(), pool.acquire()]
-        start = time.monotonic()
-        with pytest.raises(BufferPoolTimeout, match=r"within 0\.05s: all 2 slots of 4KiB"):
-            pool.acquire(timeout_s=0.05)
-        assert time.monotonic() - start >= 0.04
-        with pytest.raises(TimeoutError):  # BufferPoolTimeout is one
-            pool.acquire(timeout_s=0)
-        with pytest.raises(ValueError, match="timeout_s"):
-            pool.acquire(timeout_s=-1)
-        for s in held:
-            s.release()
-
-
-def test_blocking_acquire_is_released_by_another_thread() -> None:
-    with BufferPool(4096, 1, lock=False) as pool:
-        held = pool.acquire()
-        got: list[int] = []
-
-        def waiter() -> None:
-            with pool.acquire(timeout_s=10) as slot:
-                got.append(slot.index)
-
-        thread = threading.Thread(target=waiter)
-        thread.start()
-        time.sleep(0.05)
-        assert not got  # still waiting
-        held.release()
-        thread.join(timeout=10)
-        assert got == [held.index]
-        assert pool.free_slots == 1
-
-
-def test_many_threads_never_share_a_slot() -> None:
-    owners: dict[int, int] = {}
-    errors: list[str] = []
-    guard = threading.Lock()
-    with BufferPool(4096, 3, lock=False) as pool:
-
-        def worker(me: int) -> None:
-            for _ in range(200):
-                with pool.acquire(timeout_s=10) as slot:
-                    with guard:
-                        if slot.index in owners:
-                            errors.append(
-                                f"slot {slot.index} held by {owners[slot.index]} and {me}"
-                            )
-                        owners[slot.index] = me
-                    slot.tensor[0] = me
-                    time.sleep(0)
-                    if int(slot.tensor[0]) != me:
-                        errors.append(f"slot {slot.index} written by someone else")
-                    with guard:
-                        del owners[slot.index]
-
-        threads = [threading.Thread(target=worker, args=(i,)) for i in range(6)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=30)
-        assert not errors
-        assert pool.free_slots == 3
-
-
-@fast
-@given(
-    slot_nbytes=st.integers(min_value=1, max_value=96 * 1024),
-    num_slots=st.integers(min_value=1, max_value=12),
-)
-def test_slots_do_not_overlap(slot_nbytes: int, num_slots: int) -> None:
-    with BufferPool(slot_nbytes, num_slots, lock=False) as pool:
-        assert pool.slot_nbytes >= slot_nbytes and pool.slot_nbytes % 4096 == 0
-        slots = [pool.acquire(timeout_s=0) for _ in range(num_slots)]
-        assert sorted(s.index for s in slots) == list(range(num_slots))
-        spans = sorted((s.address, s.address + s.nbytes) for s in slots)
-        assert all(a % 4096 == 0 for a, _ in spans)
-        assert all(hi <= lo for (_, hi), (lo, _) in itertools.pairwise(spans))
-        for s in slots:
-            s.tensor.fill_(s.index % 251 + 1)
-        for s in slots:
-            values = torch.unique(s.tensor)
-            assert values.tolist() == [s.index % 251 + 1]
-        for s in slots:
-            s.release()
-
-
-@needs_thp
-def test_huge_pool_slots_start_on_huge_pages() -> None:
-    with BufferPool(HUGE + 4096, 3, huge="thp", lock=False) as pool:
-        assert pool.buffer.backing == "thp"
-        assert pool.slot_stride == 2 * HUGE
-        slots = [pool.acquire(timeout_s=0) for _ in range(3)]
-        assert all(s.address % HUGE == 0 for s in slots)
-        assert all(s.nbytes == HUGE + 4096 for s in slots)
-        for s in slots:
-            s.release()
-
-
-def test_small_slots_are_not_padded_to_huge_pages() -> None:
-    with BufferPool(64 * 1024, 64, huge=True, lock=False) as pool:
-        assert pool.slot_stride == 64 * 1024
-
-
-@pytest.mark.parametrize(
-    ("slot_nbytes", "num_slots", "name"),
-    [
-        (0, 1, "slot_nbytes"),
-        (-4096, 1, "slot_nbytes"),
-        (4096, 0, "num_slots"),
-        (4096, 2.0, "num_slots"),
-    ],
-)
-def test_pool_bad_arguments(slot_nbytes: int, num_slots: int, name: str) -> None:
-    with pytest.raises(SwapConfigError, match=name):
-        BufferPool(slot_nbytes, num_slots)
-
-
-def test_pool_close_semantics() -> None:
-    pool = BufferPool(4096, 2, lock=False)
-    held = pool.acquire()
-    held.tensor.fill_(9)
-    pool.close()
-    pool.close()  # idempotent
-    assert pool.closed and pool.free_slots == 0
-    with pytest.raises(BufferClosedError, match="closed"):
-        pool.acquire()
-    with pytest.raises(EngineClosedError):
-        pool.try_acquire()
-    # A slot held across close stays usable memory (unpinned) and may still be released.
-    assert int(held.tensor.sum()) == 9 * 4096
-    held.release()
-    assert pool.free_slots == 0
-
-
-def test_pool_close_wakes_blocked_acquirers() -> None:
-    pool = BufferPool(4096, 1, lock=False)
-    held = pool.acquire()
-    outcome: list[BaseException] = []
-
-    def waiter() -> None:
-        try:
-            pool.acquire()
-        except BaseException as exc:
-            outcome.append(exc)
-
-    thread = threading.Thread(target=waiter)
-    thread.start()
-    time.sleep(0.05)
-    pool.close()
-    thread.join(timeout=10)
-    assert not thread.is_alive()
-    assert len(outcome) == 1 and isinstance(outcome[0], BufferClosedError)
-    held.release()
-
-
-def test_slot_view() -> None:
-    with BufferPool(8192, 2, lock=False) as pool, pool.acquire() as slot:
-        v = slot.view(torch.float32, (2, 1024))
-        assert v.shape == (2, 1024) and v.data_ptr() == slot.address
-        with pytest.raises(ValueError, match="slot of 8192 bytes"):
-            slot.view(torch.float64, (1025,))
-
-
 def test_failed_prefault_raises_memory_error(monkeypatch: pytest.MonkeyPatch) -> None:
     def no_memory(region: B._Region) -> None:
         raise MemoryError("cannot fault in 4MiB of thp memory: Cannot allocate memory")
@@ -630,8 +418,7 @@ def test_direct_io_round_trip_through_the_engine(tmp_path: Path, huge: bool) -> 
     nbytes = 2 * HUGE + 8192
     with (
         allocate(nbytes, huge=huge) as src,
-        BufferPool(nbytes, 2, huge=huge) as pool,
-        pool.acquire() as dst,
+        allocate(nbytes, huge=huge) as dst,
         AioEngine(AioConfig(block_size=1 << 20, queue_depth=8)) as engine,
     ):
         src.tensor.copy_(torch.randint(0, 256, (nbytes,), dtype=torch.uint8))

@@ -1,4 +1,4 @@
-"""Page-aligned host buffers with physically contiguous backing, and a fixed-slot pool.
+"""Page-aligned host buffers with physically contiguous backing.
 
 Why the layout matters
 ----------------------
@@ -38,14 +38,6 @@ after ``close()`` therefore never crashes, but the memory is no longer pinned or
 drop views (and finish transfers from them) before closing. Nothing is done in
 ``__del__``: a buffer that is never closed is unmapped with its last reference, but a
 pinned one stays registered with CUDA until the process ends, so close pinned buffers.
-
-Pool layout
------------
-:class:`BufferPool` makes ONE allocation and cuts it into equal slots, so all slots share
-one backing, one ``mlock`` and one ``cudaHostRegister`` (registering is slow, ~ms per call).
-Slot lengths are rounded up to 4096 bytes (O_DIRECT alignment); when huge pages are
-planned and a slot is at least 2 MiB, slots are spaced a multiple of 2 MiB apart so each
-starts on a huge page boundary.
 """
 
 from __future__ import annotations
@@ -59,13 +51,12 @@ import mmap
 import os
 import sys
 import threading
-import time
 from typing import Literal
 
 import torch
 
 from tiers.config import DIRECT_ALIGNMENT
-from tiers.errors import BufferPoolTimeout, EngineClosedError, SwapConfigError
+from tiers.errors import EngineClosedError, SwapConfigError
 from tiers.units import format_size
 
 log = logging.getLogger("swapper.tiers.buffers")
@@ -74,10 +65,8 @@ __all__ = [
     "HUGE_PAGE_NBYTES",
     "Backing",
     "BufferClosedError",
-    "BufferPool",
     "HostBuffer",
     "HugeMode",
-    "Slot",
     "allocate",
     "hugepage_bytes",
     "thp_mode",
@@ -114,7 +103,7 @@ HugeMode = bool | Literal["hugetlb", "thp"] | None
 
 
 class BufferClosedError(EngineClosedError):
-    """A buffer, slot or pool was used after ``close()`` / ``release()``."""
+    """A host buffer was used after ``close()``."""
 
 
 # -- logging once ---------------------------------------------------------------------
@@ -714,226 +703,3 @@ def hugepage_bytes(buffer: HostBuffer) -> int:
     if buffer.closed:
         raise BufferClosedError("hugepage_bytes() of a closed host buffer")
     return hugepage_bytes_at(buffer.address, buffer.region_nbytes) if buffer.nbytes else 0
-
-
-# -- pool -----------------------------------------------------------------------------
-
-
-class Slot:
-    """One slot of a :class:`BufferPool`, held until :meth:`release` (or ``with`` exit).
-
-    Attributes:
-        index: the slot's position in the pool, ``0 <= index < num_slots``.
-        tensor: ``torch.uint8`` view of the slot, ``pool.slot_nbytes`` long.
-    """
-
-    __slots__ = ("_pool", "_released", "_tensor", "index")
-
-    def __init__(self, pool: BufferPool, index: int, tensor: torch.Tensor) -> None:
-        self._pool = pool
-        self.index = index
-        self._tensor = tensor
-        self._released = False
-
-    @property
-    def tensor(self) -> torch.Tensor:
-        """The slot's bytes.
-
-        Raises:
-            BufferClosedError: the slot was released.
-        """
-        if self._released:
-            raise BufferClosedError(f"slot {self.index} was released; acquire a new one")
-        return self._tensor
-
-    @property
-    def nbytes(self) -> int:
-        return self._tensor.numel()
-
-    @property
-    def address(self) -> int:
-        return self._tensor.data_ptr()
-
-    @property
-    def released(self) -> bool:
-        return self._released
-
-    def view(self, dtype: torch.dtype, shape: tuple[int, ...] | None = None) -> torch.Tensor:
-        """A ``dtype`` view of the slot's first bytes; as :meth:`HostBuffer.view`."""
-        return _typed_view(self.tensor, dtype, shape, f"slot of {self.nbytes} bytes")
-
-    def release(self) -> None:
-        """Give the slot back to the pool. Idempotent; the tensor must not be used after."""
-        self._pool._release(self)
-
-    def __enter__(self) -> Slot:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
-
-    def __repr__(self) -> str:
-        state = "released" if self._released else "held"
-        return f"<Slot {self.index} of {self._pool.num_slots} ({state})>"
-
-
-class BufferPool:
-    """``num_slots`` equal slots cut from one :func:`allocate` call; thread-safe.
-
-    Args:
-        slot_nbytes: bytes per slot; rounded up to a multiple of 4096 (the O_DIRECT
-            alignment), which is what ``slot_nbytes`` then reports.
-        num_slots: number of slots.
-        huge, lock, pin: as for :func:`allocate`, applied to the whole pool.
-
-    Slots are ``slot_stride`` bytes apart: ``slot_nbytes``, or, when huge pages are
-    planned and a slot is at least one huge page, ``slot_nbytes`` rounded up to 2 MiB so
-    every slot starts on a huge page. (Smaller slots are not padded to 2 MiB: that could
-    waste almost all of the memory; they are still inside huge pages.)
-
-    Attributes:
-        slot_nbytes: bytes per slot (the size asked for, rounded up to 4096).
-        slot_stride: bytes from one slot's start to the next one's.
-        num_slots: number of slots.
-        buffer: the :class:`HostBuffer` holding all slots (``backing``, ``locked``,
-            ``pinned`` tell what the pool got).
-
-    ``close()`` does not wait for held slots: it wakes blocked :meth:`acquire` calls
-    (they raise :class:`BufferClosedError`), makes later ones raise it, unpins and unlocks
-    the memory, and lets it go once the last held slot's tensor is dropped. Releasing a
-    slot after ``close()`` is allowed and does nothing.
-
-    Raises:
-        SwapConfigError: ``slot_nbytes`` or ``num_slots`` is not a positive int, or
-            ``huge``/``lock``/``pin`` is invalid.
-        MemoryError: the memory cannot be mapped.
-    """
-
-    def __init__(
-        self,
-        slot_nbytes: int,
-        num_slots: int,
-        *,
-        huge: HugeMode = None,
-        lock: bool | None = None,
-        pin: bool | None = None,
-    ) -> None:
-        for name, value in (("slot_nbytes", slot_nbytes), ("num_slots", num_slots)):
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise SwapConfigError(f"{name}={value!r} must be a positive int")
-        huge = _check_huge(huge)
-        self.slot_nbytes = _round_up(slot_nbytes, DIRECT_ALIGNMENT)
-        self.num_slots = num_slots
-        stride = self.slot_nbytes
-        if self.slot_nbytes >= HUGE_PAGE_NBYTES and _huge_planned(huge, stride * num_slots)[0]:
-            stride = _round_up(self.slot_nbytes, HUGE_PAGE_NBYTES)
-        self.slot_stride = stride
-        self.buffer = allocate(stride * num_slots, huge=huge, lock=lock, pin=pin)
-        whole = self.buffer.tensor
-        self._views: list[torch.Tensor] | None = [
-            whole[i * stride : i * stride + self.slot_nbytes] for i in range(num_slots)
-        ]
-        # A stack: the most recently released slot is reused first (still warm in cache).
-        self._free = list(range(num_slots - 1, -1, -1))
-        self._cond = threading.Condition(threading.Lock())
-        self._closed = False
-
-    @property
-    def free_slots(self) -> int:
-        """Slots that can be acquired now (0 once closed)."""
-        with self._cond:
-            return 0 if self._closed else len(self._free)
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    def _take(self) -> Slot:
-        index = self._free.pop()
-        views = self._views
-        if views is None:  # unreachable: _closed is checked first under the same lock
-            raise BufferClosedError("buffer pool is closed")
-        return Slot(self, index, views[index])
-
-    def try_acquire(self) -> Slot | None:
-        """A free slot, or None at once when all are held.
-
-        Raises:
-            BufferClosedError: the pool is closed.
-        """
-        with self._cond:
-            if self._closed:
-                raise BufferClosedError(self._closed_message())
-            return self._take() if self._free else None
-
-    def acquire(self, timeout_s: float | None = None) -> Slot:
-        """A free slot, waiting up to ``timeout_s`` seconds (``None``: forever) for one.
-
-        Raises:
-            ValueError: ``timeout_s`` is negative.
-            BufferPoolTimeout: no slot was released in time.
-            BufferClosedError: the pool is closed, or was closed while waiting.
-        """
-        if timeout_s is not None and not timeout_s >= 0:
-            raise ValueError(f"timeout_s={timeout_s} must be >= 0 or None")
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        with self._cond:
-            while True:
-                if self._closed:
-                    raise BufferClosedError(self._closed_message())
-                if self._free:
-                    return self._take()
-                if deadline is None:
-                    self._cond.wait()
-                    continue
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise BufferPoolTimeout(
-                        f"no free slot within {timeout_s:g}s: all {self.num_slots} slots of "
-                        f"{format_size(self.slot_nbytes)} are held; release slots (use "
-                        "`with pool.acquire() as slot:`) or make the pool larger"
-                    )
-                self._cond.wait(left)
-
-    def _release(self, slot: Slot) -> None:
-        with self._cond:
-            if slot._released:
-                return
-            slot._released = True
-            if self._closed:
-                return
-            self._free.append(slot.index)
-            self._cond.notify()
-
-    def _closed_message(self) -> str:
-        return f"buffer pool of {self.num_slots} x {format_size(self.slot_nbytes)} is closed"
-
-    def close(self) -> None:
-        """Close the pool without waiting for held slots (see the class docstring).
-
-        Idempotent; never raises.
-        """
-        with self._cond:
-            if self._closed:
-                return
-            self._closed = True
-            held = self.num_slots - len(self._free)
-            self._free.clear()
-            self._views = None
-            self._cond.notify_all()
-        if held:
-            log.debug("buffer pool closed with %d slot(s) still held", held)
-        self.buffer.close()
-
-    def __enter__(self) -> BufferPool:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __repr__(self) -> str:
-        state = "closed" if self._closed else f"{len(self._free)} free"
-        return (
-            f"<BufferPool {self.num_slots} x {format_size(self.slot_nbytes)} "
-            f"{self.buffer.backing} ({state})>"
-        )
