@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from tiers.config import DIRECT_ALIGNMENT, AioConfig, Backend
+from tiers.config import DIRECT_ALIGNMENT, MAX_TIMEOUT_S, AioConfig, Backend, check_timeout_s
 from tiers.errors import SwapConfigError, SwapError
 
 
@@ -53,6 +53,15 @@ def test_backend_from_string(name: str) -> None:
         ({"close_timeout_s": 0}, "close_timeout_s=0", "> 0"),
         ({"close_timeout_s": -1.0}, "close_timeout_s=-1.0", "> 0"),
         ({"close_timeout_s": float("nan")}, "close_timeout_s=nan", "> 0"),
+        # inf used to be accepted, then close() raised OverflowError from Condition.wait
+        ({"close_timeout_s": float("inf")}, "close_timeout_s=inf", "finite"),
+        ({"close_timeout_s": float("-inf")}, "close_timeout_s=-inf", "finite"),
+        ({"close_timeout_s": 1e300}, "close_timeout_s=1e+300", "at most"),
+        ({"close_timeout_s": 10**400}, "close_timeout_s=1000", "at most"),  # no OverflowError
+        ({"close_timeout_s": -(10**400)}, "close_timeout_s=-1000", "> 0"),
+        ({"close_timeout_s": None}, "close_timeout_s=None", "number of seconds"),
+        ({"close_timeout_s": True}, "close_timeout_s=True", "number of seconds"),
+        ({"close_timeout_s": [5]}, "close_timeout_s=[5]", "number of seconds"),
     ],
 )
 def test_validation_names_the_setting(kwargs: dict, setting: str, hint: str) -> None:
@@ -76,6 +85,8 @@ def test_validation_names_the_setting(kwargs: dict, setting: str, hint: str) -> 
         {"num_threads": 1},
         {"num_threads": 64},
         {"close_timeout_s": 0.001},
+        {"close_timeout_s": 7},
+        {"close_timeout_s": MAX_TIMEOUT_S},
         {"direct": False},
     ],
 )
@@ -208,6 +219,9 @@ def test_from_env_unparsable_value_names_the_variable(var: str, text: str) -> No
         ("SWAPPER_AIO_QUEUE_DEPTH", "0"),
         ("SWAPPER_AIO_THREADS", "0"),
         ("SWAPPER_AIO_CLOSE_TIMEOUT", "0"),
+        ("SWAPPER_AIO_CLOSE_TIMEOUT", "inf"),
+        ("SWAPPER_AIO_CLOSE_TIMEOUT", "nan"),
+        ("SWAPPER_AIO_CLOSE_TIMEOUT", "-5"),
     ],
 )
 def test_from_env_invalid_value_names_the_variable(var: str, text: str) -> None:
@@ -246,3 +260,31 @@ def test_from_env_invalid_value_is_a_config_error(var: str, text: str, setting: 
 def test_wrong_types_are_config_errors(kwargs: dict) -> None:
     with pytest.raises(SwapConfigError, match=next(iter(kwargs))):
         AioConfig(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "mapping",
+    [{"close_timeout_s": "inf"}, {"close_timeout_s": float("inf")}, {"close_timeout_s": 0}],
+    ids=["str-inf", "float-inf", "zero"],
+)
+def test_from_dict_refuses_unusable_timeouts(mapping: dict) -> None:
+    with pytest.raises(SwapConfigError, match=r"close_timeout_s=.*finite number of seconds"):
+        AioConfig.from_dict(mapping)
+
+
+def test_every_timeout_setting_is_checked() -> None:
+    """Each field whose name says seconds refuses inf: no timeout setting is forgotten."""
+    timeouts = [f.name for f in dataclasses.fields(AioConfig) if f.name.endswith("_s")]
+    assert timeouts, "AioConfig has no timeout setting any more: update this test"
+    for name in timeouts:
+        with pytest.raises(SwapConfigError, match=f"{name}=inf"):
+            AioConfig(**{name: float("inf")})
+
+
+def test_check_timeout_s() -> None:
+    assert check_timeout_s("t", 3) == 3.0
+    assert isinstance(check_timeout_s("t", 3), float)
+    with pytest.raises(ValueError, match="t=inf must be a finite"):
+        check_timeout_s("t", float("inf"))
+    with pytest.raises(SwapConfigError, match="t=0"):
+        check_timeout_s("t", 0, SwapConfigError)

@@ -10,6 +10,7 @@ import dataclasses
 import enum
 import json
 import os
+import threading
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,31 @@ class Backend(str, enum.Enum):
     THREADS = "threads"  #: os.preadv / os.pwritev in a thread pool; portable
 
 
+#: The longest wait a timeout may ask for, in seconds: what ``threading`` can wait
+#: (``Condition.wait`` raises OverflowError beyond it; about 292 years on Linux).
+MAX_TIMEOUT_S = threading.TIMEOUT_MAX
+
+
+def check_timeout_s(name: str, value: object, error: type[ValueError] = ValueError) -> float:
+    """``value`` as a timeout in seconds, if it is a finite number in (0, MAX_TIMEOUT_S].
+
+    ``name`` is how the message names it (a setting or an argument).
+
+    Raises:
+        error: not a number (bools are not), or NaN, infinite, zero, negative or larger
+            than :data:`MAX_TIMEOUT_S`.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise error(f"{name}={value!r} must be a number of seconds, not {type(value).__name__}")
+    # Comparisons, not float(value): an int too large for a float must not OverflowError.
+    if not 0 < value <= MAX_TIMEOUT_S:  # also false for NaN
+        raise error(
+            f"{name}={value!r} must be a finite number of seconds > 0 (at most "
+            f"{MAX_TIMEOUT_S:.0f}); give the longest wait you accept"
+        )
+    return float(value)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class AioConfig:
     """Settings of an :class:`~tiers.aio.AioEngine`.
@@ -43,8 +69,8 @@ class AioConfig:
         num_threads: workers; one large request is split across them
             (``SWAPPER_AIO_THREADS``; DeepSpeed calls this ``intra_op_parallelism``).
         direct: use O_DIRECT where the filesystem allows it (``SWAPPER_AIO_DIRECT``).
-        close_timeout_s: seconds ``close()`` waits for requests in flight
-            (``SWAPPER_AIO_CLOSE_TIMEOUT``).
+        close_timeout_s: seconds ``close()`` waits for requests in flight; a finite
+            number > 0 (``SWAPPER_AIO_CLOSE_TIMEOUT``).
         single_submit: hand the kernel one request per ``io_submit`` call, as fio does,
             instead of a batch (``SWAPPER_AIO_SINGLE_SUBMIT``; DeepSpeed's
             ``single_submit``). A batch is plugged and merged by the block layer (four
@@ -68,9 +94,8 @@ class AioConfig:
         for name in ("direct", "single_submit"):
             if not isinstance(getattr(self, name), bool):
                 raise SwapConfigError(f"{name}={getattr(self, name)!r} must be True or False")
-        timeout = self.close_timeout_s
-        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool):
-            raise SwapConfigError(f"close_timeout_s={timeout!r} must be a number")
+        for name in _TIMEOUT_SETTINGS:
+            check_timeout_s(name, getattr(self, name), SwapConfigError)
         try:
             object.__setattr__(self, "backend", Backend(self.backend))
         except ValueError:
@@ -85,8 +110,6 @@ class AioConfig:
             raise SwapConfigError(f"queue_depth={self.queue_depth} must be between 1 and 1024")
         if not 1 <= self.num_threads <= 64:
             raise SwapConfigError(f"num_threads={self.num_threads} must be between 1 and 64")
-        if not self.close_timeout_s > 0:
-            raise SwapConfigError(f"close_timeout_s={self.close_timeout_s} must be > 0")
 
     def describe(self) -> str:
         """One line for logs: ``libaio bs=1MiB qd=32 threads=1 direct``."""
@@ -193,6 +216,9 @@ def _parse_bool(text: str) -> bool:
         return False
     raise ValueError("expected one of 1/0, true/false, yes/no, on/off")
 
+
+#: Settings that are timeouts in seconds: each must be finite and > 0.
+_TIMEOUT_SETTINGS = ("close_timeout_s",)
 
 _ENV: dict[str, tuple[str, Any]] = {
     "backend": ("SWAPPER_AIO_BACKEND", str),
