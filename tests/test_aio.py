@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import errno
 import fcntl
 import gc
@@ -42,7 +43,9 @@ from tiers.errors import (
     BackendUnavailableError,
     EngineClosedError,
     EngineCloseTimeout,
+    InvalidArgumentError,
     SwapEOFError,
+    SwapError,
     SwapIOError,
     SwapNoSpaceError,
 )
@@ -217,8 +220,8 @@ def module_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture
-def fresh_direct_refusals(monkeypatch: pytest.MonkeyPatch) -> set[str]:
-    refused: set[str] = set()
+def fresh_direct_refusals(monkeypatch: pytest.MonkeyPatch) -> set[tuple[str, str]]:
+    refused: set[tuple[str, str]] = set()
     monkeypatch.setattr(files, "_direct_refused", refused)
     return refused
 
@@ -874,7 +877,7 @@ def test_close_from_two_threads_at_once(
     cls = engine_mod._ThreadContext if backend is Backend.THREADS else engine_mod._NativeContext
     real_reap = cls.reap
 
-    def slow_reap(self: Any, timeout_s: float) -> list[tuple[Any, int]]:
+    def slow_reap(self: Any, timeout_s: float) -> list[Any]:
         if not gate.is_set():  # a slow disk: nothing completes until the gate opens
             time.sleep(timeout_s)
             return []
@@ -918,7 +921,7 @@ def test_direct_refused_at_open(
     backend: Backend,
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
-    fresh_direct_refusals: set[str],
+    fresh_direct_refusals: set[tuple[str, str]],
 ) -> None:
     caplog.set_level(logging.WARNING, logger="swapper.tiers.files")
     real_open = os.open
@@ -946,61 +949,163 @@ def test_direct_refused_at_open(
     assert direct_refused(d2)
 
 
-def test_einval_from_aligned_direct_io(
-    swap_dir: Path,
-    backend: Backend,
-    monkeypatch: pytest.MonkeyPatch,
-    caplog: pytest.LogCaptureFixture,
-    fresh_direct_refusals: set[str],
-) -> None:
-    """A filesystem that opens O_DIRECT but fails the I/O with EINVAL: retried buffered."""
-    caplog.set_level(logging.WARNING, logger="swapper.tiers.files")
-    injected: list[int] = []
+@dataclass
+class EinvalInjector:
+    """Fails chosen transfers with EINVAL, as a filesystem or device refusing them would.
+
+    ``refuse(direct, offset)`` says which: ``direct`` tells whether the transfer went to
+    the O_DIRECT descriptor. ``seen`` records ``(direct, offset)`` of every transfer,
+    ``injected`` those failed.
+    """
+
+    refuse: Callable[[bool, int], bool] = lambda direct, offset: False
+    seen: list[tuple[bool, int]] = dataclasses.field(default_factory=list)
+    injected: list[tuple[bool, int]] = dataclasses.field(default_factory=list)
+
+    def __call__(self, direct: bool, offset: int) -> bool:
+        self.seen.append((direct, offset))
+        if self.refuse(direct, offset):
+            self.injected.append((direct, offset))
+            return True
+        return False
+
+
+@pytest.fixture
+def einval(backend: Backend, monkeypatch: pytest.MonkeyPatch) -> EinvalInjector:
+    """An :class:`EinvalInjector` hooked where ``backend`` sees a transfer end."""
+    injector = EinvalInjector()
     if backend is Backend.THREADS:
-        real_preadv, real_pwritev = os.preadv, os.pwritev
 
         def refusing(real: Callable[..., int]) -> Callable[..., int]:
             def call(fd: int, buffers: Any, offset: int, *args: Any) -> int:
-                if fcntl.fcntl(fd, fcntl.F_GETFL) & O_DIRECT:
-                    injected.append(offset)
+                if injector(bool(fcntl.fcntl(fd, fcntl.F_GETFL) & O_DIRECT), offset):
                     raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
                 return real(fd, buffers, offset, *args)
 
             return call
 
-        monkeypatch.setattr(os, "preadv", refusing(real_preadv))
-        monkeypatch.setattr(os, "pwritev", refusing(real_pwritev))
+        monkeypatch.setattr(os, "preadv", refusing(os.preadv))
+        monkeypatch.setattr(os, "pwritev", refusing(os.pwritev))
     else:
         real_reap = engine_mod._NativeContext.reap
 
-        def reap(self: Any, timeout_s: float) -> list[tuple[Any, int]]:
-            out = []
-            for piece, res in real_reap(self, timeout_s):
-                if piece.direct:
-                    injected.append(piece.offset)
-                    res = -errno.EINVAL
-                out.append((piece, res))
-            return out
+        def reap(self: Any, timeout_s: float) -> list[Any]:
+            return [
+                (piece, -errno.EINVAL if injector(piece.direct, piece.offset) else res)
+                for piece, res in real_reap(self, timeout_s)
+            ]
 
         monkeypatch.setattr(engine_mod._NativeContext, "reap", reap)
+    return injector
 
+
+def _fallback_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if "O_DIRECT refused" in r.getMessage() and r.levelno >= logging.WARNING
+    ]
+
+
+def test_einval_from_aligned_direct_io(
+    swap_dir: Path,
+    backend: Backend,
+    einval: EinvalInjector,
+    caplog: pytest.LogCaptureFixture,
+    fresh_direct_refusals: set[tuple[str, str]],
+) -> None:
+    """A file whose O_DIRECT transfers all fail with EINVAL (O_DIRECT opens but does not
+    work there) is retried buffered and gives up O_DIRECT: that file only."""
+    caplog.set_level(logging.WARNING, logger="swapper.tiers.files")
     path = swap_dir / "x.bin"
+    einval.refuse = lambda direct, offset: direct
     with AioEngine(AioConfig(backend=backend, direct=True, block_size=64 * KiB)) as engine:
         f = engine.open(path, create=True)
         try:
             assert f.direct_fd is not None
             roundtrip(engine, f, path, 0, 512 * KiB, seed=1)
-            assert injected, "no aligned piece was sent to the O_DIRECT descriptor"
+            assert einval.injected, "no aligned piece was sent to the O_DIRECT descriptor"
             assert f.direct_fd is None
+            einval.seen.clear()
+            roundtrip(engine, f, path, ALIGN, 256 * KiB, seed=2)
+            assert einval.seen and not any(d for d, _ in einval.seen), "the file stays buffered"
         finally:
             f.close()
-        injected.clear()
-        roundtrip(engine, path, path, ALIGN, 256 * KiB, seed=2)  # the directory stays buffered
-        assert injected == []
-    assert direct_refused(swap_dir)
-    warnings = [r for r in caplog.records if "O_DIRECT refused" in r.getMessage()]
-    assert len(warnings) == 1
-    assert "EINVAL" in warnings[0].getMessage()
+        # Another file in the same directory is not affected: it tries O_DIRECT, and gives
+        # it up for itself when it fails there too.
+        einval.refuse = lambda direct, offset: False
+        other = swap_dir / "y.bin"
+        with engine.open(other, create=True) as g:
+            assert g.direct_fd is not None
+            einval.seen.clear()
+            roundtrip(engine, g, other, 0, 256 * KiB, seed=3)
+            assert any(d for d, _ in einval.seen), "the other file must still go direct"
+            assert g.direct_fd is not None
+    assert direct_refused(swap_dir)  # reported, while it steers nothing
+    warnings = _fallback_warnings(caplog)
+    assert len(warnings) == 1, warnings
+    assert str(path) in warnings[0]
+    assert "EINVAL" in warnings[0]
+
+
+def test_einval_for_one_request_keeps_o_direct(
+    swap_dir: Path,
+    backend: Backend,
+    einval: EinvalInjector,
+    caplog: pytest.LogCaptureFixture,
+    fresh_direct_refusals: set[tuple[str, str]],
+) -> None:
+    """Once O_DIRECT has worked on a file, an EINVAL on one request's aligned transfer is
+    that request's: it goes buffered, and the file's other requests keep O_DIRECT."""
+    caplog.set_level(logging.DEBUG, logger="swapper.tiers.files")
+    path = swap_dir / "x.bin"
+    bad_lo, bad_hi = 256 * KiB, 320 * KiB
+    with AioEngine(AioConfig(backend=backend, direct=True, block_size=64 * KiB)) as engine:
+        f = engine.open(path, create=True)
+        try:
+            roundtrip(engine, f, path, 0, 128 * KiB, seed=1)
+            assert f.direct_worked
+            einval.refuse = lambda direct, offset: direct and bad_lo <= offset < bad_hi
+            roundtrip(engine, f, path, bad_lo - 64 * KiB, 192 * KiB, seed=2)
+            assert {d for d, _ in einval.injected} == {True}
+            assert f.direct_fd is not None, "one request's EINVAL turned O_DIRECT off"
+            # The refused pieces were retried buffered; their neighbours went direct.
+            retried = {o for d, o in einval.seen if not d}
+            assert retried and all(bad_lo <= o < bad_hi for o in retried)
+            einval.seen.clear()
+            einval.injected.clear()
+            roundtrip(engine, f, path, 1 * MiB, 128 * KiB, seed=3)
+            assert einval.seen and all(d for d, _ in einval.seen), "later requests go direct"
+        finally:
+            f.close()
+        with engine.open(swap_dir / "y.bin", create=True) as g:
+            assert g.direct_fd is not None
+    assert _fallback_warnings(caplog) == []
+    assert not direct_refused(swap_dir)
+
+
+def test_einval_that_is_not_o_direct_fails_the_request(
+    swap_dir: Path,
+    backend: Backend,
+    einval: EinvalInjector,
+    fresh_direct_refusals: set[tuple[str, str]],
+) -> None:
+    """EINVAL on the buffered retry too: the request fails, and O_DIRECT is kept."""
+    path = swap_dir / "x.bin"
+    write_file(path, random_bytes(256 * KiB, 1))
+    einval.refuse = lambda direct, offset: offset == 64 * KiB
+    config = AioConfig(backend=backend, direct=True, block_size=64 * KiB)
+    with AioEngine(config) as engine, engine.open(path) as f:
+        buf = make_buffer("np_u8", 256 * KiB)
+        exc = engine.pread(buf.obj, f, 0).exception(TIMEOUT)
+        assert isinstance(exc, SwapIOError)
+        assert exc.errno == errno.EINVAL
+        assert exc.filename == str(path)
+        assert einval.injected == [(True, 64 * KiB), (False, 64 * KiB)]
+        assert f.direct_fd is not None
+        einval.refuse = lambda direct, offset: False
+        roundtrip(engine, f, path, 0, 256 * KiB, seed=2)
+    assert not direct_refused(swap_dir)
 
 
 # -- construction --------------------------------------------------------------------------
@@ -1484,6 +1589,343 @@ def test_repr_and_describe(engines: Engines, backend: Backend) -> None:
         repr(engine)
         == f"<AioEngine {backend.value} {backend.value} bs=8KiB qd=2 threads=3 buffered (open)>"
     )
+
+
+# ------------------------------------------------------------------------------------------
+# Hostile requests and injected faults: each ends in a typed error (or, for a failed reap,
+# in no error at all), and the engine keeps working: a good request right after, its
+# bytes checked, and close() returns.
+
+OFF_T_MAX = (1 << 63) - 1
+
+
+def check_engine_works(engine: AioEngine, directory: Path, seed: int) -> None:
+    """A write and a read through the engine, aligned and not, checked byte for byte."""
+    path = directory / f"after-{seed}.bin"
+    roundtrip(engine, path, path, ALIGN, 3 * 64 * KiB, seed=seed)
+    roundtrip(engine, path, path, 100, 64 * KiB + 5, seed=seed + 1, src_phase=100, dst_phase=7)
+
+
+@dataclass(frozen=True)
+class Hostile:
+    name: str
+    offset: Any
+    nbytes: Any  #: None: the buffer's size (4096)
+    error: type[Exception]
+    says: tuple[str, ...]
+
+
+HOSTILE = [
+    Hostile("offset=2**63", 1 << 63, None, InvalidArgumentError, ("past the largest", "2**63 - 1")),
+    Hostile("offset=2**64", 1 << 64, None, InvalidArgumentError, ("past the largest", "2**63 - 1")),
+    Hostile("offset=2**63-1", OFF_T_MAX, None, InvalidArgumentError, ("ends past", "2**63 - 1")),
+    Hostile("end=2**63", (1 << 63) - ALIGN, None, InvalidArgumentError, ("ends past",)),
+    Hostile("end=2**63+99", (1 << 63) - 1, 100, InvalidArgumentError, ("ends past",)),
+    Hostile("offset=-1", -1, None, InvalidArgumentError, ("must be >= 0, got -1",)),
+    Hostile("offset=-2**63", -(1 << 63), None, InvalidArgumentError, ("must be >= 0",)),
+    Hostile("offset=-2**64", -(1 << 64), None, InvalidArgumentError, ("must be >= 0",)),
+    Hostile("nbytes=2**64", 0, 1 << 64, InvalidArgumentError, ("does not fit the 4096-byte",)),
+    Hostile("nbytes=2**63", 0, 1 << 63, InvalidArgumentError, ("does not fit the 4096-byte",)),
+    Hostile("nbytes=size+1", 0, ALIGN + 1, InvalidArgumentError, ("nbytes=4097 does not fit",)),
+    Hostile("nbytes=-1", 0, -1, InvalidArgumentError, ("nbytes=-1",)),
+    Hostile("offset=0.0", 0.0, None, TypeError, ("offset must be an integer", "float")),
+    Hostile("offset=nan", float("nan"), None, TypeError, ("offset must be an integer",)),
+    Hostile("offset=True", True, None, TypeError, ("offset must be an integer", "bool")),
+    Hostile("offset='0'", "0", None, TypeError, ("offset must be an integer", "str")),
+    Hostile("nbytes=4096.0", 0, 4096.0, TypeError, ("nbytes must be an integer",)),
+]
+
+
+@pytest.mark.parametrize("op", [Op.READ, Op.WRITE], ids=["read", "write"])
+@pytest.mark.parametrize("case", HOSTILE, ids=[c.name for c in HOSTILE])
+def test_hostile_request_refused_at_submit(
+    engines: Engines,
+    swap_dir: Path,
+    backend: Backend,
+    op: Op,
+    case: Hostile,
+) -> None:
+    """Refused at once, before anything is queued; the message names the bound and the
+    file. (Offsets of 2**63 and up used to kill the worker inside cffi, hanging the
+    engine for good.)"""
+    engine = engines.get(backend, direct=True, block_size=64 * KiB)
+    path = swap_dir / "x.bin"
+    content = random_bytes(8192, 1)
+    write_file(path, content)
+    buf = make_buffer("np_u8", ALIGN)
+    fill_random(buf.u8, 2)
+    buf_before = buf.u8.copy()
+    with engine.open(path, readonly=True) as f:
+        if op is Op.READ:  # an open SwapFile
+            target, exc = (
+                path,
+                raised(case.error, engine.pread, buf.obj, f, case.offset, case.nbytes),
+            )
+        else:  # a path, which must not be created
+            target = swap_dir / "new.bin"
+            exc = raised(case.error, engine.pwrite, buf.obj, target, case.offset, case.nbytes)
+            assert not target.exists()
+    message = str(exc)
+    for words in (*case.says, str(target), op.value):
+        assert words in message, f"{words!r} not in {message!r}"
+    if case.error is InvalidArgumentError:
+        assert isinstance(exc, ValueError)
+        assert isinstance(exc, SwapError)
+    assert engine.pending() == []
+    assert_same(buf.u8, buf_before, "buffer of a refused request")
+    assert_same(file_bytes(path, 0, 8192), content, "file of a refused request")
+    check_engine_works(engine, swap_dir, seed=3)
+
+
+def test_hostile_requests_leak_no_descriptors(
+    engines: Engines, swap_dir: Path, backend: Backend, fd_count: Callable[[], int]
+) -> None:
+    engine = engines.get(backend, direct=True, block_size=64 * KiB)
+    path = swap_dir / "x.bin"
+    write_file(path, random_bytes(8192, 1))
+    buf = np.zeros(ALIGN, np.uint8)
+    before = fd_count()
+    for case in HOSTILE:
+        for submit, target in ((engine.pread, path), (engine.pwrite, swap_dir / "new.bin")):
+            raised(case.error, submit, buf, target, case.offset, case.nbytes)
+    assert fd_count() == before
+    assert not (swap_dir / "new.bin").exists()
+
+
+def test_edge_requests_the_filesystem_answers(
+    engines: Engines, swap_dir: Path, backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Within off_t but beyond the file or the filesystem: typed errors from the kernel."""
+    engine = engines.get(backend, direct=True, block_size=64 * KiB)
+    path = swap_dir / "x.bin"
+    content = random_bytes(8192, 1)
+    write_file(path, content)
+    buf = make_buffer("np_u8", ALIGN)
+    with engine.open(path) as f:
+        # Zero bytes: a request that succeeds at once, wherever it points.
+        for offset in (0, 10 * MiB, 1 << 62, OFF_T_MAX):
+            assert engine.pread(buf.obj, f, offset, 0).result(TIMEOUT) == 0
+            assert engine.pwrite(buf.obj, f, offset, 0).result(TIMEOUT) == 0
+        # The last bytes below 2**63 may be asked for: there is nothing there.
+        for offset, nbytes in ((OFF_T_MAX - ALIGN, ALIGN), (OFF_T_MAX - 1, 1), (1 << 62, ALIGN)):
+            exc = engine.pread(buf.obj, f, offset, nbytes).exception(TIMEOUT)
+            assert isinstance(exc, SwapEOFError), exc
+        # A write past the filesystem's largest file: refused when space is reserved...
+        exc = raised(SwapIOError, engine.pwrite, buf.obj, f, 1 << 62)
+        assert exc.errno == errno.EFBIG
+        assert exc.filename == str(path)
+        check_engine_works(engine, swap_dir, seed=2)
+
+        # ... or, where fallocate is not supported, by the kernel, in the future.
+        def unsupported(fd: int, offset: int, length: int) -> None:
+            raise OSError(errno.EOPNOTSUPP, os.strerror(errno.EOPNOTSUPP))
+
+        monkeypatch.setattr(files.os, "posix_fallocate", unsupported)
+        exc = engine.pwrite(buf.obj, f, 1 << 62).exception(TIMEOUT)
+        assert isinstance(exc, SwapIOError)
+        assert exc.errno in (errno.EFBIG, errno.EINVAL)
+        assert f.direct_fd is not None, "a request's own error must not turn O_DIRECT off"
+        # numpy integers are integers
+        assert engine.pread(buf.obj, f, np.int64(ALIGN), np.uint16(100)).result(TIMEOUT) == 100
+        assert_same(buf.u8[:100], content[ALIGN : ALIGN + 100])
+    assert_same(file_bytes(path, 0, 1 << 20), content, "file after the edge requests")
+    check_engine_works(engine, swap_dir, seed=4)
+
+
+@pytest.mark.parametrize(
+    ("offset", "nbytes", "phase"),
+    [(1, ALIGN - 1, 1), (ALIGN - 1, 2, 0), (0, ALIGN + 1, 0), (ALIGN, 3 * ALIGN, 7), (5, 1, 0)],
+    ids=["off1", "straddle", "len4097", "addr7", "one-byte"],
+)
+def test_unaligned_requests_with_o_direct_go_buffered(
+    engines: Engines,
+    swap_dir: Path,
+    backend: Backend,
+    monkeypatch: pytest.MonkeyPatch,
+    offset: int,
+    nbytes: int,
+    phase: int,
+) -> None:
+    """Unaligned offset, length or address with O_DIRECT on: not refused; each unaligned
+    piece goes through the buffered descriptor (O_DIRECT would fail it with EINVAL)."""
+    to_direct: list[tuple[int, int, int]] = []
+    real_route = engine_mod._route
+
+    def spy(piece: Any) -> None:
+        real_route(piece)
+        if piece.direct:
+            to_direct.append((piece.address, piece.offset, piece.nbytes))
+
+    monkeypatch.setattr(engine_mod, "_route", spy)
+    engine = engines.get(backend, direct=True, block_size=64 * KiB)
+    path = swap_dir / "x.bin"
+    with engine.open(path, create=True) as f:
+        assert f.direct_fd is not None
+        roundtrip(engine, f, path, offset, nbytes, seed=1, src_phase=phase, dst_phase=phase)
+        assert all(not ((a | o | n) % ALIGN) for a, o, n in to_direct), to_direct
+        assert f.direct_fd is not None
+    check_engine_works(engine, swap_dir, seed=5)
+    assert to_direct, "the aligned requests after it went direct"
+
+
+# -- injected faults -----------------------------------------------------------------------
+
+
+FAULTS = ["submit-oserror", "submit-error", "reap-oserror", "reap-error", "complete-error"]
+
+
+def _once(exc: BaseException, real: Callable[..., Any], fired: list[BaseException]) -> Any:
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if not fired:
+            fired.append(exc)
+            raise exc
+        return real(*args, **kwargs)
+
+    return call
+
+
+def arm_fault(
+    engine: AioEngine, backend: Backend, fault: str, monkeypatch: pytest.MonkeyPatch
+) -> list[BaseException]:
+    """Make the engine's (only) worker fail once at ``fault``; returns what was raised."""
+    fired: list[BaseException] = []
+    (worker,) = engine._workers
+    context: Any = worker._context
+    where, kind = fault.split("-")
+    if kind == "oserror":
+        exc: BaseException = OSError(errno.EBADF, f"injected {where} fault")
+    else:
+        exc = RuntimeError(f"injected {where} fault")
+    if where == "submit":
+        if backend is Backend.THREADS:  # the thread pool is the backend's submit
+            monkeypatch.setattr(context._pool, "submit", _once(exc, context._pool.submit, fired))
+        else:
+            provider = context._provider
+            monkeypatch.setattr(provider, "submit", _once(exc, provider.submit, fired))
+    elif where == "reap":
+        if backend is Backend.THREADS:
+            monkeypatch.setattr(context, "reap", _once(exc, context.reap, fired))
+        else:
+            provider = context._provider
+            monkeypatch.setattr(provider, "getevents", _once(exc, provider.getevents, fired))
+    else:
+        monkeypatch.setattr(worker, "_complete", _once(exc, worker._complete, fired))
+    return fired
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+@pytest.mark.parametrize("op", [Op.READ, Op.WRITE], ids=["read", "write"])
+def test_injected_fault_fails_one_request_only(
+    swap_dir: Path,
+    backend: Backend,
+    fault: str,
+    op: Op,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A failure while submitting, reaping or completing fails that request's future (a
+    failed reap fails nothing: it is retried), the worker lives on, close() returns."""
+    caplog.set_level(logging.ERROR, logger="swapper.tiers.aio")
+    path = swap_dir / "x.bin"
+    content = random_bytes(256 * KiB, 1)
+    write_file(path, content)
+    engine = AioEngine(AioConfig(backend=backend, direct=True, block_size=64 * KiB))
+    try:
+        buf = make_buffer("np_u8", 256 * KiB)
+        fill_random(buf.u8, 2)
+        fired = arm_fault(engine, backend, fault, monkeypatch)
+        with engine.open(path) as f:
+            submit = engine.pread if op is Op.READ else engine.pwrite
+            exc = submit(buf.obj, f, 0).exception(TIMEOUT)
+        assert fired, "the fault was never reached"
+        if fault.startswith("reap"):
+            assert exc is None, f"a failed reap must only delay completions: {exc!r}"
+            want = content if op is Op.READ else buf.u8
+            got = buf.u8 if op is Op.READ else file_bytes(path, 0, 256 * KiB)
+            assert_same(got, want)
+            assert any("reaping completions failed" in r.getMessage() for r in caplog.records)
+        else:
+            assert isinstance(exc, SwapIOError), exc
+            assert exc.filename == str(path)
+            if fault.endswith("oserror"):
+                assert exc.errno == errno.EBADF
+            else:
+                assert exc.errno == errno.EIO
+                assert isinstance(exc.__cause__, RuntimeError)
+                assert "RuntimeError: injected" in str(exc)
+        assert engine.pending() == []
+        assert engine._workers[0]._thread.is_alive()
+        check_engine_works(engine, swap_dir, seed=6)
+    finally:
+        engine.close(timeout_s=TIMEOUT)
+    assert not engine._workers[0]._thread.is_alive()
+
+
+def test_thread_backend_transfer_raising_fails_its_request(
+    swap_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A transfer raising something other than OSError in the thread pool used to be
+    swallowed by the pool: the request never completed and close() timed out."""
+    path = swap_dir / "x.bin"
+    write_file(path, random_bytes(8192, 1))
+    fired: list[BaseException] = []
+    monkeypatch.setattr(os, "preadv", _once(OverflowError("injected"), os.preadv, fired))
+    with AioEngine(AioConfig(backend=Backend.THREADS, direct=False)) as engine:
+        exc = engine.pread(np.zeros(8192, np.uint8), path).exception(TIMEOUT)
+        assert isinstance(exc, SwapIOError)
+        assert isinstance(exc.__cause__, OverflowError)
+        assert fired
+        check_engine_works(engine, swap_dir, seed=7)
+
+
+def test_raising_callbacks_and_close_failures(
+    engines: Engines, swap_dir: Path, backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A done-callback that raises, and a file whose close() fails, end no worker: the
+    callback's error is logged by concurrent.futures; a failed close fails a write."""
+    engine = engines.get(backend, direct=True, block_size=64 * KiB)
+    path = swap_dir / "x.bin"
+    write_file(path, random_bytes(64 * KiB, 1))
+
+    def boom(fut: concurrent.futures.Future) -> None:
+        raise RuntimeError("callback fault")
+
+    for _ in range(3):
+        fut = engine.pread(np.zeros(64 * KiB, np.uint8), path)
+        fut.add_done_callback(boom)
+        assert fut.result(TIMEOUT) == 64 * KiB
+    real_close = SwapFile.close
+    closes: list[str] = []
+
+    def failing_close(self: SwapFile) -> None:
+        real_close(self)
+        closes.append(str(self.path))
+        raise OSError(errno.EIO, "injected close fault")
+
+    monkeypatch.setattr(SwapFile, "close", failing_close)
+    exc = engine.pwrite(random_bytes(100, 2), path, 0).exception(TIMEOUT)
+    assert isinstance(exc, SwapIOError)
+    assert exc.errno == errno.EIO
+    assert "closing the file after a write" in str(exc)
+    # after a read the bytes are in the buffer: a failed close is only logged
+    assert engine.pread(np.zeros(100, np.uint8), path).result(TIMEOUT) == 100
+    assert closes == [str(path), str(path)]
+    monkeypatch.undo()
+    assert engine.pending() == []
+    check_engine_works(engine, swap_dir, seed=8)
+
+
+@pytest.mark.parametrize("timeout_s", [float("inf"), float("nan"), -1.0, 1e300, "5", True])
+def test_close_timeout_argument_checked(swap_dir: Path, timeout_s: Any) -> None:
+    """close(timeout_s=inf) used to raise OverflowError from Condition.wait."""
+    engine = AioEngine(AioConfig(backend=Backend.THREADS))
+    try:
+        with pytest.raises(InvalidArgumentError, match="timeout_s="):
+            engine.close(timeout_s=timeout_s)
+        check_engine_works(engine, swap_dir, seed=9)  # still open, still working
+    finally:
+        engine.close(timeout_s=0)  # 0: do not wait; nothing is in flight
+    assert engine._closed
 
 
 # ------------------------------------------------------------------------------------------

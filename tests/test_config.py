@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import pytest
 
@@ -277,8 +278,9 @@ def test_every_timeout_setting_is_checked() -> None:
     timeouts = [f.name for f in dataclasses.fields(AioConfig) if f.name.endswith("_s")]
     assert timeouts, "AioConfig has no timeout setting any more: update this test"
     for name in timeouts:
+        kwargs: dict[str, Any] = {name: float("inf")}
         with pytest.raises(SwapConfigError, match=f"{name}=inf"):
-            AioConfig(**{name: float("inf")})
+            AioConfig(**kwargs)
 
 
 def test_check_timeout_s() -> None:

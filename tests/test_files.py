@@ -1,5 +1,5 @@
-"""tiers.files: SwapFile (two descriptors, O_DIRECT fallback, space reservation) and
-make_private_dir."""
+"""tiers.files: SwapFile (two descriptors, O_DIRECT fallback per file, space reservation),
+make_private_dir and check_private_dir."""
 
 from __future__ import annotations
 
@@ -15,8 +15,14 @@ from pathlib import Path
 import pytest
 
 from tiers import files
-from tiers.errors import SwapError, SwapIOError, SwapNoSpaceError
-from tiers.files import SwapFile, direct_refused, make_private_dir
+from tiers.errors import (
+    SwapConfigError,
+    SwapError,
+    SwapIOError,
+    SwapNoSpaceError,
+    UnsafeSwapDirError,
+)
+from tiers.files import SwapFile, check_private_dir, direct_refused, make_private_dir
 
 O_DIRECT = getattr(os, "O_DIRECT", 0)
 
@@ -44,20 +50,23 @@ def fd_is_open(fd: int) -> bool:
 
 
 @pytest.fixture
-def fresh_direct_refusals(monkeypatch: pytest.MonkeyPatch) -> set[str]:
-    """An empty process-wide 'O_DIRECT refused here' registry for this test only."""
-    refused: set[str] = set()
+def fresh_direct_refusals(monkeypatch: pytest.MonkeyPatch) -> set[tuple[str, str]]:
+    """An empty process-wide 'O_DIRECT refused here' record for this test only."""
+    refused: set[tuple[str, str]] = set()
     monkeypatch.setattr(files, "_direct_refused", refused)
     return refused
 
 
-def refuse_o_direct_at_open(monkeypatch: pytest.MonkeyPatch, code: int = errno.EINVAL) -> list:
-    """Make every open with O_DIRECT fail with ``code``; returns the list of refused paths."""
+def refuse_o_direct_at_open(
+    monkeypatch: pytest.MonkeyPatch, code: int = errno.EINVAL, only: str | None = None
+) -> list:
+    """Make opens with O_DIRECT fail with ``code`` (of files named ``only``, if given);
+    returns the list of refused paths."""
     real_open = os.open
     refused: list = []
 
     def fake_open(path, flags, mode=0o777, *, dir_fd=None):  # type: ignore[no-untyped-def]
-        if flags & O_DIRECT:
+        if flags & O_DIRECT and (only is None or os.path.basename(path) == only):
             refused.append(os.fspath(path))
             raise OSError(code, os.strerror(code), os.fspath(path))
         return real_open(path, flags, mode, dir_fd=dir_fd)
@@ -69,15 +78,128 @@ def refuse_o_direct_at_open(monkeypatch: pytest.MonkeyPatch, code: int = errno.E
 # -- make_private_dir ----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("mask", [0o000, 0o022, 0o077])
+@pytest.mark.parametrize("mask", [0o000, 0o002, 0o022, 0o077, 0o700, 0o777])
 def test_make_private_dir_is_0700(tmp_path: Path, mask: int) -> None:
+    """The leaf and every parent it creates: exactly 0700 whatever the umask (parents used
+    to be 0777 & ~umask: world-writable under umask 000)."""
+    tmp_path.chmod(0o755)
     target = tmp_path / "a" / "b" / "swap"
     with umask(mask):
         got = make_private_dir(target)
     assert got == target
     assert isinstance(got, Path)
     assert target.is_dir()
-    assert mode_of(target) == 0o700
+    for d in (tmp_path / "a", tmp_path / "a" / "b", target):
+        assert mode_of(d) == 0o700, (d, oct(mode_of(d)))
+    assert mode_of(tmp_path) == 0o755, "an existing parent is left as it is"
+
+
+def test_make_private_dir_in_a_sticky_world_writable_parent(tmp_path: Path) -> None:
+    """Only the swap directory is checked: one under /tmp (mode 1777) is fine."""
+    shared = tmp_path / "tmp"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    with umask(0):
+        make_private_dir(shared / "me" / "swap")
+    assert mode_of(shared / "me") == 0o700
+    assert mode_of(shared / "me" / "swap") == 0o700
+    assert mode_of(shared) == 0o1777
+    check_private_dir(shared / "me" / "swap")
+
+
+@pytest.mark.parametrize("mode", [0o777, 0o770, 0o775, 0o720, 0o702, 0o1777, 0o1770])
+def test_swap_dir_writable_by_others_is_refused(tmp_path: Path, mode: int) -> None:
+    target = tmp_path / "swap"
+    target.mkdir()
+    target.chmod(mode)
+    (target / "keep.bin").write_bytes(b"x")
+    for call in (make_private_dir, check_private_dir):
+        with pytest.raises(UnsafeSwapDirError) as info:
+            call(target)
+        exc = info.value
+        message = str(exc)
+        assert str(target) in message
+        assert f"mode {mode:04o}" in message
+        assert "writable by" in message
+        if mode & 0o020:
+            assert "group" in message
+        if mode & 0o002:
+            assert "others" in message
+        assert f"chmod go-w {target}" in message
+        assert "a new directory of your own (swapper creates it" in message
+        if mode & 0o1000:  # sticky, like /tmp: a subdirectory there is safe
+            assert f"e.g. {target}/swapper-" in message
+        else:
+            assert "e.g." not in message
+        assert (exc.path, exc.owner_uid, exc.mode) == (str(target), os.geteuid(), mode)
+        assert isinstance(exc, SwapConfigError)
+        assert isinstance(exc, ValueError)
+    assert mode_of(target) == mode, "a refused directory is left as it was"
+    assert (target / "keep.bin").read_bytes() == b"x"
+
+
+@pytest.mark.parametrize("mode", [0o700, 0o750, 0o755, 0o711, 0o500])
+def test_swap_dir_private_enough_is_accepted(tmp_path: Path, mode: int) -> None:
+    target = tmp_path / "swap"
+    target.mkdir()
+    target.chmod(mode)
+    assert make_private_dir(target) == target
+    check_private_dir(target)
+    assert mode_of(target) == mode
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="chown to another user needs root")
+def test_swap_dir_owned_by_another_user_is_refused(tmp_path: Path) -> None:
+    import pwd
+
+    try:
+        nobody = pwd.getpwnam("nobody")
+    except KeyError:
+        pytest.skip("no user 'nobody' here")
+    target = tmp_path / "swap"
+    target.mkdir(mode=0o700)
+    os.chown(target, nobody.pw_uid, nobody.pw_gid)
+    for call in (make_private_dir, check_private_dir):
+        with pytest.raises(UnsafeSwapDirError) as info:
+            call(target)
+        message = str(info.value)
+        assert str(target) in message
+        assert f"owned by nobody (uid {nobody.pw_uid}, mode 0700)" in message
+        assert "root (uid 0)" in message
+        assert "a new directory of your own" in message  # what to do instead
+        assert info.value.owner_uid == nobody.pw_uid
+    assert os.stat(target).st_uid == nobody.pw_uid, "a refused directory is left as it was"
+
+
+def test_swap_dir_owned_by_another_user_is_refused_without_root(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same, for any user: this process pretends to be someone else."""
+    target = tmp_path / "swap"
+    target.mkdir(mode=0o700)
+    owner = os.stat(target).st_uid
+    other = owner + 12345
+    monkeypatch.setattr(files.os, "geteuid", lambda: other)
+    with pytest.raises(UnsafeSwapDirError) as info:
+        make_private_dir(target)
+    message = str(info.value)
+    assert f"(uid {owner}, mode 0700)" in message
+    assert f"(uid {other})" in message
+    assert info.value.owner_uid == owner
+
+
+def test_created_swap_dir_passes_its_own_check(tmp_path: Path) -> None:
+    with umask(0):
+        target = make_private_dir(tmp_path / "x" / "swap")
+    check_private_dir(target)
+    check_private_dir(tmp_path / "x")
+
+
+def test_check_private_dir_missing(tmp_path: Path) -> None:
+    with pytest.raises(SwapIOError) as info:
+        check_private_dir(tmp_path / "missing")
+    assert info.value.errno == errno.ENOENT
+    assert info.value.filename == str(tmp_path / "missing")
 
 
 def test_make_private_dir_accepts_str_and_keeps_existing_dir_as_is(tmp_path: Path) -> None:
@@ -270,37 +392,69 @@ def test_swap_errors_are_oserrors(swap_dir: Path) -> None:
 # -- O_DIRECT refused ----------------------------------------------------------------------
 
 
+def _fallback_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if "O_DIRECT refused" in r.getMessage() and r.levelno >= logging.WARNING
+    ]
+
+
 def test_direct_refused_at_open_falls_back_and_warns_once_per_dir(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
-    fresh_direct_refusals: set[str],
+    fresh_direct_refusals: set[tuple[str, str]],
 ) -> None:
-    caplog.set_level(logging.WARNING, logger="swapper.tiers.files")
+    caplog.set_level(logging.DEBUG, logger="swapper.tiers.files")
     refused = refuse_o_direct_at_open(monkeypatch)
     d1, d2 = tmp_path / "d1", tmp_path / "d2"
     d1.mkdir()
     d2.mkdir()
-    for path in (d1 / "a.bin", d1 / "b.bin", d2 / "c.bin", d1 / "d.bin"):
+    paths = [d1 / "a.bin", d1 / "b.bin", d2 / "c.bin", d1 / "d.bin"]
+    for path in paths:
         with SwapFile.open(path, create=True, direct=True) as f:
             assert f.direct_fd is None
-    warnings = [r for r in caplog.records if "O_DIRECT refused" in r.getMessage()]
-    assert len(warnings) == 2
-    assert str(d1) in warnings[0].getMessage()
-    assert str(d2) in warnings[1].getMessage()
-    assert all(r.levelno == logging.WARNING for r in warnings)
+    warnings = _fallback_warnings(caplog)
+    assert len(warnings) == 2, warnings  # a warning per directory and reason
+    assert str(d1 / "a.bin") in warnings[0]
+    assert str(d2 / "c.bin") in warnings[1]
+    assert all("EINVAL at open" in w for w in warnings)
+    # the other files are still said, at DEBUG
+    debug = [r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG]
+    assert any(str(d1 / "b.bin") in m for m in debug)
     assert direct_refused(d1)
     assert direct_refused(d2)
     assert not direct_refused(tmp_path)
-    # After the first refusal a directory is not asked again.
-    assert refused == [str(d1 / "a.bin"), str(d2 / "c.bin")]
+    # Every file asks for itself: a refusal is never extended to its directory.
+    assert refused == [str(p) for p in paths]
+
+
+def test_direct_refused_at_open_for_one_file_only(
+    swap_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    fresh_direct_refusals: set[tuple[str, str]],
+) -> None:
+    """A file that cannot be opened O_DIRECT is buffered; its neighbours are not."""
+    caplog.set_level(logging.WARNING, logger="swapper.tiers.files")
+    refuse_o_direct_at_open(monkeypatch, only="odd.bin")
+    with SwapFile.open(swap_dir / "odd.bin", create=True) as odd:
+        assert odd.direct_fd is None
+        with SwapFile.open(swap_dir / "fine.bin", create=True) as fine:
+            assert fine.direct_fd is not None
+    with SwapFile.open(swap_dir / "later.bin", create=True) as later:
+        assert later.direct_fd is not None
+    warnings = _fallback_warnings(caplog)
+    assert len(warnings) == 1
+    assert str(swap_dir / "odd.bin") in warnings[0]
 
 
 def test_direct_open_failing_otherwise_is_an_error(
     swap_dir: Path,
     monkeypatch: pytest.MonkeyPatch,
     fd_count: Callable[[], int],
-    fresh_direct_refusals: set[str],
+    fresh_direct_refusals: set[tuple[str, str]],
 ) -> None:
     before = fd_count()
     refuse_o_direct_at_open(monkeypatch, errno.EACCES)
@@ -313,7 +467,7 @@ def test_direct_open_failing_otherwise_is_an_error(
 
 
 def test_refuse_direct_later(
-    swap_dir: Path, caplog: pytest.LogCaptureFixture, fresh_direct_refusals: set[str]
+    swap_dir: Path, caplog: pytest.LogCaptureFixture, fresh_direct_refusals: set[tuple[str, str]]
 ) -> None:
     caplog.set_level(logging.WARNING, logger="swapper.tiers.files")
     f = SwapFile.open(swap_dir / "x.bin", create=True, direct=True)
@@ -324,14 +478,36 @@ def test_refuse_direct_later(
     assert f.direct_fd is None
     assert fd_is_open(old_direct), "pieces may still be in flight on it"
     assert direct_refused(swap_dir)
-    warnings = [r for r in caplog.records if "O_DIRECT refused" in r.getMessage()]
+    warnings = _fallback_warnings(caplog)
     assert len(warnings) == 1
-    assert "EINVAL from an aligned write" in warnings[0].getMessage()
+    assert "EINVAL from an aligned write" in warnings[0]
     with SwapFile.open(swap_dir / "y.bin", create=True, direct=True) as g:
-        assert g.direct_fd is None  # the whole directory is buffered from now on
+        assert g.direct_fd is not None  # one file's refusal is that file's only
     f.close()
     assert not fd_is_open(old_direct)
     assert not fd_is_open(f.fd)
+
+
+def test_direct_failed_before_and_after_o_direct_worked(
+    swap_dir: Path, caplog: pytest.LogCaptureFixture, fresh_direct_refusals: set[tuple[str, str]]
+) -> None:
+    """EINVAL before any O_DIRECT transfer worked: the file cannot use it. After one did:
+    that request's cause, and the file keeps O_DIRECT."""
+    caplog.set_level(logging.WARNING, logger="swapper.tiers.files")
+    with SwapFile.open(swap_dir / "worked.bin", create=True) as worked:
+        worked.direct_worked = True
+        assert worked.direct_failed("EINVAL from aligned I/O") is False
+        assert worked.direct_fd is not None
+    assert _fallback_warnings(caplog) == []
+    with SwapFile.open(swap_dir / "never.bin", create=True) as never:
+        assert never.direct_failed("EINVAL from aligned I/O") is True
+        assert never.direct_fd is None
+        assert never.direct_failed("EINVAL from aligned I/O") is False  # already buffered
+    warnings = _fallback_warnings(caplog)
+    assert len(warnings) == 1
+    assert "EINVAL from aligned I/O, before any O_DIRECT transfer on it worked" in warnings[0]
+    with SwapFile.open(swap_dir / "never.bin") as again:
+        assert again.direct_fd is not None, "a new open of the file tries O_DIRECT again"
 
 
 # -- reserve ---------------------------------------------------------------------------------

@@ -15,6 +15,25 @@ class SwapConfigError(SwapError, ValueError):
     """A setting has a value that cannot work; the message names the setting and the fix."""
 
 
+class UnsafeSwapDirError(SwapConfigError):
+    """A swap directory another user could tamper with: owned by someone else, or
+    writable by group or others. The message names the directory, its owner and mode,
+    and what to do; ``path``, ``owner_uid`` and ``mode`` hold them."""
+
+    def __init__(self, message: str, path: str, owner_uid: int, mode: int) -> None:
+        super().__init__(message)
+        self.path = path
+        self.owner_uid = owner_uid
+        self.mode = mode
+
+
+class InvalidArgumentError(SwapError, ValueError):
+    """An argument of a call cannot work: a file offset or length outside what the
+    request, its buffer or a file can hold, or a timeout that is not a finite positive
+    number of seconds. Raised at once, before anything is queued; the message names the
+    argument, the bound and the file."""
+
+
 class SwapIOError(SwapError, OSError):
     """An I/O request failed. ``errno``, ``strerror`` and ``filename`` are set as for OSError."""
 

@@ -7,9 +7,16 @@ buffered one otherwise, so callers never need to know the alignment rules. Linux
 page cache coherent across the two: direct I/O writes back and invalidates cached pages
 in its range first.
 
-Where a filesystem refuses O_DIRECT (EINVAL at open, e.g. some FUSE or network mounts),
-the directory is remembered and every later file there is opened buffered, with one
-warning per directory.
+O_DIRECT is given up per file, never per directory or process: a file whose O_DIRECT open
+fails with EINVAL (e.g. some FUSE or network mounts), or whose first O_DIRECT I/O fails
+with EINVAL where the same request works buffered (the engine decides, see
+:meth:`SwapFile.direct_failed`), uses its buffered descriptor only; every other file still
+tries O_DIRECT. The reason is logged as a warning once per directory and reason.
+
+Swap directories (:func:`make_private_dir`, :func:`check_private_dir`) must be private:
+owned by this process's user and not writable by group or others, since whoever can
+write there can replace a swap file and so the data read back. Directories created here
+are 0700 whatever the umask, parents included.
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ import stat
 import threading
 from pathlib import Path
 
-from tiers.errors import SwapIOError, SwapNoSpaceError
+from tiers.errors import SwapIOError, SwapNoSpaceError, UnsafeSwapDirError
 
 log = logging.getLogger("swapper.tiers.files")
 
@@ -29,28 +36,68 @@ _O_DIRECT = getattr(os, "O_DIRECT", 0)
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 
-_direct_refused: set[str] = set()
+_O_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
+
+#: (directory, reason) of every file that gave up O_DIRECT in this process: the warning is
+#: logged once per pair, and :func:`direct_refused` reports it. It steers nothing.
+_direct_refused: set[tuple[str, str]] = set()
 _direct_refused_lock = threading.Lock()
 
 
 def make_private_dir(path: str | os.PathLike[str]) -> Path:
-    """Create ``path`` (and parents) with the leaf as mode 0700; return it.
+    """Create ``path`` and its missing parents, each mode 0700 whatever the umask; return it.
 
-    An existing directory is used as it is (its mode is the owner's choice), but a
-    symlink or a non-directory at ``path`` is refused.
+    An existing directory is used as it is if it is private (see
+    :func:`check_private_dir`; 0755 is fine, the owner's choice), but a symlink or a
+    non-directory at ``path`` is refused. Existing parents are not checked: a swap
+    directory under ``/tmp`` is fine.
 
     Raises:
+        UnsafeSwapDirError: ``path`` exists but is owned by another user or writable by
+            group or others.
         SwapIOError: ``path`` is a symlink or not a directory, or cannot be created.
     """
     p = Path(path)
+    missing = [d for d in (p, *p.parents) if not os.path.lexists(d)]
+    for d in reversed(missing):  # outermost first
+        try:
+            os.mkdir(d, 0o700)
+        except FileExistsError:
+            continue  # made meanwhile by someone else: checked like any existing one
+        except OSError as exc:
+            message = f"cannot create swap directory: {exc.strerror}"
+            raise SwapIOError(exc.errno, message, str(p)) from exc
+        _chmod_dir_0700(d, p)
+    check_private_dir(p)
+    return p
+
+
+def _chmod_dir_0700(directory: Path, swap_dir: Path) -> None:
+    """Set a directory just made to exactly 0700: the umask may have taken owner bits."""
     try:
-        p.parent.mkdir(parents=True, exist_ok=True)
-        p.mkdir(mode=0o700)
-    except FileExistsError:
-        pass
-    except OSError as exc:
-        message = f"cannot create swap directory: {exc.strerror}"
-        raise SwapIOError(exc.errno, message, str(p)) from exc
+        fd = os.open(directory, os.O_RDONLY | _O_DIRECTORY | _O_NOFOLLOW | _O_CLOEXEC)
+    except OSError as exc:  # replaced by a symlink or a file under our feet
+        message = f"cannot use swap directory: {directory} changed while being made"
+        raise SwapIOError(exc.errno, message, str(swap_dir)) from exc
+    try:
+        os.fchmod(fd, 0o700)
+    finally:
+        os.close(fd)
+
+
+def check_private_dir(path: str | os.PathLike[str]) -> None:
+    """Refuse a swap directory that is not this process's own, private directory.
+
+    Checks ``path`` itself (not its parents): it must be a directory (not a symlink to
+    one), owned by this process's effective user, and not writable by group or others.
+
+    Raises:
+        SwapIOError: ``path`` cannot be examined (ENOENT...), is a symlink (ELOOP) or not
+            a directory (ENOTDIR).
+        UnsafeSwapDirError: owned by another user, or writable by group or others; the
+            message names the directory, its owner and mode, and what to do.
+    """
+    p = Path(path)
     try:
         st = os.lstat(p)
     except OSError as exc:  # e.g. a parent is a regular file (ENOTDIR)
@@ -60,21 +107,68 @@ def make_private_dir(path: str | os.PathLike[str]) -> Path:
         raise SwapIOError(errno.ELOOP, "swap directory is a symbolic link; refusing it", str(p))
     if not stat.S_ISDIR(st.st_mode):
         raise SwapIOError(errno.ENOTDIR, "swap directory path is not a directory", str(p))
-    return p
+    mode = stat.S_IMODE(st.st_mode)
+    me = os.geteuid()
+    own_dir = "a new directory of your own (swapper creates it, and its missing parents, 0700)"
+    if st.st_uid != me:
+        raise UnsafeSwapDirError(
+            f"swap directory {p} is owned by {_user_name(st.st_uid)} (uid {st.st_uid}, mode "
+            f"{mode:04o}), not by this process's user {_user_name(me)} (uid {me}): its owner "
+            f"could replace the swapped data. Give {own_dir}",
+            str(p),
+            st.st_uid,
+            mode,
+        )
+    if mode & (stat.S_IWGRP | stat.S_IWOTH):
+        who = " and ".join(
+            w for w, bit in (("group", stat.S_IWGRP), ("others", stat.S_IWOTH)) if mode & bit
+        )
+        if mode & stat.S_ISVTX:  # like /tmp: others cannot rename or delete what we make
+            own_dir += f", e.g. {p / f'swapper-{_user_name(me)}'}"
+        raise UnsafeSwapDirError(
+            f"swap directory {p} (owner {_user_name(st.st_uid)}, mode {mode:04o}) is "
+            f"writable by {who}: they could replace the swapped data. Run `chmod go-w {p}`, "
+            f"or give {own_dir}",
+            str(p),
+            st.st_uid,
+            mode,
+        )
+
+
+def _user_name(uid: int) -> str:
+    try:
+        import pwd  # POSIX only; imported here so the module loads elsewhere too
+
+        return pwd.getpwuid(uid).pw_name
+    except (ImportError, KeyError):
+        return str(uid)
 
 
 def direct_refused(directory: str | os.PathLike[str]) -> bool:
-    """Whether O_DIRECT was refused for files in ``directory`` earlier in this process."""
-    return os.path.abspath(directory) in _direct_refused
+    """Whether some file in ``directory`` gave up O_DIRECT earlier in this process.
 
-
-def _remember_direct_refused(directory: str, reason: str) -> None:
+    For reports only: other files there still try O_DIRECT.
+    """
+    directory = os.path.abspath(directory)
     with _direct_refused_lock:
-        if directory in _direct_refused:
-            return
-        _direct_refused.add(directory)
-    log.warning(
-        "O_DIRECT refused in %s (%s): using buffered I/O for files there", directory, reason
+        return any(d == directory for d, _ in _direct_refused)
+
+
+def _note_direct_refused(path: Path, reason: str) -> None:
+    """Log that ``path`` gave up O_DIRECT: a warning once per directory and reason."""
+    key = (os.path.abspath(path.parent), reason)
+    with _direct_refused_lock:
+        first = key not in _direct_refused
+        _direct_refused.add(key)
+    log.log(
+        logging.WARNING if first else logging.DEBUG,
+        "O_DIRECT refused for %s (%s): buffered I/O for this file; other files still try "
+        "O_DIRECT%s",
+        path,
+        reason,
+        " (others in this directory refused for the same reason are logged at DEBUG)"
+        if first
+        else "",
     )
 
 
@@ -85,12 +179,15 @@ class SwapFile:
         path: the file's path.
         fd: the buffered descriptor.
         direct_fd: the O_DIRECT descriptor, or None where direct I/O is off or refused.
+        direct_worked: whether an O_DIRECT transfer on this file has succeeded (set by
+            the engine; see :meth:`direct_failed`).
     """
 
     def __init__(self, path: Path, fd: int, direct_fd: int | None) -> None:
         self.path = path
         self.fd = fd
         self.direct_fd = direct_fd
+        self.direct_worked = False
         self._reserved_nbytes = os.fstat(fd).st_size
         self._lock = threading.Lock()
         self._fds = [fd] + ([direct_fd] if direct_fd is not None else [])
@@ -123,14 +220,13 @@ class SwapFile:
             if not stat.S_ISREG(os.fstat(fd).st_mode):
                 raise SwapIOError(errno.EINVAL, "swap file path is not a regular file", str(p))
             direct_fd = None
-            parent = os.path.abspath(p.parent)
-            if direct and _O_DIRECT and parent not in _direct_refused:
+            if direct and _O_DIRECT:
                 try:
                     direct_fd = _open(p, (flags & ~os.O_CREAT) | _O_DIRECT)
                 except SwapIOError as exc:
                     if exc.errno != errno.EINVAL:
                         raise
-                    _remember_direct_refused(parent, "EINVAL at open")
+                    _note_direct_refused(p, "EINVAL at open")
             if direct_fd is not None:
                 a, b = os.fstat(fd), os.fstat(direct_fd)
                 if (a.st_dev, a.st_ino) != (b.st_dev, b.st_ino):
@@ -142,10 +238,36 @@ class SwapFile:
         return cls(p, fd, direct_fd)
 
     def refuse_direct(self, reason: str) -> None:
-        """Stop using O_DIRECT for this file and its directory (I/O returned EINVAL)."""
-        _remember_direct_refused(os.path.abspath(self.path.parent), reason)
+        """Stop using O_DIRECT for this file (only); log ``reason`` the first time.
+
+        Idempotent. Other files, in the same directory too, are not affected.
+        """
+        if self.direct_fd is None:
+            return
         # The direct fd stays open until close(): pieces may still be in flight on it.
         self.direct_fd = None
+        _note_direct_refused(self.path, reason)
+
+    def direct_failed(self, reason: str) -> bool:
+        """An aligned transfer failed with EINVAL on the O_DIRECT descriptor and then
+        worked on the buffered one; returns whether this file gave up O_DIRECT.
+
+        If no O_DIRECT transfer on this file has worked yet (``direct_worked``), the file
+        cannot use O_DIRECT: it stops trying (:meth:`refuse_direct`). Otherwise the cause
+        was that request, and the file keeps O_DIRECT for the others.
+        """
+        if self.direct_fd is None:
+            return False
+        if self.direct_worked:
+            log.debug(
+                "O_DIRECT refused one transfer on %s (%s), which went buffered; O_DIRECT "
+                "stays on for this file's other transfers",
+                self.path,
+                reason,
+            )
+            return False
+        self.refuse_direct(f"{reason}, before any O_DIRECT transfer on it worked")
+        return True
 
     def size(self) -> int:
         """The file's size in bytes."""

@@ -3,7 +3,8 @@
 Life of a request::
 
     pread/pwrite (caller's thread)
-      │  check buffer and offset, open the file if given a path, reserve space (writes)
+      │  check buffer, offset and length (refused at once: InvalidArgumentError, TypeError),
+      │  open the file if given a path, reserve space (writes)
       │  cut [offset, offset+nbytes) into pieces: block_size boundaries in file space,
       │  plus the 4 KiB boundaries of an unaligned head and tail
       ▼
@@ -13,8 +14,8 @@ Life of a request::
     READY ──submit──▶ IN FLIGHT ──complete──▶ DONE ─┐
       ▲                   │                          │ last piece of the request:
       └──short transfer───┘ (rest resubmitted)      │ future.set_result(nbytes)
-      └──EINVAL on O_DIRECT (retried buffered, file marked non-direct, warned once)
-                          │ error / EOF
+      └──EINVAL on O_DIRECT (this piece retried buffered; see "O_DIRECT refused" below)
+                          │ error / EOF / an exception anywhere in submit, reap or complete
                           ▼
                        FAILED: the request's pieces not yet submitted are dropped, those
                        in flight are awaited (the kernel may still write the buffer), then
@@ -22,7 +23,25 @@ Life of a request::
 
 A piece goes to the file's O_DIRECT descriptor when its address, offset and length are
 all 4 KiB-aligned, and to the buffered descriptor otherwise, so unaligned requests work
-(their aligned body still goes direct when address and offset share a phase).
+(their aligned body still goes direct when address and offset share a phase); they are
+never refused for their alignment.
+
+Bounds, checked at submit: ``0 <= offset`` and ``offset + nbytes <= 2**63 - 1`` (the
+kernel's off_t; larger values cannot even be put in an iocb), ``0 <= nbytes <=`` the
+buffer's size. ``nbytes == 0`` is a request that succeeds at once with 0 (as
+``os.pread(fd, 0, offset)`` does), touching nothing but opening (a write: creating) a
+file given by path.
+
+No exception kills a worker. A failure while submitting, reaping or completing one piece
+fails that piece's request (``SwapIOError``, the cause chained) and the worker goes on
+with the others; a failed reap (no completion lost: the kernel keeps them) is retried.
+``close()`` therefore always sees every request end.
+
+O_DIRECT refused: an aligned piece that fails with EINVAL on the O_DIRECT descriptor is
+retried on the buffered one. If that works and no O_DIRECT I/O on the file has worked
+yet, the file cannot use O_DIRECT and stops trying (that file only, reason logged once);
+if O_DIRECT has worked on it before, the cause was that request, and only that piece went
+buffered. Other files, and other requests, keep O_DIRECT.
 
 The engine keeps every request's buffer referenced until its future completes; a buffer
 must not be resized or freed by the caller before then.
@@ -36,6 +55,7 @@ import enum
 import errno
 import itertools
 import logging
+import operator
 import os
 import queue
 import sys
@@ -43,14 +63,15 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, SupportsIndex
 
 from tiers.aio._native import IOCB_CMD_PREAD, IOCB_CMD_PWRITE, KernelAio, LibAio, _Provider, ffi
-from tiers.config import DIRECT_ALIGNMENT, AioConfig, Backend
+from tiers.config import DIRECT_ALIGNMENT, AioConfig, Backend, check_timeout_s
 from tiers.errors import (
     BackendUnavailableError,
     EngineClosedError,
     EngineCloseTimeout,
+    InvalidArgumentError,
     SwapEOFError,
     SwapIOError,
 )
@@ -62,6 +83,9 @@ log = logging.getLogger("swapper.tiers.aio")
 _REAP_POLL_S = 0.02
 #: Threads per worker of the thread backend, whatever the queue depth.
 _MAX_POOL_THREADS = 64
+#: The largest file offset the kernel takes (off_t is a signed 64-bit integer): a
+#: request's ``offset + nbytes`` may not exceed it.
+OFF_T_MAX = (1 << 63) - 1
 
 
 class Op(str, enum.Enum):
@@ -102,29 +126,62 @@ class _Request:
     on_done: Any
     pieces_left: int = 0
     error: BaseException | None = None
+    completed: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def finish_piece(self, error: BaseException | None = None) -> None:
-        """Account one piece as finished (well or not); complete the future after the last."""
+        """Account one piece as finished (well or not); complete the future after the last.
+
+        Never raises: it runs on worker threads, where an exception would strand every
+        other request of the worker.
+        """
         with self.lock:
             if error is not None and self.error is None:
                 self.error = error
             self.pieces_left -= 1
-            last = self.pieces_left == 0
+            last = self.pieces_left == 0 and not self.completed
+            if last:
+                self.completed = True
+            extra = self.pieces_left < 0
+        if extra:  # a bug elsewhere; the future is complete already, say so and go on
+            log.error("a piece of %s was finished twice; ignored", self.future.describe())
         if last:
             self._complete()
 
     def _complete(self) -> None:
+        """Release what the request held and complete its future. Never raises.
+
+        Each step runs whatever the one before did: a future left pending would hang its
+        waiter, and a request left outstanding would make close() time out.
+        """
+        error = self.error
         if self.owns_file:
-            self.file.close()
-        if self.memory is not None:
-            self.memory.release()
-            self.memory = None
-        self.on_done(self)
-        if self.error is not None:
-            self.future.set_exception(self.error)
-        else:
-            self.future.set_result(self.future.nbytes)
+            try:
+                self.file.close()
+            except Exception as exc:
+                # close() can report a failed write-back (e.g. NFS); after a read the
+                # bytes are in the buffer already.
+                if error is None and self.op is Op.WRITE:
+                    error = _failure(self.future, exc, "closing the file after a write")
+                else:
+                    log.warning("closing %s failed: %s", self.file.path, exc)
+        memory, self.memory = self.memory, None
+        if memory is not None:
+            try:
+                memory.release()
+            except Exception:
+                log.exception("releasing the buffer of %s failed", self.future.describe())
+        try:
+            self.on_done(self)
+        except Exception:
+            log.exception("accounting for the end of %s failed", self.future.describe())
+        try:
+            if error is not None:
+                self.future.set_exception(error)
+            else:
+                self.future.set_result(self.future.nbytes)
+        except Exception:  # InvalidStateError: nothing else completes futures, so a bug
+            log.exception("completing the future of %s failed", self.future.describe())
 
 
 @dataclass(eq=False, slots=True)
@@ -135,11 +192,18 @@ class _Piece:
     nbytes: int  # still to transfer
     fd: int = -1
     direct: bool = False
+    #: O_DIRECT refused this piece (EINVAL): it goes to the buffered descriptor from now.
+    buffered_only: bool = False
+    #: ... and the outcome of its buffered retry is still to be told to its file.
+    einval_pending: bool = False
 
 
 # ----------------------------------------------------------------------------------------
-# Kernel contexts: one per worker. submit() takes a batch and says how many it accepted;
-# reap() returns (piece, res) with res the byte count or -errno.
+# Kernel contexts: one per worker. submit() takes a batch and says how many it accepted,
+# from the first; it raises only when it accepted none. reap() returns (piece, res) with
+# res the byte count, -errno, or the exception that failed the piece.
+
+_Completion = tuple[_Piece, int | BaseException]
 
 
 class _NativeContext:
@@ -157,22 +221,32 @@ class _NativeContext:
         self._slots: list[_Piece | None] = [None] * depth
 
     def submit(self, pieces: list[_Piece]) -> int:
-        used = []
-        for i, piece in enumerate(pieces):
-            slot = self._free.pop()
-            used.append(slot)
-            cb = self._iocbs[slot]
-            cb.aio_data = slot
-            cb.aio_lio_opcode = IOCB_CMD_PREAD if piece.request.op is Op.READ else IOCB_CMD_PWRITE
-            cb.aio_fildes = piece.fd
-            cb.aio_buf = piece.address
-            cb.aio_nbytes = piece.nbytes
-            cb.aio_offset = piece.offset
-            self._ptrs[i] = self._iocbs + slot
-            self._slots[slot] = piece
+        used: list[int] = []
+        n = 0
         try:
-            accepted = self._submit_iocbs(len(pieces))
-        except OSError:
+            for piece in pieces:
+                slot = self._free.pop()
+                used.append(slot)
+                self._slots[slot] = piece
+                cb = self._iocbs[slot]
+                cb.aio_data = slot
+                op = IOCB_CMD_PREAD if piece.request.op is Op.READ else IOCB_CMD_PWRITE
+                cb.aio_lio_opcode = op
+                cb.aio_fildes = piece.fd
+                cb.aio_buf = piece.address
+                cb.aio_nbytes = piece.nbytes
+                cb.aio_offset = piece.offset  # OverflowError past int64: checked at submit
+                self._ptrs[n] = self._iocbs + slot
+                n += 1
+        except Exception:
+            if n == 0:
+                self._release(used)
+                raise
+            # A piece that cannot be put in an iocb: submit those before it; next round
+            # it comes first and fails alone.
+        try:
+            accepted = self._submit_iocbs(n)
+        except BaseException:
             self._release(used)
             raise
         self._release(used[accepted:])
@@ -182,14 +256,15 @@ class _NativeContext:
         """Submit ``self._ptrs[:n]``; returns how many the kernel took.
 
         Raises:
-            OSError: the kernel refused the first one.
+            OSError: the kernel refused the first one (or anything the provider raised
+                for it: a provider that raises has accepted nothing in that call).
         """
         if not self._single_submit:
             return self._provider.submit(self._ctx, n, self._ptrs)
         for i in range(n):  # one per call: nothing for the block layer to plug and merge
             try:
                 self._provider.submit(self._ctx, 1, self._ptrs + i)
-            except OSError:
+            except Exception:
                 if i == 0:
                     raise
                 return i
@@ -200,13 +275,16 @@ class _NativeContext:
             self._slots[slot] = None
             self._free.append(slot)
 
-    def reap(self, timeout_s: float) -> list[tuple[_Piece, int]]:
+    def reap(self, timeout_s: float) -> list[_Completion]:
         n = self._provider.getevents(self._ctx, 1, self._depth, self._events, timeout_s)
-        done = []
+        done: list[_Completion] = []
         for i in range(n):
             event = self._events[i]
             slot = int(event.data)
-            piece = self._slots[slot]
+            piece = self._slots[slot] if 0 <= slot < self._depth else None
+            if piece is None:  # not ours: nothing to complete, and no slot to free
+                log.error("AIO event for unknown iocb slot %d ignored (res=%d)", slot, event.res)
+                continue
             self._slots[slot] = None
             self._free.append(slot)
             done.append((piece, int(event.res)))
@@ -223,14 +301,20 @@ class _ThreadContext:
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=min(depth, _MAX_POOL_THREADS), thread_name_prefix=name
         )
-        self._done: queue.SimpleQueue[tuple[_Piece, int]] = queue.SimpleQueue()
+        self._done: queue.SimpleQueue[_Completion] = queue.SimpleQueue()
 
     def submit(self, pieces: list[_Piece]) -> int:
-        for piece in pieces:
-            self._pool.submit(self._run, piece)
+        for i, piece in enumerate(pieces):
+            try:
+                self._pool.submit(self._run, piece)
+            except Exception:
+                if i == 0:
+                    raise
+                return i
         return len(pieces)
 
     def _run(self, piece: _Piece) -> None:
+        res: int | BaseException
         try:
             view = ffi.buffer(ffi.cast("char *", piece.address), piece.nbytes)
             if piece.request.op is Op.READ:
@@ -238,10 +322,12 @@ class _ThreadContext:
             else:
                 res = os.pwritev(piece.fd, [view], piece.offset)
         except OSError as exc:
-            res = -(exc.errno or errno.EIO)
+            res = -exc.errno if exc.errno else exc
+        except BaseException as exc:  # whatever it is, the piece must come back failed
+            res = exc
         self._done.put((piece, res))
 
-    def reap(self, timeout_s: float) -> list[tuple[_Piece, int]]:
+    def reap(self, timeout_s: float) -> list[_Completion]:
         try:
             done = [self._done.get(timeout=timeout_s)]
         except queue.Empty:
@@ -268,6 +354,8 @@ class _Worker:
         self._inbox: collections.deque[_Piece] = collections.deque()
         self._cv = threading.Condition()
         self._stopping = False
+        #: The error of the last failed reap, until one works again (logged once).
+        self._reap_error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -296,24 +384,20 @@ class _Worker:
                 if self._inbox:
                     ready.extend(self._inbox)
                     self._inbox.clear()
-            inflight += self._submit(ready, self._depth - inflight)
-            if inflight:
-                try:
-                    completions = self._context.reap(_REAP_POLL_S)
-                except OSError as exc:  # pragma: no cover - io_getevents on a valid context
-                    log.error("reaping completions failed: %s", exc)
-                    time.sleep(_REAP_POLL_S)
-                    continue
-                inflight -= len(completions)
-                for piece, res in completions:
-                    try:
-                        self._complete(piece, res, ready)
-                    except Exception as exc:  # never let one request kill the worker
-                        log.exception("completing %s failed", piece.request.future.describe())
-                        piece.request.finish_piece(exc)
+            try:
+                inflight += self._submit(ready, self._depth - inflight)
+                if inflight:
+                    inflight -= self._reap(ready)
+            except Exception:  # pragma: no cover - _submit and _reap handle their own
+                # Last resort: a worker that died would strand every request it holds.
+                log.exception("AIO worker %s: unexpected error; it goes on", self._thread.name)
+                time.sleep(_REAP_POLL_S)
 
     def _submit(self, ready: collections.deque[_Piece], room: int) -> int:
-        """Submit up to ``room`` ready pieces; returns how many went in flight."""
+        """Submit up to ``room`` ready pieces; returns how many went in flight.
+
+        A piece the context refuses fails its request; the others stay ready.
+        """
         batch: list[_Piece] = []
         while ready and len(batch) < room:
             piece = ready.popleft()
@@ -326,29 +410,84 @@ class _Worker:
             return 0
         try:
             accepted = self._context.submit(batch)
-        except OSError as exc:
-            if exc.errno == errno.EAGAIN:
+        except Exception as exc:
+            if isinstance(exc, OSError) and exc.errno == errno.EAGAIN:
                 ready.extendleft(reversed(batch))  # kernel busy: retry after a reap
                 time.sleep(_REAP_POLL_S / 10)  # nothing may be in flight to reap: back off
                 return 0
             # The first piece was refused (bad fd, bad address...). Fail it, keep the rest.
             first = batch[0]
-            first.request.finish_piece(_io_error(first, exc.errno or errno.EIO, "submit"))
+            if not isinstance(exc, OSError):
+                log.error("submitting %s failed", first.request.future.describe(), exc_info=exc)
+            what = f"submitting the {first.request.op.value}"
+            first.request.finish_piece(_failure(first, exc, what))
             ready.extendleft(reversed(batch[1:]))
             return 0
         ready.extendleft(reversed(batch[accepted:]))
         return accepted
 
-    def _complete(self, piece: _Piece, res: int, ready: collections.deque[_Piece]) -> None:
+    def _reap(self, ready: collections.deque[_Piece]) -> int:
+        """Wait a little for completions and handle them; returns how many arrived.
+
+        A failed wait is logged (once until it works again) and retried: the kernel keeps
+        the completions, and the buffers of pieces in flight must stay untouched until
+        they arrive, so no request can be failed for it.
+        """
+        try:
+            completions = self._context.reap(_REAP_POLL_S)
+        except Exception as exc:
+            if self._reap_error is None:
+                log.error(
+                    "AIO worker %s: reaping completions failed; retrying: %r",
+                    self._thread.name,
+                    exc,
+                    exc_info=exc,
+                )
+            self._reap_error = exc
+            time.sleep(_REAP_POLL_S)
+            return 0
+        if self._reap_error is not None:
+            log.warning("AIO worker %s: reaping works again", self._thread.name)
+            self._reap_error = None
+        for piece, res in completions:
+            try:
+                self._complete(piece, res, ready)
+            except Exception as exc:  # never let one request stop the others
+                what = f"completing the {piece.request.op.value}"
+                log.error("%s of %s failed", what, piece.request.future.describe(), exc_info=exc)
+                piece.request.finish_piece(_failure(piece, exc, what))
+        return len(completions)
+
+    def _complete(
+        self, piece: _Piece, res: int | BaseException, ready: collections.deque[_Piece]
+    ) -> None:
+        """Act on one completion: finish the piece, or put it back in ``ready`` to go on.
+
+        Putting it back is the last thing done: if anything here raises, the piece has
+        been neither finished nor requeued, and the caller fails it.
+        """
         request = piece.request
+        op = request.op.value
+        if isinstance(res, BaseException):
+            request.finish_piece(_failure(piece, res, op))
+            return
         if res < 0:
             code = -res
             if code == errno.EINVAL and piece.direct:
-                request.file.refuse_direct(f"EINVAL from an aligned {request.op.value}")
-                ready.appendleft(piece)  # retried on the buffered descriptor
+                # Retried on the buffered descriptor; how that goes tells whether the file
+                # or this request is the cause (see the module's docstring).
+                piece.buffered_only = piece.einval_pending = True
+                ready.appendleft(piece)
                 return
-            request.finish_piece(_io_error(piece, code, request.op.value))
-        elif res == 0 and piece.nbytes:
+            request.finish_piece(_io_error(piece, code, op))
+            return
+        if piece.direct and res > 0:
+            request.file.direct_worked = True
+        elif piece.einval_pending:
+            piece.einval_pending = False
+            # One reason for reads and writes alike: it is logged once per directory.
+            request.file.direct_failed("EINVAL from aligned O_DIRECT I/O that works buffered")
+        if res == 0 and piece.nbytes:
             if request.op is Op.READ:
                 size = request.file.size()
                 request.finish_piece(
@@ -375,7 +514,8 @@ def _route(piece: _Piece) -> None:
     """Send a piece to the O_DIRECT descriptor when it is aligned, else the buffered one."""
     direct_fd = piece.request.file.direct_fd
     mask = DIRECT_ALIGNMENT - 1
-    if direct_fd is not None and not ((piece.address | piece.offset | piece.nbytes) & mask):
+    aligned = not ((piece.address | piece.offset | piece.nbytes) & mask)
+    if direct_fd is not None and aligned and not piece.buffered_only:
         piece.fd, piece.direct = direct_fd, True
     else:
         piece.fd, piece.direct = piece.request.file.fd, False
@@ -387,6 +527,28 @@ def _io_error(piece: _Piece, code: int, what: str) -> SwapIOError:
         f"{what} of {piece.nbytes} bytes at offset {piece.offset} failed: {os.strerror(code)}",
         str(piece.request.file.path),
     )
+
+
+def _failure(where: _Piece | IOFuture, exc: BaseException, what: str) -> SwapIOError:
+    """``exc``, which failed a piece (or a whole request), as the request's SwapIOError.
+
+    The original is chained as ``__cause__``, without its traceback: a traceback holds the
+    worker's frames, whose pieces hold other requests' buffers, for as long as the
+    caller keeps the error (the traceback was logged where it was caught).
+    """
+    if isinstance(exc, SwapIOError):
+        return exc
+    if isinstance(where, IOFuture):
+        nbytes, offset, path = where.nbytes, where.offset, where.path
+    else:
+        nbytes, offset, path = where.nbytes, where.offset, str(where.request.file.path)
+    if isinstance(exc, OSError) and exc.errno:
+        code, detail = exc.errno, os.strerror(exc.errno)
+    else:
+        code, detail = errno.EIO, f"{type(exc).__name__}: {exc}"
+    error = SwapIOError(code, f"{what} of {nbytes} bytes at offset {offset} failed: {detail}", path)
+    error.__cause__ = exc.with_traceback(None)
+    return error
 
 
 # ----------------------------------------------------------------------------------------
@@ -541,20 +703,28 @@ class AioEngine:
         self,
         buffer: Any,
         file: SwapFile | str | os.PathLike[str],
-        offset: int = 0,
-        nbytes: int | None = None,
+        offset: SupportsIndex = 0,
+        nbytes: SupportsIndex | None = None,
     ) -> IOFuture:
         """Read ``nbytes`` (default: the buffer's size) at byte ``offset`` into ``buffer``.
 
         ``buffer`` is a contiguous CPU tensor, numpy array or writable buffer object.
         ``file`` is an open :class:`SwapFile` or a path (opened for this request only).
+        Any offset, length and buffer address work; unaligned ones go through the page
+        cache, aligned ones through O_DIRECT where the file allows it. ``nbytes=0``
+        completes at once with 0.
 
-        Raises (at once):
+        Raises (at once, before anything is queued):
             EngineClosedError: the engine is closed or closing.
-            TypeError, ValueError: the buffer is not usable or smaller than ``nbytes``.
+            InvalidArgumentError (a ValueError): ``offset < 0``, ``nbytes`` outside
+                ``[0, buffer size]``, or ``offset + nbytes > 2**63 - 1`` (the largest
+                file offset); the message names the bound and the file.
+            TypeError: ``offset``/``nbytes`` not integers, or a buffer that is not usable
+                (not a buffer object, not in host memory, read-only for a read).
+            ValueError: a buffer that is not contiguous.
             FileNotFoundError, SwapIOError: a path that cannot be opened.
-        The future raises :class:`SwapIOError` for a failed read and
-        :class:`SwapEOFError` for one past the end of the file.
+        The future raises :class:`SwapIOError` for a failed read (the cause chained when
+        it was not an OS error) and :class:`SwapEOFError` for one past the end of the file.
         """
         return self._submit(Op.READ, buffer, file, offset, nbytes)
 
@@ -562,8 +732,8 @@ class AioEngine:
         self,
         buffer: Any,
         file: SwapFile | str | os.PathLike[str],
-        offset: int = 0,
-        nbytes: int | None = None,
+        offset: SupportsIndex = 0,
+        nbytes: SupportsIndex | None = None,
     ) -> IOFuture:
         """Write ``nbytes`` (default: the buffer's size) of ``buffer`` at byte ``offset``.
 
@@ -571,10 +741,12 @@ class AioEngine:
         is queued. Data is durable against a crash only after :func:`os.fsync`; the future
         completes when the kernel has taken the bytes (O_DIRECT: written to the device).
 
-        Raises (at once):
-            EngineClosedError, TypeError, ValueError: as for :meth:`pread`.
+        Raises (at once, before anything is queued):
+            EngineClosedError, InvalidArgumentError, TypeError, ValueError: as for
+                :meth:`pread`.
             SwapNoSpaceError: the filesystem has no room for ``offset + nbytes`` bytes.
-            SwapIOError: a path that cannot be opened or created.
+            SwapIOError: a path that cannot be opened or created, or space that cannot
+                be reserved (e.g. EFBIG: past the filesystem's largest file).
         The future raises :class:`SwapIOError` for a failed write.
         """
         return self._submit(Op.WRITE, buffer, file, offset, nbytes)
@@ -584,18 +756,37 @@ class AioEngine:
         op: Op,
         buffer: Any,
         file: SwapFile | str | os.PathLike[str],
-        offset: int,
-        nbytes: int | None,
+        offset: SupportsIndex,
+        nbytes: SupportsIndex | None,
     ) -> IOFuture:
         if self._closing:
             raise EngineClosedError("the AIO engine is closed; no new requests are accepted")
+        target = _name_of(file)
+        offset = _byte_count("offset", offset, op, target)
         if offset < 0:
-            raise ValueError(f"file offset must be >= 0, got {offset}")
+            raise InvalidArgumentError(
+                f"file offset must be >= 0, got {offset} (a {op.value} of {target})"
+            )
+        if offset > OFF_T_MAX:
+            raise InvalidArgumentError(
+                f"file offset {offset} is past the largest one, 2**63 - 1 = {OFF_T_MAX} "
+                f"(off_t), for a {op.value} of {target}"
+            )
         size = _check_host_buffer(buffer, writable=op is Op.READ)
         if nbytes is None:
             nbytes = size
-        elif not 0 <= nbytes <= size:
-            raise ValueError(f"nbytes={nbytes} does not fit the {size}-byte buffer")
+        else:
+            nbytes = _byte_count("nbytes", nbytes, op, target)
+            if not 0 <= nbytes <= size:
+                raise InvalidArgumentError(
+                    f"nbytes={nbytes} does not fit the {size}-byte buffer (a {op.value} of "
+                    f"{target}): give 0 <= nbytes <= {size}"
+                )
+        if offset + nbytes > OFF_T_MAX:
+            raise InvalidArgumentError(
+                f"offset + nbytes = {offset} + {nbytes} ends past the largest file offset, "
+                f"2**63 - 1 = {OFF_T_MAX} (off_t), for a {op.value} of {target}"
+            )
         owns_file = not isinstance(file, SwapFile)
         if owns_file:
             is_write = op is Op.WRITE
@@ -677,16 +868,23 @@ class AioEngine:
     def close(self, timeout_s: float | None = None) -> None:
         """Stop accepting requests, wait for those in flight, release the kernel contexts.
 
-        Waits at most ``timeout_s`` (default ``config.close_timeout_s``). Idempotent.
+        Waits at most ``timeout_s`` seconds (default ``config.close_timeout_s``; 0: not
+        at all). Idempotent.
 
         Raises:
+            InvalidArgumentError: ``timeout_s`` is not a finite number >= 0.
             EngineCloseTimeout: requests were still in flight at the deadline; they are
                 named, their futures stay pending and the engine stays open for them:
                 call ``close()`` again to wait longer.
         """
         if self._closed:
             return
-        timeout = self.config.close_timeout_s if timeout_s is None else timeout_s
+        if timeout_s is None:
+            timeout = self.config.close_timeout_s
+        elif type(timeout_s) in (int, float) and timeout_s == 0:
+            timeout = 0.0  # do not wait: close now if nothing is in flight
+        else:
+            timeout = check_timeout_s("timeout_s", timeout_s, InvalidArgumentError)
         deadline = time.monotonic() + timeout
         with self._lock:
             self._closing = True
@@ -718,6 +916,34 @@ class AioEngine:
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
         return f"<AioEngine {self.backend.value} {self.config.describe()} ({state})>"
+
+
+def _name_of(file: object) -> str:
+    """The file a request names, for messages."""
+    if isinstance(file, SwapFile):
+        return str(file.path)
+    try:
+        name = os.fspath(file)  # type: ignore[arg-type]
+    except TypeError:
+        return repr(file)
+    return os.fsdecode(name)
+
+
+def _byte_count(name: str, value: object, op: Op, target: str) -> int:
+    """``value`` as an int (numpy integers too); bools and floats are refused.
+
+    Raises:
+        TypeError: not an integer.
+    """
+    if not isinstance(value, bool):
+        try:
+            return operator.index(value)  # type: ignore[arg-type]
+        except TypeError:
+            pass
+    raise TypeError(
+        f"{name} must be an integer number of bytes, got {type(value).__name__} {value!r} "
+        f"(a {op.value} of {target})"
+    )
 
 
 def _check_host_buffer(buffer: Any, *, writable: bool) -> int:
