@@ -913,6 +913,58 @@ def test_close_from_two_threads_at_once(
     assert errors == []
 
 
+def test_swap_file_closed_under_a_request(
+    swap_dir: Path, backend: Backend, monkeypatch: pytest.MonkeyPatch, fd_count: Callable[[], int]
+) -> None:
+    """Closing a SwapFile while a request still has pieces to submit keeps its descriptors
+    until the request ends: closed at once, their numbers went to the next file opened,
+    and the rest of the request was written into that file."""
+    gate = threading.Event()
+    cls = engine_mod._ThreadContext if backend is Backend.THREADS else engine_mod._NativeContext
+    real_reap = cls.reap
+
+    def slow_reap(self: Any, timeout_s: float) -> list[Any]:
+        if not gate.is_set():  # the first piece stays in flight, the others wait for it
+            time.sleep(timeout_s)
+            return []
+        return real_reap(self, timeout_s)
+
+    monkeypatch.setattr(cls, "reap", slow_reap)
+    config = AioConfig(backend=backend, queue_depth=1, block_size=64 * KiB)
+    before = fd_count()
+    with AioEngine(config) as engine:
+        f = engine.open(swap_dir / "f.bin", create=True)
+        f_fds = {f.fd, f.direct_fd}
+        data = random_bytes(256 * KiB, 1)
+        fut = engine.pwrite(data, f, 0)
+        f.close()
+        assert all(fd_is_open(fd) for fd in f_fds if fd is not None), "closed under a request"
+        g = engine.open(swap_dir / "g.bin", create=True)
+        assert not {g.fd, g.direct_fd} & f_fds
+        exc = raised(SwapIOError, engine.pread, np.zeros(10, np.uint8), f)
+        assert exc.errno == errno.EBADF
+        assert "closed" in str(exc)
+        gate.set()
+        assert fut.result(TIMEOUT) == 256 * KiB
+        assert not any(fd_is_open(fd) for fd in f_fds if fd is not None)
+        assert_same(file_bytes(swap_dir / "f.bin", 0, 256 * KiB), data)
+        assert (swap_dir / "g.bin").stat().st_size == 0
+        g.close()
+        raised(SwapIOError, engine.pwrite, data, g, 0)  # closed, nothing in flight
+        raised(SwapIOError, g.reserve, 1)
+        raised(SwapIOError, g.size)
+        check_engine_works(engine, swap_dir, seed=1)
+    assert fd_count() == before
+
+
+def fd_is_open(fd: int) -> bool:
+    try:
+        fcntl.fcntl(fd, fcntl.F_GETFD)
+    except OSError:
+        return False
+    return True
+
+
 # -- O_DIRECT refused ----------------------------------------------------------------------
 
 

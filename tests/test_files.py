@@ -510,6 +510,52 @@ def test_direct_failed_before_and_after_o_direct_worked(
         assert again.direct_fd is not None, "a new open of the file tries O_DIRECT again"
 
 
+def test_close_waits_for_requests_using_the_file(swap_dir: Path) -> None:
+    f = SwapFile.open(swap_dir / "x.bin", create=True)
+    fds = [f.fd, f.direct_fd]
+    f.begin_request()
+    f.begin_request()
+    f.close()
+    f.close()  # idempotent
+    assert all(fd_is_open(fd) for fd in fds if fd is not None)
+    f.reserve(8192)  # still usable by the requests holding it
+    assert f.size() == 8192
+    with pytest.raises(SwapIOError) as info:
+        f.begin_request()  # but no new request
+    assert info.value.errno == errno.EBADF
+    assert info.value.filename == str(swap_dir / "x.bin")
+    f.end_request()
+    assert all(fd_is_open(fd) for fd in fds if fd is not None)
+    f.end_request()
+    assert not any(fd_is_open(fd) for fd in fds if fd is not None)
+    for call in (f.size, lambda: f.reserve(1 << 20)):
+        with pytest.raises(SwapIOError, match="closed"):
+            call()
+
+
+def test_close_closes_every_descriptor_even_if_one_fails(
+    swap_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    f = SwapFile.open(swap_dir / "x.bin", create=True)
+    assert f.direct_fd is not None
+    fds = [f.fd, f.direct_fd]
+    real_close = os.close
+    closed: list[int] = []
+
+    def failing_close(fd: int) -> None:
+        real_close(fd)
+        closed.append(fd)
+        if len(closed) == 1:
+            raise OSError(errno.EIO, "injected")
+
+    monkeypatch.setattr(files.os, "close", failing_close)
+    with pytest.raises(OSError, match="injected"):
+        f.close()
+    assert closed == fds
+    f.close()  # once is enough: nothing is closed twice
+    assert closed == fds
+
+
 # -- reserve ---------------------------------------------------------------------------------
 
 

@@ -175,6 +175,11 @@ def _note_direct_refused(path: Path, reason: str) -> None:
 class SwapFile:
     """An open swap file. Use :meth:`open`; close with :meth:`close` or ``with``.
 
+    Closing a file that requests are still using (see :meth:`begin_request`) closes its
+    descriptors when the last of them ends: a descriptor number closed under a request
+    could be reused by the next open and the request's remaining pieces would go to
+    another file.
+
     Attributes:
         path: the file's path.
         fd: the buffered descriptor.
@@ -191,7 +196,8 @@ class SwapFile:
         self._reserved_nbytes = os.fstat(fd).st_size
         self._lock = threading.Lock()
         self._fds = [fd] + ([direct_fd] if direct_fd is not None else [])
-        self._closed = False
+        self._closed = False  # close() was called
+        self._users = 0  # requests using the descriptors (begin_request .. end_request)
 
     @classmethod
     def open(
@@ -270,8 +276,44 @@ class SwapFile:
         return True
 
     def size(self) -> int:
-        """The file's size in bytes."""
+        """The file's size in bytes.
+
+        Raises:
+            SwapIOError: the file is closed (EBADF).
+        """
+        self._check_open()
         return os.fstat(self.fd).st_size
+
+    def _check_open(self) -> None:
+        # Only while requests hold it may a closed file's descriptors still be used.
+        if self._closed and not self._users:
+            raise SwapIOError(errno.EBADF, "the swap file is closed; open it again", str(self.path))
+
+    def begin_request(self) -> None:
+        """Note that a request will use the descriptors: they stay open until
+        :meth:`end_request`, even if :meth:`close` is called meanwhile.
+
+        Raises:
+            SwapIOError: the file is closed (EBADF).
+        """
+        with self._lock:
+            if self._closed:
+                raise SwapIOError(
+                    errno.EBADF, "the swap file is closed; open it again", str(self.path)
+                )
+            self._users += 1
+
+    def end_request(self) -> None:
+        """The request of a :meth:`begin_request` has ended (its I/O is no longer in flight).
+
+        Closes the descriptors if :meth:`close` was called meanwhile and this was the
+        last request. Raises OSError only from that close.
+        """
+        with self._lock:
+            self._users -= 1
+            close_now = self._closed and self._users == 0
+        if close_now:
+            self._close_fds()
 
     def reserve(self, end: int) -> None:
         """Make sure disk space is allocated for bytes ``[0, end)``.
@@ -284,6 +326,10 @@ class SwapFile:
             SwapIOError: fallocate failed otherwise.
         """
         with self._lock:
+            if self._closed and not self._users:
+                raise SwapIOError(
+                    errno.EBADF, "the swap file is closed; open it again", str(self.path)
+                )
             if end <= self._reserved_nbytes:
                 return
             start = self._reserved_nbytes
@@ -310,12 +356,28 @@ class SwapFile:
             self._reserved_nbytes = end
 
     def close(self) -> None:
-        """Close both descriptors. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        for fd in self._fds:
-            os.close(fd)
+        """Close both descriptors, now or, if requests still use them, when the last ends.
+
+        Idempotent.
+        """
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            close_now = self._users == 0
+        if close_now:
+            self._close_fds()
+
+    def _close_fds(self) -> None:
+        fds, self._fds = self._fds, []
+        error: OSError | None = None
+        for fd in fds:
+            try:
+                os.close(fd)
+            except OSError as exc:  # close every one; report the first failure
+                error = error or exc
+        if error is not None:
+            raise error
 
     def __enter__(self) -> SwapFile:
         return self

@@ -155,16 +155,17 @@ class _Request:
         waiter, and a request left outstanding would make close() time out.
         """
         error = self.error
-        if self.owns_file:
-            try:
+        try:
+            self.file.end_request()  # closes the descriptors if the file was closed
+            if self.owns_file:
                 self.file.close()
-            except Exception as exc:
-                # close() can report a failed write-back (e.g. NFS); after a read the
-                # bytes are in the buffer already.
-                if error is None and self.op is Op.WRITE:
-                    error = _failure(self.future, exc, "closing the file after a write")
-                else:
-                    log.warning("closing %s failed: %s", self.file.path, exc)
+        except Exception as exc:
+            # close() can report a failed write-back (e.g. NFS); after a read the bytes
+            # are in the buffer already.
+            if error is None and self.op is Op.WRITE:
+                error = _failure(self.future, exc, "closing the file after a write")
+            else:
+                log.warning("closing %s failed: %s", self.file.path, exc)
         memory, self.memory = self.memory, None
         if memory is not None:
             try:
@@ -793,7 +794,12 @@ class AioEngine:
             swap_file = self.open(file, create=is_write, readonly=not is_write)
         else:
             swap_file = file
+        began = False
         try:
+            # Refuses a closed file, and keeps its descriptors open until the request
+            # ends (a closed number could be reused by another file meanwhile).
+            swap_file.begin_request()
+            began = True
             if op is Op.WRITE and nbytes:
                 swap_file.reserve(offset + nbytes)
             with self._lock:
@@ -814,6 +820,8 @@ class AioEngine:
                 start = self._next_worker
                 self._next_worker = (start + 1) % len(self._workers)
         except BaseException:
+            if began:
+                swap_file.end_request()
             if owns_file:
                 swap_file.close()
             raise
