@@ -1729,6 +1729,36 @@ def test_hostile_request_refused_at_submit(
     check_engine_works(engine, swap_dir, seed=3)
 
 
+_GOOD = st.tuples(
+    st.integers(0, 1 << 20),  # offset
+    st.integers(1, 300 * KiB),  # nbytes (0: test_edge_requests_the_filesystem_answers)
+    st.sampled_from([0, 1, 100, ALIGN - 1]),  # buffer phase
+)
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(steps=st.lists(st.one_of(st.sampled_from(HOSTILE), _GOOD), min_size=1, max_size=6))
+def test_any_mix_of_hostile_and_good_requests(
+    engines: Engines, module_dir: Path, backend: Backend, steps: list[Any]
+) -> None:
+    """Whatever came before on an engine, a refused request leaves nothing behind and a
+    good one round-trips exactly."""
+    engine = engines.get(backend, direct=True, block_size=64 * KiB, queue_depth=4)
+    path = module_dir / f"mix-{backend.value}.bin"
+    path.unlink(missing_ok=True)
+    with engine.open(path, create=True) as f:
+        for i, step in enumerate(steps):
+            if isinstance(step, Hostile):
+                buf = np.zeros(ALIGN, np.uint8)
+                submit = engine.pread if i % 2 else engine.pwrite
+                raised(step.error, submit, buf, f, step.offset, step.nbytes)
+            else:
+                offset, nbytes, phase = step
+                roundtrip(engine, f, path, offset, nbytes, seed=i, src_phase=phase, dst_phase=phase)
+    path.unlink()
+    assert engine.pending() == []
+
+
 def test_hostile_requests_leak_no_descriptors(
     engines: Engines, swap_dir: Path, backend: Backend, fd_count: Callable[[], int]
 ) -> None:
