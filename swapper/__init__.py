@@ -1,62 +1,101 @@
-"""swapper: a tiered-memory swap service for training models larger than accelerator memory."""
+"""swapper: a tiered-memory swap service for training models larger than accelerator memory.
 
-from swapper.manager import (
-    EntryState,
-    Kind,
-    ManagerConfig,
-    ManagerStats,
-    Policy,
-    SwapEntry,
-    Tier,
-    TierManager,
-)
-from swapper.step import (
-    DynamicLossScaler,
-    OffloadAdamW,
-    StateDictError,
-    StepFailedError,
-    StepPendingError,
-    StepReport,
-)
-from swapper.zero import OffloadConfig, OffloadedModel, offload
-from tiers import (
-    AioConfig,
-    AioEngine,
-    Backend,
-    SwapConfigError,
-    SwapEOFError,
-    SwapError,
-    SwapIOError,
-    SwapNoSpaceError,
-)
+The public names below are imported on first use (PEP 562), not when the package is: the
+command-line tools (:mod:`swapper.console`) must install their signal handling before
+torch is imported, and importing any ``swapper.*`` module runs this file first.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from swapper.manager import (
+        EntryState,
+        Kind,
+        ManagerConfig,
+        ManagerStats,
+        Policy,
+        SwapEntry,
+        Tier,
+        TierManager,
+    )
+    from swapper.step import (
+        DynamicLossScaler,
+        OffloadAdamW,
+        StateDictError,
+        StepFailedError,
+        StepPendingError,
+        StepReport,
+    )
+    from swapper.zero import OffloadConfig, OffloadedModel, offload
+    from tiers import (
+        AioConfig,
+        AioEngine,
+        Backend,
+        SwapConfigError,
+        SwapEOFError,
+        SwapError,
+        SwapIOError,
+        SwapNoSpaceError,
+    )
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "AioConfig",
-    "AioEngine",
-    "Backend",
-    "DynamicLossScaler",
-    "EntryState",
-    "Kind",
-    "ManagerConfig",
-    "ManagerStats",
-    "OffloadAdamW",
-    "OffloadConfig",
-    "OffloadedModel",
-    "Policy",
-    "StateDictError",
-    "StepFailedError",
-    "StepPendingError",
-    "StepReport",
-    "SwapConfigError",
-    "SwapEOFError",
-    "SwapEntry",
-    "SwapError",
-    "SwapIOError",
-    "SwapNoSpaceError",
-    "Tier",
-    "TierManager",
-    "__version__",
-    "offload",
-]
+#: public name → the module it comes from
+_SOURCES = {
+    **dict.fromkeys(
+        (
+            "EntryState",
+            "Kind",
+            "ManagerConfig",
+            "ManagerStats",
+            "Policy",
+            "SwapEntry",
+            "Tier",
+            "TierManager",
+        ),
+        "swapper.manager",
+    ),
+    **dict.fromkeys(
+        (
+            "DynamicLossScaler",
+            "OffloadAdamW",
+            "StateDictError",
+            "StepFailedError",
+            "StepPendingError",
+            "StepReport",
+        ),
+        "swapper.step",
+    ),
+    **dict.fromkeys(("OffloadConfig", "OffloadedModel", "offload"), "swapper.zero"),
+    **dict.fromkeys(
+        (
+            "AioConfig",
+            "AioEngine",
+            "Backend",
+            "SwapConfigError",
+            "SwapEOFError",
+            "SwapError",
+            "SwapIOError",
+            "SwapNoSpaceError",
+        ),
+        "tiers",
+    ),
+}
+
+__all__ = sorted([*_SOURCES, "__version__"])
+
+
+def __getattr__(name: str) -> Any:
+    source = _SOURCES.get(name)
+    if source is None:
+        raise AttributeError(f"module 'swapper' has no attribute {name!r}")
+    value = getattr(importlib.import_module(source), name)
+    globals()[name] = value  # the next lookup does not come here
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_SOURCES})

@@ -21,8 +21,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from swapper.bench.interrupts import Interrupted, interrupts_raise
 from swapper.cli_args import OneLineParser, UsageError, one_line, size_arg
+from swapper.interrupts import Interrupted, interrupts_raise
 from tiers.aio import resolve_backend
 from tiers.config import Backend
 from tiers.errors import BackendUnavailableError, SwapError

@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from swapper.bench.interrupts import critical
+from swapper.interrupts import critical
 from tiers import buffers as buffers_module
 from tiers.aio import AioEngine
 from tiers.buffers import allocate

@@ -2,7 +2,8 @@
 
 Exit codes: 0 the runs are bit-identical and every tier stayed within its budget; 1 they
 differ, a budget was exceeded, or the tiers failed (one line on stderr); 2 bad arguments;
-130 on Ctrl-C.
+128 + the signal number on SIGINT (130), SIGTERM (143) or SIGHUP (129), its swap files
+removed.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from swapper.cli_args import OneLineParser, UsageError, count_arg, one_line, size_arg
+from swapper.interrupts import Interrupted, interrupts_raise
 from tiers.errors import SwapError
 from tiers.units import format_size
 
@@ -79,6 +81,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run ``swapper-pressure``; returns the exit code (see the module docstring)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
+        with interrupts_raise():
+            return _main(argv)
+    except Interrupted as exc:
+        print(f"{PROG}: interrupted by {exc}; its files removed", file=sys.stderr)
+        return exc.exit_code
+
+
+def _main(argv: list[str]) -> int:
+    try:
         try:
             args = build_parser().parse_args(argv)
         except SystemExit as exc:  # --help
@@ -102,6 +113,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as exc:
         print(f"{PROG}: error: {one_line(exc)}", file=sys.stderr)
         return 2
+    except Interrupted:
+        raise
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)
         return 130
