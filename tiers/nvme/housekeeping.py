@@ -105,7 +105,9 @@ def remove_store(
                     exc.errno, f"cannot delete the store's file: {exc.strerror}", str(path)
                 ) from exc
             removed.append(path)
-        removed += [files.lock(i) for i in present]
+        removed += [
+            files.lock(i) for i, made in zip(present, lock.created, strict=True) if not made
+        ]
         lock.release(remove=True)
         for i in present:
             fsync_dir(paths[i])

@@ -137,6 +137,11 @@ class StoreLock:
     def held(self) -> bool:
         return bool(self._fds)
 
+    @property
+    def created(self) -> list[bool]:
+        """Per directory locked, whether this lock created the lock file."""
+        return list(self._created)
+
     def release(self, *, remove: bool = False, remove_created: bool = False) -> None:
         """Unlock every directory (idempotent). With ``remove`` the lock files are deleted
         first (while still held); with ``remove_created`` only those this lock created."""
