@@ -4,10 +4,11 @@ Job: cut a tensor of ``nbytes`` into chunks and give each chunk an extent of one
 take extents back when a version is freed; rebuild the free lists from the extents a
 manifest names. No I/O and no locking: the store calls it under its lock.
 
-Every tensor is cut into chunks of ``stripe_nbytes`` (the last one shorter). A chunk is the
-unit of I/O requests and of checksums, so a read can verify one chunk while the others are
-still in flight, and swapped chunks are caught. A tensor of one chunk goes to the
-directory with the fewest bytes allocated; a larger one is spread round-robin over the
+Every tensor is cut into stripes of ``stripe_nbytes`` (the last one shorter), and each
+stripe into chunks of at most :data:`CHUNK_NBYTES`. A chunk is an extent: the unit of I/O
+requests and of checksums, so a read can verify one chunk while the others are still in
+flight, and swapped chunks are caught. A tensor of one stripe goes to the directory with
+the fewest bytes allocated; a larger one is spread stripe by stripe round-robin over the
 directories from that one, so that several drives add their bandwidth, with all of its
 chunks in one directory placed back to back in one region (each drive streams its share
 sequentially; in a single directory the tensor is contiguous and its only padding is at the
@@ -25,7 +26,12 @@ from __future__ import annotations
 from tiers.extents import RangeAllocator, pad
 from tiers.nvme.records import Extent
 
-__all__ = ["Placement"]
+__all__ = ["CHUNK_NBYTES", "Placement"]
+
+#: The largest extent: the unit of I/O requests and of checksums. A read's future waits,
+#: after its last extent lands, for that extent's hash (~0.3 ms for 4 MiB at 13 GB/s);
+#: smaller chunks shorten that tail but cost a request and a manifest entry each.
+CHUNK_NBYTES = 4 << 20
 
 
 class Placement:
@@ -33,6 +39,8 @@ class Placement:
 
     def __init__(self, n_dirs: int, stripe_nbytes: int) -> None:
         self.stripe_nbytes = stripe_nbytes
+        #: A stripe is cut into chunks of at most this (an extent, a request, a checksum).
+        self.chunk_nbytes = min(stripe_nbytes, CHUNK_NBYTES)
         self.allocators = [RangeAllocator() for _ in range(n_dirs)]
 
     def place(self, nbytes: int) -> tuple[Extent, ...]:
@@ -41,10 +49,11 @@ class Placement:
             return ()
         n_dirs = len(self.allocators)
         first = min(range(n_dirs), key=lambda i: self.allocators[i].used_nbytes)
-        stripe = self.stripe_nbytes
+        stripe, chunk = self.stripe_nbytes, self.chunk_nbytes
         chunks = [
-            ((first + i) % n_dirs, min(stripe, nbytes - start))
+            ((first + i) % n_dirs, min(chunk, nbytes - at))
             for i, start in enumerate(range(0, nbytes, stripe))
+            for at in range(start, min(nbytes, start + stripe), chunk)
         ]
         region = [0] * n_dirs
         for dir_index, size in chunks:
