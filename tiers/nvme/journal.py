@@ -9,6 +9,7 @@ manifest holding everything in it is durable.
 File layout (little-endian)::
 
     header, 32 bytes:  b"SWPRJNL1" | generation u64 | 0 u64 | XXH3-64 of the first 24 bytes
+    records, then zeros to the end of the file (preallocated space)
     record:            length u32 | seq u64 | digest u64 | payload (length bytes)
                        digest = XXH3-64(generation u64 | seq u64 | payload)
                        seq = 1, 2, 3 ... within a generation
@@ -23,7 +24,8 @@ Invariants:
   digest matches (the digest covers the generation, so bytes of an older journal never
   pass). Replay stops at the first record that fails: that is a torn tail, what a crash in
   the middle of appending a group leaves, and no write of that group had been acknowledged
-  (acknowledgement waits for the ``fdatasync``). The bytes after it are dropped (logged).
+  (acknowledgement waits for the ``fdatasync``). The bytes after it are dropped (logged,
+  unless they are all zeros: the preallocated space).
 - A record whose digest matches but whose payload does not decode was not torn by a crash:
   refused with :class:`ManifestError`.
 - After a failed append the journal's end is unknown: the store stops writing (see
@@ -57,6 +59,10 @@ _RECORD = struct.Struct("<IQQ")
 HEADER_NBYTES = _HEADER.size
 #: The longest record payload replay accepts (a longer length field is a torn tail).
 MAX_RECORD_NBYTES = 256 << 20
+#: Bytes of zeros a new journal is created with (and grown by, doubling): appending then
+#: overwrites allocated blocks, so the append's fdatasync flushes the bytes without a
+#: metadata commit for the file's growth.
+PREALLOCATED_NBYTES = 64 << 10
 
 
 def _header(generation: int) -> bytes:
@@ -136,6 +142,7 @@ def parse_journal(data: bytes, path: Path) -> JournalContents:
     payloads = []
     offset = HEADER_NBYTES
     seq = 1
+    # Zeros after the last record are the preallocated space, not a torn tail.
     while len(data) - offset >= _RECORD.size:
         length, record_seq, record_digest = _RECORD.unpack_from(data, offset)
         start = offset + _RECORD.size
@@ -147,18 +154,23 @@ def parse_journal(data: bytes, path: Path) -> JournalContents:
         payloads.append(payload)
         offset = start + length
         seq += 1
-    return JournalContents(generation, payloads, offset, len(data) - offset)
+    rest = len(data) - offset
+    dropped = 0 if data.count(0, offset) == rest else rest
+    return JournalContents(generation, payloads, offset, dropped)
 
 
 class Journal:
     """An open journal, appended to by one thread (the store's committer) at a time."""
 
-    def __init__(self, path: Path, fd: int, generation: int, *, end: int, next_seq: int) -> None:
+    def __init__(
+        self, path: Path, fd: int, generation: int, *, end: int, next_seq: int, allocated: int
+    ) -> None:
         self.path = path
         self._fd = fd
         self.generation = generation
-        self.end = end
+        self.end = end  #: just past the last record
         self.next_seq = next_seq
+        self._allocated = allocated  # the file's size: zeros from end on
 
     @classmethod
     def create(cls, path: Path, generation: int) -> Journal:
@@ -167,10 +179,11 @@ class Journal:
         Raises:
             SwapIOError: it cannot be written; ``path`` is as it was.
         """
-        fd = replace_file(path, _header(generation), "journal", keep_open=True)
+        data = _header(generation).ljust(PREALLOCATED_NBYTES, b"\0")
+        fd = replace_file(path, data, "journal", keep_open=True)
         if fd is None:  # pragma: no cover - keep_open always returns one
             raise SwapIOError(errno.EIO, "journal was not kept open", str(path))
-        return cls(path, fd, generation, end=HEADER_NBYTES, next_seq=1)
+        return cls(path, fd, generation, end=HEADER_NBYTES, next_seq=1, allocated=len(data))
 
     def append(self, payloads: list[bytes]) -> None:
         """Append the records and ``fdatasync``: durable when this returns.
@@ -186,6 +199,11 @@ class Journal:
             seq += 1
         data = b"".join(parts)
         try:
+            end = self.end + len(data)
+            if end > self._allocated:  # grow by zeros first: the file's size changes rarely
+                grown = max(2 * self._allocated, end)
+                write_all(self._fd, bytes(grown - self._allocated), self._allocated)
+                self._allocated = grown
             write_all(self._fd, data, self.end)
             os.fdatasync(self._fd)
         except OSError as exc:
@@ -206,7 +224,7 @@ class Journal:
         fresh = Journal.create(self.path, generation)
         os.close(self._fd)
         self._fd, self.generation = fresh._fd, generation
-        self.end, self.next_seq = fresh.end, fresh.next_seq
+        self.end, self.next_seq, self._allocated = fresh.end, fresh.next_seq, fresh._allocated
 
     def close(self) -> None:
         if self._fd >= 0:
