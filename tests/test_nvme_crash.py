@@ -40,7 +40,7 @@ _ZYGOTE = textwrap.dedent(
     """
     import os, random, sys
     import torch
-    import tiers.nvme.store
+    import tiers.nvme.core
     from tiers.aio import AioEngine
     from tiers.config import AioConfig
     from tiers.nvme import NvmeStore, content_hash
@@ -52,7 +52,7 @@ _ZYGOTE = textwrap.dedent(
 
     def writer(seed, dirs):
         # A small compaction threshold, so that kills also land in automatic compactions.
-        tiers.nvme.store.JOURNAL_COMPACT_NBYTES = 16 << 10
+        tiers.nvme.core.JOURNAL_COMPACT_NBYTES = 16 << 10
         rng = random.Random(seed)
         gen = torch.Generator().manual_seed(seed)
         engine = AioEngine(AioConfig(num_threads=2, block_size=64 << 10))

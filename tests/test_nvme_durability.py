@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-import tiers.nvme.store
+import tiers.nvme.core
 from tiers.aio import AioEngine, IOFuture
 from tiers.aio.engine import Op
 from tiers.config import AioConfig
@@ -254,7 +254,7 @@ def test_deletes_are_durable_at_sync_and_at_close(tmp_path: Path, engine: AioEng
 def test_journal_is_compacted_when_long(
     tmp_path: Path, engine: AioEngine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(tiers.nvme.store, "JOURNAL_COMPACT_NBYTES", 2 * KiB)
+    monkeypatch.setattr(tiers.nvme.core, "JOURNAL_COMPACT_NBYTES", 2 * KiB)
     dirs = [tmp_path / "d"]
     with NvmeStore(dirs, engine) as store:
         for i in range(60):

@@ -3,11 +3,13 @@
 Modules, each with one job (read its header for the invariants it keeps):
 
 - :mod:`~tiers.nvme.store`: :class:`NvmeStore`, the public face, and the life of a version;
+- :mod:`~tiers.nvme.core`: the requests in flight under it, and the glue to the committer;
+- :mod:`~tiers.nvme.versions`: keys → versions, and when extents may be reused;
 - :mod:`~tiers.nvme.placement`: extent allocation and striping over the directories;
 - :mod:`~tiers.nvme.manifest`: the manifest's format and its strict decoding;
 - :mod:`~tiers.nvme.journal`: the journal of changes since the manifest;
 - :mod:`~tiers.nvme.committer`: group commit, the thread that makes changes durable;
-- :mod:`~tiers.nvme.recovery`: what open() reads and checks, journal replay;
+- :mod:`~tiers.nvme.opening`: the files at creation and at open (checks, journal replay);
 - :mod:`~tiers.nvme.lock`: the ``flock`` that keeps a store's files to one open store;
 - :mod:`~tiers.nvme.metafiles`: the store's files by name, defensive reads, atomic writes;
 - :mod:`~tiers.nvme.housekeeping`: creating files safely, :func:`remove_store`;

@@ -38,10 +38,14 @@ future succeeds, or :meth:`NvmeStore.sync`, :meth:`~NvmeStore.save_manifest` or
 :meth:`~NvmeStore.close` returns.
 
 Reads: every extent read is checked against its recorded digest on a verifier thread as
-soon as that extent lands (so hashing overlaps the other extents' I/O) and the future
-fails with :class:`~tiers.errors.SwapCorruptionError` on a mismatch; ``verify=False`` skips
-this, and with ``checksum=False`` there is nothing to check. XXH3-64 runs at ~17 GB/s on one
-core, several times a drive's speed. The padding after an extent is never read.
+soon as that extent lands (hashing overlaps the I/O still in flight) and the future fails
+with :class:`~tiers.errors.SwapCorruptionError` on a mismatch; ``verify=False`` skips this,
+and with ``checksum=False`` there is nothing to check. XXH3-64 runs at 10-17 GB/s on one
+core with the data in memory (4-6 GB/s on data just read, on a loaded 2-core machine),
+about 0.1-0.2 s of CPU per GB read. The padding after an extent is never read.
+
+This module is the public API and the lifecycle; the requests in flight and the glue to
+the committer are in :mod:`tiers.nvme.core`.
 
 Buffers: the engine uses O_DIRECT only for 4 KiB-aligned memory; stage through
 page-aligned buffers (:mod:`tiers.buffers`) for the fast path.
@@ -49,54 +53,40 @@ page-aligned buffers (:mod:`tiers.buffers`) for the fast path.
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
-import dataclasses
-import errno
 import logging
 import os
-import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import NoReturn
 
 import torch
 
 from tiers.aio.engine import AioEngine, Op
 from tiers.config import DIRECT_ALIGNMENT
-from tiers.errors import SwapConfigError, SwapIOError
+from tiers.errors import SwapConfigError
 from tiers.nvme import opening
-from tiers.nvme.committer import CommitItem, GroupCommitter
-from tiers.nvme.futures import ReadCheck, StoreFuture, digest
-from tiers.nvme.journal import encode_delete, encode_put
+from tiers.nvme.committer import CommitItem
+from tiers.nvme.core import StoreCore
+from tiers.nvme.futures import StoreFuture, digest
+from tiers.nvme.journal import encode_delete
 from tiers.nvme.lock import StoreLock
-from tiers.nvme.manifest import encode_manifest
 from tiers.nvme.metafiles import StoreFiles
 from tiers.nvme.records import (
     DirUsage,
-    Extent,
-    StoreClosedError,
     StoredTensor,
     byte_view,
     check_dirs,
     check_key,
     check_name,
 )
-from tiers.nvme.versions import Outcome, Version, VersionTable
 from tiers.units import format_size
 
 __all__ = ["NvmeStore"]
 
 log = logging.getLogger("swapper.tiers.nvme")
 
-#: Journal bytes after which the committer writes a manifest and starts a new journal
-#: (at least; twice the last manifest's size when that is larger).
-JOURNAL_COMPACT_NBYTES = 64 << 20
-#: Threads that hash extents as they are read (XXH3 releases the GIL).
-VERIFY_THREADS = 2
 
-
-class NvmeStore:
+class NvmeStore(StoreCore):
     """Tensors by key in data files over one or more swap directories.
 
     Thread-safe: reads and writes of any keys may run concurrently from any threads; of
@@ -107,9 +97,10 @@ class NvmeStore:
     Args:
         dirs: the swap directories (created 0700 if missing). The data files go there.
         engine: the engine that does the I/O; the caller closes it after the store.
-        stripe_nbytes: tensors are cut into chunks of this many bytes, placed round-robin
-            over the directories; each chunk is one I/O request and has its own checksum.
-            A positive multiple of 4 KiB.
+        stripe_nbytes: tensors are cut into stripes of this many bytes, placed round-robin
+            over the directories, and stripes into chunks of at most 4 MiB
+            (:data:`~tiers.nvme.placement.CHUNK_NBYTES`): each chunk is one I/O request
+            with its own checksum. A positive multiple of 4 KiB.
         checksum: record an XXH3-64 digest of every chunk written. Without it nothing
             can be verified: reads return whatever the disk holds.
         verify: check every chunk read against its digest (see the module docstring).
@@ -183,39 +174,6 @@ class NvmeStore:
         store = cls.__new__(cls)
         store._setup(engine, opening.reopen(StoreFiles(tuple(paths), name), engine), verify)
         return store
-
-    def _setup(self, engine: AioEngine, opened: opening.Opened, verify: bool) -> None:
-        """State shared by the constructor and :meth:`open` (no I/O, no thread started)."""
-        self._engine = engine
-        self._files = opened.files
-        self._store_lock = opened.lock
-        self._data = opened.data
-        self._created_dirs = opened.created_dirs
-        self._checksum = opened.checksum
-        self._verify = verify
-        self._table = VersionTable(opened.placement)
-        self._table.load(opened.tensors)
-        self._lock = threading.Lock()
-        self._idle = threading.Condition(self._lock)
-        self._ops = 0  # requests and waits not yet resolved
-        self._broken: BaseException | None = None
-        self._closing = False
-        self._closed = False
-        self._removed = False
-        self._journal = opened.journal
-        self._committer = GroupCommitter(
-            opened.journal,
-            manifest_path=self._files.manifest,
-            snapshot=self._snapshot,
-            sync_data=self._sync_data,
-            apply=self._apply,
-            failed=self._failed,
-            compact_nbytes=JOURNAL_COMPACT_NBYTES,
-            name=f"swapper-nvme-commit-{self._files.name}",
-        )
-        self._hasher = concurrent.futures.ThreadPoolExecutor(
-            max_workers=VERIFY_THREADS, thread_name_prefix="swapper-nvme-verify"
-        )
 
     # -- properties and queries ---------------------------------------------------------
 
@@ -427,70 +385,6 @@ class NvmeStore:
         """
         self._wait_committer("save_manifest", checkpoint=True)
 
-    def _wait_committer(self, what: str, *, checkpoint: bool) -> None:
-        if threading.current_thread() is self._committer.thread:
-            raise RuntimeError(
-                f"{what}() called from a store future's callback would wait for itself: "
-                "call it from another thread"
-            )
-        waiter: concurrent.futures.Future[None] = concurrent.futures.Future()
-
-        def done(error: BaseException | None) -> None:
-            if error is None:
-                waiter.set_result(None)
-            else:
-                waiter.set_exception(error)
-
-        with self._lock:
-            self._check_writable(what, None)
-            self._ops += 1
-            self._committer.put(CommitItem(done=done, checkpoint=checkpoint))
-        try:
-            waiter.result()
-        finally:
-            with self._lock:
-                self._op_done()
-
-    def _snapshot(self, generation: int) -> bytes:
-        """The manifest of the durable state at ``generation`` (the committer's thread)."""
-        with self._lock:
-            tensors = self._table.durable()
-        return encode_manifest(
-            name=self.name,
-            dirs=self.dirs,
-            stripe_nbytes=self.stripe_nbytes,
-            checksum=self._checksum,
-            generation=generation,
-            tensors=tensors,
-        )
-
-    def _sync_data(self, dir_indexes: set[int]) -> None:
-        for i in sorted(dir_indexes):
-            try:
-                os.fdatasync(self._data[i].fd)
-            except OSError as exc:
-                raise SwapIOError(
-                    exc.errno or errno.EIO,
-                    f"fdatasync failed: {exc.strerror}",
-                    str(self._files.data(i)),
-                ) from exc
-
-    def _apply(self, items: list[CommitItem]) -> None:
-        """The records are durable: move the durable state on (the committer's thread)."""
-        with self._lock:
-            self._table.apply_durable(item.change for item in items)
-
-    def _failed(self, error: BaseException) -> None:
-        log.error(
-            "store %r can no longer make writes durable: %s; close it and reopen it with "
-            "NvmeStore.open() to go on from what is durable",
-            self.name,
-            error,
-        )
-        with self._lock:
-            if self._broken is None:
-                self._broken = error
-
     # -- lifecycle --------------------------------------------------------------------
 
     def close(self, *, remove: bool = False) -> None:
@@ -547,149 +441,6 @@ class NvmeStore:
             f"<NvmeStore {self.name!r} dirs={[str(p) for p in self.dirs]} "
             f"stripe={format_size(self.stripe_nbytes)} ({state})>"
         )
-
-    # -- internals --------------------------------------------------------------------
-
-    def _check_open(self) -> None:
-        """Lock held."""
-        if self._closing:
-            raise StoreClosedError(f"store {self.name!r} is closed; no new requests are accepted")
-
-    def _check_writable(self, what: str, key: str | None) -> None:
-        """Lock held."""
-        self._check_open()
-        if self._broken is not None:
-            about = f" of key={key!r}" if key is not None else ""
-            raise SwapIOError(
-                getattr(self._broken, "errno", None) or errno.EIO,
-                f"{what}{about} refused: store {self.name!r} could not make earlier writes "
-                f"durable ({self._broken}); close it and reopen it with NvmeStore.open()",
-                getattr(self._broken, "filename", None),
-            )
-
-    def _op_done(self) -> None:
-        """Lock held."""
-        self._ops -= 1
-        if self._ops == 0:
-            self._idle.notify_all()
-
-    def _reserve_space(self, extents: tuple[Extent, ...]) -> None:
-        """Allocate disk space up to the padded end of every extent, per file.
-
-        Raises:
-            SwapNoSpaceError: a filesystem is full (the file keeps what it had).
-        """
-        ends: dict[int, int] = {}
-        for e in extents:
-            ends[e.dir_index] = max(ends.get(e.dir_index, 0), e.offset + e.allocated_nbytes)
-        for dir_index, end in sorted(ends.items()):
-            self._data[dir_index].reserve(end)
-
-    def _issue(
-        self, future: StoreFuture, data: torch.Tensor, extents: tuple[Extent, ...], *, verify: bool
-    ) -> None:
-        """Hand every extent's piece of ``data`` (a flat uint8 view) to the engine at once;
-        with ``verify`` a read's piece is done only once its digest matches."""
-        submit = self._engine.pwrite if future.op is Op.WRITE else self._engine.pread
-        start = 0
-        for e in extents:
-            piece = data[start : start + e.nbytes]
-            io = submit(piece, self._data[e.dir_index], e.offset)
-            check = None
-            if verify and e.checksum is not None:
-                path = str(self._files.data(e.dir_index))
-                check = ReadCheck(future, e, piece, path, self._hasher.submit)
-            future._attach(io, check)
-            start += e.nbytes
-
-    def _abort(self, future: StoreFuture, error: BaseException) -> NoReturn:
-        """Issuing failed part-way: settle the parts never issued, wait for those that
-        were (the kernel may still be using the buffer and the extents), then raise the
-        error with the key named. The future's finish step has undone the request."""
-        for _ in range(future._parts - future._issued):
-            future._part_done(error)
-        raised = future.exception()  # waits for the pieces in flight
-        raise raised if raised is not None else error
-
-    def _finish_write(
-        self,
-        version: Version,
-        digests: list[int | None],
-        future: StoreFuture,
-        error: BaseException | None,
-    ) -> None:
-        """Runs once when every part of a write is done (any thread; lock not held)."""
-        stored = version.stored
-        stored = dataclasses.replace(
-            stored,
-            extents=tuple(
-                dataclasses.replace(e, checksum=d)
-                for e, d in zip(stored.extents, digests, strict=True)
-            ),
-        )
-        payload = encode_put(stored) if error is None else b""
-        with self._lock:
-            if error is None and self._broken is not None:
-                error = SwapIOError(errno.EIO, f"the store is not writing: {self._broken}")
-            outcome = self._table.finish_write(version, stored, ok=error is None)
-            if outcome is Outcome.COMMITTED:
-                self._committer.put(
-                    CommitItem(
-                        payload=payload,
-                        dirs=tuple(sorted({e.dir_index for e in stored.extents})),
-                        change=(stored.key, version),
-                        done=lambda e: self._resolve_write(future, e),
-                    )
-                )
-            elif outcome is Outcome.SUPERSEDED:  # succeeds once what superseded it is durable
-                self._committer.put(CommitItem(done=lambda e: self._resolve_write(future, e)))
-            else:
-                self._op_done()
-        if outcome is Outcome.FAILED:
-            future._resolve(error)
-
-    def _resolve_write(self, future: StoreFuture, error: BaseException | None) -> None:
-        """The committer's verdict on a write (its thread)."""
-        if error is not None:
-            named = SwapIOError(
-                getattr(error, "errno", None) or errno.EIO,
-                f"write of key={future.key!r} is not durable: {error}",
-                getattr(error, "filename", None),
-            )
-            named.__cause__ = error
-            error = named
-        future._resolve(error)
-        with self._lock:
-            self._op_done()
-
-    def _read(self, key: str, out: torch.Tensor, *, verify: bool) -> StoreFuture:
-        check_key(key)
-        with self._lock:
-            self._check_open()
-            version = self._table.current(key, "read")
-            stored = version.stored
-            data = byte_view(out, key, Op.READ.value)
-            if data.numel() != stored.nbytes:
-                raise ValueError(
-                    f"read of key={key!r}: out is {out.dtype} {tuple(out.shape)} "
-                    f"({data.numel()} bytes) but the stored tensor is {stored.dtype} "
-                    f"{stored.shape} ({stored.nbytes} bytes)"
-                )
-            self._table.pin(version)
-            self._ops += 1
-        future = StoreFuture(Op.READ, key, stored.nbytes)
-        future._begin(len(stored.extents), lambda error: self._finish_read(version, future, error))
-        try:
-            self._issue(future, data, stored.extents, verify=verify)
-        except BaseException as exc:
-            self._abort(future, exc)
-        return future
-
-    def _finish_read(self, version: Version, future: StoreFuture, error: BaseException | None):
-        with self._lock:
-            self._table.unpin(version)
-            self._op_done()
-        future._resolve(error)
 
 
 def _check_flags(*, checksum: object, verify: object) -> None:
