@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import os
+import signal
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -15,6 +16,7 @@ import pytest
 import torch
 
 import tiers.nvme.core
+import tiers.nvme.store
 from tiers.aio import AioEngine, IOFuture
 from tiers.aio.engine import Op
 from tiers.config import AioConfig
@@ -324,3 +326,47 @@ def test_reads_race_rewrites_and_deletes(tmp_path: Path, engine: AioEngine) -> N
         for t in threads:
             t.join(10)
         assert failures == []
+
+
+def test_interrupts_leave_a_working_store(
+    tmp_path: Path, engine: AioEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C while write() hashes, and while sync() waits for the committer: the store
+    settles what was cut (the old version stays), keeps working, and closes."""
+    dirs = [tmp_path / "d"]
+    store = NvmeStore(dirs, engine)
+    store.write("k", torch.full((1000,), 1.0)).result()
+    allocated = store.dir_usage()[0].allocated_nbytes
+    calls = [0]
+    real_digest = tiers.nvme.store.digest
+
+    def interrupted_digest(data: torch.Tensor) -> int:
+        calls[0] += 1
+        if calls[0] == 1:
+            raise KeyboardInterrupt
+        return real_digest(data)
+
+    monkeypatch.setattr(tiers.nvme.store, "digest", interrupted_digest)
+    with pytest.raises(KeyboardInterrupt):
+        store.write("k", torch.full((1000,), 2.0))
+    monkeypatch.undo()
+    store.sync()
+    assert torch.equal(_read(store, "k"), torch.full((1000,), 1.0))
+    assert store.dir_usage()[0].allocated_nbytes == allocated  # the cut write's extents freed
+
+    held = _HeldAppend(monkeypatch)
+    pending = store.write("j", torch.ones(10))
+    assert held.entered.wait(10)
+    main = threading.main_thread().ident
+    assert main is not None
+    timer = threading.Timer(0.2, lambda: signal.pthread_kill(main, signal.SIGINT))
+    timer.start()
+    with pytest.raises(KeyboardInterrupt):
+        store.sync()  # waits for the held group: interrupted
+    timer.join()
+    held.release()
+    assert pending.result(timeout=10) == 40
+    store.sync()
+    store.close()  # nothing left counted as in flight
+    with NvmeStore.open(dirs, engine) as store:
+        assert sorted(store.keys()) == ["j", "k"]

@@ -195,6 +195,9 @@ class StoreCore:
     ) -> None:
         """Hand every extent's piece of ``data`` (a flat uint8 view) to the engine at once;
         with ``verify`` a read's piece is done only once its digest matches."""
+        if future._parts == 0:
+            future._complete()  # nothing to transfer: settle now (outside the lock)
+            return
         submit = self._engine.pwrite if future.op is Op.WRITE else self._engine.pread
         start = 0
         for e in extents:
@@ -269,6 +272,7 @@ class StoreCore:
 
     def _read(self, key: str, out: torch.Tensor, *, verify: bool) -> StoreFuture:
         check_key(key)
+        future = StoreFuture(Op.READ, key, 0)
         with self._lock:
             self._check_open()
             version = self._table.current(key, "read")
@@ -280,10 +284,12 @@ class StoreCore:
                     f"({data.numel()} bytes) but the stored tensor is {stored.dtype} "
                     f"{stored.shape} ({stored.nbytes} bytes)"
                 )
+            future.nbytes = stored.nbytes
             self._table.pin(version)
             self._ops += 1
-        future = StoreFuture(Op.READ, key, stored.nbytes)
-        future._begin(len(stored.extents), lambda error: self._finish_read(version, future, error))
+            future._expect(
+                len(stored.extents), lambda error: self._finish_read(version, future, error)
+            )
         try:
             self._issue(future, data, stored.extents, verify=verify)
         except BaseException as exc:

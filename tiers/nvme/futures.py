@@ -66,13 +66,12 @@ class StoreFuture(concurrent.futures.Future):
 
     # The store drives these; they are not for callers.
 
-    def _begin(self, parts: int, finish: Callable[[BaseException | None], None]) -> None:
+    def _expect(self, parts: int, finish: Callable[[BaseException | None], None]) -> None:
         """Expect ``parts`` completions, then call ``finish(first_error)``, which resolves
-        the future (now or later) with :meth:`_resolve`."""
+        the future (now or later) with :meth:`_resolve`. With no parts, the caller calls
+        :meth:`_complete` itself (outside any lock ``finish`` takes)."""
         self._parts = self._left = parts
         self._finish = finish
-        if parts == 0:
-            self._complete()
 
     def _attach(
         self,

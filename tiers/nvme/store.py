@@ -272,18 +272,22 @@ class NvmeStore(StoreCore):
         """
         check_key(key)
         data = byte_view(tensor, key, Op.WRITE.value)
+        future = StoreFuture(Op.WRITE, key, data.numel())
+        digests: list[int | None] = []
+        hashing = False
+        # The state changes are made together under the lock, and from the moment the
+        # future expects its parts every path settles them (which undoes what failed).
         with self._lock:
             self._check_writable("write", key)
             version = self._table.start_write(key, tensor.dtype, tuple(tensor.shape), data.numel())
             self._ops += 1
-        extents = version.stored.extents
-        future = StoreFuture(Op.WRITE, key, data.numel())
-        digests: list[int | None] = [None] * len(extents)
-        hashing = self._checksum and bool(extents)
-        future._begin(
-            len(extents) + int(hashing),
-            lambda error: self._finish_write(version, digests, future, error),
-        )
+            extents = version.stored.extents
+            digests = [None] * len(extents)
+            hashing = self._checksum and bool(extents)
+            future._expect(
+                len(extents) + int(hashing),
+                lambda error: self._finish_write(version, digests, future, error),
+            )
         try:
             self._reserve_space(extents)
             self._issue(future, data, extents, verify=False)
@@ -403,16 +407,16 @@ class NvmeStore(StoreCore):
             self._closing = True
             while self._ops:
                 self._idle.wait()
-            was_closed, self._closed = self._closed, True
-        if not was_closed:
+        if not self._closed:
+            # Each step is idempotent: a close() cut short (Ctrl-C) is finished by the next.
             self._committer.stop()
             self._journal.close()
             for f in self._data:
                 f.close()
             self._hasher.shutdown(wait=True)
+            self._closed = True
         if remove and not self._removed:
             lock = self._store_lock if self._store_lock.held else StoreLock.acquire(self._files)
-            self._removed = True
             n = len(self._files.dirs)
             for path in [
                 *(self._files.data(i) for i in range(n)),
@@ -423,10 +427,11 @@ class NvmeStore(StoreCore):
                 with contextlib.suppress(FileNotFoundError):
                     path.unlink()
             lock.release(remove=True)
+            self._removed = True
             for path in reversed(self._created_dirs):
                 with contextlib.suppress(OSError):  # not empty: someone else's files
                     path.rmdir()
-        elif not was_closed:
+        else:
             self._store_lock.release()
 
     def __enter__(self) -> NvmeStore:
