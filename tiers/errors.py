@@ -68,3 +68,57 @@ class BackendUnavailableError(SwapError, RuntimeError):
 
 class BufferPoolTimeout(SwapError, TimeoutError):
     """No buffer slot became free within the timeout."""
+
+
+# -- NVMe store: integrity and ownership ----------------------------------------------------
+
+
+class SwapCorruptionError(SwapError):
+    """Bytes read back from a swap file are not the bytes written there.
+
+    Raised by a read's future when a chunk's XXH3-64 digest differs from the one recorded
+    when it was written: the file was changed or damaged on disk. The tensor stays stored
+    (every later read fails the same way) so the caller can decide: delete it and write it
+    again from another copy, or give up. Unset attributes are None.
+
+    Attributes:
+        key: the tensor's key.
+        path: the data file.
+        offset: byte offset of the damaged chunk in ``path``.
+        nbytes: the chunk's length in bytes.
+        expected: the digest recorded at write time.
+        actual: the digest of the bytes read now.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        key: str,
+        expected: int,
+        actual: int,
+        path: str | None = None,
+        offset: int | None = None,
+        nbytes: int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.key = key
+        self.path = path
+        self.offset = offset
+        self.nbytes = nbytes
+        self.expected = expected
+        self.actual = actual
+
+
+class StoreLockedError(SwapError, RuntimeError):
+    """Another open store (in this or another live process) holds the swap directory.
+
+    Attributes:
+        directory: the swap directory whose lock is held.
+        pid: the holder's process id as it wrote it in the lock file, or None if unknown.
+    """
+
+    def __init__(self, message: str, *, directory: str, pid: int | None) -> None:
+        super().__init__(message)
+        self.directory = directory
+        self.pid = pid

@@ -1,0 +1,229 @@
+"""Group commit: the one thread that makes the store's changes durable, many at a time.
+
+Job: take the items the store queues (in commit order, under the store's lock) and, one
+group at a time, make them durable in this order:
+
+1. ``fdatasync`` every data file a put record of the group has extents in (O_DIRECT
+   writes may sit in the drive's volatile cache, and filling preallocated space changes
+   file metadata: both are flushed here), so no record can name bytes a crash could lose;
+2. append the group's records to the journal and ``fdatasync`` it (one write, one flush);
+3. call ``apply(group)`` (the store moves its durable state forward and frees what a
+   durable record superseded), then each item's ``done(None)``.
+
+A group is whatever was queued while the previous one was being synced: many writes
+completing together share one flush, and a lone write waits for one flush only.
+
+Items without a record are barriers: ``done`` runs once everything queued before them is
+durable (``NvmeStore.sync``, and writes superseded before they committed). A checkpoint
+item writes the manifest of the durable state (``snapshot``) and resets the journal, after
+the records queued before it and before any queued after it; so does a group that leaves
+the journal longer than ``compact_nbytes`` (automatic compaction).
+
+Invariants:
+
+- Items are made durable, applied and completed in the order they were queued.
+- ``done`` is called exactly once per item, on this thread, outside any lock; a failure
+  of step 1 or 2 calls ``failed(error)`` (the store stops accepting writes: what reached
+  the journal is unknown) and then ``done(error)`` for the group and everything queued
+  later.
+- :meth:`stop` returns once every item queued before it is done.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tiers.nvme.journal import Journal
+from tiers.nvme.metafiles import replace_file
+
+__all__ = ["CommitItem", "GroupCommitter"]
+
+log = logging.getLogger("swapper.tiers.nvme")
+
+
+class _JournalLost(Exception):
+    def __init__(self, error: BaseException) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+@dataclass(eq=False)
+class CommitItem:
+    """One thing to make durable.
+
+    ``payload``: a journal record, or None for a barrier. ``dirs``: indexes of the data
+    files its extents are in. ``change``: the store's own note of what it changes (passed
+    back through ``apply``). ``done``: called once it is durable (None) or cannot be.
+    """
+
+    payload: bytes | None = None
+    dirs: tuple[int, ...] = ()
+    change: Any = None
+    done: Callable[[BaseException | None], None] | None = None
+    checkpoint: bool = False
+    stop: bool = False
+
+
+@dataclass(eq=False)
+class _Queue:
+    items: list[CommitItem] = field(default_factory=list)
+    cond: threading.Condition = field(default_factory=threading.Condition)
+
+
+class GroupCommitter:
+    """The committer thread of one store (started on the first item queued).
+
+    Args:
+        journal: appended to by this thread only.
+        manifest_path: where a checkpoint writes the manifest.
+        snapshot: the manifest (bytes) of the durable state, at the generation given.
+        sync_data: ``fdatasync`` the data files of the given directory indexes.
+        apply: called with a durable group's record items, in order.
+        failed: called once with the error that stopped durability.
+        compact_nbytes: a journal longer than this is compacted after a group (at least;
+            twice the last manifest's size when that is larger).
+        name: the thread's name.
+    """
+
+    def __init__(
+        self,
+        journal: Journal,
+        *,
+        manifest_path: Path,
+        snapshot: Callable[[int], bytes],
+        sync_data: Callable[[set[int]], None],
+        apply: Callable[[list[CommitItem]], None],
+        failed: Callable[[BaseException], None],
+        compact_nbytes: int,
+        name: str,
+    ) -> None:
+        self.journal = journal
+        self._manifest_path = manifest_path
+        self._snapshot = snapshot
+        self._sync_data = sync_data
+        self._apply = apply
+        self._failed = failed
+        self._base_compact_nbytes = self._compact_nbytes = compact_nbytes
+        self._name = name
+        self._queue = _Queue()
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._stopped = False
+        self.groups = 0  #: groups synced (for tests and stats)
+
+    @property
+    def thread(self) -> threading.Thread | None:
+        return self._thread
+
+    def put(self, item: CommitItem) -> None:
+        """Queue ``item`` (the caller holds the store's lock, which fixes the order)."""
+        with self._queue.cond:
+            if self._stopped:
+                raise RuntimeError("the store's committer is stopped (a bug: the store is closed)")
+            self._queue.items.append(item)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+                self._thread.start()
+            self._queue.cond.notify()
+
+    def stop(self) -> None:
+        """Complete everything queued, then end the thread. Idempotent."""
+        with self._queue.cond:
+            self._stopped = True
+            if self._thread is None or not self._thread.is_alive():
+                return
+            thread = self._thread
+            self._queue.items.append(CommitItem(stop=True))
+            self._queue.cond.notify()
+        thread.join()
+
+    def _take(self) -> list[CommitItem]:
+        """The next group: everything queued, up to and including a checkpoint or stop."""
+        with self._queue.cond:
+            while not self._queue.items:
+                self._queue.cond.wait()
+            items = self._queue.items
+            for i, item in enumerate(items):
+                if item.checkpoint or item.stop:
+                    group, self._queue.items = items[: i + 1], items[i + 1 :]
+                    return group
+            self._queue.items = []
+            return items
+
+    def _run(self) -> None:
+        while True:
+            group = self._take()
+            last = group[-1]
+            self._commit(group)
+            if last.stop:
+                return
+
+    def _commit(self, group: list[CommitItem]) -> None:
+        records = [item for item in group if item.payload is not None]
+        error = self._error
+        if error is None and records:
+            try:
+                self._sync_data({d for item in records for d in item.dirs})
+                self.journal.append([item.payload for item in records])  # type: ignore[misc]
+                self.groups += 1
+            except BaseException as exc:
+                error = self._fail(exc)
+            else:
+                try:
+                    self._apply(records)
+                except BaseException as exc:  # a bookkeeping bug: stop, do not guess
+                    error = self._fail(exc)
+        checkpoint_error: BaseException | None = None
+        last = group[-1]
+        if error is None and (
+            last.checkpoint or (not last.stop and self.journal.end > self._compact_nbytes)
+        ):
+            try:
+                self._checkpoint()
+            except _JournalLost as exc:
+                # The group's records are durable; what comes after them cannot be.
+                checkpoint_error = self._fail(exc.error)
+            except BaseException as exc:
+                # The manifest could not be written: the journal still holds everything.
+                checkpoint_error = exc
+                if not last.checkpoint:
+                    log.warning("automatic journal compaction failed: %s", exc)
+        for item in group:
+            if item.done is not None:
+                outcome = (error or checkpoint_error) if item.checkpoint else error
+                try:
+                    item.done(outcome)
+                except BaseException:  # a caller's callback must not stop durability
+                    log.exception("a store completion callback failed")
+
+    def _checkpoint(self) -> None:
+        """Write the manifest of the durable state at the next generation, then reset the
+        journal to it. A crash between the two leaves a journal of the older generation,
+        which open() knows to be in the manifest already.
+
+        Raises:
+            SwapIOError: the manifest could not be written (nothing changed).
+            _JournalLost: the journal could not be reset (appending to the old one would
+                write records that open() ignores): durability must stop.
+        """
+        generation = self.journal.generation + 1
+        manifest = self._snapshot(generation)
+        replace_file(self._manifest_path, manifest, "manifest")
+        try:
+            self.journal.reset(generation)
+        except BaseException as exc:
+            raise _JournalLost(exc) from exc
+        self._compact_nbytes = max(self._base_compact_nbytes, 2 * len(manifest))
+
+    def _fail(self, exc: BaseException) -> BaseException:
+        self._error = exc
+        try:
+            self._failed(exc)
+        except BaseException:  # pragma: no cover - the store's handler only records it
+            log.exception("recording a durability failure failed")
+        return exc

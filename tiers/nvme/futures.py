@@ -1,0 +1,192 @@
+"""The future of one store request, made of many parts, and the check of a read's parts.
+
+Job: :class:`StoreFuture` counts the parts of a ``write`` or ``read`` (one engine request
+per extent, plus the checksums), keeps the first error, and once the last part is in runs
+the store's finish step, which resolves the future — at once (reads, failed writes), or
+later (a write is resolved by the committer once its record is durable).
+:class:`ReadCheck` makes a read's part done only once its bytes match their digest.
+
+Invariants: the finish step runs exactly once, after every part has reported (so no buffer
+or extent is still in use by the kernel); the future is resolved exactly once, with the
+first error of any part or of the finish step, or with the request's byte count.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import errno
+import threading
+from collections.abc import Callable
+
+import torch
+import xxhash
+
+from tiers.aio.engine import IOFuture, Op
+from tiers.errors import SwapCorruptionError, SwapIOError
+from tiers.nvme.records import Extent
+
+__all__ = ["ReadCheck", "StoreFuture", "digest", "name_key"]
+
+
+class StoreFuture(concurrent.futures.Future):
+    """The outcome of one ``write`` or ``read`` of a key: ``result()`` is its byte count.
+
+    Covers every piece of the request across directories, the checksums, and for writes
+    the journal record. ``result()`` raises the first error to occur: a
+    :class:`~tiers.errors.SwapIOError` (or subclass) whose message names the key and whose
+    ``filename`` is the data file, or for a read a
+    :class:`~tiers.errors.SwapCorruptionError`. When a write's future succeeds the new
+    version is durable (a crash or power cut after that finds it, or a later one) and
+    :meth:`NvmeStore.info` describes it. A request cannot be cancelled.
+    """
+
+    def __init__(self, op: Op, key: str, nbytes: int) -> None:
+        super().__init__()
+        self.op = op
+        self.key = key
+        self.nbytes = nbytes
+        self._lock = threading.Lock()
+        self._parts = 0  # completions expected
+        self._issued = 0  # engine requests handed out so far
+        self._left = 0
+        self._error: BaseException | None = None
+        self._finish: Callable[[BaseException | None], None] | None = None
+        self._resolved = False
+
+    def describe(self) -> str:
+        return f"{self.op.value} of key={self.key!r} ({self.nbytes} bytes)"
+
+    def cancel(self) -> bool:
+        """Always False: bytes already handed to the kernel cannot be called back."""
+        return False
+
+    def __repr__(self) -> str:
+        state = "done" if self.done() else "pending"
+        return f"<StoreFuture {self.describe()} ({state})>"
+
+    # The store drives these; they are not for callers.
+
+    def _expect(self, parts: int, finish: Callable[[BaseException | None], None]) -> None:
+        """Expect ``parts`` completions, then call ``finish(first_error)``, which resolves
+        the future (now or later) with :meth:`_resolve`. With no parts, the caller calls
+        :meth:`_complete` itself (outside any lock ``finish`` takes)."""
+        self._parts = self._left = parts
+        self._finish = finish
+
+    def _attach(
+        self,
+        piece: IOFuture,
+        then: Callable[[concurrent.futures.Future], None] | None = None,
+    ) -> None:
+        """Count ``piece`` as one part: done when it is, or when ``then(piece)`` (which
+        must call :meth:`_part_done` once) says so."""
+        self._issued += 1
+        piece.add_done_callback(then if then is not None else self._piece_done)
+
+    def _piece_done(self, piece: concurrent.futures.Future) -> None:
+        self._part_done(piece.exception())
+
+    def _part_done(self, error: BaseException | None) -> None:
+        with self._lock:
+            if error is not None and self._error is None:
+                self._error = name_key(error, self.op, self.key)
+            self._left -= 1
+            last = self._left == 0
+        if last:
+            self._complete()
+
+    def _complete(self) -> None:
+        error = self._error
+        try:
+            if self._finish is None:
+                self._resolve(error)
+            else:
+                self._finish(error)
+        except BaseException as exc:  # a bookkeeping bug must still resolve the future
+            self._resolve(error or exc)
+
+    def _resolve(self, error: BaseException | None) -> None:
+        with self._lock:
+            if self._resolved:
+                return
+            self._resolved = True
+        if error is not None:
+            self.set_exception(error)
+        else:
+            self.set_result(self.nbytes)
+
+
+def name_key(error: BaseException, op: Op, key: str) -> BaseException:
+    """The engine's error, re-raised with the key in its message (the path stays)."""
+    if not isinstance(error, OSError):
+        # Not an I/O error (corruption, EngineClosedError, a bad buffer...): keep its type;
+        # add the key where the message does not have it.
+        if f"key={key!r}" not in str(error) and hasattr(error, "add_note"):  # Python >= 3.11
+            error.add_note(f"while doing the {op.value} of key={key!r}")
+        return error
+    cls = type(error) if isinstance(error, SwapIOError) else SwapIOError
+    code = error.errno if error.errno is not None else errno.EIO
+    what = error.strerror or str(error)
+    if f"key={key!r}" in what:
+        return error
+    wrapped = cls(code, f"{op.value} of key={key!r} failed: {what}", error.filename)
+    wrapped.__cause__ = error
+    return wrapped
+
+
+def digest(data: torch.Tensor) -> int:
+    """XXH3-64 of a flat uint8 CPU tensor's bytes (the GIL is released while hashing)."""
+    if not data.numel():
+        return xxhash.xxh3_64_intdigest(b"")
+    return xxhash.xxh3_64_intdigest(data.numpy())  # pyright: ignore[reportArgumentType]
+
+
+class ReadCheck:
+    """A read piece's done-callback: hash the extent's bytes (``out``'s slice it was read
+    into) on a verifier thread, then report the part; a mismatch as
+    :class:`~tiers.errors.SwapCorruptionError` naming key, file, offset and both digests."""
+
+    def __init__(
+        self,
+        future: StoreFuture,
+        extent: Extent,
+        piece: torch.Tensor,
+        path: str,
+        submit: Callable[[Callable[[], None]], object],
+    ) -> None:
+        self.future, self.extent, self.piece, self.path = future, extent, piece, path
+        self._submit = submit
+
+    def __call__(self, io: concurrent.futures.Future) -> None:
+        error = io.exception()
+        if error is not None:
+            self.future._part_done(error)
+            return
+        try:
+            self._submit(self._check)
+        except BaseException as exc:  # e.g. interpreter shutdown: never leave the part open
+            self.future._part_done(exc)
+
+    def _check(self) -> None:
+        try:
+            actual = digest(self.piece)
+            e, key = self.extent, self.future.key
+            expected = e.checksum if e.checksum is not None else 0
+            if actual == expected:
+                self.future._part_done(None)
+                return
+            error = SwapCorruptionError(
+                f"read of key={key!r}: bytes {e.offset}..{e.offset + e.nbytes} of {self.path} "
+                f"hash to XXH3-64 {actual:#018x} but {expected:#018x} was recorded when they "
+                "were written: the file was changed or damaged on disk. The key stays "
+                "stored; delete it and write it again from another copy",
+                key=key,
+                path=self.path,
+                offset=e.offset,
+                nbytes=e.nbytes,
+                expected=expected,
+                actual=actual,
+            )
+            self.future._part_done(error)
+        except BaseException as exc:
+            self.future._part_done(exc)
