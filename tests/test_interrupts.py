@@ -851,6 +851,7 @@ def _cut_step(
     """Step 1 cut by ``injector``, retried; step 2; both bit-exact with ``reference``."""
     model = _tiny_model(7)
     opt = _optimizer(model, tmp_path, "cut")
+    injector.armed = False
     previous = signals.set_wait_hook(injector)
     try:
         _grads(model, 1)
@@ -918,4 +919,57 @@ def test_offload_adamw_step_cut_at_every_wait_point(
         any_thread,
         # whether a fetch finds its room taken by a write still under way is timing
         timing=frozenset({"manager.room"}),
+    )
+
+
+# -- close ----------------------------------------------------------------------------------
+
+
+def _cut_close(tmp_path: Path, injector: Injector, gates: Gates) -> None:
+    """close() cut by ``injector`` (an eviction under way, tensors in every tier, never
+    written): close() again finishes, and a reopened store has every tensor."""
+    config = _config(
+        tmp_path,
+        device_nbytes=NBYTES,
+        host_nbytes=2 * NBYTES,
+        nvme_dirs=[tmp_path / "swap0", tmp_path / "swap1"],
+        write_behind_nbytes=NBYTES,
+    )
+    expected = {k: _rand(NUMEL, 100 + i) for i, k in enumerate(("d", "h0", "h1", "n"))}
+    injector.armed = False
+    previous = signals.set_wait_hook(injector)
+    try:
+        m = TierManager(config)
+        for k, t in expected.items():
+            m.register(k, t, Kind.PARAM16)
+        m.evict("h0")  # under way as close starts
+        injector.armed = True
+        try:
+            m.close()
+        except KeyboardInterrupt:
+            assert injector.injected is not None
+        finally:
+            injector.armed = False
+        gates.open_all()
+        m.close()  # again: finishes
+        m.close()  # idempotent
+    finally:
+        signals.set_wait_hook(previous)
+    with TierManager.open(config) as reopened:
+        assert sorted(reopened.keys()) == sorted(expected)
+        for k, t in expected.items():
+            _fetch_and_check(reopened, k, t)
+
+
+def test_ctrl_c_at_every_wait_point_of_close(tmp_path: Path, gated: Gates) -> None:
+    counter = Injector(None, KeyboardInterrupt)
+    _cut_close(tmp_path / "count", counter, gated)
+    names = counter.names
+    assert {"manager.flush", "device.copy"} <= set(names), names
+    _cut_each(
+        names,
+        lambda at, run: _cut_close(tmp_path / run, at, gated),
+        KeyboardInterrupt,
+        False,
+        timing=frozenset({"manager.close", "manager.drain", "manager.room", "budget.reserve"}),
     )

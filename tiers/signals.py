@@ -67,12 +67,11 @@ __all__ = [
 #: Longest a wait in a section of the main thread sleeps before looking for a signal.
 POLL_S = 0.05
 
-try:
-    # signal.getsignal wraps this C function in an int-to-enum conversion that costs
-    # ~3 µs a call; this runs at every outermost section.
-    from _signal import getsignal as _getsignal
-except ImportError:  # pragma: no cover - another interpreter
-    _getsignal = signal.getsignal
+# signal.getsignal wraps the C function in an int-to-enum conversion that costs ~3 µs a
+# call (this runs at every outermost section); the C one, where the interpreter has it.
+_getsignal: Callable[[int], Any] = getattr(
+    getattr(signal, "_signal", None), "getsignal", signal.getsignal
+)
 
 _SIGNALS = tuple(
     getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name)

@@ -26,6 +26,64 @@ Bounds: each tier's bytes by its budget; bytes being written by ``write_behind_n
 bytes read ahead and not yet fetched by ``prefetch_window_nbytes``. Every byte in flight
 to or from NVMe sits in a host block (a device tensor is staged through one), so I/O never
 holds more than the host budget.
+
+Interrupts and exceptions
+-------------------------
+Every public call runs in a :mod:`tiers.signals` section: Ctrl-C (or SIGTERM/SIGHUP with
+a Python handler) is recorded, not raised, and delivered only at a *wait point* (each
+place a thread blocks: ``manager.room``, ``manager.transfer``, ``manager.drain``,
+``manager.flush``, ``manager.close``, ``store.read``, ``store.write``, ``device.copy``,
+``budget.reserve``) or when the call ends. So a ``KeyboardInterrupt`` can surface exactly
+where an error can (a timeout, a failed read), and the code below is written for the
+waits, not for every bytecode. Sections cost about 1 µs (see :mod:`tiers.signals`).
+
+Two rules make every cut safe:
+
+1. A buffer with I/O in flight belongs to the I/O until its completion arrives. A waiter
+   whose wait for a read or a registration's write is cut hands the buffers (and the
+   write-behind window, and the caller's tensor) to the request's done-callback, which
+   frees them and settles the entry; the entry stays transient until then, so nobody
+   else touches it. A device copy cannot be called back: a cut wait still waits for it
+   (it is short) before its buffers can go. Writes of victims and flushes are always
+   settled by their completion, cut or not.
+2. Every transition an exception can cut has its undo next to it, run before the
+   exception leaves the manager. The edges, by state (see :mod:`swapper.manager.entry`):
+
+   ======================  ==========================================  ====================
+   transition              cut at (wait points; errors alike)          becomes
+   ======================  ==========================================  ====================
+   register: NEW           room (memory tier without NVMe)              GONE, block freed
+   NEW → ON_NVME           budget.reserve                               GONE
+                           store.write (write in flight)                NEW until the write
+                                                                        ends, then GONE (the
+                                                                        copy it made deleted)
+   fetch: → READING        manager.room (staging), device.copy          ON_NVME, blocks freed
+                           store.read (read in flight)                  READING until the
+                                                                        read ends, then
+                                                                        ON_NVME, blocks freed
+   fetch: → MOVING         device.copy                                  RESIDENT where it was
+   fetch: → IN_USE         a signal delivered as the fetch ends         pin undone: RESIDENT
+   victim → WRITING        room for staging, device.copy,               RESIDENT, data kept
+     (or CLEANING, flush)  budget.reserve (before the write is issued)
+                           after it is issued: never (completion)       ON_NVME / RESIDENT
+   victims claimed, not    the eviction of an earlier one               RESIDENT
+     yet evicted
+   victim → MOVING         room in the host, device.copy                RESIDENT where it was
+   read-ahead: → READING   as fetch (a mover: errors only)              as fetch
+   fetch, unregister,      making room, waiting for another thread's    unchanged
+     evict                   transfer (before any change of their own)
+   flush, close            waiting for writes (they go on)              settled by the writes
+   ======================  ==========================================  ====================
+
+   A cut ``close()`` leaves the manager closing (new work refused) with everything else
+   open: ``close()`` again finishes. Transitions between two wait points happen under the
+   lock with signals held, so none is seen half done.
+
+What no code can close: a signal arriving in the bytecodes between the end of a call and
+the caller storing its result (``t = manager.fetch(k)``) is raised there and the result is
+lost. Callers inside swapper that keep their own records of what they hold (the step
+pipeline, the offload hooks) call within their own section, so the signal waits until
+the record is made.
 """
 
 from __future__ import annotations

@@ -32,6 +32,23 @@ A step succeeds only when every streamed sub-group it touched is durable. When i
 part-way (an I/O error, a timeout), the sub-groups done stay done: the next run of the
 same step skips their compute (it never applies a step twice), rewrites those not yet
 durable, and computes the rest.
+
+Interrupts and exceptions. A step runs in a :mod:`tiers.signals` section: Ctrl-C is
+delivered only where the step waits (the manager's waits inside a fetch or a prefetch,
+and ``step.write``, the wait for a sub-group's write-behind) or when it ends; compute and
+publish run with it held back entirely. The edges of a sub-group:
+
+* cut while FETCHED is being fetched (READING): the manager undoes the fetch; nothing is
+  held, ``applied`` unchanged: the next run fetches and computes it;
+* cut while another sub-group is fetched (extra keys, read-ahead) with this one FETCHED:
+  released unmodified (``finally``): the next run computes it;
+* compute raising (an error; Ctrl-C is held until ``published`` is recorded): released
+  unmodified, ``applied`` unchanged;
+* cut at ``step.write``: the writes go on in the background; those not yet recorded
+  durable are found clean (or written again) by the next run, never computed again.
+
+Every fetch is recorded in the same section step as the fetch itself, so the release in
+``finally`` never misses one, nor releases one twice.
 """
 
 from __future__ import annotations
