@@ -580,3 +580,80 @@ def test_module_zero_grad_drops_the_retained_gradients(tmp_path: Path) -> None:
             again = wrapped.manager.fetch(k)
             assert torch.equal(again, grad), k  # not 2 x grad
             wrapped.manager.release(k, modified=False)
+
+
+# -- a forward or backward cut part-way (Ctrl-C, an error) ----------------------------------
+
+
+def _held(wrapped: swapper.OffloadedModel) -> dict[str, int]:
+    """Parameters some fetch still holds: key → users."""
+    manager = wrapped.manager
+    return {k: manager.info(k).users for k in _keys(manager, "param/") if manager.info(k).users}
+
+
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_a_pass_cut_part_way_releases_what_it_held_and_training_goes_on(
+    tmp_path: Path, where: str
+) -> None:
+    """Ctrl-C inside step 2's forward (in a module's hook) or backward (in a gradient
+    hook): nothing stays held once the next pass starts, and doing the step again gives
+    the same training as a run never cut."""
+    data = _mlp_data(3)
+    reference = _train_mlp(_mlp(), _tight(tmp_path / "ref"), data)
+    cuts = {"left": 1}
+
+    def cut(*_: object) -> None:
+        if cuts["left"]:
+            cuts["left"] -= 1
+            raise KeyboardInterrupt
+
+    model = _mlp()
+    middle = model[3]  # a Linear in the middle: modules before it hold, after it not yet
+    with (
+        swapper.offload(model, _tight(tmp_path / "cut")) as wrapped,
+        _optimizer(wrapped) as optimizer,
+    ):
+        losses = []
+        for step, (x, y) in enumerate(data):
+            if step == 1:
+                if where == "forward":
+                    handle = middle.register_forward_pre_hook(cut)
+                else:
+
+                    def hook_grad(module: nn.Module, args: Any, out: torch.Tensor) -> None:
+                        out.register_hook(lambda grad: cut())
+
+                    handle = middle.register_forward_hook(hook_grad)
+                with pytest.raises(KeyboardInterrupt):
+                    _mse(wrapped(x), y).backward()
+                handle.remove()
+                if where == "forward":
+                    assert _held(wrapped) == {}  # released as the forward unwound
+                optimizer.zero_grad()  # the cut backward may have kept some gradients
+            loss = _mse(wrapped(x), y)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+            assert _held(wrapped) == {}
+        assert losses == reference.losses
+        _assert_same_params(wrapped.state_dict(), reference.params)
+
+
+def test_an_optimizer_step_after_a_cut_backward_releases_its_holds(tmp_path: Path) -> None:
+    """No forward between a cut backward and the step: the step itself lets go of the
+    holds the backward left (it would otherwise refuse: 'parameter ... is in use')."""
+    model = _mlp()
+    x, y = _mlp_data(1)[0]
+    with swapper.offload(model, _tight(tmp_path)) as wrapped, _optimizer(wrapped) as optimizer:
+
+        def cut(grad: torch.Tensor) -> None:
+            raise KeyboardInterrupt
+
+        out = wrapped(x)
+        out.register_hook(cut)
+        with pytest.raises(KeyboardInterrupt):
+            _mse(out, y).backward()
+        optimizer.step()
+        assert _held(wrapped) == {}
+        assert wrapped.release_stale_holds() == 0

@@ -31,6 +31,7 @@ import threading
 import time
 
 from tiers.errors import SwapError
+from tiers.signals import wait_cond
 from tiers.units import format_size
 
 __all__ = ["BudgetExceededError", "BudgetTimeout", "ByteBudget", "Reservation"]
@@ -180,13 +181,11 @@ class ByteBudget:
             self._queue.append(ticket)
             try:
                 while not (self._queue[0] is ticket and self._fits(nbytes)):
-                    if deadline is None:
-                        self._cv.wait()
-                        continue
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        raise self._timeout(nbytes, what, timeout_s, queued=True)
-                    self._cv.wait(left)
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is not None and left <= 0:
+                        raise self._timeout(nbytes, what, timeout_s or 0.0, queued=True)
+                    # A wait point: Ctrl-C (or a test) may cut it; the queue is left below.
+                    wait_cond(self._cv, left, "budget.reserve")
             finally:
                 # Granted, timed out or interrupted: leave the queue either way, and wake the
                 # others since the head (or what fits) may have changed.

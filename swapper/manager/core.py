@@ -26,6 +26,64 @@ Bounds: each tier's bytes by its budget; bytes being written by ``write_behind_n
 bytes read ahead and not yet fetched by ``prefetch_window_nbytes``. Every byte in flight
 to or from NVMe sits in a host block (a device tensor is staged through one), so I/O never
 holds more than the host budget.
+
+Interrupts and exceptions
+-------------------------
+Every public call runs in a :mod:`tiers.signals` section: Ctrl-C (or SIGTERM/SIGHUP with
+a Python handler) is recorded, not raised, and delivered only at a *wait point* (each
+place a thread blocks: ``manager.room``, ``manager.transfer``, ``manager.drain``,
+``manager.flush``, ``manager.close``, ``store.read``, ``store.write``, ``device.copy``,
+``budget.reserve``) or when the call ends. So a ``KeyboardInterrupt`` can surface exactly
+where an error can (a timeout, a failed read), and the code below is written for the
+waits, not for every bytecode. Sections cost about 1 µs (see :mod:`tiers.signals`).
+
+Two rules make every cut safe:
+
+1. A buffer with I/O in flight belongs to the I/O until its completion arrives. A waiter
+   whose wait for a read or a registration's write is cut hands the buffers (and the
+   write-behind window, and the caller's tensor) to the request's done-callback, which
+   frees them and settles the entry; the entry stays transient until then, so nobody
+   else touches it. A device copy cannot be called back: a cut wait still waits for it
+   (it is short) before its buffers can go. Writes of victims and flushes are always
+   settled by their completion, cut or not.
+2. Every transition an exception can cut has its undo next to it, run before the
+   exception leaves the manager. The edges, by state (see :mod:`swapper.manager.entry`):
+
+   ======================  ==========================================  ====================
+   transition              cut at (wait points; errors alike)          becomes
+   ======================  ==========================================  ====================
+   register: NEW           room (memory tier without NVMe)              GONE, block freed
+   NEW → ON_NVME           budget.reserve                               GONE
+                           store.write (write in flight)                NEW until the write
+                                                                        ends, then GONE (the
+                                                                        copy it made deleted)
+   fetch: → READING        manager.room (staging), device.copy          ON_NVME, blocks freed
+                           store.read (read in flight)                  READING until the
+                                                                        read ends, then
+                                                                        ON_NVME, blocks freed
+   fetch: → MOVING         device.copy                                  RESIDENT where it was
+   fetch: → IN_USE         a signal delivered as the fetch ends         pin undone: RESIDENT
+   victim → WRITING        room for staging, device.copy,               RESIDENT, data kept
+     (or CLEANING, flush)  budget.reserve (before the write is issued)
+                           after it is issued: never (completion)       ON_NVME / RESIDENT
+   victims claimed, not    the eviction of an earlier one               RESIDENT
+     yet evicted
+   victim → MOVING         room in the host, device.copy                RESIDENT where it was
+   read-ahead: → READING   as fetch (a mover: errors only)              as fetch
+   fetch, unregister,      making room, waiting for another thread's    unchanged
+     evict                   transfer (before any change of their own)
+   flush, close            waiting for writes (they go on)              settled by the writes
+   ======================  ==========================================  ====================
+
+   A cut ``close()`` leaves the manager closing (new work refused) with everything else
+   open: ``close()`` again finishes. Transitions between two wait points happen under the
+   lock with signals held, so none is seen half done.
+
+What no code can close: a signal arriving in the bytecodes between the end of a call and
+the caller storing its result (``t = manager.fetch(k)``) is raised there and the result is
+lost. Callers inside swapper that keep their own records of what they hold (the step
+pipeline, the offload hooks) call within their own section, so the signal waits until
+the record is made.
 """
 
 from __future__ import annotations
@@ -37,7 +95,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
 
 import torch
@@ -58,9 +116,10 @@ from swapper.manager.stats import ManagerStats, StatsRecorder, TierStats
 from tiers.aio import AioEngine
 from tiers.budget import BudgetExceededError, BudgetTimeout, ByteBudget, Reservation
 from tiers.device import DeviceTier
-from tiers.errors import SwapConfigError, SwapIOError
+from tiers.errors import SwapConfigError, SwapError, SwapIOError
 from tiers.host import HostTier
 from tiers.nvme import ManifestError, NvmeStore
+from tiers.signals import at_waits, deliver_pending, held, wait_cond, wait_future, wait_point
 from tiers.units import format_size
 
 __all__ = ["TierManager"]
@@ -130,6 +189,7 @@ class TierManager:
         self._last_log = time.monotonic()
         self._closing = False
         self._closed = False
+        self._jobs = 0  # evict and prefetch requests submitted and not yet ended
         self._engine: AioEngine | None = None
         self._store: NvmeStore | None = None
         if config.nvme_dirs:
@@ -213,29 +273,25 @@ class TierManager:
             raise TypeError(f"register of key={key!r}: expected a dense torch.Tensor")
         kind = _kind(kind)
         nbytes = tensor.numel() * tensor.element_size()
-        with self._cond:
-            self._check_open()
-            if key in self._entries:
-                raise KeyExistsError(
-                    f"key={key!r} is already registered ({self._entries[key].kind.value}); "
-                    "unregister it first"
-                )
-            entry = SwapEntry(
-                key, kind, tensor.dtype, tuple(tensor.shape), nbytes, self._home(kind, nbytes)
-            )
-            entry.last_use = next(self._clock)
-            self._entries[key] = entry
-        try:
-            self._place_new(entry, tensor)
-        except BaseException:
+        with at_waits:
+            deadline = time.monotonic() + self.config.timeout_s
             with self._cond:
-                if entry.block is not None:
-                    entry.block.release()
-                    entry.block = None
-                entry.transition(_S.GONE)
-                del self._entries[key]
-                self._notify()
-            raise
+                self._check_open()
+                # A registration of the key that is still under way (one whose caller
+                # was interrupted ends when its write does): wait for its outcome.
+                while (old := self._entries.get(key)) is not None and old.state is _S.NEW:
+                    self._wait(deadline, old)
+                if key in self._entries:
+                    raise KeyExistsError(
+                        f"key={key!r} is already registered ({self._entries[key].kind.value}); "
+                        "unregister it first"
+                    )
+                entry = SwapEntry(
+                    key, kind, tensor.dtype, tuple(tensor.shape), nbytes, self._home(kind, nbytes)
+                )
+                entry.last_use = next(self._clock)
+                self._entries[key] = entry
+            self._place_new(entry, tensor, deadline)
 
     def fetch(
         self, key: str, tier: Tier | str | None = None, *, timeout_s: float | None = None
@@ -257,6 +313,10 @@ class TierManager:
             SwapIOError: reading it, or writing a victim out, failed (names key and file).
             ManagerClosedError: the manager is closed.
         """
+        with at_waits:
+            return self._fetch(key, tier, timeout_s)
+
+    def _fetch(self, key: str, tier: Tier | str | None, timeout_s: float | None) -> torch.Tensor:
         start = time.monotonic()
         deadline = start + self._timeout(timeout_s)
         with self._cond:
@@ -276,8 +336,9 @@ class TierManager:
                     ready, waited_now = self._await_settled(entry, target, deadline)
                     waited |= waited_now
                     if ready:
-                        hit = ok = True
-                        return self._pin(entry)
+                        tensor = self._pin(entry)
+                        hit = True
+                        break
                 block = self._obtain(
                     target, entry.nbytes, what=f"key={key!r}", deadline=deadline, moving=entry
                 )
@@ -291,9 +352,18 @@ class TierManager:
                         continue
                     self._set_state(entry, _S.READING if source is None else _S.MOVING)
                 self._transfer(entry, block, source, target, deadline, pin=True)
-                ok = True
                 with self._cond:
-                    return entry.block.view(entry.dtype, entry.shape)
+                    tensor = entry.block.view(entry.dtype, entry.shape)
+                break
+            try:
+                # A signal that came during the fetch is delivered here, with the pin
+                # undone, rather than after the caller holds the tensor without knowing.
+                deliver_pending()
+            except BaseException:
+                self._unpin(entry)
+                raise
+            ok = True
+            return tensor
         finally:
             elapsed = time.monotonic() - start
             with self._cond:
@@ -319,7 +389,7 @@ class TierManager:
             UnknownKeyError: ``key`` is not registered.
             NotInUseError: ``key`` is not fetched.
         """
-        with self._cond:
+        with held, self._cond:
             if self._closed:
                 raise ManagerClosedError("the tier manager is closed")
             entry = self._get(key)
@@ -352,7 +422,7 @@ class TierManager:
             ManagerClosedError: the manager is closed.
         """
         queued: list[SwapEntry] = []
-        with self._cond:
+        with held, self._cond:
             self._check_open()
             entries = [self._get(key) for key in keys]
             for entry in entries:
@@ -371,7 +441,7 @@ class TierManager:
                     continue
                 entry.prefetch = Prefetch.QUEUED
                 queued.append(entry)
-                self._pool.submit(self._prefetch_job, entry, target, window)
+                self._submit(self._prefetch_job, entry, target, window)
         return len(queued)
 
     def evict(
@@ -397,7 +467,7 @@ class TierManager:
         if to is Tier.DEVICE:
             raise ValueError("evict moves a tensor down: to must be 'host' or 'nvme'")
         deadline = time.monotonic() + self._timeout(timeout_s)
-        with self._cond:
+        with held, self._cond:
             self._check_open()
             entry = self._get(key)
             if to is Tier.NVME and self._store is None:
@@ -408,7 +478,7 @@ class TierManager:
                 )
             future: Future[None] = Future()
             future.set_running_or_notify_cancel()
-            self._pool.submit(self._evict_job, entry, to, deadline, future)
+            self._submit(self._evict_job, entry, to, deadline, future)
         return future
 
     def unregister(self, key: str, *, timeout_s: float | None = None) -> None:
@@ -421,7 +491,7 @@ class TierManager:
             ManagerClosedError: the manager is closed.
         """
         deadline = time.monotonic() + self._timeout(timeout_s)
-        with self._cond:
+        with at_waits, self._cond:
             self._check_open()
             entry = self._get(key)
             self._await_idle(entry, deadline, "unregister")
@@ -450,7 +520,8 @@ class TierManager:
         with self._cond:
             self._check_open()
         timeout = self.config.close_timeout_s if timeout_s is None else timeout_s
-        self._flush(time.monotonic() + timeout, final=False)
+        with at_waits:
+            self._flush(time.monotonic() + timeout, final=False)
 
     def close(self, *, remove: bool = False) -> None:
         """Make every tensor durable on NVMe, save the manifest, free everything. Idempotent.
@@ -466,13 +537,25 @@ class TierManager:
                 the deadline (named): then nothing is closed, and calling ``close()``
                 again waits for them again.
         """
+        with at_waits:
+            self._close(remove)
+
+    def _close(self, remove: bool) -> None:
         with self._cond:
             if self._closed:
                 return
             self._closing = True
             self._notify()
-        self._pool.shutdown(wait=True)  # queued evictions run; queued read-aheads give up
+            # Queued evictions run; queued read-aheads give up. (Waited for here, not in
+            # the pool's shutdown, so that Ctrl-C can stop the wait.)
+            while self._jobs:
+                wait_cond(self._cond, None, "manager.close")
+        self._pool.shutdown(wait=True)
+        deadline = time.monotonic() + self.config.close_timeout_s
         if remove:
+            with self._cond:
+                # Nothing is written, but memory that I/O uses is freed only once it ends.
+                self._wait_for_transfers(deadline)
             self._release_all(remove=True)
             return
         failed: NotDurableError | None = None
@@ -489,14 +572,15 @@ class TierManager:
                         entry.version += 1
                         self._set_state(entry, _S.RESIDENT)
             try:
-                self._flush(time.monotonic() + self.config.close_timeout_s, final=True)
+                self._flush(deadline, final=True)
             except NotDurableError as exc:
                 if set(exc.keys) - set(exc.errors):
                     raise  # writes still in flight: keep everything open for them
                 failed = exc
-            except BaseException:
+            except Exception:
                 self._release_all()
                 raise
+            # (Interrupted: everything stays open, and close() again finishes the job.)
         self._release_all()
         if failed is not None:
             raise failed
@@ -594,36 +678,47 @@ class TierManager:
 
     # -- placement ----------------------------------------------------------------------
 
-    def _place_new(self, entry: SwapEntry, tensor: torch.Tensor) -> None:
+    def _place_new(self, entry: SwapEntry, tensor: torch.Tensor, deadline: float) -> None:
+        """Settle a NEW entry: RESIDENT in the first memory tier with room, else ON_NVME.
+
+        On any failure, and on a signal that came meanwhile, the entry is dropped (GONE)
+        and this raises; a signal is delivered here rather than after the key is visible.
+        """
         placement = self._placement[entry.kind]
         memory_tiers = [t for t in placement if t is not Tier.NVME]
-        too_large: BudgetExceededError | None = None
         block: MemoryBlock | None = None
-        tier = None
-        for tier in memory_tiers:
-            try:
-                block = self._memory[tier].try_alloc(entry.nbytes, what=f"key={entry.key!r}")
-            except BudgetExceededError as exc:
-                too_large = exc
-                continue
-            if block is not None:
-                break
-        if block is None and Tier.NVME in placement:
-            self._write_new(entry, tensor)
-            return
-        if block is None:
-            fitting = [t for t in memory_tiers if self._fits_ever(t, entry.nbytes)]
-            if not fitting and too_large is not None:
-                raise too_large
-            tier = fitting[0]
-            deadline = time.monotonic() + self.config.timeout_s
-            block = self._obtain(tier, entry.nbytes, what=f"key={entry.key!r}", deadline=deadline)
         try:
-            with torch.no_grad():
-                block.view(entry.dtype, entry.shape).copy_(tensor)  # the one copy
+            too_large: BudgetExceededError | None = None
+            tier = None
+            for tier in memory_tiers:
+                try:
+                    block = self._memory[tier].try_alloc(entry.nbytes, what=f"key={entry.key!r}")
+                except BudgetExceededError as exc:
+                    too_large = exc
+                    continue
+                if block is not None:
+                    break
+            if block is None and Tier.NVME not in placement:
+                fitting = [t for t in memory_tiers if self._fits_ever(t, entry.nbytes)]
+                if not fitting and too_large is not None:
+                    raise too_large
+                tier = fitting[0]
+                block = self._obtain(
+                    tier, entry.nbytes, what=f"key={entry.key!r}", deadline=deadline
+                )
+            if block is not None:
+                with torch.no_grad():
+                    block.view(entry.dtype, entry.shape).copy_(tensor)  # the one copy
+                deliver_pending()
         except BaseException:
-            block.release()
+            with self._cond:
+                if block is not None:
+                    block.release()
+                self._drop_new(entry, wrote=False)
             raise
+        if block is None:
+            self._write_new(entry, tensor, deadline)
+            return
         with self._cond:
             entry.block, entry.tier = block, tier
             if tier is Tier.DEVICE:
@@ -632,25 +727,78 @@ class TierManager:
                 entry.ready = self._device.mark_ready()
             self._set_state(entry, _S.RESIDENT)
 
-    def _write_new(self, entry: SwapEntry, tensor: torch.Tensor) -> None:
-        """Write a tensor that goes straight to NVMe, from the caller's memory if it can."""
-        source = tensor.detach().resolve_conj().resolve_neg()
-        if source.device.type != "cpu" or not source.is_contiguous():
-            # Exactly one copy. (Tensor.to(memory_format=...) would return a strided CPU
-            # tensor unchanged, and .contiguous() after .cpu() could copy twice.)
-            source = torch.empty(entry.shape, dtype=entry.dtype).copy_(source)
-        deadline = time.monotonic() + self.config.timeout_s
-        window = self._reserve_window(self._writebehind, entry, deadline)
+    def _write_new(self, entry: SwapEntry, tensor: torch.Tensor, deadline: float) -> None:
+        """Write a NEW entry's tensor straight to NVMe (from the caller's memory if it can):
+        ON_NVME, or on failure dropped (GONE) and it raises.
+
+        When the wait for the write is cut, the exception propagates at once and the
+        write's completion finishes the job: it releases the write-behind window, lets
+        the source go (the kernel reads it until then) and drops the entry, deleting what
+        it wrote. The entry stays NEW meanwhile, so a new ``register`` of the key waits.
+        """
+        outcome = "failed"  # → "handed" to the completion, or "written"
         try:
-            with self._stats.transfer(Tier.HOST, Tier.NVME, entry.nbytes, entry.kind):
-                self._store.write(_store_key(entry), source).result()
-        except OSError as exc:
-            raise _named(exc, "writing", entry.key) from exc
-        finally:
-            window.release()
+            source = tensor.detach().resolve_conj().resolve_neg()
+            if source.device.type != "cpu" or not source.is_contiguous():
+                # Exactly one copy. (Tensor.to(memory_format=...) would return a strided
+                # CPU tensor unchanged, and .contiguous() after .cpu() could copy twice.)
+                source = torch.empty(entry.shape, dtype=entry.dtype).copy_(source)
+            window = self._reserve_window(self._writebehind, entry, deadline)
+            self._stats.begin(Tier.HOST, Tier.NVME)
+            try:
+                future = self._store.write(_store_key(entry), source)
+            except BaseException as exc:
+                window.release()
+                self._stats.end(Tier.HOST, Tier.NVME, None)
+                raise _named(exc, "writing", entry.key) from exc
+
+            def ended(error: BaseException | None) -> None:
+                window.release()
+                self._stats.end(Tier.HOST, Tier.NVME, None if error else entry.nbytes, entry.kind)
+
+            try:
+                wait_future(future, None, "store.write")
+            except BaseException:
+                outcome = "handed"
+
+                def abandoned(done: Future[int], source: torch.Tensor = source) -> None:
+                    # ``source`` is bound here so that it lives until the write has ended.
+                    error = done.exception()
+                    ended(error)
+                    with self._cond:
+                        self._drop_new(entry, wrote=error is None)
+
+                future.add_done_callback(abandoned)
+                raise
+            error = future.exception()
+            ended(error)
+            if error is not None:
+                raise _named(error, "writing", entry.key) from error
+            outcome = "written"
+            deliver_pending()  # now rather than after the key is visible
+        except BaseException:
+            if outcome != "handed":
+                with self._cond:
+                    self._drop_new(entry, wrote=outcome == "written")
+            raise
         with self._cond:
             entry.nvme_version = entry.version
             self._set_state(entry, _S.ON_NVME)
+
+    def _drop_new(self, entry: SwapEntry, *, wrote: bool) -> None:
+        """Lock held. Undo a registration that did not finish: NEW → GONE, forgotten, and
+        the NVMe copy its write made deleted (``wrote``)."""
+        if wrote and self._store is not None:
+            store_key = _store_key(entry)
+            try:
+                if store_key in self._store:
+                    self._store.delete(store_key)
+            except SwapError as exc:  # a closed store: nothing of it is read again
+                log.warning("key=%r: could not delete its abandoned copy: %s", entry.key, exc)
+        entry.transition(_S.GONE)
+        if self._entries.get(entry.key) is entry:
+            del self._entries[entry.key]
+        self._notify()
 
     def _home(self, kind: Kind, nbytes: int) -> Tier:
         for tier in self._placement[kind]:
@@ -746,9 +894,19 @@ class TierManager:
                         if read_ahead:
                             return None
                         raise self._room_timeout(tier, nbytes, what, waited_s)
-                    self._cond.wait(left)
-            for victim, dest, version in plans:
-                evictions.append(self._evict_claimed(victim, dest, version, deadline))
+                    wait_cond(self._cond, left, "manager.room")
+            issued = 0
+            try:
+                for victim, dest, version in plans:
+                    evictions.append(self._evict_claimed(victim, dest, version, deadline))
+                    issued += 1
+            finally:
+                if issued < len(plans):
+                    # Cut while evicting one (which settled itself): the victims claimed
+                    # after it were never started and go back to RESIDENT.
+                    with self._cond:
+                        for victim, _, _ in plans[issued + 1 :]:
+                            self._set_state(victim, _S.RESIDENT)
 
     def _needs_move(self, entry: SwapEntry, tier: Tier, read_ahead: bool) -> bool:
         """Lock held. Whether ``entry`` still waits to be moved into ``tier`` by the caller:
@@ -849,7 +1007,8 @@ class TierManager:
     def _evict_claimed(
         self, entry: SwapEntry, dest: Tier, version: int, deadline: float
     ) -> Future[None]:
-        """Evict an entry already marked WRITING (dest NVMe) or MOVING (dest host)."""
+        """Evict an entry already marked WRITING (dest NVMe) or MOVING (dest host). Cut
+        or failed, the entry is settled (RESIDENT where it was) before this raises."""
         future: Future[None] = Future()
         future.set_running_or_notify_cancel()
         if dest is Tier.NVME:
@@ -857,8 +1016,10 @@ class TierManager:
             return future
         try:
             self._demote(entry, dest, deadline)
-        except Exception as exc:
+        except BaseException as exc:
             future.set_exception(exc)
+            if not isinstance(exc, Exception):
+                raise
         else:
             future.set_result(None)
         return future
@@ -888,19 +1049,21 @@ class TierManager:
     ) -> None:
         """Copy a READING (``source`` None: from NVMe) or MOVING entry into ``block`` of
         ``target``; then free the old memory and settle: IN_USE if ``pin``, else RESIDENT
-        (holding ``readahead``). On failure the entry is back where it was, and it raises.
+        (holding ``readahead``). On failure the entry is back where it was and ``block``
+        freed, and it raises; if the wait for a read from NVMe was cut, both happen only
+        when the read ends (see :meth:`_read_into`).
         """
-        try:
-            if source is None:
-                self._read_into(entry, block, target, deadline)
-            else:
+        if source is None:
+            self._read_into(entry, block, target, deadline)
+        else:
+            try:
                 with self._stats.transfer(source, target, entry.nbytes, entry.kind):
-                    self._device.copy(block.tensor, entry.block.tensor, after=entry.ready).wait()
-        except BaseException:
-            with self._cond:
-                block.release()
-                self._set_state(entry, _S.ON_NVME if source is None else _S.RESIDENT)
-            raise
+                    self._copy(block.tensor, entry.block.tensor, after=entry.ready)
+            except BaseException:
+                with self._cond:
+                    block.release()
+                    self._set_state(entry, _S.RESIDENT)
+                raise
         with self._cond:
             old, entry.block, entry.tier = entry.block, block, target
             if old is not None:
@@ -920,27 +1083,70 @@ class TierManager:
     def _read_into(
         self, entry: SwapEntry, block: MemoryBlock, target: Tier, deadline: float
     ) -> None:
-        if target is Tier.HOST:
-            self._read(entry, block.tensor)
-            return
-        staging = self._obtain(
-            Tier.HOST, entry.nbytes, what=f"staging for key={entry.key!r}", deadline=deadline
-        )
+        """Read a READING entry from NVMe into ``block`` of ``target`` (staged through a host
+        block for the device). On failure ``block`` (and the staging block) is freed and
+        the entry is back ON_NVME, and it raises.
+
+        The kernel writes into the buffer until the read ends: when the wait for it is
+        cut (a signal, an error), the exception propagates at once and the read's
+        completion does the freeing and settling; the entry stays READING until then.
+        """
+        staging: MemoryBlock | None = None
+        handed = False
         try:
-            self._read(entry, staging.tensor)
-            with self._stats.transfer(Tier.HOST, target, entry.nbytes, entry.kind):
-                self._device.copy(block.tensor, staging.tensor).wait()
-        finally:
+            if target is not Tier.HOST:
+                staging = self._obtain(
+                    Tier.HOST,
+                    entry.nbytes,
+                    what=f"staging for key={entry.key!r}",
+                    deadline=deadline,
+                )
+            buffer = block if staging is None else staging
+            with self._stats.transfer(Tier.NVME, Tier.HOST, entry.nbytes, entry.kind):
+                future = self._store.read(_store_key(entry), buffer.tensor)
+                try:
+                    wait_future(future, None, "store.read")
+                except BaseException:
+                    handed = True
+                    future.add_done_callback(
+                        lambda _f, staging=staging: self._end_read(entry, block, staging)
+                    )
+                    raise
+                error = future.exception()
+                if error is not None:
+                    raise error
+            if staging is not None:
+                with self._stats.transfer(Tier.HOST, target, entry.nbytes, entry.kind):
+                    self._copy(block.tensor, staging.tensor)
+        except BaseException as exc:
+            if not handed:
+                self._end_read(entry, block, staging)
+            if isinstance(exc, OSError):
+                raise _named(exc, "reading", entry.key) from exc
+            raise
+        if staging is not None:
             with self._cond:
                 staging.release()
                 self._notify()
 
-    def _read(self, entry: SwapEntry, out: torch.Tensor) -> None:
-        with self._stats.transfer(Tier.NVME, Tier.HOST, entry.nbytes, entry.kind):
-            try:
-                self._store.read(_store_key(entry), out).result()
-            except OSError as exc:
-                raise _named(exc, "reading", entry.key) from exc
+    def _end_read(self, entry: SwapEntry, block: MemoryBlock, staging: MemoryBlock | None) -> None:
+        """A read that did not land (any thread): its buffers freed, the entry ON_NVME."""
+        with self._cond:
+            block.release()
+            if staging is not None:
+                staging.release()
+            self._set_state(entry, _S.ON_NVME)
+
+    def _copy(
+        self, dst: torch.Tensor, src: torch.Tensor, *, after: torch.cuda.Event | None = None
+    ) -> None:
+        """Copy between memory tiers and wait for it. A cut wait still waits (a device
+        copy cannot be called back, and is short) before its buffers can be freed."""
+        copy = self._device.copy(dst, src, after=after)
+        try:
+            wait_point("device.copy")
+        finally:
+            copy.wait()
 
     def _write_out(
         self, entry: SwapEntry, version: int, future: Future[None], deadline: float, *, keep: bool
@@ -948,7 +1154,9 @@ class TierManager:
         """Write a WRITING (``keep`` False) or CLEANING entry to NVMe; returns once issued.
 
         The completion settles the entry (memory freed only if the write succeeded and not
-        ``keep``) and then resolves ``future``.
+        ``keep``) and then resolves ``future``. Failing (or cut) before the write is
+        issued, the entry is settled RESIDENT at once and ``future`` fails; an error is
+        reported only through ``future``, anything else (``KeyboardInterrupt``) raised.
         """
         staging: MemoryBlock | None = None
         window: Reservation | None = None
@@ -961,7 +1169,7 @@ class TierManager:
                     deadline=deadline,
                 )
                 with self._stats.transfer(Tier.DEVICE, Tier.HOST, entry.nbytes, entry.kind):
-                    self._device.copy(staging.tensor, entry.block.tensor, after=entry.ready).wait()
+                    self._copy(staging.tensor, entry.block.tensor, after=entry.ready)
                 source = staging.view(entry.dtype, entry.shape)
             else:
                 source = entry.block.view(entry.dtype, entry.shape)
@@ -972,10 +1180,12 @@ class TierManager:
             except BaseException:
                 self._stats.end(Tier.HOST, Tier.NVME, None)
                 raise
-        except Exception as exc:
+        except BaseException as exc:
             named = _named(exc, "writing", entry.key)
             self._end_write(entry, version, staging, window, named, keep)
             future.set_exception(named)
+            if not isinstance(exc, Exception):
+                raise
             return
 
         def done(store_future: Future[int]) -> None:
@@ -1000,7 +1210,7 @@ class TierManager:
         keep: bool,
     ) -> None:
         """Settle a write (any thread): durable → ON_NVME (memory freed) or RESIDENT (kept);
-        failed → RESIDENT with its data."""
+        failed or never issued → RESIDENT with its data."""
         if window is not None:
             window.release()
         with self._cond:
@@ -1011,7 +1221,7 @@ class TierManager:
                 if not keep:
                     self._free_memory(entry)
             self._set_state(entry, _S.ON_NVME if error is None and not keep else _S.RESIDENT)
-        if error is not None:
+        if isinstance(error, Exception):
             self._stats.add(write_errors=1)
             log.warning("write of key=%r to NVMe failed; it stays in memory: %s", entry.key, error)
 
@@ -1023,6 +1233,19 @@ class TierManager:
         )
 
     # -- worker jobs ------------------------------------------------------------------
+
+    def _submit(self, job: Callable[..., None], *args: object) -> None:
+        """Lock held. Queue ``job(*args)`` for a mover thread; :meth:`close` waits for it."""
+        self._pool.submit(self._run_job, job, *args)
+        self._jobs += 1
+
+    def _run_job(self, job: Callable[..., None], *args: object) -> None:
+        try:
+            job(*args)
+        finally:
+            with self._cond:
+                self._jobs -= 1
+                self._notify()
 
     def _evict_job(self, entry: SwapEntry, to: Tier, deadline: float, future: Future[None]) -> None:
         # The future is resolved outside the lock: its callbacks may call the manager.
@@ -1128,11 +1351,11 @@ class TierManager:
         errors: dict[str, BaseException] = {}
         pending: set[str] = set()
         for key, future in writes:
-            try:
-                error = future.exception(timeout=max(0.0, deadline - time.monotonic()))
-            except TimeoutError:
+            # Cut here, the writes go on: their completions settle the entries.
+            if not wait_future(future, max(0.0, deadline - time.monotonic()), "manager.flush"):
                 pending.add(key)
                 continue
+            error = future.exception()
             if error is not None:
                 errors[key] = error
         if final:
@@ -1159,7 +1382,7 @@ class TierManager:
             left = deadline - time.monotonic()
             if left <= 0:
                 return
-            self._cond.wait(left)
+            wait_cond(self._cond, left, "manager.drain")
 
     # -- helpers (lock held unless noted) -------------------------------------------------
 
@@ -1188,7 +1411,7 @@ class TierManager:
                 f"key={entry.key!r}: waited too long for its {entry.state.value} transfer "
                 f"(prefetch {entry.prefetch.value}) to end"
             )
-        self._cond.wait(left)
+        wait_cond(self._cond, left, "manager.transfer")
 
     def _await_settled(self, entry: SwapEntry, target: Tier, deadline: float) -> tuple[bool, bool]:
         """Wait out transfers of ``entry``. Returns (it is in ``target`` now, waited)."""
@@ -1235,6 +1458,13 @@ class TierManager:
             entry.readahead.release()
             entry.readahead = None
         return entry.block.view(entry.dtype, entry.shape)
+
+    def _unpin(self, entry: SwapEntry) -> None:
+        """Undo a :meth:`_pin` whose tensor never reached the caller (lock not held)."""
+        with self._cond:
+            entry.users -= 1
+            if entry.users == 0:
+                self._set_state(entry, _S.RESIDENT)
 
     def _free_memory(self, entry: SwapEntry) -> None:
         if entry.block is not None:

@@ -31,8 +31,10 @@ State diagram (``SwapEntry.transition`` checks every change against ``_ALLOWED``
 
 NEW, MOVING, READING, WRITING and CLEANING are "transient": exactly one thread (or one I/O
 completion) owns the entry until it leaves them, and everyone else waits on the manager's
-condition. IN_USE entries are never victims; a second fetch of an IN_USE entry only adds a
-user (no transition).
+condition. A thread whose wait for a read (READING) or a registration's write (NEW) is cut
+by Ctrl-C or an error hands the entry to the I/O's completion, which ends it (ON_NVME;
+GONE) once the kernel is done with the buffer. IN_USE entries are never victims; a second
+fetch of an IN_USE entry only adds a user (no transition).
 
 An entry's bytes are in at most one memory tier (``tier``) at a time; NVMe may also hold a
 copy, which is clean while ``nvme_version == version`` (``version`` counts releases that

@@ -30,7 +30,9 @@ from swapper.step.layout import ALIGN_NUMEL, SIXTEEN_BIT, STATE_ROWS, SubGroup, 
 from swapper.step.pipeline import PipelineClosedError, StepFailedError, StepPipeline, StepTraffic
 from swapper.step.scaler import DynamicLossScaler
 from swapper.step.sources import LocalParams, ParamSource, TieredModel
+from tiers import signals
 from tiers.errors import SwapConfigError, SwapError
+from tiers.signals import wait_future
 
 __all__ = ["OffloadAdamW", "StateDictError", "StepPendingError", "StepReport", "SubGroupStates"]
 
@@ -249,6 +251,14 @@ class OffloadAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        # Ctrl-C surfaces only where the step waits for I/O, or at its end: never between
+        # a sub-group's update and its record, nor between the pipeline's end and the
+        # step count. Cut at a wait, the step is pending: step() again finishes it.
+        with signals.at_waits:
+            self._step()
+        return loss
+
+    def _step(self) -> None:
         started = time.perf_counter()
         before = self._pipeline.counters()
         stall_before = self.manager.stats().stall_s
@@ -276,7 +286,6 @@ class OffloadAdamW(torch.optim.Optimizer):
             stall_seconds=self.manager.stats().stall_s - stall_before,
             traffic=self._pipeline.traffic_since(before),
         )
-        return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients (and the fp32 accumulators).
@@ -663,6 +672,8 @@ class OffloadAdamW(torch.optim.Optimizer):
                 self.manager.register(key, grad, Kind.GRAD32)
                 writes.append(self.manager.evict(key, Tier.NVME))
         finally:
+            for write in writes:
+                wait_future(write, None, "step.write")
             errors = [w.exception() for w in writes]
         failed = [e for e in errors if e is not None]
         if failed:

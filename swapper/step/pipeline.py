@@ -32,23 +32,40 @@ A step succeeds only when every streamed sub-group it touched is durable. When i
 part-way (an I/O error, a timeout), the sub-groups done stay done: the next run of the
 same step skips their compute (it never applies a step twice), rewrites those not yet
 durable, and computes the rest.
+
+Interrupts and exceptions. A step runs in a :mod:`tiers.signals` section: Ctrl-C is
+delivered only where the step waits (the manager's waits inside a fetch or a prefetch,
+and ``step.write``, the wait for a sub-group's write-behind) or when it ends; compute and
+publish run with it held back entirely. The edges of a sub-group:
+
+* cut while FETCHED is being fetched (READING): the manager undoes the fetch; nothing is
+  held, ``applied`` unchanged: the next run fetches and computes it;
+* cut while another sub-group is fetched (extra keys, read-ahead) with this one FETCHED:
+  released unmodified (``finally``): the next run computes it;
+* compute raising (an error; Ctrl-C is held until ``published`` is recorded): released
+  unmodified, ``applied`` unchanged;
+* cut at ``step.write``: the writes go on in the background; those not yet recorded
+  durable are found clean (or written again) by the next run, never computed again.
+
+Every fetch is recorded in the same section step as the fetch itself, so the release in
+``finally`` never misses one, nor releases one twice.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import dataclasses
 import logging
-import signal
-import threading
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager
 
 import torch
 
 from swapper.manager import Kind, Tier, TierManager
 from swapper.step.layout import SubGroup
+from tiers import signals
 from tiers.errors import SwapConfigError, SwapError
+from tiers.signals import wait_future
 
 __all__ = [
     "PipelineClosedError",
@@ -99,26 +116,13 @@ class Progress:
 _RETRYABLE = (SwapError, OSError, TimeoutError, concurrent.futures.TimeoutError)
 
 
-@contextlib.contextmanager
-def interrupts_deferred() -> Iterator[None]:
-    """Hold SIGINT back until the block ends, then deliver it (main thread only;
-    elsewhere signals never arrive anyway). Python raises KeyboardInterrupt at the first
-    bytecode after a C call returns: inside a step that could be between updating a
-    sub-group's state and recording that it was updated."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    received: list[int] = []
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-        if received:
-            if callable(previous):
-                previous(signal.SIGINT, None)
-            elif previous == signal.SIG_DFL:
-                raise KeyboardInterrupt
+def interrupts_deferred() -> AbstractContextManager[None]:
+    """Hold SIGINT (and SIGTERM, SIGHUP) back until the block ends, then deliver it
+    (main thread only; elsewhere signals never arrive anyway): :data:`tiers.signals.held`.
+    Python raises KeyboardInterrupt at the first bytecode after a C call returns: inside a
+    step that could be between updating a sub-group's state and recording that it was
+    updated."""
+    return signals.held
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,21 +205,24 @@ class StepPipeline:
             what :meth:`TierManager.register` raises; the sub-groups registered so far are
             unregistered again.
         """
-        try:
-            largest = max((sg.padded_numel for sg in self.sub_groups), default=0)
-            scratch = torch.empty((3, largest), dtype=torch.float32)
-            for sg in self.sub_groups:
-                buffer = scratch[:, : sg.padded_numel]
-                buffer.zero_()
-                fill(sg, buffer)
-                self.manager.register(self.key(sg.index), buffer, Kind.OPTIM_STATE)
-                self._registered += 1
-            del scratch
-            for sg in self.sub_groups[: self.kept]:
-                self._held[sg.index] = self.manager.fetch(self.key(sg.index))
-        except BaseException:
-            self._unregister()
-            raise
+        # (A signal waits for a wait point or the end: what is registered or fetched is
+        # always recorded, so that the undo below finds it.)
+        with signals.at_waits:
+            try:
+                largest = max((sg.padded_numel for sg in self.sub_groups), default=0)
+                scratch = torch.empty((3, largest), dtype=torch.float32)
+                for sg in self.sub_groups:
+                    buffer = scratch[:, : sg.padded_numel]
+                    buffer.zero_()
+                    fill(sg, buffer)
+                    self.manager.register(self.key(sg.index), buffer, Kind.OPTIM_STATE)
+                    self._registered += 1
+                del scratch
+                for sg in self.sub_groups[: self.kept]:
+                    self._held[sg.index] = self.manager.fetch(self.key(sg.index))
+            except BaseException:
+                self._unregister()
+                raise
 
     def _default_readahead(self) -> int:
         host = self.manager.config.host_nbytes
@@ -260,6 +267,20 @@ class StepPipeline:
             flight have ended; the bookkeeping stays exact).
         """
         self._check_open()
+        # Signals surface only where the step waits (a fetch, a write), where the
+        # bookkeeping below is exact, or when it ends; never between a fetch and the
+        # record of it, nor between a compute and its mark.
+        with signals.at_waits:
+            self._run(step, compute, publish, extra_keys, timeout_s)
+
+    def _run(
+        self,
+        step: int,
+        compute: Compute,
+        publish: Callable[[SubGroup, torch.Tensor], None],
+        extra_keys: Callable[[SubGroup], list[str]] | None,
+        timeout_s: float | None,
+    ) -> None:
         extra = extra_keys or (lambda sg: [])
         todo = [sg for sg in self.sub_groups if self.progress[sg.index].durable < step]
         compute_todo = [sg for sg in todo if self.progress[sg.index].applied < step]
@@ -339,7 +360,7 @@ class StepPipeline:
             for key in extra_keys:
                 extras.append(self.manager.fetch(key, timeout_s=timeout_s))
                 fetched.append(key)
-            with interrupts_deferred():
+            with signals.held:
                 compute(sg, state, extras)
                 computed = True
                 # From here the state holds step `step`: it must never be computed again.
@@ -377,9 +398,11 @@ class StepPipeline:
     ) -> dict[int, BaseException]:
         failed: dict[int, BaseException] = {}
         for index, future in writes.items():
-            try:
-                future.result()
-            except Exception as exc:  # collected; run() raises
+            # Cut here, the writes go on; the sub-groups not marked durable are written
+            # again (or found clean) by the next run of the step.
+            wait_future(future, None, "step.write")
+            exc = future.exception()
+            if exc is not None:  # collected; run() raises
                 log.warning("sub-group %d: write-behind at step %d failed: %s", index, step, exc)
                 failed[index] = exc
             else:
@@ -395,30 +418,34 @@ class StepPipeline:
         if held is not None:
             return held.clone()
         key = self.key(index)
-        state = self.manager.fetch(key)
-        try:
-            return state.clone()
-        finally:
-            self.manager.release(key, modified=False)
+        with signals.at_waits:  # no signal between the fetch and the try
+            state = self.manager.fetch(key)
+            try:
+                return state.clone()
+            finally:
+                self.manager.release(key, modified=False)
 
     def write(self, index: int, fill: Callable[[torch.Tensor], None], step: int) -> None:
         """Overwrite sub-group ``index``'s state in place with ``fill(state)``, mark it at
         ``step``, and make it durable before returning."""
         self._check_open()
-        held = self._held.get(index)
-        if held is not None:
-            fill(held)
-        else:
-            key = self.key(index)
-            state = self.manager.fetch(key)
-            try:
-                fill(state)
-            finally:
-                self.manager.release(key, modified=True)
-            if self.streams:
-                self.manager.evict(key, Tier.NVME).result()
-        progress = self.progress[index]
-        progress.applied = progress.published = progress.durable = step
+        with signals.at_waits:  # no signal between the fetch and the try
+            held = self._held.get(index)
+            if held is not None:
+                fill(held)
+            else:
+                key = self.key(index)
+                state = self.manager.fetch(key)
+                try:
+                    fill(state)
+                finally:
+                    self.manager.release(key, modified=True)
+                if self.streams:
+                    future = self.manager.evict(key, Tier.NVME)
+                    wait_future(future, None, "step.write")
+                    future.result()
+            progress = self.progress[index]
+            progress.applied = progress.published = progress.durable = step
 
     def iter_states(self) -> Iterator[tuple[SubGroup, torch.Tensor]]:
         """Each sub-group with a copy of its state, one at a time."""
@@ -436,12 +463,13 @@ class StepPipeline:
         self._closed = True
 
     def _unregister(self) -> None:
-        for index in list(self._held):
-            self.manager.release(self.key(index), modified=True)
-            del self._held[index]
-        while self._registered:
-            self.manager.unregister(self.key(self.sub_groups[self._registered - 1].index))
-            self._registered -= 1
+        with signals.at_waits:  # each undo and its record go together
+            for index in list(self._held):
+                self.manager.release(self.key(index), modified=True)
+                del self._held[index]
+            while self._registered:
+                self.manager.unregister(self.key(self.sub_groups[self._registered - 1].index))
+                self._registered -= 1
 
     def _check_open(self) -> None:
         if self._closed:

@@ -36,7 +36,7 @@ import dataclasses
 import logging
 import threading
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -45,6 +45,7 @@ from torch import nn
 from swapper.manager import Kind, ManagerStats, Tier, TierManager
 from swapper.step.sources import ParamSource
 from swapper.zero.config import OffloadConfig
+from tiers import signals
 from tiers.errors import SwapConfigError
 from tiers.units import format_size
 
@@ -164,6 +165,10 @@ class OffloadedModel(nn.Module):
         self._manager_recorded = False
         self._position: dict[str, list[int]] = {}
         self._cursor = -1
+        #: per module whose forward runs now (outermost first): the slots its pre-hook
+        #: fetched, released by its forward hook or, if the forward raised, by forward()
+        self._forward_holds: list[list[_Slot]] = []
+        self._forward_depth = 0  # calls of forward() running
         self._in_backward = False
         self._closed = False
         self._check_modules(module)
@@ -203,17 +208,70 @@ class OffloadedModel(nn.Module):
         }
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.module(*args, **kwargs)
+        """The wrapped model's forward. If it raises (an error, Ctrl-C), the parameters its
+        modules fetched are released before the exception propagates; holds that an
+        aborted backward left are released at the next call."""
+        if self._forward_depth == 0:
+            self.release_stale_holds()
+        depth = len(self._forward_holds)
+        self._forward_depth += 1
+        try:
+            return self.module(*args, **kwargs)
+        except BaseException:
+            with signals.held:
+                self._drop_forward_holds(depth)
+            raise
+        finally:
+            self._forward_depth -= 1
+
+    def release_stale_holds(self) -> int:
+        """Release what a forward or backward that raised (an error, Ctrl-C) left fetched;
+        returns how many holds that was. Called by :meth:`forward` and before an
+        optimizer step; does nothing while a forward or backward runs."""
+        if self._forward_depth or _in_autograd():
+            return 0
+        if not self._forward_holds and not self._in_backward:
+            return 0  # (backward holds exist only while a backward runs)
+        with signals.held:
+            dropped = self._drop_forward_holds(0)
+            with self._lock:
+                self._in_backward = False  # a backward that raised never ended
+                leftovers = [(s, s.backward_holds) for s in self._by_name.values()]
+                for slot, _ in leftovers:
+                    slot.backward_holds = 0
+            for slot, holds in leftovers:
+                for _ in range(holds):
+                    self._release(slot)
+                dropped += holds
+        if dropped:
+            log.warning("offload: released %d parameter hold(s) left by a failed pass", dropped)
+        return dropped
+
+    def _drop_forward_holds(self, depth: int) -> int:
+        """Release the slots fetched by the modules whose forward began above ``depth``
+        and never finished."""
+        dropped = 0
+        while len(self._forward_holds) > depth:
+            for slot in self._forward_holds.pop():
+                self._release(slot)
+                dropped += 1
+        return dropped
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop the retained 16-bit gradients (the optimizer's ``zero_grad`` does the
         same): the next backward starts them afresh rather than adding to them."""
         super().zero_grad(set_to_none=set_to_none)
-        for slot in self._by_name.values():
-            with self._lock:
-                had, slot.has_grad, slot.grad_norm = slot.has_grad, False, None
-            if had:
-                self._manager.unregister(slot.grad_key)
+        self._drop_grads(self._by_name.values())
+
+    def _drop_grads(self, slots: Iterable[_Slot]) -> None:
+        for slot in slots:
+            # Unregistered first, then marked: cut in between (Ctrl-C at the wait for a
+            # write of it), the slot still says what the manager holds.
+            with signals.at_waits:
+                if slot.has_grad:
+                    self._manager.unregister(slot.grad_key)
+                    with self._lock:
+                        slot.has_grad, slot.grad_norm = False, None
 
     def stats(self) -> ManagerStats:
         """The manager's counters: bytes moved, stall time, peaks per tier."""
@@ -375,8 +433,12 @@ class OffloadedModel(nn.Module):
     def _pre_forward_hook(self, slots: list[_Slot]) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any) -> None:
             self._step_boundary()
+            taken: list[_Slot] = []
+            self._forward_holds.append(taken)
             for slot in slots:
-                self._acquire(slot)
+                with signals.at_waits:  # fetched and recorded, or neither
+                    self._acquire(slot)
+                    taken.append(slot)
 
         return hook
 
@@ -399,13 +461,16 @@ class OffloadedModel(nn.Module):
         def before_backward() -> None:
             self._backward_started()
             for slot in slots:
-                self._acquire(slot)
-                with self._lock:
-                    slot.backward_holds += 1
+                with signals.at_waits:  # fetched and recorded, or neither
+                    self._acquire(slot)
+                    with self._lock:
+                        slot.backward_holds += 1
 
         def hook(module: nn.Module, args: Any, output: Any) -> Any:
-            for slot in slots:
-                self._release(slot)
+            with signals.held:
+                taken = self._forward_holds.pop() if self._forward_holds else []
+                for slot in taken:
+                    self._release(slot)
             if not torch.is_grad_enabled():
                 return output
             return _mark_outputs(output, before_backward)
@@ -418,10 +483,11 @@ class OffloadedModel(nn.Module):
             if grad is not None:
                 self._retain_grad(slot, grad)
                 param.grad = None  # moved: the retained buffer holds it now
-            with self._lock:
-                holds, slot.backward_holds = slot.backward_holds, 0
-            for _ in range(holds):
-                self._release(slot)
+            with signals.held:
+                with self._lock:
+                    holds, slot.backward_holds = slot.backward_holds, 0
+                for _ in range(holds):
+                    self._release(slot)
 
         return hook
 
@@ -433,14 +499,17 @@ class OffloadedModel(nn.Module):
         torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
 
     def _backward_ended(self) -> None:
-        with self._lock:
-            self._in_backward = False
-            leftovers = [(s, s.backward_holds) for s in self._by_name.values() if s.backward_holds]
-            for slot, _ in leftovers:
-                slot.backward_holds = 0
-        for slot, holds in leftovers:
-            for _ in range(holds):
-                self._release(slot)
+        with signals.held:
+            with self._lock:
+                self._in_backward = False
+                leftovers = [
+                    (s, s.backward_holds) for s in self._by_name.values() if s.backward_holds
+                ]
+                for slot, _ in leftovers:
+                    slot.backward_holds = 0
+            for slot, holds in leftovers:
+                for _ in range(holds):
+                    self._release(slot)
         if self._recording is not None and self._recording:
             self._order = self._recording
             self._recording = None
@@ -450,45 +519,57 @@ class OffloadedModel(nn.Module):
             log.info("offload: recorded a fetch order of %d parameters", len(self._order))
 
     def _retain_grad(self, slot: _Slot, grad: torch.Tensor) -> None:
-        """Move ``grad`` into the retained buffer (one copy; added on later micro-steps)."""
-        with self._lock:
-            first = not slot.has_grad
-            slot.has_grad = True
-        if first:
-            self._manager.register(slot.grad_key, grad.detach(), Kind.GRAD16)
-            slot.grad_norm = torch.linalg.vector_norm(grad, dtype=torch.float32)
-            return
-        retained = self._manager.fetch(slot.grad_key)
-        try:
-            retained.add_(grad.view(slot.shape))
-            slot.grad_norm = torch.linalg.vector_norm(retained, dtype=torch.float32)
-        finally:
-            self._manager.release(slot.grad_key, modified=True)
+        """Move ``grad`` into the retained buffer (one copy; added on later micro-steps).
+
+        Cut (Ctrl-C at a wait, an error), the retained buffer is as before: registered
+        and marked, or neither; added to, or not (the addition and its release are one
+        uninterrupted step)."""
+        with signals.at_waits:
+            with self._lock:
+                first = not slot.has_grad
+            if first:
+                self._manager.register(slot.grad_key, grad.detach(), Kind.GRAD16)
+                norm = torch.linalg.vector_norm(grad, dtype=torch.float32)
+                with self._lock:
+                    slot.has_grad, slot.grad_norm = True, norm
+                return
+            retained = self._manager.fetch(slot.grad_key)
+            with signals.held:
+                try:
+                    retained.add_(grad.view(slot.shape))
+                    slot.grad_norm = torch.linalg.vector_norm(retained, dtype=torch.float32)
+                finally:
+                    self._manager.release(slot.grad_key, modified=True)
 
     # -- fetching and releasing -------------------------------------------------------------
 
     def _acquire(self, slot: _Slot) -> None:
-        with self._lock:
-            slot.users += 1
-            if slot.users > 1:
-                return
-        try:
-            tensor = self._manager.fetch(slot.key, self.config.param_tiers[0])
-        except BaseException:
+        """Count a user of the slot, fetching it for the first. Cut (Ctrl-C at a wait of
+        the fetch, an error), nothing is counted or held; a signal arriving after the fetch
+        waits for the caller's section, which records the hold first."""
+        with signals.at_waits:
             with self._lock:
-                slot.users -= 1
-            raise
-        with self._lock:
-            slot.param.data = tensor
-        self._note_fetch(slot.key)
+                slot.users += 1
+                if slot.users > 1:
+                    return
+            try:
+                tensor = self._manager.fetch(slot.key, self.config.param_tiers[0])
+            except BaseException:
+                with self._lock:
+                    slot.users -= 1
+                raise
+            with self._lock:
+                slot.param.data = tensor
+            self._note_fetch(slot.key)
 
     def _release(self, slot: _Slot) -> None:
-        with self._lock:
-            slot.users -= 1
-            if slot.users > 0:
-                return
-            slot.param.data = slot.placeholder
-        self._manager.release(slot.key, modified=False)
+        with signals.held:  # uncounted and released, or neither
+            with self._lock:
+                slot.users -= 1
+                if slot.users > 0:
+                    return
+                slot.param.data = slot.placeholder
+            self._manager.release(slot.key, modified=False)
 
     @contextlib.contextmanager
     def _holding(self, slot: _Slot) -> Iterator[torch.Tensor]:
@@ -524,6 +605,12 @@ class OffloadedModel(nn.Module):
                 taken += nbytes
         if ahead:
             self._manager.prefetch(ahead, self.config.param_tiers[0])
+
+
+def _in_autograd() -> bool:
+    """Whether the calling thread runs inside a backward pass (a recomputing forward
+    of activation checkpointing, a hook)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def _mark_outputs(output: Any, hook: Callable[[], None]) -> Any:
@@ -580,37 +667,44 @@ class _TieredParams:
         self._slot(param)
         return True  # the tiers hold every parameter contiguous
 
+    # Each fetch and its release run in a section: no signal between the fetch and the try.
+
     def read_param(self, param: torch.Tensor, start: int, out: torch.Tensor) -> None:
         key = self._slot(param).key
-        tensor = self._manager.fetch(key, self._tier)
-        try:
-            out.copy_(tensor.view(-1)[start : start + out.numel()])
-        finally:
-            self._manager.release(key, modified=False)
+        with signals.at_waits:
+            tensor = self._manager.fetch(key, self._tier)
+            try:
+                out.copy_(tensor.view(-1)[start : start + out.numel()])
+            finally:
+                self._manager.release(key, modified=False)
 
     def read_grad(self, param: torch.Tensor, start: int, out: torch.Tensor) -> bool:
         slot = self._slot(param)
         if not slot.has_grad:
             return False
-        tensor = self._manager.fetch(slot.grad_key)
-        try:
-            out.copy_(tensor.view(-1)[start : start + out.numel()])
-        finally:
-            self._manager.release(slot.grad_key, modified=False)
+        with signals.at_waits:
+            tensor = self._manager.fetch(slot.grad_key)
+            try:
+                out.copy_(tensor.view(-1)[start : start + out.numel()])
+            finally:
+                self._manager.release(slot.grad_key, modified=False)
         return True
 
     def write_param(self, param: torch.Tensor, start: int, source: torch.Tensor) -> None:
         slot = self._slot(param)
         if slot.users:
+            self._model.release_stale_holds()  # a forward or backward that raised
+        if slot.users:
             raise SwapConfigError(
                 f"optimizer step while parameter {slot.name!r} is in use (inside a forward "
                 "or backward?)"
             )
-        tensor = self._manager.fetch(slot.key, self._tier)
-        try:
-            tensor.view(-1)[start : start + source.numel()].copy_(source)
-        finally:
-            self._manager.release(slot.key, modified=True)
+        with signals.at_waits:
+            tensor = self._manager.fetch(slot.key, self._tier)
+            try:
+                tensor.view(-1)[start : start + source.numel()].copy_(source)
+            finally:
+                self._manager.release(slot.key, modified=True)
 
     def grad_norms(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         norms = []
@@ -621,9 +715,4 @@ class _TieredParams:
         return norms
 
     def zero_grad(self, params: Sequence[torch.Tensor]) -> None:
-        for param in params:
-            slot = self._slot(param)
-            with self._model._lock:
-                had, slot.has_grad, slot.grad_norm = slot.has_grad, False, None
-            if had:
-                self._manager.unregister(slot.grad_key)
+        self._model._drop_grads([self._slot(param) for param in params])

@@ -1,0 +1,254 @@
+"""Signals held back where a cut would corrupt state, and a test hook at every wait.
+
+Why
+---
+Python runs a signal's handler in the main thread between two bytecodes; the default
+SIGINT handler raises :class:`KeyboardInterrupt` there. Code that hands memory to the
+kernel, or changes a tensor's state and then records who owns it, can be cut at any of
+those points: a block freed while a read still lands in it, an entry marked in use with no
+holder. Rather than guard every line, the swap code runs in *sections* during which the
+signals below are recorded, not handled, and delivers them at the places it chose:
+
+* :data:`at_waits` (``with at_waits:``): a recorded signal is delivered at the next
+  :func:`wait_point` (every place the code blocks: a condition, a future, a budget, a
+  device copy; the code around each is written to be cut there) or when the outermost
+  section ends. Ctrl-C still stops a wait within :data:`POLL_S` seconds.
+* :data:`held` (``with held:``): delivered only when the outermost section ends, never at a
+  wait (a kernel's result and the record that it ran must not be separated).
+
+Sections nest; the signals are delivered in the order they came, by calling the handler
+that was installed when they arrived (so a program's own SIGINT/SIGTERM/SIGHUP handlers
+still run, only later). Other threads never receive signals: there a section costs one
+``threading.get_ident()`` call and waits are not sliced.
+
+How, and what it costs
+----------------------
+Swapping the handler per section would cost two ``sigaction`` calls (21 µs on the
+development VM, more than a whole fetch-and-release hit). Instead the first section
+wraps each of SIGINT, SIGTERM and SIGHUP whose handler is a Python callable in
+:func:`_relay` (once; again only if a program installs a new handler later). The relay
+passes a signal straight to the wrapped handler when no section is open. A section costs
+a few attribute updates (~1 µs).
+
+What no code can close: a signal arriving in the few bytecodes between the end of the
+outermost section and the caller storing the returned value (``t = manager.fetch(k)``)
+is delivered there, and the value is lost. Callers that keep ownership in their own
+records (the step pipeline, the offload hooks) call inside their own ``at_waits`` section
+so that the signal waits until the record is made.
+
+Test hook
+---------
+:func:`wait_point` calls the hook set by :func:`set_wait_hook` (none in production: one
+global load and a test) with the wait's name, in whatever thread waits. A test raises
+from it to cut the code at the n-th wait deterministically.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import signal
+import threading
+import time
+from collections.abc import Callable
+from types import FrameType
+from typing import Any
+
+__all__ = [
+    "POLL_S",
+    "at_waits",
+    "deliver_pending",
+    "held",
+    "set_wait_hook",
+    "wait_cond",
+    "wait_future",
+    "wait_point",
+]
+
+#: Longest a wait in a section of the main thread sleeps before looking for a signal.
+POLL_S = 0.05
+
+# signal.getsignal wraps the C function in an int-to-enum conversion that costs ~3 µs a
+# call (this runs at every outermost section); the C one, where the interpreter has it.
+_getsignal: Callable[[int], Any] = getattr(
+    getattr(signal, "_signal", None), "getsignal", signal.getsignal
+)
+
+_SIGNALS = tuple(
+    getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name)
+)
+_SIGINT = signal.SIGINT
+_MAIN = threading.main_thread().ident
+
+Handler = Callable[[int, FrameType | None], Any]
+WaitHook = Callable[[str], None]
+
+
+class _State:
+    """Main-thread bookkeeping (only the main thread changes it; handlers run there too)."""
+
+    __slots__ = ("depth", "hard", "pending", "wrapped")
+
+    def __init__(self) -> None:
+        self.depth = 0  # sections open
+        self.hard = 0  # of which ``held``
+        self.pending: list[int] = []  # signals recorded, in order
+        self.wrapped: dict[int, Handler] = {}  # signal → the handler the relay calls
+
+
+_state = _State()
+_hook: WaitHook | None = None
+_get_ident = threading.get_ident
+
+
+def _relay(signum: int, frame: FrameType | None) -> None:
+    """The installed handler: record the signal inside a section, else pass it on."""
+    if _state.depth:
+        _state.pending.append(signum)
+        return
+    handler = _state.wrapped.get(signum)
+    if handler is not None:
+        handler(signum, frame)
+
+
+def _wrap_handlers() -> None:
+    """Put the relay in front of each Python-level handler not yet behind it. Handlers
+    that are not Python callables (SIG_DFL, SIG_IGN, or set from C) are left alone: such a
+    signal never raises in Python code."""
+    for signum in _SIGNALS:
+        current = _getsignal(signum)
+        if current is _relay or not callable(current):
+            continue
+        _state.wrapped[signum] = current
+        signal.signal(signum, _relay)
+
+
+def _deliver() -> None:
+    """Hand the recorded signals to their handlers (which may raise)."""
+    signums, _state.pending = _state.pending, []
+    for signum in signums:
+        handler = _state.wrapped.get(signum)
+        if handler is not None:
+            handler(signum, None)
+
+
+class _Section:
+    """``with`` block of :data:`at_waits` or :data:`held` (reentrant; state is global)."""
+
+    __slots__ = ("_hard",)
+
+    def __init__(self, *, hard: bool) -> None:
+        self._hard = hard
+
+    def __enter__(self) -> None:
+        if _get_ident() != _MAIN:
+            return
+        state = _state
+        # (SIGINT first: SIGTERM and SIGHUP handlers are set once, at a program's start.)
+        if not state.depth and _getsignal(_SIGINT) is not _relay:
+            _wrap_handlers()
+        state.depth += 1
+        if self._hard:
+            state.hard += 1
+
+    def __exit__(self, *exc: object) -> None:
+        if _get_ident() != _MAIN:
+            return
+        state = _state
+        if self._hard:
+            state.hard -= 1
+        if state.depth == 1 and state.pending:
+            # Taken while still inside: a signal arriving now joins the list rather than
+            # being handled between the two lines.
+            _deliver_last()
+            return
+        state.depth -= 1
+
+    def __repr__(self) -> str:
+        return "held" if self._hard else "at_waits"
+
+
+def _deliver_last() -> None:
+    """Leave the outermost section, handing over what it recorded."""
+    signums, _state.pending = _state.pending, []
+    _state.depth = 0
+    for signum in signums:
+        handler = _state.wrapped.get(signum)
+        if handler is not None:
+            handler(signum, None)
+
+
+#: Signals wait for the next :func:`wait_point` or the end of the outermost section.
+at_waits = _Section(hard=False)
+#: Signals wait for the end of the outermost section, waits or not.
+held = _Section(hard=True)
+
+
+def _deliverable() -> bool:
+    return bool(_state.pending) and not _state.hard and _get_ident() == _MAIN
+
+
+def deliver_pending() -> None:
+    """Deliver a signal recorded in an :data:`at_waits` section now (its handler may
+    raise :class:`KeyboardInterrupt`); nothing when none is, inside :data:`held`, or
+    outside the main thread."""
+    if _state.pending and _deliverable():
+        _deliver()
+
+
+def wait_point(name: str) -> None:
+    """Mark a place where the caller is about to block: the test hook runs (and may
+    raise), then a recorded signal is delivered (see :func:`deliver_pending`)."""
+    hook = _hook
+    if hook is not None:
+        hook(name)
+    if _state.pending and _deliverable():
+        _deliver()
+
+
+def set_wait_hook(hook: WaitHook | None) -> WaitHook | None:
+    """Install ``hook(name)``, called at every :func:`wait_point` in every thread (None
+    removes it); returns the previous one. For tests."""
+    global _hook
+    previous, _hook = _hook, hook
+    return previous
+
+
+def _sliced() -> bool:
+    """Whether a wait must wake up now and then to look for a recorded signal."""
+    return bool(_state.depth) and _get_ident() == _MAIN
+
+
+def wait_cond(cond: threading.Condition, timeout_s: float | None, name: str) -> bool:
+    """``cond.wait(timeout_s)`` (lock held) as a wait point: in a section of the main
+    thread it sleeps at most :data:`POLL_S` (a spurious wake-up for the caller, who loops
+    on its predicate anyway) and delivers a recorded signal afterwards, the lock held.
+
+    Returns what ``Condition.wait`` returns.
+    """
+    wait_point(name)
+    if not _sliced():
+        return cond.wait(timeout_s)
+    woken = cond.wait(POLL_S if timeout_s is None else min(timeout_s, POLL_S))
+    deliver_pending()
+    return woken
+
+
+def wait_future(future: concurrent.futures.Future[Any], timeout_s: float | None, name: str) -> bool:
+    """Wait until ``future`` is done or ``timeout_s`` (None: no limit) has passed, as a
+    wait point (see :func:`wait_cond`). Returns whether it is done; never raises its
+    exception."""
+    wait_point(name)
+    if not _sliced():
+        concurrent.futures.wait([future], timeout=timeout_s)
+        return future.done()
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while not future.done():
+        slice_s = POLL_S
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            slice_s = min(left, POLL_S)
+        concurrent.futures.wait([future], timeout=slice_s)
+        deliver_pending()
+    return True
