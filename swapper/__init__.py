@@ -34,11 +34,15 @@ if TYPE_CHECKING:
         AioConfig,
         AioEngine,
         Backend,
+        InvalidArgumentError,
+        StoreLockedError,
         SwapConfigError,
+        SwapCorruptionError,
         SwapEOFError,
         SwapError,
         SwapIOError,
         SwapNoSpaceError,
+        UnsafeSwapDirError,
     )
 
 __version__ = "0.1.0"
@@ -75,17 +79,56 @@ _SOURCES = {
             "AioConfig",
             "AioEngine",
             "Backend",
+            "InvalidArgumentError",
+            "StoreLockedError",
             "SwapConfigError",
+            "SwapCorruptionError",
             "SwapEOFError",
             "SwapError",
             "SwapIOError",
             "SwapNoSpaceError",
+            "UnsafeSwapDirError",
         ),
         "tiers",
     ),
 }
 
-__all__ = sorted([*_SOURCES, "__version__"])
+__all__ = [
+    "AioConfig",
+    "AioEngine",
+    "Backend",
+    "DynamicLossScaler",
+    "EntryState",
+    "InvalidArgumentError",
+    "Kind",
+    "ManagerConfig",
+    "ManagerStats",
+    "OffloadAdamW",
+    "OffloadConfig",
+    "OffloadedModel",
+    "Policy",
+    "StateDictError",
+    "StepFailedError",
+    "StepPendingError",
+    "StepReport",
+    "StoreLockedError",
+    "SwapConfigError",
+    "SwapCorruptionError",
+    "SwapEOFError",
+    "SwapEntry",
+    "SwapError",
+    "SwapIOError",
+    "SwapNoSpaceError",
+    "Tier",
+    "TierManager",
+    "UnsafeSwapDirError",
+    "__version__",
+    "offload",
+]
+
+
+if set(__all__) != {*_SOURCES, "__version__"}:  # pragma: no cover - a bug here
+    raise ImportError("swapper.__all__ and swapper._SOURCES disagree")
 
 
 def __getattr__(name: str) -> Any:

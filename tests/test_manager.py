@@ -1117,3 +1117,32 @@ def test_fetch_of_a_read_ahead_tensor_returns_its_window(tmp_path: Path) -> None
             m.release(k, modified=False)
         assert m.prefetch(["k2", "k3"], tier="host") == 2
         assert m.stats().prefetch_dropped == 0
+
+
+def test_a_corrupted_chunk_is_refused_and_the_entry_stays(tmp_path: Path) -> None:
+    """A byte flipped in the data file: fetch raises SwapCorruptionError (with
+    ``verify=False`` the bad bytes come back, which is what the switch is for)."""
+    from tiers.errors import SwapCorruptionError
+
+    t = torch.arange(4096, dtype=torch.float32)
+    for verify in (True, False):
+        swap = tmp_path / f"swap-{verify}"
+        config = ManagerConfig(device_nbytes=0, host_nbytes=None, nvme_dirs=[swap], verify=verify)
+        with TierManager(config) as manager:
+            manager.register("w", t, "optim_state")
+            manager.evict("w").result()
+            data = next(swap.glob("*.bin"))
+            with open(data, "r+b") as f:
+                f.seek(100)
+                byte = f.read(1)
+                f.seek(100)
+                f.write(bytes([byte[0] ^ 0x01]))
+            if verify:
+                with pytest.raises(SwapCorruptionError, match="w"):
+                    manager.fetch("w")
+                assert manager.info("w").state.value == "on_nvme"  # still registered
+            else:
+                got = manager.fetch("w")
+                assert not torch.equal(got, t)
+                manager.release("w", modified=False)
+            manager.close(remove=True)

@@ -7,14 +7,17 @@ from tiers.aio import AioEngine, IOFuture
 from tiers.config import AioConfig, Backend
 from tiers.errors import (
     BackendUnavailableError,
-    BufferPoolTimeout,
     EngineClosedError,
     EngineCloseTimeout,
+    InvalidArgumentError,
+    StoreLockedError,
     SwapConfigError,
+    SwapCorruptionError,
     SwapEOFError,
     SwapError,
     SwapIOError,
     SwapNoSpaceError,
+    UnsafeSwapDirError,
 )
 from tiers.files import SwapFile, make_private_dir
 
@@ -23,15 +26,18 @@ __all__ = [
     "AioEngine",
     "Backend",
     "BackendUnavailableError",
-    "BufferPoolTimeout",
     "EngineCloseTimeout",
     "EngineClosedError",
     "IOFuture",
+    "InvalidArgumentError",
+    "StoreLockedError",
     "SwapConfigError",
+    "SwapCorruptionError",
     "SwapEOFError",
     "SwapError",
     "SwapFile",
     "SwapIOError",
     "SwapNoSpaceError",
+    "UnsafeSwapDirError",
     "make_private_dir",
 ]

@@ -66,10 +66,6 @@ class BackendUnavailableError(SwapError, RuntimeError):
     """The asked-for I/O backend cannot run here; the message says why."""
 
 
-class BufferPoolTimeout(SwapError, TimeoutError):
-    """No buffer slot became free within the timeout."""
-
-
 # -- NVMe store: integrity and ownership ----------------------------------------------------
 
 

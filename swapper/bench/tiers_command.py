@@ -85,6 +85,7 @@ class TiersPlan:
     loops: int
     warmup: int
     checksum: bool
+    verify: bool = True
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -108,6 +109,7 @@ class TiersMeasurement:
             "ratio": self.ratio,
             "tensors": len(plan.tensor_nbytes),
             "checksum": plan.checksum,
+            "verify": plan.verify and plan.checksum,
         }
 
 
@@ -131,6 +133,13 @@ def add_tiers_arguments(p: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="hash every tensor written, as the manager does by default (default: on)",
+    )
+    p.add_argument(
+        "--verify",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="check every chunk fetched against its digest, as the manager does by default "
+        "(default: on; needs --checksum)",
     )
     p.add_argument("--seed", type=int, default=0, help="tensor sizes and contents (default 0)")
 
@@ -185,6 +194,7 @@ def build_plan(args: argparse.Namespace) -> TiersPlan:
         loops=args.loops or DEFAULT_LOOPS,
         warmup=DEFAULT_TIERS_WARMUP if args.warmup is None else args.warmup,
         checksum=args.checksum,
+        verify=args.verify,
     )
 
 
@@ -258,6 +268,7 @@ def _timed_passes(plan: TiersPlan, workspace: Workspace) -> tuple[dict[str, _Pas
         aio=plan.setting.aio_config(),
         placement={Kind.OPTIM_STATE: (Tier.HOST, Tier.NVME)},
         checksum=plan.checksum,
+        verify=plan.verify,
     )
     gen = torch.Generator().manual_seed(len(plan.tensor_nbytes))
     keys = [f"t{i:04d}" for i in range(len(plan.tensor_nbytes))]
@@ -355,7 +366,8 @@ def run_tiers_command(args: argparse.Namespace) -> int:
         f"({format_size(min(plan.tensor_nbytes))}-{format_size(max(plan.tensor_nbytes))}), "
         f"{format_size(plan.total_nbytes)} in all, in {where}; backend {s.backend.value}, "
         f"O_DIRECT, bs {format_size(s.block_size)} qd {s.queue_depth} threads {s.threads}, "
-        f"checksum {'on' if plan.checksum else 'off'}",
+        f"checksum {'on' if plan.checksum else 'off'}, "
+        f"verify {'on' if plan.verify and plan.checksum else 'off'}",
         flush=True,
     )
     print(

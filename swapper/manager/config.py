@@ -91,7 +91,11 @@ class ManagerConfig:
             ``"cuda:N"``.
         store_name: base name of the NVMe store's files.
         stripe_nbytes: tensors larger than this are striped over ``nvme_dirs``.
-        checksum: record a content hash (XXH3-64) of every tensor written to NVMe.
+        checksum: record a content hash (XXH3-64) of every chunk written to NVMe.
+        verify: check every chunk read from NVMe against the digest recorded when it was
+            written, before the tensor is handed out; a mismatch raises
+            :class:`~tiers.errors.SwapCorruptionError` (the entry stays registered, on
+            NVMe). Off only for disks you trust: nothing is checked without ``checksum``.
         host_arena_nbytes: size of each host arena (see :mod:`tiers.host`).
         mover_threads: threads that run ``evict`` and ``prefetch`` requests.
 
@@ -114,6 +118,7 @@ class ManagerConfig:
     store_name: str = "swapper-store"
     stripe_nbytes: int = 16 << 20
     checksum: bool = True
+    verify: bool = True
     host_arena_nbytes: int = 64 << 20
     mover_threads: int = 2
 
@@ -156,6 +161,8 @@ class ManagerConfig:
             raise SwapConfigError(f"store_name={self.store_name!r} must be a non-empty name")
         if not isinstance(self.checksum, bool):
             raise SwapConfigError(f"checksum={self.checksum!r} must be True or False")
+        if not isinstance(self.verify, bool):
+            raise SwapConfigError(f"verify={self.verify!r} must be True or False")
         threads = self.mover_threads
         if isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= 64:
             raise SwapConfigError(f"mover_threads={threads!r} must be an int from 1 to 64")

@@ -197,7 +197,10 @@ class TierManager:
             try:
                 if reopen:
                     self._store = NvmeStore.open(
-                        config.nvme_dirs, self._engine, name=config.store_name
+                        config.nvme_dirs,
+                        self._engine,
+                        name=config.store_name,
+                        verify=config.verify,
                     )
                     self._load_entries()
                 else:
@@ -206,6 +209,7 @@ class TierManager:
                         self._engine,
                         stripe_nbytes=config.stripe_nbytes,
                         checksum=config.checksum,
+                        verify=config.verify,
                         name=config.store_name,
                     )
             except BaseException:
