@@ -177,7 +177,9 @@ def replace_file(path: Path, data: bytes, what: str, *, keep_open: bool = False)
     With ``keep_open`` the new file's descriptor (open for writing) is returned, else None.
 
     Raises:
-        SwapIOError: a step failed; ``path`` is as it was and the temporary file is gone.
+        SwapIOError: a step failed; the temporary file is gone, and ``path`` is as it was
+            unless only the final directory fsync failed (then the new file is in place
+            but its rename may not survive a power cut).
     """
     tmp = path.parent / f".{path.name}.{secrets.token_hex(4)}.tmp"
     fd = -1
@@ -230,19 +232,3 @@ def remove_orphans(files: StoreFiles) -> list[Path]:
             ) from exc
         removed.append(path)
     return removed
-
-
-def check_regular(path: Path, what: str) -> None:
-    """Refuse anything but a regular file (or nothing) at ``path``, without following it.
-
-    Raises:
-        ManifestError: something else is there.
-    """
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return
-    except OSError as exc:
-        raise ManifestError(f"cannot inspect the {what} {path}: {exc.strerror}") from exc
-    if not stat.S_ISREG(st.st_mode):
-        raise ManifestError(f"the {what} {path} is {_kind(st.st_mode)}, not a regular file")
