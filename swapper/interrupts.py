@@ -23,7 +23,12 @@ The states while the handlers are in (:func:`install` for the whole process, or
     SETTLED ──any signal──▶ ignored
     leaving interrupts_raise(): the watchdog stops, the previous handlers come back
 
-SIGKILL (and SIGQUIT, left alone) still stop a tool at once.
+SIGKILL (and SIGQUIT, left alone) still stop a tool at once. The one cleanup the watchdog
+would cut is one that runs outside every except/finally/__exit__ of the Interrupted (code
+that stores the exception, cleans up, then raises it) for more than a second; none of
+swapper's does. Inside the swap code's own sections (:mod:`tiers.signals`, which puts its
+relay in front of these handlers) a signal is recorded there first and reaches
+:func:`_handler` at the next wait point or when the section ends.
 
 This module imports nothing but the standard library: :mod:`swapper.console` installs the
 handlers before torch is imported.
@@ -197,12 +202,14 @@ def install() -> None:
     process (main thread only; elsewhere this does nothing)."""
     if threading.current_thread() is not threading.main_thread():
         return
-    _reset()
+    _reset(armed=True)
     for sig in SIGNALS:
         signal.signal(sig, _handler)
 
 
-def _reset() -> None:
+def _reset(*, armed: bool) -> None:
+    """Back to RUNNING, the resending thread of the last installation gone; ``armed``:
+    a new one may start."""
     if _state.stop is not None:
         _state.settled = True  # a signal the resender sends meanwhile is ignored
         _state.stop.set()
@@ -211,7 +218,8 @@ def _reset() -> None:
     _state.depth = 0
     _state.pending = _state.fired = None
     _state.settled = False
-    _state.stop, _state.resender = threading.Event(), None
+    _state.stop = threading.Event() if armed else None
+    _state.resender = None
 
 
 @contextlib.contextmanager
@@ -234,8 +242,7 @@ def interrupts_raise() -> Iterator[None]:
     try:
         yield
     finally:
-        _reset()  # the resender is gone before the previous handlers are back
-        _state.stop = None
+        _reset(armed=False)  # the resender is gone before the previous handlers are back
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 
