@@ -3,6 +3,10 @@
 The public names below are imported on first use (PEP 562), not when the package is: the
 command-line tools (:mod:`swapper.console`) must install their signal handling before
 torch is imported, and importing any ``swapper.*`` module runs this file first.
+``from swapper import TierManager``, ``swapper.TierManager``, ``from swapper import *``
+and ``swapper.step.…`` after a bare ``import swapper`` work as before; the
+``TYPE_CHECKING`` imports say the same to type checkers, and a test keeps them,
+:data:`_LAZY` and ``__all__`` in step.
 """
 
 from __future__ import annotations
@@ -47,8 +51,8 @@ if TYPE_CHECKING:
 
 __version__ = "0.1.0"
 
-#: public name → the module it comes from
-_SOURCES = {
+#: Public name → the module it is imported from on first use.
+_LAZY: dict[str, str] = {
     **dict.fromkeys(
         (
             "EntryState",
@@ -127,18 +131,23 @@ __all__ = [
 ]
 
 
-if set(__all__) != {*_SOURCES, "__version__"}:  # pragma: no cover - a bug here
-    raise ImportError("swapper.__all__ and swapper._SOURCES disagree")
-
-
 def __getattr__(name: str) -> Any:
-    source = _SOURCES.get(name)
-    if source is None:
-        raise AttributeError(f"module 'swapper' has no attribute {name!r}")
-    value = getattr(importlib.import_module(source), name)
-    globals()[name] = value  # the next lookup does not come here
-    return value
+    """Import a public name on first use, then keep it as a global. A submodule's name
+    imports it (``import swapper; swapper.step.Piece`` works as when the package
+    imported its subpackages eagerly)."""
+    module = _LAZY.get(name)
+    if module is not None:
+        value = getattr(importlib.import_module(module), name)
+        globals()[name] = value
+        return value
+    if not name.startswith("__"):
+        try:
+            return importlib.import_module(f"{__name__}.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"{__name__}.{name}":
+                raise  # the submodule exists but something it imports does not
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *_SOURCES})
+    return sorted({*globals(), *__all__})

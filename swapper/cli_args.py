@@ -1,14 +1,51 @@
-"""What the command-line tools (``swapper-bench``, ``swapper-pressure``) share: one-line
-usage errors and argument types that keep their messages."""
+"""What the command-line tools (``swapper-bench``, ``swapper-pressure``) share: the run
+around their ``main`` (signals, exit codes, one-line errors), argument types that keep
+their messages, and output files written whole or not at all.
+
+Exit codes of both tools: 0 done; 1 the I/O or the library failed (one line on stderr);
+2 bad arguments (one line on stderr, no usage dump); 128 + signal number when stopped
+by SIGINT, SIGTERM or SIGHUP (130, 143, 129), after removing the files the tool made.
+
+Imports stay light (no torch): ``--help`` and bad arguments are answered without
+loading it.
+"""
 
 from __future__ import annotations
 
 import argparse
-from typing import NoReturn
+import contextlib
+import enum
+import json
+import os
+import signal
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any, NoReturn, TypeVar
 
+from swapper.interrupts import fired, interrupts_raise, settle
+from tiers.errors import SwapError
 from tiers.units import parse_size
 
-__all__ = ["OneLineParser", "UsageError", "count_arg", "one_line", "size_arg", "table"]
+__all__ = [
+    "OneLineParser",
+    "UsageError",
+    "at_least_arg",
+    "check_output_path",
+    "count_arg",
+    "enum_arg",
+    "int_arg",
+    "list_arg",
+    "one_line",
+    "output_file",
+    "run_tool",
+    "size_arg",
+    "table",
+    "write_json",
+]
+
+E = TypeVar("E", bound=enum.Enum)
+T = TypeVar("T")
 
 
 class UsageError(Exception):
@@ -22,7 +59,73 @@ class OneLineParser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
-# ArgumentTypeError keeps our message (argparse hides other errors').
+def run_tool(
+    prog: str,
+    argv: Sequence[str] | None,
+    body: Callable[[list[str]], int],
+    *,
+    interrupted_note: str = "",
+) -> int:
+    """Run a tool's ``body(arguments)`` with the exit codes of the module docstring.
+
+    Within it SIGINT, SIGTERM and SIGHUP raise
+    :class:`~swapper.interrupts.Interrupted` (installed here unless
+    :mod:`swapper.console` did so for the whole process), which unwinds through
+    ``body``'s cleanup; a later signal does not cut that short (see
+    :mod:`swapper.interrupts`). ``--help`` (argparse's SystemExit) returns its code.
+
+    Args:
+        prog: the tool's name, which starts every line it prints on stderr.
+        argv: the arguments (``None``: ``sys.argv[1:]``).
+        body: parses the arguments and runs the tool; returns the exit code.
+        interrupted_note: appended to the "interrupted" line, e.g. "; temporary files
+            removed".
+
+    Returns:
+        The exit code.
+    """
+    arguments = sys.argv[1:] if argv is None else list(argv)
+    with interrupts_raise():
+        try:
+            return_code = body(arguments)
+        except BaseException as exc:
+            if fired() is not None:
+                settle()  # first thing: from here on no signal raises again
+            code = _exit_code(prog, exc, interrupted_note)
+            if code is None:
+                raise
+            return_code = code
+        signum = fired()
+        if signum is None:
+            return return_code
+        settle()  # (also when the body caught the Interrupted and returned)
+        name = signal.Signals(signum).name
+        print(f"{prog}: interrupted ({name}){interrupted_note}", file=sys.stderr)
+        return 128 + signum
+
+
+def _exit_code(prog: str, exc: BaseException, interrupted_note: str) -> int | None:
+    """The exit code for ``exc``, with its line printed; ``None`` for an exception none
+    of the module docstring's (a bug: its traceback is wanted). After a signal, whatever
+    the cleanup raised is left unsaid: the signal's line is printed instead."""
+    if isinstance(exc, SystemExit):  # --help
+        return exc.code if isinstance(exc.code, int) else 0
+    if isinstance(exc, UsageError):
+        print(f"{prog}: error: {one_line(exc)}", file=sys.stderr)
+        return 2
+    if fired() is not None:
+        return 1
+    if isinstance(exc, KeyboardInterrupt):  # raised by the code itself, not by a signal
+        print(f"{prog}: interrupted{interrupted_note}", file=sys.stderr)
+        return 130
+    if isinstance(exc, (SwapError, OSError, MemoryError)):
+        print(f"{prog}: error: {one_line(str(exc) or type(exc).__name__)}", file=sys.stderr)
+        return 1
+    return None
+
+
+# ----------------------------------------------------------------------------------------
+# Argument types: ArgumentTypeError keeps our message (argparse hides other errors').
 
 
 def size_arg(text: str) -> int:
@@ -47,6 +150,69 @@ def count_arg(text: str) -> int:
     return int(value)
 
 
+def int_arg(text: str) -> int:
+    """A whole number."""
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+
+
+def at_least_arg(minimum: int) -> Callable[[str], int]:
+    """A whole number ``>= minimum``."""
+
+    def parse(text: str) -> int:
+        value = int_arg(text)
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
+
+    parse.__name__ = f"int>={minimum}"
+    return parse
+
+
+def enum_arg(cls: type[E], what: str) -> Callable[[str], E]:
+    """A member of the string enum ``cls`` by its value, any case; the error names
+    ``what`` and every value (``unknown backend 'x' (use auto, libaio, ...)``)."""
+
+    def parse(text: str) -> E:
+        try:
+            return cls(text.lower())
+        except ValueError:
+            names = ", ".join(str(member.value) for member in cls)
+            raise argparse.ArgumentTypeError(f"unknown {what} {text!r} (use {names})") from None
+
+    parse.__name__ = what
+    return parse
+
+
+def list_arg(parse: Callable[[str], T]) -> Callable[[str], list[T]]:
+    """Comma-separated values, each read by ``parse``: ``1MiB,4MiB``."""
+
+    def parse_list(text: str) -> list[T]:
+        items = [t.strip() for t in text.split(",")]
+        if not all(items):
+            raise argparse.ArgumentTypeError(f"empty item in list {text!r}")
+        return [parse(t) for t in items]
+
+    parse_list.__name__ = f"list of {getattr(parse, '__name__', 'values')}"
+    return parse_list
+
+
+# ----------------------------------------------------------------------------------------
+# Output
+
+
+def check_output_path(flag: str, path: Path | None) -> None:
+    """An output file's directory must exist.
+
+    Raises:
+        UsageError: it does not.
+    """
+    if path is not None and not path.resolve().parent.is_dir():
+        raise UsageError(f"{flag} {path}: directory {path.resolve().parent} does not exist")
+
+
 def one_line(text: object) -> str:
     """``text`` with every run of whitespace (newlines too) made one space: error messages
     print as one line."""
@@ -60,3 +226,23 @@ def table(rows: list[tuple[str, ...]]) -> list[str]:
         "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(cells))
         for cells in (list(zip(row, widths, strict=True)) for row in rows)
     ]
+
+
+@contextlib.contextmanager
+def output_file(path: str | os.PathLike[str]) -> Iterator[Path]:
+    """A temporary path beside ``path`` to write to; renamed to ``path`` when the block
+    ends, removed if it raises (an interrupted tool leaves no half-written file)."""
+    final = Path(path)
+    # same suffix: writers that pick a format by it (matplotlib) pick the right one
+    tmp = final.with_name(f".{final.stem}.tmp-{os.getpid()}{final.suffix}")
+    try:
+        yield tmp
+        os.replace(tmp, final)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def write_json(path: str | os.PathLike[str], data: Any) -> None:
+    """``data`` as indented JSON, written whole or not at all (see :func:`output_file`)."""
+    with output_file(path) as tmp:
+        tmp.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")

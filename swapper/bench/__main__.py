@@ -1,7 +1,5 @@
 """``python -m swapper.bench``: the same as the ``swapper-bench`` command."""
 
-import sys
+from swapper.console import bench
 
-from swapper.bench import main
-
-sys.exit(main())
+bench()

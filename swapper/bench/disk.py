@@ -5,7 +5,7 @@ What one run does::
     private temp dir (0700) in each --dir ─▶ one host buffer of --size bytes, filled with
     random bytes (untimed) ─▶ one file (0600) per dir, written once (untimed: creates and
     allocates the file) ─▶ for each setting: [warm-up +] timed writes, [warm-up +] timed
-    reads ─▶ everything removed (also on Ctrl-C and SIGTERM)
+    reads ─▶ everything removed (also on Ctrl-C, SIGTERM and SIGHUP)
 
 A pass moves the whole buffer: one request per file, all files at once, so the engine's
 own splitting (block_size pieces, queue_depth in flight per thread) is what is measured.
@@ -519,7 +519,7 @@ def _measure_aiofiles(
     setting: Setting, ops: Sequence[str], loops: int, warmup: int, target: _Target
 ) -> list[Measurement]:
     """Time ``ops`` through aiofiles (always buffered: it has no O_DIRECT path)."""
-    views = [memoryview(t.numpy()) for t in target.tensors]
+    views = [t.numpy().data for t in target.tensors]
 
     def before_read() -> str:
         fds = [os.open(p, os.O_RDONLY | os.O_CLOEXEC) for p in target.paths]
@@ -599,7 +599,8 @@ def run_disk(
 
     Raises:
         SwapError (SwapIOError, SwapNoSpaceError, BenchError...): the I/O failed.
-        Interrupted: SIGINT or SIGTERM (when :func:`interrupts_raise` is active).
+        Interrupted: SIGINT, SIGTERM or SIGHUP (when
+            :func:`~swapper.interrupts.interrupts_raise` is active).
     """
     start = time.perf_counter()
     measurements: list[Measurement] = []

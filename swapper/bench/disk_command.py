@@ -1,7 +1,7 @@
 """``swapper-bench disk`` from arguments to output: check, plan, run, report.
 
 Everything that can be wrong with the arguments is found before a file is made
-(:class:`~swapper.bench.cli.UsageError`, exit 2); the run itself only fails on I/O.
+(:class:`~swapper.cli_args.UsageError`, exit 2); the run itself only fails on I/O.
 """
 
 from __future__ import annotations
@@ -16,9 +16,8 @@ from tqdm import tqdm
 
 import swapper
 from swapper.bench import report
-from swapper.bench.cli import (
+from swapper.bench.args import (
     DEFAULT_BLOCK_SIZE,
-    DEFAULT_COMMAND,
     DEFAULT_LOOPS,
     DEFAULT_QUEUE_DEPTH,
     DEFAULT_SIZE_NBYTES,
@@ -29,12 +28,12 @@ from swapper.bench.cli import (
     SWEEP_BLOCK_SIZES,
     SWEEP_QUEUE_DEPTHS,
     SWEEP_THREADS,
-    UsageError,
+)
+from swapper.bench.checks import (
     check_backends,
     check_dirs,
     check_free_space,
     check_memory,
-    check_output_path,
     default_sweep_backends,
     filesystem_type,
 )
@@ -48,10 +47,12 @@ from swapper.bench.disk import (
     run_disk,
     split_nbytes,
 )
+from swapper.cli_args import UsageError, check_output_path
 from tiers.config import DIRECT_ALIGNMENT, AioConfig, Backend
 from tiers.errors import SwapConfigError
 from tiers.units import format_size
 
+COMMAND = "disk"
 _FLAGS = {"block_size": "--block-size", "queue_depth": "--queue-depth", "num_threads": "--threads"}
 
 
@@ -218,7 +219,7 @@ def header(plan: DiskPlan, sweep: bool) -> str:
             f" x threads {_values([s.threads for s in main])}"
             f" x backend {_values([s.backend.value for s in main])}"
         )
-    name = f"{PROG} {DEFAULT_COMMAND}{' --sweep' if sweep else ''}"
+    name = f"{PROG} {COMMAND}{' --sweep' if sweep else ''}"
     lines = [f"{name}: {_where(plan)}, {what}"]
     warm = f" after {plan.warmup} warm-up" if plan.warmup else ""
     passes = f"{plan.loops} timed pass{'es' if plan.loops > 1 else ''}{warm} per setting"
@@ -235,7 +236,7 @@ def header(plan: DiskPlan, sweep: bool) -> str:
 
 def _meta(plan: DiskPlan, run: DiskRun) -> dict[str, Any]:
     return {
-        "command": DEFAULT_COMMAND,
+        "command": COMMAND,
         "version": swapper.__version__,
         "dirs": [str(d) for d in plan.dirs],
         "filesystems": [filesystem_type(d) for d in plan.dirs],
@@ -260,7 +261,11 @@ def _run_with_progress(plan: DiskPlan) -> DiskRun:
         disable=None if show else True,  # None: only on a terminal
         leave=False,
     ) as bar:
-        return run_disk(plan, on_setting_done=lambda _done: bar.update(1))
+
+        def setting_done(_done: list[Measurement]) -> None:
+            bar.update(1)
+
+        return run_disk(plan, on_setting_done=setting_done)
 
 
 def _write_outputs(

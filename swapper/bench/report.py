@@ -6,13 +6,12 @@ Throughput is in GB/s with GB = 10^9 bytes (as fio and disk vendors count), ever
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 from swapper.bench.disk import ENGINE_SWAPPER, Measurement
+from swapper.cli_args import output_file, write_json
 from tiers.config import AioConfig
 from tiers.units import format_size
 
@@ -111,7 +110,7 @@ class Choice:
 
 def choices(measurements: Sequence[Measurement]) -> list[Choice]:
     """Swapper engine settings with their read and write figures paired up."""
-    by_key: dict[tuple[Any, ...], dict[str, float]] = {}
+    by_key: dict[tuple[str, bool, int, int, int], dict[str, float]] = {}
     for m in measurements:
         if m.setting.engine != ENGINE_SWAPPER:
             continue  # aiofiles is not a setting swapper can use
@@ -183,10 +182,6 @@ def format_best(best: dict[str, Choice], options: Sequence[Choice] = ()) -> str:
 
 # ----------------------------------------------------------------------------------------
 # Files
-
-
-def write_json(path: str | os.PathLike[str], data: Any) -> None:
-    Path(path).write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
 
 
 def write_results(
@@ -301,5 +296,8 @@ def write_plot(path: str | os.PathLike[str], measurements: Sequence[Measurement]
         ax.legend(fontsize="small")
     fig.suptitle("swapper-bench disk")
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    try:
+        with output_file(path) as tmp:
+            fig.savefig(tmp, dpi=100)
+    finally:
+        plt.close(fig)

@@ -32,57 +32,30 @@ from typing import Any
 import torch
 
 import swapper
-from swapper.bench import report
-from swapper.bench.cli import (
-    UsageError,
-    check_dirs,
-    check_free_space,
-    check_memory,
-    check_output_path,
+from swapper.bench.args import (
+    DEFAULT_PARAMS,
+    DEFAULT_STEP_WARMUP,
+    DEFAULT_STEPS,
+    DEFAULT_SUB_GROUP,
+    PROG,
 )
-from swapper.bench.disk import Workspace
-from swapper.cli_args import count_arg, size_arg, table
+from swapper.bench.checks import check_dirs, check_free_space, check_memory
+from swapper.bench.disk import BenchError, Workspace
+from swapper.cli_args import UsageError, check_output_path, table, write_json
 from swapper.manager import ManagerConfig
 from swapper.step import OffloadAdamW, StepPipeline
 from swapper.step.layout import plan_sub_groups
 from tiers.config import AioConfig
 from tiers.units import format_size
 
-DEFAULT_PARAMS = 200_000_000
-DEFAULT_SUB_GROUP = 25_000_000
-DEFAULT_STEPS = 3
-DEFAULT_WARMUP = 1
+COMMAND = "step"
 #: Parameters are tensors of at most this many elements (like a model's layers), so that
 #: sub-groups cut through some of them.
 TENSOR_NUMEL = 10_000_000
 STATE_BYTES_PER_PARAM = 12
 PASSES = ("io-only", "compute-only", "step", "legacy")
 
-__all__ = ["add_step_arguments", "build_plan", "run_step_command", "summarize"]
-
-
-def add_step_arguments(p: argparse.ArgumentParser) -> None:
-    """The flags of ``step`` (besides the shared --dir and --json; --size is unused)."""
-    p.add_argument("--params", type=count_arg, metavar="N", help="parameters (default 200M)")
-    p.add_argument(
-        "--sub-group", type=count_arg, metavar="N", help="elements per sub-group (default 25M)"
-    )
-    p.add_argument("--steps", type=int, metavar="N", help=f"timed rounds (default {DEFAULT_STEPS})")
-    p.add_argument("--warmup", type=int, metavar="N", help=f"default {DEFAULT_WARMUP}")
-    p.add_argument(
-        "--host-budget",
-        type=size_arg,
-        metavar="SIZE",
-        help="host (pinned) budget of each NVMe-backed optimizer; bounds the sub-groups in "
-        "flight (default: 4 sub-groups' state)",
-    )
-    p.add_argument(
-        "--legacy-grad-swap",
-        action="store_true",
-        help="also time steps that write fp32 gradients to NVMe and read them back "
-        "(DeepSpeed ZeRO-Infinity's way)",
-    )
-    p.add_argument("--seed", type=int, default=0, help="parameters and gradients (default 0)")
+__all__ = ["build_plan", "run_step_command", "summarize"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -126,16 +99,13 @@ def build_plan(args: argparse.Namespace) -> StepPlan:
         raise UsageError("--size does not apply to 'step': give --params")
     params = args.params or DEFAULT_PARAMS
     sub_group = args.sub_group or DEFAULT_SUB_GROUP
-    for flag, value, least in (("--steps", args.steps, 1), ("--warmup", args.warmup, 0)):
-        if value is not None and value < least:
-            raise UsageError(f"{flag} must be at least {least}, got {value}")
     check_output_path("--json", args.json)
     plan = StepPlan(
         dirs=dirs,
         params=params,
         sub_group=sub_group,
         steps=args.steps or DEFAULT_STEPS,
-        warmup=DEFAULT_WARMUP if args.warmup is None else args.warmup,
+        warmup=DEFAULT_STEP_WARMUP if args.warmup is None else args.warmup,
         host_nbytes=0,
         legacy=args.legacy_grad_swap,
         seed=args.seed,
@@ -236,6 +206,8 @@ def _run_rounds(plan: StepPlan, dirs: list[Path], say: Callable[[str], None]) ->
         def optimizer_step(opt: OffloadAdamW) -> _Outcome:
             opt.step()
             report_ = opt.last_step
+            if report_ is None:  # step() returns only once its report is set
+                raise BenchError("OffloadAdamW.step() returned without a report (last_step)")
             return _Outcome(report_.seconds, report_.traffic, report_.stall_seconds)
 
         runs: dict[str, Callable[[], _Outcome]] = {"io-only": io_only}
@@ -358,7 +330,7 @@ def run_step_command(args: argparse.Namespace) -> int:
     plan = build_plan(args)
     where = ", ".join(str(d) for d in plan.dirs)
     print(
-        f"swapper-bench step: {plan.params:,} bf16 params, {len(plan.sub_groups())} sub-groups "
+        f"{PROG} {COMMAND}: {plan.params:,} bf16 params, {len(plan.sub_groups())} sub-groups "
         f"of {plan.sub_group:,}, {format_size(plan.state_nbytes)} of fp32 state per store, "
         f"in {where}; host budget {format_size(plan.host_nbytes)} per store; "
         f"{plan.steps} timed round(s) after {plan.warmup} warm-up",
@@ -373,7 +345,7 @@ def run_step_command(args: argparse.Namespace) -> int:
     doc = summarize(plan, results)
     print(format_table(doc))
     if args.json is not None:
-        meta = {"command": "step", "version": swapper.__version__, "torch": torch.__version__}
-        report.write_json(args.json, {**doc, "meta": meta})
+        meta = {"command": COMMAND, "version": swapper.__version__, "torch": torch.__version__}
+        write_json(args.json, {**doc, "meta": meta})
         print(f"results written to {args.json}")
     return 0

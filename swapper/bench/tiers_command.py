@@ -31,18 +31,22 @@ from typing import Any
 import torch
 
 import swapper
-from swapper.bench import report
-from swapper.bench.cli import (
+from swapper.bench.args import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_LOOPS,
     DEFAULT_QUEUE_DEPTH,
+    DEFAULT_TENSOR_MAX_NBYTES,
+    DEFAULT_TENSOR_MIN_NBYTES,
     DEFAULT_THREADS,
-    UsageError,
+    DEFAULT_TIERS_SIZE_NBYTES,
+    DEFAULT_TIERS_WARMUP,
+    PROG,
+)
+from swapper.bench.checks import (
     check_backends,
     check_dirs,
     check_free_space,
     check_memory,
-    check_output_path,
 )
 from swapper.bench.disk import (
     ENGINE_SWAPPER,
@@ -55,7 +59,7 @@ from swapper.bench.disk import (
     fill_random,
     split_nbytes,
 )
-from swapper.cli_args import size_arg, table
+from swapper.cli_args import UsageError, check_output_path, table, write_json
 from swapper.manager import Kind, ManagerConfig, Tier, TierManager
 from tiers.aio import AioEngine
 from tiers.buffers import allocate
@@ -63,14 +67,7 @@ from tiers.config import DIRECT_ALIGNMENT, Backend
 from tiers.nvme import content_hash
 from tiers.units import format_size
 
-DEFAULT_TIERS_SIZE_NBYTES = 1 << 30
-#: Untimed passes: the store writes a new version beside the old one and frees the old
-#: one only when the new one is durable (nothing is lost if a write fails), so the first
-#: two passes allocate fresh file space; from the third on it reuses freed extents, the
-#: steady state of a training loop.
-DEFAULT_TIERS_WARMUP = 2
-DEFAULT_TENSOR_MIN_NBYTES = 4 << 20
-DEFAULT_TENSOR_MAX_NBYTES = 64 << 20
+COMMAND = "tiers"
 _ELEMENT_NBYTES = 2  # bf16
 
 
@@ -113,37 +110,6 @@ class TiersMeasurement:
         }
 
 
-def add_tiers_arguments(p: argparse.ArgumentParser) -> None:
-    """The flags of ``tiers`` (besides the shared --dir, --size, --json)."""
-    p.add_argument("--tensor-min", type=size_arg, metavar="SIZE", help="default 4MiB")
-    p.add_argument("--tensor-max", type=size_arg, metavar="SIZE", help="default 64MiB")
-    p.add_argument(
-        "--block-size",
-        type=size_arg,
-        metavar="SIZE",
-        help=f"bytes per kernel request (default {format_size(DEFAULT_BLOCK_SIZE)})",
-    )
-    p.add_argument("--queue-depth", type=int, metavar="N", help=f"default {DEFAULT_QUEUE_DEPTH}")
-    p.add_argument("--threads", type=int, metavar="N", help=f"default {DEFAULT_THREADS}")
-    p.add_argument("--backend", metavar="NAME", help="auto, libaio, kernel or threads")
-    p.add_argument("--loops", type=int, metavar="N", help=f"timed passes (default {DEFAULT_LOOPS})")
-    p.add_argument("--warmup", type=int, metavar="N", help=f"default {DEFAULT_TIERS_WARMUP}")
-    p.add_argument(
-        "--checksum",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="hash every tensor written, as the manager does by default (default: on)",
-    )
-    p.add_argument(
-        "--verify",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="check every chunk fetched against its digest, as the manager does by default "
-        "(default: on; needs --checksum)",
-    )
-    p.add_argument("--seed", type=int, default=0, help="tensor sizes and contents (default 0)")
-
-
 def build_plan(args: argparse.Namespace) -> TiersPlan:
     """Check the arguments and draw the tensor sizes.
 
@@ -158,19 +124,7 @@ def build_plan(args: argparse.Namespace) -> TiersPlan:
         raise UsageError(f"--tensor-min {low} and --tensor-max {high}: need 0 < min <= max")
     if total < low:
         raise UsageError(f"--size {format_size(total)} is smaller than --tensor-min")
-    for flag, value, least in (
-        ("--loops", args.loops, 1),
-        ("--warmup", args.warmup, 0),
-        ("--queue-depth", args.queue_depth, 1),
-        ("--threads", args.threads, 1),
-    ):
-        if value is not None and value < least:
-            raise UsageError(f"{flag} must be at least {least}, got {value}")
-    try:
-        backend = check_backends([Backend(args.backend or "auto")])[0]
-    except ValueError:
-        names = "auto, libaio, kernel or threads"
-        raise UsageError(f"--backend {args.backend!r}: use {names}") from None
+    backend = check_backends([args.backend or Backend.AUTO])[0]
     setting = Setting(
         engine=ENGINE_SWAPPER,
         backend=backend,
@@ -362,7 +316,7 @@ def run_tiers_command(args: argparse.Namespace) -> int:
     s = plan.setting
     where = ", ".join(str(d) for d in plan.dirs)
     print(
-        f"swapper-bench tiers: {len(plan.tensor_nbytes)} bf16 tensors "
+        f"{PROG} {COMMAND}: {len(plan.tensor_nbytes)} bf16 tensors "
         f"({format_size(min(plan.tensor_nbytes))}-{format_size(max(plan.tensor_nbytes))}), "
         f"{format_size(plan.total_nbytes)} in all, in {where}; backend {s.backend.value}, "
         f"O_DIRECT, bs {format_size(s.block_size)} qd {s.queue_depth} threads {s.threads}, "
@@ -379,8 +333,8 @@ def run_tiers_command(args: argparse.Namespace) -> int:
     results = run_tiers(plan)
     print(format_table(results))
     if args.json is not None:
-        meta = {"command": "tiers", "version": swapper.__version__, "gb": "10^9 bytes"}
+        meta = {"command": COMMAND, "version": swapper.__version__, "gb": "10^9 bytes"}
         records = [r.to_record(plan) for r in results]
-        report.write_json(args.json, {"results": records, "meta": meta})
+        write_json(args.json, {"results": records, "meta": meta})
         print(f"results written to {args.json}")
     return 0

@@ -1,7 +1,5 @@
 """``python -m swapper.pressure``: the same as the ``swapper-pressure`` command."""
 
-import sys
+from swapper.console import pressure
 
-from swapper.pressure.cli import main
-
-sys.exit(main())
+pressure()

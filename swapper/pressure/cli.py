@@ -2,22 +2,29 @@
 
 Exit codes: 0 the runs are bit-identical and every tier stayed within its budget; 1 they
 differ, a budget was exceeded, or the tiers failed (one line on stderr); 2 bad arguments;
-128 + the signal number on SIGINT (130), SIGTERM (143) or SIGHUP (129), its swap files
-removed.
+128 + signal number when stopped by SIGINT, SIGTERM or SIGHUP (130, 143, 129), its swap
+directories removed (:func:`swapper.cli_args.run_tool`).
+
+This module imports no torch: ``--help`` and bad arguments are answered without it, and
+the runner (which loads it) is imported once the arguments are good.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from swapper.cli_args import OneLineParser, UsageError, count_arg, one_line, size_arg
-from swapper.interrupts import Interrupted, interrupts_raise
-from tiers.errors import SwapError
+from swapper.cli_args import (
+    OneLineParser,
+    check_output_path,
+    count_arg,
+    run_tool,
+    size_arg,
+    write_json,
+)
 from tiers.units import format_size
 
 if TYPE_CHECKING:
@@ -61,7 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         type=Path,
         metavar="DIR",
-        help="swap directory (repeat for several; default: a temporary one)",
+        help="directory to swap to (repeat for several); a private directory is made "
+        "inside and removed at exit (default: a temporary directory)",
     )
     p.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16", help="default bf16")
     p.add_argument("--batch", type=int, default=4, metavar="N", help="sequences per step")
@@ -78,52 +86,33 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run ``swapper-pressure``; returns the exit code (see the module docstring)."""
-    argv = sys.argv[1:] if argv is None else list(argv)
-    try:
-        with interrupts_raise():
-            return _main(argv)
-    except Interrupted as exc:
-        print(f"{PROG}: interrupted by {exc}; its files removed", file=sys.stderr)
-        return exc.exit_code
+    """Run ``swapper-pressure`` with ``argv`` (default ``sys.argv[1:]``); returns the exit
+    code (see the module docstring)."""
+    return run_tool(PROG, argv, _run, interrupted_note="; its files removed")
 
 
-def _main(argv: list[str]) -> int:
-    try:
-        try:
-            args = build_parser().parse_args(argv)
-        except SystemExit as exc:  # --help
-            return exc.code if isinstance(exc.code, int) else 0
-        from swapper.pressure.runner import PressureSettings, run_pressure
+def _run(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    check_output_path("--json", args.json)
+    from swapper.pressure.runner import PressureSettings, run_pressure  # torch loads now
 
-        settings = PressureSettings(
-            params=args.params,
-            steps=args.steps,
-            seed=args.seed,
-            device_nbytes=args.device_budget,
-            host_nbytes=args.host_budget,
-            dirs=tuple(args.dirs or ()),
-            dtype=args.dtype,
-            batch=args.batch,
-            seq=args.seq,
-            sub_group_numel=args.sub_group,
-            lr=args.lr,
-        )
-        result = run_pressure(settings, say=lambda line: print(line, flush=True))
-    except UsageError as exc:
-        print(f"{PROG}: error: {one_line(exc)}", file=sys.stderr)
-        return 2
-    except Interrupted:
-        raise
-    except KeyboardInterrupt:
-        print(f"{PROG}: interrupted", file=sys.stderr)
-        return 130
-    except (SwapError, OSError, MemoryError) as exc:
-        print(f"{PROG}: error: {one_line(str(exc) or type(exc).__name__)}", file=sys.stderr)
-        return 1
+    settings = PressureSettings(
+        params=args.params,
+        steps=args.steps,
+        seed=args.seed,
+        device_nbytes=args.device_budget,
+        host_nbytes=args.host_budget,
+        dirs=tuple(args.dirs or ()),
+        dtype=args.dtype,
+        batch=args.batch,
+        seq=args.seq,
+        sub_group_numel=args.sub_group,
+        lr=args.lr,
+    )
+    result = run_pressure(settings, say=lambda line: print(line, flush=True))
     print(_summary(result))
     if args.json is not None:
-        args.json.write_text(json.dumps(result.to_json(), indent=2) + "\n", encoding="utf-8")
+        write_json(args.json, result.to_json())
         print(f"results written to {args.json}")
     if not result.identical:
         print(f"{PROG}: FAILED: the budgeted run differs from the unlimited one", file=sys.stderr)

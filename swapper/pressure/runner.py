@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
-import os
+import shutil
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from swapper.interrupts import critical
 from swapper.manager import ManagerStats, Tier
 from swapper.pressure.model import GPT, GPTConfig, batches, materialize_
 from swapper.step import DynamicLossScaler, OffloadAdamW
@@ -55,7 +56,8 @@ class PressureSettings:
         seed: model initialisation and data.
         device_nbytes: device budget (``None``: a quarter of the 16-bit parameters).
         host_nbytes: host budget (``None``: a quarter of the optimizer state, 12 B/param).
-        dirs: swap directories (empty: a temporary directory, removed after).
+        dirs: directories to swap to; a private directory is made in each and removed
+            after (empty: one temporary directory).
         dtype: ``"bf16"`` or ``"fp16"`` (fp16 trains with a dynamic loss scaler).
         batch, seq: sequences per step and tokens per sequence.
         sub_group_numel: optimizer sub-group size (``None``: what lets the host budget
@@ -405,11 +407,22 @@ def _return_freed_memory() -> None:
 
 @contextlib.contextmanager
 def _swap_dirs(dirs: tuple[Path, ...]) -> Iterator[list[Path]]:
-    if dirs:
-        yield [Path(d) / f"swapper-pressure-{os.getpid()}" for d in dirs]
-        return
-    with tempfile.TemporaryDirectory(prefix="swapper-pressure-") as tmp:
-        yield [Path(tmp) / "swap"]
+    """A private directory (0700) made in each of ``dirs`` (none given: one temporary
+    directory), each removed with all in it when the block ends, however it ends.
+
+    Yields a path inside each for the store to create: whatever the store leaves behind
+    (an interrupt while it was being made, a close that failed) goes with the directory.
+    """
+    made: list[Path] = []
+    try:
+        for parent in dirs or (None,):
+            with critical():  # made and recorded together: a signal never splits them
+                made.append(Path(tempfile.mkdtemp(prefix="swapper-pressure-", dir=parent)))
+        yield [d / "swap" for d in made]
+    finally:
+        with critical():  # a signal waits until every directory is gone
+            for d in made:
+                shutil.rmtree(d, ignore_errors=True)
 
 
 def _same_floats(a: list[float], b: list[float]) -> bool:
