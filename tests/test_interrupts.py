@@ -328,7 +328,7 @@ class Injector:
 @dataclasses.dataclass(eq=False)
 class _Request:
     go: threading.Event
-    held: bool  # waits for a wait point of the main thread
+    held: bool  # waits for a wait point of the main thread (``Gates.hold_others``)
     cut: bool = False  # its wait was the one cut: waits for the test
 
 
@@ -350,10 +350,8 @@ class Gates:
         self.hold_others = False
 
     def gated(self, real: Callable[..., Any], store: NvmeStore, *args: Any) -> Any:
-        # The main thread's requests wait for its next wait point: whether it has to
-        # wait (for a victim's write, for the window) is then never a matter of timing.
         main = threading.current_thread() is threading.main_thread()
-        request = _Request(threading.Event(), held=main or self.hold_others)
+        request = _Request(threading.Event(), held=self.hold_others and not main)
         self.local.request = request
         self.requests.append(request)
         future: concurrent.futures.Future[int] = concurrent.futures.Future()
@@ -600,7 +598,7 @@ class RegisterBehindAWrite(Case):
         try:
             if m.info("a").tier is not None:
                 m.evict("a")
-                assert _until(lambda: m._writebehind.used_nbytes > 0)  # its window taken
+                assert _until(lambda: m.info("a").state is EntryState.WRITING)
             m.register("new", self.new, Kind.OPTIM_STATE)
         finally:
             gates.hold_others = False
