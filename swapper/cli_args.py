@@ -16,6 +16,7 @@ import argparse
 import contextlib
 import enum
 import json
+import math
 import os
 import signal
 import sys
@@ -31,6 +32,7 @@ __all__ = [
     "OneLineParser",
     "UsageError",
     "at_least_arg",
+    "check_dirs",
     "check_output_path",
     "count_arg",
     "enum_arg",
@@ -124,6 +126,25 @@ def _exit_code(prog: str, exc: BaseException, interrupted_note: str) -> int | No
     return None
 
 
+def check_dirs(dirs: Sequence[Path] | None) -> list[Path]:
+    """The --dir values (the current directory if none), absolute; each must be an existing,
+    writable directory. Checked before any work starts, so a typo costs nothing.
+
+    Raises:
+        UsageError: one is missing, not a directory, or not writable.
+    """
+    out = []
+    for d in dirs or [Path(".")]:
+        if not d.exists():
+            raise UsageError(f"--dir {d}: no such directory")
+        if not d.is_dir():
+            raise UsageError(f"--dir {d}: not a directory")
+        if not os.access(d, os.W_OK | os.X_OK):
+            raise UsageError(f"--dir {d}: not writable")
+        out.append(d.resolve())
+    return out
+
+
 # ----------------------------------------------------------------------------------------
 # Argument types: ArgumentTypeError keeps our message (argparse hides other errors').
 
@@ -145,7 +166,8 @@ def count_arg(text: str) -> int:
         value = float(number) * scale
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a count (e.g. 200M)") from None
-    if value != int(value) or value <= 0:
+    # inf and nan are floats too: refuse them here rather than overflow in int() below.
+    if not math.isfinite(value) or value != int(value) or value <= 0:
         raise argparse.ArgumentTypeError(f"{text!r} must be a whole number > 0")
     return int(value)
 

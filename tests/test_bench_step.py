@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
@@ -89,3 +90,9 @@ def test_count_suffixes() -> None:
     assert _count("1.5G") == 1_500_000_000
     assert _count("4096") == 4096
     assert _count("25k") == 25_000
+
+
+@pytest.mark.parametrize("text", ["0", "-5", "inf", "-inf", "nan", "1e400", "2.5", "abc", "M"])
+def test_count_refuses_what_is_not_a_positive_whole_number(text: str) -> None:
+    with pytest.raises(argparse.ArgumentTypeError):
+        _count(text)

@@ -141,3 +141,26 @@ def test_cli_budget_too_small_for_largest_module_exits_1(
     assert "65536" in lines[0]
     # the failed run left nothing behind either
     assert list(swap.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--params", "inf"], "must be a whole number"),
+        (["--params", "nan"], "must be a whole number"),
+        (["--dir", "{missing}"], "no such directory"),
+        (["--dir", "{file}"], "not a directory"),
+    ],
+)
+def test_cli_bad_arguments_exit_2_before_any_work(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], message: str
+) -> None:
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    argv = [a.format(missing=tmp_path / "nope", file=a_file) for a in argv]
+    code = main([*argv, "--steps", "1"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert message in err
+    assert "Traceback" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]  # nothing made

@@ -6,12 +6,11 @@ names the flag at fault and what to do.
 
 from __future__ import annotations
 
-import os
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
-from swapper.cli_args import UsageError
+from swapper.cli_args import UsageError, check_dirs
 from tiers.aio import resolve_backend
 from tiers.config import Backend
 from tiers.errors import BackendUnavailableError
@@ -25,24 +24,6 @@ __all__ = [
     "default_sweep_backends",
     "filesystem_type",
 ]
-
-
-def check_dirs(dirs: Sequence[Path] | None) -> list[Path]:
-    """The --dir values, absolute; each must be an existing, writable directory.
-
-    Raises:
-        UsageError: one is missing, not a directory, or not writable.
-    """
-    out = []
-    for d in dirs or [Path(".")]:
-        if not d.exists():
-            raise UsageError(f"--dir {d}: no such directory")
-        if not d.is_dir():
-            raise UsageError(f"--dir {d}: not a directory")
-        if not os.access(d, os.W_OK | os.X_OK):
-            raise UsageError(f"--dir {d}: not writable")
-        out.append(d.resolve())
-    return out
 
 
 def check_free_space(dirs: Sequence[Path], file_nbytes: int) -> None:

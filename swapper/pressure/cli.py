@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from swapper.cli_args import (
     OneLineParser,
+    check_dirs,
     check_output_path,
     count_arg,
     run_tool,
@@ -102,7 +103,7 @@ def _run(argv: list[str]) -> int:
         seed=args.seed,
         device_nbytes=args.device_budget,
         host_nbytes=args.host_budget,
-        dirs=tuple(args.dirs or ()),
+        dirs=tuple(check_dirs(args.dirs)) if args.dirs else (),
         dtype=args.dtype,
         batch=args.batch,
         seq=args.seq,
