@@ -8,7 +8,9 @@ collectives behave like the simulation.
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
+from pathlib import Path
 
 import pytest
 import torch
@@ -305,3 +307,16 @@ def test_layout_refuses_mixed_dtypes_and_bad_indices() -> None:
         module_layout(plan, [2])
     with pytest.raises(InvalidArgumentError, match="repeated"):
         module_layout(plan, [0, 0])
+
+
+def test_partition_balance_tool_prints_both_figures(capsys: pytest.CaptureFixture[str]) -> None:
+    path = Path(__file__).resolve().parents[1] / "tools" / "partition_balance.py"
+    spec = importlib.util.spec_from_file_location("partition_balance", path)
+    assert spec is not None and spec.loader is not None
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    assert tool.main(["--world-size", "4", "--params", "2M"]) == 0
+    out = capsys.readouterr().out
+    balanced = float(out.split("balanced")[1].split("max/mean")[1].split()[0])
+    contiguous = float(out.split("contiguous")[1].split("max/mean")[1].split()[0])
+    assert balanced <= 1.25 < 2.0 < contiguous
