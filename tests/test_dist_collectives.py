@@ -47,8 +47,7 @@ from swapper.distributed import (
     start_fetch,
 )
 from swapper.distributed.partition import PartitionPlan
-
-pytestmark = pytest.mark.dist
+from tiers.errors import InvalidArgumentError
 
 # -- harness ----------------------------------------------------------------------------
 
@@ -266,6 +265,14 @@ def _happy(rank: int, world: int) -> dict[str, Any]:
                     assert bool((out[piece.index][piece.real_numel :] == 0).all())
                     seen["rs"] += 1
 
+    # a blocking fetch (async_op=False) is done on return
+    plan = plan_partition(infos, world)
+    lay = module_layout(plan, _modules(plan)[2])
+    pf = start_fetch(lay, _local_shards(plan, full, rank), dg, dtype=torch.bfloat16,
+                     device=cpu, method="all_reduce", async_op=False)  # fmt: skip
+    assert pf.done
+    assert all(torch.equal(_bits(pf.views[i]), _bits(full[i])) for i in lay.indices)
+
     # norm and overflow: one small all_reduce, equal on every rank
     norm, overflow = reduce_norm_and_overflow(dg, float(rank + 1), rank == world - 1)
     assert norm == math.sqrt(sum(range(1, world + 1))) and overflow
@@ -298,6 +305,7 @@ def _happy(rank: int, world: int) -> dict[str, Any]:
     return seen
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("world", [2, 4])
 def test_fetch_grads_norm_agreement_and_model_check(world: int, tmp_path: Path) -> None:
     values = _values(_spawn(_happy, world, tmp_path))
@@ -307,7 +315,7 @@ def test_fetch_grads_norm_agreement_and_model_check(world: int, tmp_path: Path) 
         assert v["rs"] > 0
         assert v["peer_failed"][0] == (1,) and v["peer_failed"][2] == "agree"
         index, _, other, message = v["mismatch"]
-        assert index == 3 and other == world - 1
+        assert index == 3 and other == world - 1 and v["mismatch"][1] == "fc.weight"
         assert "fc.weight" in message and "(61, 29)" in message and "(29, 61)" in message
         assert v["missing"] == (len(SPEC) - 1, 1)
     assert [v["peer_failed"][1] for v in values] == list(range(world))
@@ -344,6 +352,7 @@ def _stalls(rank: int, world: int, tmp: str) -> float:
     return time.monotonic() - t0
 
 
+@pytest.mark.dist
 def test_a_rank_that_raises_and_exits_makes_every_other_rank_raise(tmp_path: Path) -> None:
     t0 = time.monotonic()
     results = _spawn(_dies, 3, tmp_path, pg_timeout_s=10, join_s=40)
@@ -358,6 +367,7 @@ def test_a_rank_that_raises_and_exits_makes_every_other_rank_raise(tmp_path: Pat
     assert time.monotonic() - t0 < 40
 
 
+@pytest.mark.dist
 def test_a_stalled_rank_is_a_timeout_error_not_a_hang(tmp_path: Path) -> None:
     results = _spawn(_stalls, 2, tmp_path, str(tmp_path), pg_timeout_s=1.5, join_s=40)
     res = results[0]
@@ -368,3 +378,31 @@ def test_a_stalled_rank_is_a_timeout_error_not_a_hang(tmp_path: Path) -> None:
     seconds = float(res["message"].rsplit("[after ", 1)[1].split(" s]")[0])
     assert 1.0 <= seconds < 10.0  # the 1.5 s timeout found it; the sleeper was still there
     assert results[1]["value"] >= seconds - 0.5
+
+
+def test_bad_arguments_are_refused_before_any_collective() -> None:
+    # no process group: a collective would fail, so these must raise before one starts
+    dg = DistGroup(None, 0, 2, "gloo", timedelta(seconds=1), torch.device("cpu"))
+    plan = plan_partition(_infos(), 2)
+    lay = module_layout(plan, _modules(plan)[2])  # fc.weight (sharded), fc.bias (whole)
+    shards = _local_shards(plan, _full_params(1), 0)
+    cpu = torch.device("cpu")
+    with pytest.raises(InvalidArgumentError, match="fetch_collective='broadcast'"):
+        start_fetch(lay, shards, dg, dtype=torch.bfloat16, device=cpu, method="broadcast")
+    with pytest.raises(InvalidArgumentError, match=r"no shard of 'fc\.weight'"):
+        start_fetch(lay, {}, dg, dtype=torch.bfloat16, device=cpu)
+    wrong = {i: t.float() for i, t in shards.items()}
+    with pytest.raises(InvalidArgumentError, match="need"):
+        start_fetch(lay, wrong, dg, dtype=torch.bfloat16, device=cpu)
+    short = {i: t[:-1] for i, t in shards.items()}
+    with pytest.raises(InvalidArgumentError, match="need"):
+        start_fetch(lay, short, dg, dtype=torch.bfloat16, device=cpu)
+    grads = {i: g for i, g in enumerate(_exact_grads(1)) if i in lay.indices}
+    out = {i: torch.zeros_like(t) for i, t in shards.items() if i in lay.indices}
+    with pytest.raises(InvalidArgumentError, match=r"no gradient given for \['fc\.bias'\]"):
+        reduce_scatter_grads(lay, {3: grads[3]}, out, dg)
+    bad = {**grads, 4: grads[4].float()}
+    with pytest.raises(InvalidArgumentError, match=r"gradient of 'fc\.bias'"):
+        reduce_scatter_grads(lay, bad, out, dg)
+    with pytest.raises(InvalidArgumentError, match="no shard"):
+        reduce_scatter_grads(lay, grads, {}, dg)

@@ -110,6 +110,24 @@ def test_deterministic(case: tuple) -> None:
         assert plan_partition(changed, n).digest() != plan_partition(params, n).digest()
 
 
+@settings(max_examples=150, deadline=None)
+@given(plans)
+def test_small_tensors_balance_every_window_within_one_tensor(case: tuple) -> None:
+    # greedy to the least-loaded rank of the window keeps max - min <= the largest item
+    _, n, _, _, plan = case
+    windows: dict[int, list[int]] = {}
+    largest: dict[int, int] = {}
+    for p in plan.params:
+        if p.sharded:
+            continue
+        m = p.info.module_index
+        nbytes = p.numel * p.info.itemsize
+        windows.setdefault(m, [0] * n)[p.owner or 0] += nbytes
+        largest[m] = max(largest.get(m, 0), nbytes)
+    for m, row in windows.items():
+        assert max(row) - min(row) <= largest[m], (m, row)
+
+
 def test_refuses_bad_input() -> None:
     p = ParamInfo(name="w", numel=10, itemsize=2, module_index=0)
     with pytest.raises(SwapConfigError, match="appears twice"):

@@ -33,7 +33,11 @@ zeroed rank-major buffer (segment r = rank r's pieces), in ``reduce_dtype`` (def
 gradients' dtype; ``torch.float32`` reduces 16-bit gradients in fp32 at twice the bytes on
 the wire and one rounding instead of one per addition); ``reduce_scatter`` SUMs segment r
 onto rank r; rank r divides by N (averages) and copies its pieces into its shard tensors
-(cast to their dtype). Backends:
+(cast to their dtype). The rank-major input buffer is one transient copy of the module's
+gradients (in ``reduce_dtype``): the caller frees the full gradients right after, so no
+second full-size copy outlives the call; letting autograd write the gradients straight
+into such a buffer (``.grad`` as views of it) would save that copy and is left for later.
+Backends:
 
 - NCCL: reduce_scatter for fp32/fp16/bf16 natively (bf16 needs NCCL >= 2.10).
 - gloo (PyTorch 2.13): reduce_scatter for fp32/fp64/fp16/bf16 (probed in the tests).

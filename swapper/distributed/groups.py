@@ -111,6 +111,12 @@ class DistGroup:
             timeout = timedelta(seconds=float(timeout))
         if timeout.total_seconds() <= 0:
             raise SwapConfigError(f"collective timeout={timeout} must be > 0 seconds")
+        rank = dist.get_rank(group)
+        if rank < 0:
+            raise SwapConfigError(
+                "this process is not a member of the process_group given; pass a group "
+                "that contains every rank that trains this model"
+            )
         backend = str(dist.get_backend(group))
         if "nccl" in backend and torch.cuda.is_available():
             device = torch.device("cuda", torch.cuda.current_device())
@@ -118,7 +124,7 @@ class DistGroup:
             device = torch.device("cpu")
         return cls(
             group=group,
-            rank=dist.get_rank(group),
+            rank=rank,
             world_size=dist.get_world_size(group),
             backend=backend,
             timeout=timeout,
@@ -199,7 +205,9 @@ def check_same_model(dg: DistGroup, params: Sequence[ParamInfo]) -> None:
     """Check that every rank wraps the same model: one all_gather of an 8-byte digest.
 
     On a mismatch (only then) the ranks exchange their lists (``all_gather_object``) so
-    that every rank names the same first differing parameter.
+    that every rank names the same first differing parameter. (With NCCL that object
+    exchange goes through the current CUDA device: call ``torch.cuda.set_device(local
+    rank)`` before wrapping, as torchrun scripts do.)
 
     Raises:
         ModelMismatchError: on every rank, naming the first parameter (in forward order)
