@@ -22,7 +22,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from torch.multiprocessing.spawn import spawn
 
 from swapper.distributed import (
     FETCH_METHODS,
@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ahead", type=int, default=2, help="fetches in flight (default 2)")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(
+        spawn(
             _rank, args=(args.world_size, os.path.join(tmp, "rendezvous"), args),
             nprocs=args.world_size,
         )  # fmt: skip
