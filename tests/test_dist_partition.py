@@ -27,6 +27,7 @@ from swapper.distributed.partition import (
     describe_modules,
     plan_partition,
 )
+from swapper.distributed.shards import local_sq_sum, shard_of
 from swapper.pressure.model import GPT, GPTConfig
 from tiers.errors import InvalidArgumentError, SwapConfigError
 
@@ -338,3 +339,34 @@ def test_partition_balance_tool_prints_both_figures(capsys: pytest.CaptureFixtur
     balanced = float(out.split("balanced")[1].split("max/mean")[1].split()[0])
     contiguous = float(out.split("contiguous")[1].split("max/mean")[1].split()[0])
     assert balanced <= 1.25 < 2.0 < contiguous
+
+
+# -- shards -----------------------------------------------------------------------------
+
+
+@settings(max_examples=60, deadline=None)
+@given(plans)
+def test_shards_rebuild_the_tensor_and_their_squares_sum_to_the_norm(case: tuple) -> None:
+    _params, n, _, _, plan = case
+    for p in plan.params:
+        full = torch.randn(p.numel, dtype=torch.float64).to(torch.bfloat16)
+        rebuilt = torch.full((p.numel,), float("nan"), dtype=torch.bfloat16)
+        sq = 0.0
+        for r in range(n):
+            shard = shard_of(p, full, r)
+            if shard is None:
+                assert not p.holds(r)
+                continue
+            assert shard.numel() == p.local_numel(r) and shard.dtype == torch.bfloat16
+            start, end = p.real_range(r)
+            rebuilt[start:end] = shard[: end - start]
+            assert bool((shard[end - start :] == 0).all())  # padding is zero
+            sq += local_sq_sum([shard])
+        assert torch.equal(rebuilt, full)
+        assert sq == pytest.approx(float(full.float().pow(2).sum()), rel=1e-5, abs=1e-6)
+
+
+def test_shard_of_refuses_a_tensor_of_another_size() -> None:
+    plan = plan_partition([ParamInfo(name="w", numel=10, itemsize=2, module_index=0)], 2)
+    with pytest.raises(InvalidArgumentError, match="'w' has 10 elements"):
+        shard_of(plan.params[0], torch.zeros(11), 0)

@@ -5,6 +5,7 @@
 - :mod:`~swapper.distributed.layout`: a module's fetch buffer and collective segments (pure);
 - :mod:`~swapper.distributed.groups`: the process group, timeouts, agreement, model check;
 - :mod:`~swapper.distributed.collectives`: fetch, gradient reduce-scatter, norm/overflow;
+- :mod:`~swapper.distributed.shards`: a rank's shard of a full tensor, local norm sums;
 - :mod:`~swapper.distributed.identity`: per-rank NVMe directories and store identity.
 """
 
@@ -39,6 +40,7 @@ from swapper.distributed.partition import (
     describe_modules,
     plan_partition,
 )
+from swapper.distributed.shards import local_sq_sum, shard_of
 
 __all__ = [
     "ALIGN_NUMEL",
@@ -64,11 +66,13 @@ __all__ = [
     "contiguous_windows",
     "describe_modules",
     "identity_path",
+    "local_sq_sum",
     "module_layout",
     "plan_partition",
     "plan_windows",
     "rank_dirs",
     "reduce_norm_and_overflow",
     "reduce_scatter_grads",
+    "shard_of",
     "start_fetch",
 ]
