@@ -14,7 +14,10 @@ Never a hang, two guards:
   ``TORCH_NCCL_ASYNC_ERROR_HANDLING``, on by default since PyTorch 2.2);
 - the monitored wait: every collective here is started with ``async_op=True`` and waited on
   with ``Work.wait(timeout=DistGroup.timeout)``, which blocks the calling thread at most
-  that long (for NCCL too: with a timeout the wait is on the CPU, not a stream sync).
+  that long (for NCCL too: with a timeout the wait is on the CPU, not a stream sync; the
+  CPU then launches the module's kernels only once its gather is done, while the GPU
+  still runs what was queued before. If that ever shows as GPU idle time, the option is a
+  stream wait, ``work.wait()``, with NCCL's watchdog as the only timeout: not done yet).
 
 A peer that dies closes its connections: the others' collectives fail at once. A peer
 that stalls (alive, not calling the collective) is found by the timeout. A peer that

@@ -48,7 +48,8 @@ def local_sq_sum(shards: Iterable[torch.Tensor]) -> float:
     :func:`~swapper.distributed.collectives.reduce_norm_and_overflow`. inf or NaN
     anywhere gives a non-finite sum (which that function reports as an overflow).
     """
-    total = torch.zeros((), dtype=torch.float32)
+    total: torch.Tensor | None = None
     for t in shards:
-        total = total + t.float().pow(2).sum().cpu()
-    return float(total)
+        sq = t.float().pow(2).sum()  # on the shard's device: one sync at the end, not one each
+        total = sq if total is None else total + sq.to(total.device)
+    return 0.0 if total is None else float(total)
