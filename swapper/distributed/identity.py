@@ -1,0 +1,168 @@
+"""Each rank's NVMe files in their own directory, and a record of whose they are.
+
+Job: name the per-rank swap directories (:func:`rank_dirs`: ``<nvme dir>/rank{r}of{N}``
+for every configured NVMe directory, so ranks sharing a disk never share a file), and
+refuse to open a rank's store as another rank or under another world size
+(:func:`claim_store_identity`), before the store itself is opened.
+
+The record is ``<store name>.identity`` in the first per-rank directory, beside the
+store's ``<name>.lock`` (a small JSON file, mode 0600, written atomically with
+:func:`tiers.nvme.metafiles.replace_file`)::
+
+    {"format": 1, "store_name": "...", "rank": r, "world_size": N}
+
+It is written before the store is first opened and never changed. It is a separate file
+rather than a manifest field so that the store (``tiers.nvme``) stays rank-blind, as the
+design asks: "the manager knows nothing of ranks beyond its store's identity".
+
+Refused (:class:`~swapper.distributed.errors.StoreIdentityError`, nothing written):
+
+- the identity file names another rank or world size (a rank opening another's files,
+  e.g. a wrong ``nvme_dirs`` or a rank renumbering);
+- the directory holds the store's files but no identity file (made by something else);
+- another ``rank*of{M}`` directory with ``M != N`` beside it holds a store of that name:
+  the world size changed under an existing store. Resharding N → M belongs to the
+  checkpoint path (PyTorch Distributed Checkpoint); remove the old store with
+  ``tiers.nvme.remove_store`` or choose another ``store_name``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Sequence
+from pathlib import Path
+
+from swapper.distributed.errors import StoreIdentityError
+from tiers.errors import SwapConfigError
+from tiers.files import make_private_dir
+from tiers.nvme.metafiles import read_metadata, replace_file
+from tiers.nvme.records import ManifestError
+
+__all__ = ["IDENTITY_FORMAT", "claim_store_identity", "identity_path", "rank_dirs"]
+
+IDENTITY_FORMAT = 1
+_RANK_DIR = re.compile(r"^rank(\d+)of(\d+)$")
+#: Files whose presence means a store of that name lives in a directory.
+_STORE_SUFFIXES = (".bin", ".json", ".journal", ".identity")
+
+
+def _check_rank(rank: int, world_size: int) -> None:
+    for name, value in (("rank", rank), ("world_size", world_size)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise SwapConfigError(f"{name}={value!r} must be an int")
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise SwapConfigError(f"rank={rank}, world_size={world_size}: need 0 <= rank < world_size")
+
+
+def rank_dirs(
+    nvme_dirs: Sequence[str | os.PathLike[str]], rank: int, world_size: int, *, create: bool = True
+) -> tuple[Path, ...]:
+    """``<d>/rank{rank}of{world_size}`` for every ``d`` in ``nvme_dirs``, in order.
+
+    With ``create`` each is made (0700, see :func:`tiers.files.make_private_dir`).
+
+    Raises:
+        SwapConfigError: a bad rank / world size.
+        UnsafeSwapDirError, SwapIOError: as :func:`~tiers.files.make_private_dir`.
+    """
+    _check_rank(rank, world_size)
+    out = tuple(Path(d) / f"rank{rank}of{world_size}" for d in nvme_dirs)
+    if create:
+        for d in out:
+            make_private_dir(d)
+    return out
+
+
+def identity_path(dirs: Sequence[Path], store_name: str) -> Path:
+    """Where a store's identity record lives: ``dirs[0] / f"{store_name}.identity"``."""
+    return Path(dirs[0]) / f"{store_name}.identity"
+
+
+def _has_store(directory: Path, store_name: str) -> bool:
+    return any((directory / f"{store_name}{s}").exists() for s in _STORE_SUFFIXES)
+
+
+def _read(path: Path) -> tuple[int, int, str] | None:
+    try:
+        raw = read_metadata(path, "store identity", limit=4096)
+    except FileNotFoundError:
+        return None
+    except ManifestError as exc:
+        raise StoreIdentityError(
+            f"{path}: unreadable store identity ({exc}); remove the store or fix the file",
+            path=str(path), expected=(-1, -1), found=None,
+        ) from exc  # fmt: skip
+    try:
+        data = json.loads(raw)
+        return int(data["rank"]), int(data["world_size"]), str(data["store_name"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise StoreIdentityError(
+            f"{path}: not a store identity record ({exc}); remove the store or fix the file",
+            path=str(path), expected=(-1, -1), found=None,
+        ) from exc  # fmt: skip
+
+
+def claim_store_identity(
+    nvme_dirs: Sequence[str | os.PathLike[str]], store_name: str, rank: int, world_size: int
+) -> tuple[Path, ...]:
+    """Make and check rank ``rank``'s directories for store ``store_name``; return them.
+
+    ``nvme_dirs`` are the configured (shared) directories; the result is
+    :func:`rank_dirs`'s, to hand to the store as its ``nvme_dirs``. The first call writes
+    the identity record; later calls check it.
+
+    Raises:
+        StoreIdentityError: the directories belong to another rank or world size, or hold
+            the store's files without an identity (see the module docstring).
+        SwapConfigError: a bad rank, world size or store name; no NVMe directory.
+        UnsafeSwapDirError, SwapIOError: a directory cannot be made or is unsafe, or the
+            record cannot be written.
+    """
+    if not nvme_dirs:
+        raise SwapConfigError("claim_store_identity: no nvme_dirs given")
+    if not store_name or "/" in store_name or store_name.startswith("."):
+        raise SwapConfigError(f"store_name={store_name!r} must be a plain file name")
+    _check_rank(rank, world_size)
+    expected = (rank, world_size)
+    for base in nvme_dirs:
+        base = Path(base)
+        try:
+            names = sorted(os.listdir(base))
+        except FileNotFoundError:
+            continue
+        for name in names:
+            m = _RANK_DIR.match(name)
+            if m and int(m.group(2)) != world_size and _has_store(base / name, store_name):
+                raise StoreIdentityError(
+                    f"{base / name} holds store {store_name!r} of a run with world size "
+                    f"{m.group(2)}, but this run has world size {world_size}: resharding a "
+                    "store is not supported (load a checkpoint instead); remove the old "
+                    "store with tiers.nvme.remove_store, or choose another store_name",
+                    path=str(base / name), expected=expected,
+                    found=(int(m.group(1)), int(m.group(2))),
+                )  # fmt: skip
+    dirs = rank_dirs(nvme_dirs, rank, world_size)
+    path = identity_path(dirs, store_name)
+    found = _read(path)
+    if found is not None:
+        if found != (rank, world_size, store_name):
+            raise StoreIdentityError(
+                f"{path}: this store belongs to rank {found[0]} of {found[1]} (store "
+                f"{found[2]!r}), not rank {rank} of {world_size}: check nvme_dirs and the "
+                "rank each process gets",
+                path=str(path), expected=expected, found=(found[0], found[1]),
+            )  # fmt: skip
+        return dirs
+    for d in dirs:
+        if _has_store(d, store_name):
+            raise StoreIdentityError(
+                f"{d} holds store {store_name!r} files but no identity record {path.name}: "
+                "they were not made by this rank; remove them or choose another store_name",
+                path=str(d), expected=expected, found=None,
+            )  # fmt: skip
+    record = {"format": IDENTITY_FORMAT, "store_name": store_name, "rank": rank,
+              "world_size": world_size}  # fmt: skip
+    replace_file(path, json.dumps(record).encode(), "store identity")
+    return dirs

@@ -1,0 +1,92 @@
+"""Tests of swapper.distributed.identity: per-rank directories and the store identity."""
+
+from __future__ import annotations
+
+import json
+import stat
+from pathlib import Path
+
+import pytest
+
+from swapper.distributed import StoreIdentityError, claim_store_identity, identity_path, rank_dirs
+from tiers.errors import SwapConfigError
+
+
+def test_rank_dirs_one_private_subdirectory_per_nvme_dir(tmp_path: Path) -> None:
+    bases = [tmp_path / "a", tmp_path / "b"]
+    dirs = rank_dirs(bases, 1, 4)
+    assert dirs == (tmp_path / "a" / "rank1of4", tmp_path / "b" / "rank1of4")
+    for d in dirs:
+        assert d.is_dir() and stat.S_IMODE(d.stat().st_mode) == 0o700
+    assert rank_dirs(bases, 0, 4, create=False)[0] == tmp_path / "a" / "rank0of4"
+    assert not (tmp_path / "a" / "rank0of4").exists()
+    for rank, world in ((4, 4), (-1, 2), (0, 0)):
+        with pytest.raises(SwapConfigError, match="rank"):
+            rank_dirs(bases, rank, world)
+    with pytest.raises(SwapConfigError, match="must be an int"):
+        rank_dirs(bases, True, 2)  # type: ignore[arg-type]
+
+
+def test_claim_writes_a_private_record_and_accepts_the_same_rank_again(tmp_path: Path) -> None:
+    bases = [tmp_path / "a", tmp_path / "b"]
+    dirs = claim_store_identity(bases, "store", 1, 2)
+    path = identity_path(dirs, "store")
+    assert path == tmp_path / "a" / "rank1of2" / "store.identity"
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert json.loads(path.read_text()) == {
+        "format": 1, "store_name": "store", "rank": 1, "world_size": 2,
+    }  # fmt: skip
+    before = path.stat().st_mtime_ns
+    assert claim_store_identity(bases, "store", 1, 2) == dirs
+    assert path.stat().st_mtime_ns == before  # checked, not rewritten
+    # the other rank of the same run, and another store name, are fine
+    claim_store_identity(bases, "store", 0, 2)
+    claim_store_identity(bases, "other", 1, 2)
+
+
+def test_a_store_opened_as_another_rank_is_refused(tmp_path: Path) -> None:
+    bases = [tmp_path / "a"]
+    dirs = claim_store_identity(bases, "store", 0, 2)
+    # someone points rank 1 at rank 0's files: the record says whose they are
+    path = identity_path(dirs, "store")
+    record = json.loads(path.read_text())
+    path.write_text(json.dumps({**record, "rank": 1}))
+    with pytest.raises(StoreIdentityError, match="belongs to rank 1 of 2") as info:
+        claim_store_identity(bases, "store", 0, 2)
+    assert info.value.expected == (0, 2) and info.value.found == (1, 2)
+    assert isinstance(info.value, ValueError)
+
+
+def test_world_size_changed_under_an_existing_store_is_refused(tmp_path: Path) -> None:
+    bases = [tmp_path / "a", tmp_path / "b"]
+    claim_store_identity(bases, "store", 0, 2)
+    with pytest.raises(StoreIdentityError, match=r"world size 2.*world size 4") as info:
+        claim_store_identity(bases, "store", 0, 4)
+    assert info.value.found == (0, 2) and info.value.expected == (0, 4)
+    assert not (tmp_path / "a" / "rank0of4").exists()  # refused before anything was made
+    claim_store_identity(bases, "fresh", 0, 4)  # another store name is fine
+
+
+def test_store_files_without_a_record_are_refused(tmp_path: Path) -> None:
+    d = tmp_path / "a" / "rank0of1"
+    d.mkdir(parents=True, mode=0o700)
+    (d / "store.bin").write_bytes(b"x")
+    with pytest.raises(StoreIdentityError, match="no identity record") as info:
+        claim_store_identity([tmp_path / "a"], "store", 0, 1)
+    assert info.value.found is None
+    assert not identity_path([d], "store").exists()
+
+
+def test_a_damaged_record_is_refused(tmp_path: Path) -> None:
+    dirs = claim_store_identity([tmp_path], "store", 0, 1)
+    identity_path(dirs, "store").write_text("{not json")
+    with pytest.raises(StoreIdentityError, match="not a store identity record"):
+        claim_store_identity([tmp_path], "store", 0, 1)
+
+
+def test_bad_arguments(tmp_path: Path) -> None:
+    with pytest.raises(SwapConfigError, match="no nvme_dirs"):
+        claim_store_identity([], "store", 0, 1)
+    for name in ("", "a/b", ".hidden"):
+        with pytest.raises(SwapConfigError, match="store_name"):
+            claim_store_identity([tmp_path], name, 0, 1)
