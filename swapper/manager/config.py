@@ -11,7 +11,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from tiers.config import DIRECT_ALIGNMENT, AioConfig
+from tiers.config import DIRECT_ALIGNMENT, AioConfig, enum_names, parse_enum
 from tiers.errors import SwapConfigError
 
 __all__ = ["DEFAULT_PLACEMENT", "Kind", "ManagerConfig", "Policy", "Tier"]
@@ -142,11 +142,7 @@ class ManagerConfig:
         self._set("nvme_dirs", tuple(Path(d) for d in self.nvme_dirs))
         if not isinstance(self.aio, AioConfig):
             raise SwapConfigError(f"aio={self.aio!r} must be an AioConfig")
-        try:
-            self._set("policy", Policy(self.policy))
-        except ValueError:
-            names = ", ".join(p.value for p in Policy)
-            raise SwapConfigError(f"policy={self.policy!r} is not one of: {names}") from None
+        self._set("policy", parse_enum(Policy, self.policy, "policy"))
         self._set("placement", self._checked_placement())
         for name in ("timeout_s", "close_timeout_s"):
             value = getattr(self, name)
@@ -180,23 +176,21 @@ class ManagerConfig:
             placement = {k: tuple(t for t in v if t is not Tier.NVME) for k, v in placement.items()}
         for raw_kind, raw_tiers in given.items():
             try:
-                kind = Kind(raw_kind)
-            except ValueError:
-                names = ", ".join(k.value for k in Kind)
+                kind = parse_enum(Kind, raw_kind, "kind")
+            except SwapConfigError:
                 raise SwapConfigError(
-                    f"placement: {raw_kind!r} is not a kind (kinds: {names})"
+                    f"placement: {raw_kind!r} is not a kind (kinds: {enum_names(Kind)})"
                 ) from None
             if isinstance(raw_tiers, (str, Tier)) or not isinstance(raw_tiers, Sequence):
                 raise SwapConfigError(
                     f"placement[{kind.value!r}]={raw_tiers!r} must be a list of tiers"
                 )
             try:
-                tiers = tuple(Tier(t) for t in raw_tiers)
-            except ValueError:
-                names = ", ".join(t.value for t in Tier)
+                tiers = tuple(parse_enum(Tier, t, "tier") for t in raw_tiers)
+            except SwapConfigError:
                 raise SwapConfigError(
                     f"placement[{kind.value!r}]={list(raw_tiers)!r} names an unknown tier "
-                    f"(tiers: {names})"
+                    f"(tiers: {enum_names(Tier)})"
                 ) from None
             if not tiers or len(set(tiers)) != len(tiers):
                 raise SwapConfigError(

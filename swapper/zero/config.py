@@ -23,7 +23,7 @@ from typing import Any
 
 from swapper.manager.config import MEMORY_TIERS, Kind, ManagerConfig, Tier
 from swapper.zero.deepspeed import deepspeed_settings
-from tiers.config import AioConfig, read_json_object
+from tiers.config import AioConfig, parse_enum, read_json_object
 from tiers.errors import SwapConfigError
 from tiers.units import parse_size
 
@@ -380,8 +380,8 @@ def _checked_tiers(name: str, given: object, *, has_nvme: bool) -> tuple[Tier, .
     tiers: list[Tier] = []
     for raw in given:
         try:
-            tier = Tier(raw)
-        except (ValueError, TypeError):
+            tier = parse_enum(Tier, raw, name)
+        except SwapConfigError:
             raise SwapConfigError(
                 f"{name}={_shown(given)} names {raw!r}, which is not a tier "
                 "(tiers: device, host, nvme)"
