@@ -35,7 +35,7 @@ import torch
 from swapper.interrupts import critical
 from swapper.manager import ManagerStats, Tier
 from swapper.pressure.model import GPT, GPTConfig, batches, materialize_
-from swapper.step import DynamicLossScaler, OffloadAdamW
+from swapper.step import DynamicLossScaler, OffloadAdamW, StepConfig
 from swapper.zero.config import OffloadConfig
 from swapper.zero.offload import OffloadedModel
 from tiers.errors import SwapConfigError
@@ -343,8 +343,7 @@ def _train(
                 lr=settings.lr,
                 weight_decay=0.01,
                 tiers=wrapped,
-                sub_group_numel=config.sub_group_numel,
-                max_grad_norm=1.0,
+                config=StepConfig(sub_group_numel=config.sub_group_numel, max_grad_norm=1.0),
                 loss_scaler=scaler,
             )
         )

@@ -43,6 +43,7 @@ import torch
 from torch import nn
 
 from swapper.manager import Kind, ManagerStats, Tier, TierManager
+from swapper.step.config import StepConfig
 from swapper.step.sources import ParamSource
 from swapper.zero.config import OffloadConfig
 from tiers import signals
@@ -200,12 +201,12 @@ class OffloadedModel(nn.Module):
         """Access to the parameters and their retained gradients, for the optimizer."""
         return _TieredParams(self)
 
-    def optimizer_defaults(self) -> dict[str, Any]:
+    def step_config(self) -> StepConfig:
         """The optimizer settings ``config`` gives: sub-group size and host fraction."""
-        return {
-            "sub_group_numel": self.config.sub_group_numel,
-            "host_fraction": self.config.host_fraction,
-        }
+        return StepConfig(
+            sub_group_numel=self.config.sub_group_numel,
+            host_fraction=self.config.host_fraction,
+        )
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The wrapped model's forward. If it raises (an error, Ctrl-C), the parameters its
