@@ -143,7 +143,8 @@ class ManagerConfig:
         if not isinstance(self.aio, AioConfig):
             raise SwapConfigError(f"aio={self.aio!r} must be an AioConfig")
         self._set("policy", parse_enum(Policy, self.policy, "policy"))
-        self._set("placement", self._checked_placement())
+        placement = self._checked_placement()
+        self._set("placement", placement)
         for name in ("timeout_s", "close_timeout_s"):
             value = getattr(self, name)
             if not _is_number(value) or not value > 0:
@@ -162,7 +163,7 @@ class ManagerConfig:
         threads = self.mover_threads
         if isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= 64:
             raise SwapConfigError(f"mover_threads={threads!r} must be an int from 1 to 64")
-        self._check_windows()
+        self._check_windows(placement)
 
     def _set(self, name: str, value: Any) -> None:
         object.__setattr__(self, name, value)  # frozen: normalising in __post_init__ only
@@ -211,7 +212,7 @@ class ManagerConfig:
                 )
         return MappingProxyType(placement)
 
-    def _check_windows(self) -> None:
+    def _check_windows(self, placement: Mapping[Kind, tuple[Tier, ...]]) -> None:
         host = self.host_nbytes
         for name in ("prefetch_window_nbytes", "write_behind_nbytes"):
             value = getattr(self, name)
@@ -226,7 +227,7 @@ class ManagerConfig:
                     "live in host memory, so the window cannot exceed its budget"
                 )
         uses_device_and_nvme = any(
-            Tier.DEVICE in tiers and Tier.NVME in tiers for tiers in self.placement.values()
+            Tier.DEVICE in tiers and Tier.NVME in tiers for tiers in placement.values()
         )
         if uses_device_and_nvme and host == 0:
             raise SwapConfigError(

@@ -109,6 +109,7 @@ class OffloadConfig:
             "grad_tiers": (Tier.HOST, Tier.NVME),
             "optimizer_tiers": (Tier.HOST, Tier.NVME),
         }
+        checked: dict[str, tuple[Tier, ...]] = {}
         for name in _TIER_FIELDS:
             given = getattr(self, name)
             if given is None:
@@ -116,15 +117,15 @@ class OffloadConfig:
             else:
                 tiers = _checked_tiers(name, given, has_nvme=has_nvme)
             self._set(name, tiers)
-        first = self.param_tiers[0]
-        if first not in MEMORY_TIERS:
+            checked[name] = tiers
+        param_tiers = checked["param_tiers"]
+        if param_tiers[0] not in MEMORY_TIERS:
             raise SwapConfigError(
-                f"param_tiers={_names(self.param_tiers)} must start with a memory tier "
+                f"param_tiers={_names(param_tiers)} must start with a memory tier "
                 "('device' or 'host'): parameters are used where the first tier is"
             )
         if self.host_nbytes == 0:
-            for name in _TIER_FIELDS:
-                tiers = getattr(self, name)
+            for name, tiers in checked.items():
                 if Tier.DEVICE in tiers and Tier.NVME in tiers:
                     raise SwapConfigError(
                         f"host_nbytes=0, but {name}={_names(tiers)} moves device tensors to "
@@ -172,6 +173,19 @@ class OffloadConfig:
     # -- what the integration uses -------------------------------------------------------
 
     @property
+    def placement(self) -> Mapping[Kind, tuple[Tier, ...]]:
+        """Where each kind may live, normalised: ``param16 → param_tiers``,
+        ``grad16 → grad_tiers``, ``optim_state`` and ``grad32 → optimizer_tiers``
+        (the tier fields typed as stored: tuples of :class:`~swapper.manager.Tier`)."""
+        optimizer = _stored_tiers(self.optimizer_tiers)
+        return {
+            Kind.PARAM16: _stored_tiers(self.param_tiers),
+            Kind.GRAD16: _stored_tiers(self.grad_tiers),
+            Kind.OPTIM_STATE: optimizer,
+            Kind.GRAD32: optimizer,
+        }
+
+    @property
     def prefetch_window_nbytes(self) -> int | None:
         """The read-ahead window :meth:`manager_config` passes to the manager.
 
@@ -203,17 +217,15 @@ class OffloadConfig:
             SwapConfigError: never for a config that constructed (``__post_init__`` builds
                 one to check); listed for the manager's own validation.
         """
+        placement: dict[Kind | str, Sequence[Tier | str]] = {
+            kind: tiers for kind, tiers in self.placement.items()
+        }
         return ManagerConfig(
             device_nbytes=self.device_nbytes,
             host_nbytes=self.host_nbytes,
             nvme_dirs=self.nvme_dirs,
             aio=self.aio,
-            placement={
-                Kind.PARAM16: self.param_tiers,
-                Kind.GRAD16: self.grad_tiers,
-                Kind.OPTIM_STATE: self.optimizer_tiers,
-                Kind.GRAD32: self.optimizer_tiers,
-            },
+            placement=placement,
             prefetch_window_nbytes=self.prefetch_window_nbytes,
             device=self.device,
             store_name=self.store_name,
@@ -232,9 +244,9 @@ class OffloadConfig:
             "host_nbytes": self.host_nbytes,
             "nvme_dirs": [os.fspath(d) for d in self.nvme_dirs],
             "aio": aio,
-            "param_tiers": _names(self.param_tiers),
-            "grad_tiers": _names(self.grad_tiers),
-            "optimizer_tiers": _names(self.optimizer_tiers),
+            "param_tiers": _names(self.placement[Kind.PARAM16]),
+            "grad_tiers": _names(self.placement[Kind.GRAD16]),
+            "optimizer_tiers": _names(self.placement[Kind.OPTIM_STATE]),
             "prefetch_nbytes": self.prefetch_nbytes,
             "sub_group_numel": self.sub_group_numel,
             "host_fraction": self.host_fraction,
@@ -399,6 +411,13 @@ def _checked_tiers(name: str, given: object, *, has_nvme: bool) -> tuple[Tier, .
             "directories in nvme_dirs, or leave nvme out"
         )
     return tuple(tiers)
+
+
+def _stored_tiers(tiers: Sequence[Tier | str] | None) -> tuple[Tier, ...]:
+    """A tier field as ``__post_init__`` left it (a tuple of Tier; never None after it)."""
+    if not isinstance(tiers, tuple) or not all(isinstance(t, Tier) for t in tiers):
+        raise SwapConfigError(f"tier list {tiers!r} was not normalised by OffloadConfig")
+    return tiers  # type: ignore[return-value]  # checked element by element above
 
 
 def _names(tiers: Sequence[Tier]) -> list[str]:

@@ -97,7 +97,7 @@ class _BeforeBackward(torch.autograd.Function):
     def forward(ctx: Any, hook: Callable[[], None], *tensors: torch.Tensor) -> Any:  # type: ignore[override]
         ctx.hook = hook
         outputs = tuple(t.detach() for t in tensors)
-        return outputs if len(outputs) > 1 else outputs[0]
+        return outputs[0] if len(outputs) == 1 else outputs
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:  # type: ignore[override]
@@ -338,7 +338,7 @@ class OffloadedModel(nn.Module):
                     "(model.to(torch.bfloat16))"
                 )
         limit = self.config.device_nbytes
-        first = self.config.param_tiers[0]
+        first = self.config.placement[Kind.PARAM16][0]
         if first is Tier.HOST:
             limit = self.config.host_nbytes
 
@@ -554,7 +554,7 @@ class OffloadedModel(nn.Module):
                 if slot.users > 1:
                     return
             try:
-                tensor = self._manager.fetch(slot.key, self.config.param_tiers[0])
+                tensor = self._manager.fetch(slot.key, self.config.placement[Kind.PARAM16][0])
             except BaseException:
                 with self._lock:
                     slot.users -= 1
@@ -605,7 +605,7 @@ class OffloadedModel(nn.Module):
                 ahead.append(next_key)
                 taken += nbytes
         if ahead:
-            self._manager.prefetch(ahead, self.config.param_tiers[0])
+            self._manager.prefetch(ahead, self.config.placement[Kind.PARAM16][0])
 
 
 def _in_autograd() -> bool:
@@ -646,7 +646,7 @@ class _TieredParams:
         # The optimizer reads and writes parameters on the host (where it computes),
         # not in the device tier they are used from: no device room taken, and between
         # steps a parameter waits in host memory (or on NVMe) anyway.
-        tiers = model.config.param_tiers
+        tiers = model.config.placement[Kind.PARAM16]
         self._tier = Tier.HOST if Tier.HOST in tiers else tiers[0]
 
     def _slot(self, param: torch.Tensor) -> _Slot:
