@@ -26,17 +26,16 @@ import torch
 
 from swapper.manager import ManagerConfig, TierManager
 from swapper.step.config import DEFAULT_SUB_GROUP_NUMEL, StepConfig, check_hyper
-from swapper.step.layout import SIXTEEN_BIT, STATE_ROWS, SubGroup, plan_sub_groups
+from swapper.step.layout import SubGroup, plan_sub_groups
+from swapper.step.params import check_params, fp32_accumulators
 from swapper.step.pipeline import PipelineClosedError, StepPipeline, StepTraffic
 from swapper.step.scaler import DynamicLossScaler
 from swapper.step.sources import LocalParams, ParamSource, TieredModel
 from swapper.step.state import (
-    STATE_FORMAT,
     StateDictError,
     SubGroupStates,
-    check_same_layout,
-    state_meta,
-    state_tensor,
+    load_state,
+    saved_state,
 )
 from tiers import signals
 from tiers.errors import SwapConfigError, SwapError
@@ -157,7 +156,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         sub_group_numel = config.sub_group_numel or DEFAULT_SUB_GROUP_NUMEL
         host_fraction = config.host_fraction or 0.0
         self.config = config
-        self._check_params()
+        check_params(self.param_groups, self._source)
         for group in self.param_groups:
             check_hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"])
             group.setdefault("step", 0)
@@ -192,7 +191,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             self._pipeline = pipeline
             self._check_budget()
             if config.accumulate_fp32:
-                self._start_fp32_accumulation()
+                self._accumulators = fp32_accumulators(self.param_groups, self._hooks)
             pipeline.initialize(self._initial_state)
         except BaseException:
             for hook in self._hooks:
@@ -297,24 +296,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         memory at once); :meth:`~swapper.step.OffloadAdamW.load_state_dict` of it, into
         another optimizer, streams.
         """
-        groups = []
-        index = 0
-        for group in self.param_groups:
-            saved = {k: v for k, v in group.items() if k not in ("params", "param_names")}
-            saved["params"] = list(range(index, index + len(group["params"])))
-            index += len(group["params"])
-            groups.append(saved)
-        return {
-            "state": SubGroupStates(self),
-            "param_groups": groups,
-            "swapper": {
-                "format": STATE_FORMAT,
-                "step": self._step_count,
-                "sub_group_numel": self.sub_group_numel,
-                "numels": self._numels(),
-                "loss_scaler": None if self.loss_scaler is None else self.loss_scaler.state_dict(),
-            },
-        }
+        return saved_state(self)
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load what :meth:`state_dict` returned, one sub-group at a time; each is durable
@@ -330,58 +312,7 @@ class OffloadAdamW(torch.optim.Optimizer):
                 named), or a value in it is invalid (named).
             SwapIOError: writing a sub-group failed; ``step()`` refuses until a load succeeds.
         """
-        meta = state_meta(state_dict)
-        check_same_layout(meta, self._numels(), self.sub_group_numel)
-        step = meta.get("step")
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise StateDictError(f"state dict: step={step!r} must be an int >= 0")
-        groups = state_dict["param_groups"]
-        if not isinstance(groups, (list, tuple)) or len(groups) != len(self.param_groups):
-            raise StateDictError(
-                f"state dict has {len(groups) if isinstance(groups, (list, tuple)) else '?'} "
-                f"param group(s), this optimizer {len(self.param_groups)}"
-            )
-        hyper = ("lr", "betas", "eps", "weight_decay")
-        for g, saved in enumerate(groups):
-            if not isinstance(saved, Mapping) or not set(hyper) <= set(saved):
-                raise StateDictError(f"state dict: param group {g} lacks one of {hyper}")
-            try:
-                check_hyper(*(saved[k] for k in hyper))
-            except SwapConfigError as exc:
-                raise StateDictError(f"state dict: param group {g}: {exc}") from None
-        scaler = meta.get("loss_scaler")
-        if self.loss_scaler is not None and scaler is not None:
-            DynamicLossScaler().load_state_dict(scaler)  # validates, changes nothing here
-        states = state_dict["state"]
-        if not isinstance(states, Mapping):
-            raise StateDictError("state dict: 'state' must map sub-group index to tensors")
-        if self._closed:  # (a load left incomplete is what a new load repairs)
-            raise PipelineClosedError("the optimizer is closed")
-        # From the first write until the last, the state is part old, part new.
-        self._load_incomplete = True
-        for sg in self.sub_groups:
-            try:
-                entry = states[sg.index]
-            except KeyError:
-                raise StateDictError(f"state dict: sub-group {sg.index} is missing") from None
-            tensors = [state_tensor(entry, row, sg) for row in STATE_ROWS]
-
-            def fill(state: torch.Tensor, tensors: list[torch.Tensor] = tensors) -> None:
-                state.zero_()
-                for row, tensor in enumerate(tensors):
-                    state[row, : tensor.numel()].copy_(tensor)
-
-            self._pipeline.write(sg.index, fill, step)
-            del entry, tensors
-        for group, saved in zip(self.param_groups, groups, strict=True):
-            for key, value in saved.items():
-                if key not in ("params", "param_names"):
-                    group[key] = value
-        self._step_count = step
-        self._pending = None
-        if self.loss_scaler is not None and scaler is not None:
-            self.loss_scaler.load_state_dict(scaler)
-        self._load_incomplete = False
+        load_state(self, state_dict)
 
     def close(self) -> None:
         """Forget the state (its NVMe copy is deleted), remove the hooks, and close the
@@ -437,29 +368,6 @@ class OffloadAdamW(torch.optim.Optimizer):
         parameter's ``.data`` is a placeholder)."""
         return [[self._source.shape(p).numel() for p in g["params"]] for g in self.param_groups]
 
-    def _check_params(self) -> None:
-        seen: dict[int, str] = {}
-        source = self._source
-        for g_index, group in enumerate(self.param_groups):
-            names = group.get("param_names")
-            for p_index, param in enumerate(group["params"]):
-                label = f"parameter {p_index} of group {g_index}"
-                if names is not None:
-                    label += f" ({names[p_index]!r})"
-                label += f", shape {list(source.shape(param))}"
-                dtype = source.dtype(param)
-                if dtype not in SIXTEEN_BIT:
-                    raise SwapConfigError(
-                        f"{label} is {dtype}: OffloadAdamW takes 16-bit parameters "
-                        "(torch.bfloat16 or torch.float16) and keeps the fp32 master copy "
-                        "itself; convert the model with .to(torch.bfloat16)"
-                    )
-                if not source.contiguous(param):
-                    raise SwapConfigError(f"{label} is not contiguous")
-                if id(param) in seen:
-                    raise SwapConfigError(f"{label} is also {seen[id(param)]}: pass it once")
-                seen[id(param)] = label
-
     def _check_budget(self) -> None:
         host = self.manager.config.host_nbytes
         if host is None or not self.sub_groups:
@@ -487,33 +395,6 @@ class OffloadAdamW(torch.optim.Optimizer):
                 piece.param_offset,
                 master[piece.offset : piece.offset + piece.numel],
             )
-
-    def _start_fp32_accumulation(self) -> None:
-        for group in self.param_groups:
-            numel = sum(p.numel() for p in group["params"])
-            for param in group["params"]:
-                if not param.requires_grad:
-                    raise SwapConfigError(
-                        f"accumulate_fp32: a parameter of shape {list(param.shape)} does not "
-                        "require grad, so it never gets a gradient to accumulate"
-                    )
-            device = group["params"][0].device if group["params"] else torch.device("cpu")
-            accumulator = torch.zeros(numel, dtype=torch.float32, device=device)
-            self._accumulators.append(accumulator)
-            offset = 0
-            for param in group["params"]:
-                target = accumulator[offset : offset + param.numel()]
-                offset += param.numel()
-
-                def add(param: torch.Tensor, target: torch.Tensor = target) -> None:
-                    # fp32 sum of the micro-steps' 16-bit gradients; the 16-bit one is freed.
-                    # The hook runs only after a gradient was accumulated into .grad.
-                    grad = param.grad
-                    if grad is not None:
-                        target.add_(grad.reshape(-1))
-                    param.grad = None
-
-                self._hooks.append(param.register_post_accumulate_grad_hook(add))
 
     # -- one step -------------------------------------------------------------------------
 

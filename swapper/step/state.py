@@ -12,8 +12,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from swapper.step.config import check_hyper
 from swapper.step.layout import ALIGN_NUMEL, STATE_ROWS, SubGroup
-from tiers.errors import SwapError
+from swapper.step.pipeline import PipelineClosedError
+from swapper.step.scaler import DynamicLossScaler
+from tiers.errors import SwapConfigError, SwapError
 
 if TYPE_CHECKING:
     from swapper.step.optimizer import OffloadAdamW
@@ -23,6 +26,8 @@ __all__ = [
     "StateDictError",
     "SubGroupStates",
     "check_same_layout",
+    "load_state",
+    "saved_state",
     "state_meta",
     "state_tensor",
 ]
@@ -133,3 +138,84 @@ def state_tensor(entry: Any, row: str, sg: SubGroup) -> torch.Tensor:
             f"{tensor.numel()} elements; expected torch.float32 with {sg.numel}"
         )
     return tensor.reshape(-1)
+
+
+def saved_state(optimizer: OffloadAdamW) -> dict[str, Any]:
+    """What :meth:`OffloadAdamW.state_dict` returns (its docstring says what it holds)."""
+    scaler = optimizer.loss_scaler
+    groups = []
+    index = 0
+    for group in optimizer.param_groups:
+        saved = {k: v for k, v in group.items() if k not in ("params", "param_names")}
+        saved["params"] = list(range(index, index + len(group["params"])))
+        index += len(group["params"])
+        groups.append(saved)
+    return {
+        "state": SubGroupStates(optimizer),
+        "param_groups": groups,
+        "swapper": {
+            "format": STATE_FORMAT,
+            "step": optimizer._step_count,
+            "sub_group_numel": optimizer.sub_group_numel,
+            "numels": optimizer._numels(),
+            "loss_scaler": None if scaler is None else scaler.state_dict(),
+        },
+    }
+
+
+def load_state(optimizer: OffloadAdamW, state_dict: Mapping[str, Any]) -> None:
+    """:meth:`OffloadAdamW.load_state_dict`: everything but the tensors checked before
+    anything is written, then one sub-group at a time (its docstring says what is raised).
+    """
+    meta = state_meta(state_dict)
+    check_same_layout(meta, optimizer._numels(), optimizer.sub_group_numel)
+    step = meta.get("step")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise StateDictError(f"state dict: step={step!r} must be an int >= 0")
+    groups = state_dict["param_groups"]
+    if not isinstance(groups, (list, tuple)) or len(groups) != len(optimizer.param_groups):
+        raise StateDictError(
+            f"state dict has {len(groups) if isinstance(groups, (list, tuple)) else '?'} "
+            f"param group(s), this optimizer {len(optimizer.param_groups)}"
+        )
+    hyper = ("lr", "betas", "eps", "weight_decay")
+    for g, saved in enumerate(groups):
+        if not isinstance(saved, Mapping) or not set(hyper) <= set(saved):
+            raise StateDictError(f"state dict: param group {g} lacks one of {hyper}")
+        try:
+            check_hyper(*(saved[k] for k in hyper))
+        except SwapConfigError as exc:
+            raise StateDictError(f"state dict: param group {g}: {exc}") from None
+    scaler = meta.get("loss_scaler")
+    if optimizer.loss_scaler is not None and scaler is not None:
+        DynamicLossScaler().load_state_dict(scaler)  # validates, changes nothing here
+    states = state_dict["state"]
+    if not isinstance(states, Mapping):
+        raise StateDictError("state dict: 'state' must map sub-group index to tensors")
+    if optimizer._closed:  # (a load left incomplete is what a new load repairs)
+        raise PipelineClosedError("the optimizer is closed")
+    # From the first write until the last, the state is part old, part new.
+    optimizer._load_incomplete = True
+    for sg in optimizer.sub_groups:
+        try:
+            entry = states[sg.index]
+        except KeyError:
+            raise StateDictError(f"state dict: sub-group {sg.index} is missing") from None
+        tensors = [state_tensor(entry, row, sg) for row in STATE_ROWS]
+
+        def fill(state: torch.Tensor, tensors: list[torch.Tensor] = tensors) -> None:
+            state.zero_()
+            for row, tensor in enumerate(tensors):
+                state[row, : tensor.numel()].copy_(tensor)
+
+        optimizer._pipeline.write(sg.index, fill, step)
+        del entry, tensors
+    for group, saved in zip(optimizer.param_groups, groups, strict=True):
+        for key, value in saved.items():
+            if key not in ("params", "param_names"):
+                group[key] = value
+    optimizer._step_count = step
+    optimizer._pending = None
+    if optimizer.loss_scaler is not None and scaler is not None:
+        optimizer.loss_scaler.load_state_dict(scaler)
+    optimizer._load_incomplete = False
