@@ -280,13 +280,16 @@ def run_pressure(
             device_nbytes=device,
             host_nbytes=host,
             nvme_dirs=dirs,
-            sub_group_numel=sub_group,
+            step=StepConfig(sub_group_numel=sub_group),
             device="cpu",
         )
         _reset_peak_rss()
         pressure = _train(model_config, config, data, settings, dtype, say, "pressure")
     reference_config = OffloadConfig(
-        device_nbytes=None, host_nbytes=None, sub_group_numel=sub_group, device="cpu"
+        device_nbytes=None,
+        host_nbytes=None,
+        step=StepConfig(sub_group_numel=sub_group),
+        device="cpu",
     )
     reference = _train(model_config, reference_config, data, settings, dtype, say, "reference")
     identical = (
@@ -343,7 +346,7 @@ def _train(
                 lr=settings.lr,
                 weight_decay=0.01,
                 tiers=wrapped,
-                config=StepConfig(sub_group_numel=config.sub_group_numel, max_grad_norm=1.0),
+                config=StepConfig(max_grad_norm=1.0),  # sub-groups: the model's config.step
                 loss_scaler=scaler,
             )
         )

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from swapper.manager.config import MEMORY_TIERS, Kind, ManagerConfig, Tier
+from swapper.step.config import DEFAULT_SUB_GROUP_NUMEL, StepConfig
 from swapper.zero.deepspeed import deepspeed_settings
 from tiers.config import AioConfig, parse_enum, read_json_object
 from tiers.errors import SwapConfigError
@@ -58,10 +59,13 @@ class OffloadConfig:
             used (``None``: half the device budget, or the manager's default when the
             device budget is unlimited). Bytes read ahead sit in host memory, so
             :meth:`manager_config` clamps the window to ``host_nbytes``.
-        sub_group_numel: optimizer sub-group size in elements; each sub-group's state is
-            12 B per element and the host budget must hold at least one.
-        host_fraction: fraction of the optimizer sub-groups kept in host memory for the
-            optimizer's life instead of streamed from NVMe, in [0, 1].
+        step: the optimizer's settings (:class:`~swapper.step.StepConfig`); an
+            :class:`~swapper.step.OffloadAdamW` over the offloaded model takes those its
+            own config leaves ``None``. ``sub_group_numel`` (each sub-group's state is
+            12 B per element and the host budget must hold at least one) and
+            ``host_fraction`` are normalised to their defaults, 25M and 0, when unset.
+            ``accumulate_fp32`` does not apply (16-bit gradients accumulate in their
+            retained buffers) and is refused; ``name`` is each optimizer's own.
         device: ``None`` (CUDA if available, else the CPU stand-in), ``"cpu"``,
             ``"cuda"``, ``"cuda:N"``. Whether CUDA is present is checked when the manager
             starts, not here.
@@ -79,8 +83,7 @@ class OffloadConfig:
     grad_tiers: Sequence[Tier | str] | None = None
     optimizer_tiers: Sequence[Tier | str] | None = None
     prefetch_nbytes: int | None = None
-    sub_group_numel: int = 25_000_000
-    host_fraction: float = 0.0
+    step: StepConfig = dataclasses.field(default_factory=StepConfig)
     device: str | None = None
     store_name: str = "swapper-offload"
 
@@ -133,22 +136,21 @@ class OffloadConfig:
                         "room for the largest tensor, or drop 'device' or 'nvme' from "
                         f"{name}"
                     )
-        numel = self.sub_group_numel
-        if isinstance(numel, bool) or not isinstance(numel, int) or numel <= 0:
+        if not isinstance(self.step, StepConfig):
             raise SwapConfigError(
-                f"sub_group_numel={numel!r} must be an int number of elements > 0 (e.g. 25_000_000)"
+                f"step={self.step!r} must be a StepConfig (from_dict also takes a dict)"
             )
-        fraction = self.host_fraction
-        if (
-            isinstance(fraction, bool)
-            or not isinstance(fraction, (int, float))
-            or not 0.0 <= fraction <= 1.0  # also refuses NaN
-        ):
+        if self.step.accumulate_fp32:
             raise SwapConfigError(
-                f"host_fraction={fraction!r} must be a number from 0 to 1 (the fraction of "
-                "optimizer sub-groups kept in host memory)"
+                "step.accumulate_fp32=True does not apply to an offloaded model: its 16-bit "
+                "gradients accumulate in their retained buffers; leave it False"
             )
-        self._set("host_fraction", float(fraction))
+        self._set(
+            "step",
+            self.step.merged(
+                StepConfig(sub_group_numel=DEFAULT_SUB_GROUP_NUMEL, host_fraction=0.0)
+            ),
+        )
         if self.device is not None and (
             not isinstance(self.device, str) or not _DEVICE.match(self.device)
         ):
@@ -248,8 +250,7 @@ class OffloadConfig:
             "grad_tiers": _names(self.placement[Kind.GRAD16]),
             "optimizer_tiers": _names(self.placement[Kind.OPTIM_STATE]),
             "prefetch_nbytes": self.prefetch_nbytes,
-            "sub_group_numel": self.sub_group_numel,
-            "host_fraction": self.host_fraction,
+            "step": {f.name: getattr(self.step, f.name) for f in dataclasses.fields(self.step)},
             "device": self.device,
             "store_name": self.store_name,
         }
@@ -275,12 +276,19 @@ class OffloadConfig:
             )
         values = {**mapping, **overrides}
         known = [f.name for f in dataclasses.fields(cls)]
-        unknown = sorted(str(key) for key in values if key not in known)
+        unknown = sorted(
+            str(key) for key in values if key not in known and key not in _STEP_ALIASES
+        )
         if unknown:
             raise SwapConfigError(
-                f"unknown offload setting(s): {', '.join(unknown)} (known: {', '.join(known)})"
+                f"unknown offload setting(s): {', '.join(unknown)} (known: {', '.join(known)}; "
+                f"and {', '.join(_STEP_ALIASES)} for step.*)"
             )
-        return cls(**{name: _coerce(name, value) for name, value in values.items()})
+        settings = {name: _coerce(name, value) for name, value in values.items() if name in known}
+        aliases = {name: values[name] for name in _STEP_ALIASES if name in values}
+        if aliases:  # flat keys (DeepSpeed's reader, older files) win over "step"
+            settings["step"] = _step_with(settings.get("step", StepConfig()), aliases)
+        return cls(**settings)
 
     @classmethod
     def from_json(cls, path: str | os.PathLike[str], **overrides: Any) -> OffloadConfig:
@@ -429,6 +437,16 @@ def _shown(given: Sequence[Any]) -> list[Any]:
     return [t.value if isinstance(t, Tier) else t for t in given]
 
 
+#: Keys :meth:`OffloadConfig.from_dict` also takes at the top level, for ``step.*``.
+_STEP_ALIASES = ("sub_group_numel", "host_fraction")
+
+
+def _step_with(step: object, values: Mapping[str, Any]) -> StepConfig:
+    if not isinstance(step, StepConfig):
+        raise SwapConfigError(f"step={step!r} must be a StepConfig or a dict of its settings")
+    return dataclasses.replace(step, **values)
+
+
 def _coerce(name: str, value: Any) -> Any:
     """A JSON value for field ``name`` as the dataclass wants it; the rest is validated."""
     if name in _BYTE_FIELDS and isinstance(value, str):
@@ -436,6 +454,14 @@ def _coerce(name: str, value: Any) -> Any:
             return parse_size(value)
         except ValueError as exc:
             raise SwapConfigError(f"{name}={value!r}: {exc}") from None
+    if name == "step" and isinstance(value, Mapping):
+        known = [f.name for f in dataclasses.fields(StepConfig)]
+        unknown = sorted(str(key) for key in value if key not in known)
+        if unknown:
+            raise SwapConfigError(
+                f"unknown step setting(s): {', '.join(unknown)} (known: {', '.join(known)})"
+            )
+        return StepConfig(**value)
     if name == "aio" and isinstance(value, Mapping):
         try:
             return AioConfig.from_dict(value)

@@ -166,11 +166,8 @@ class OffloadedModel(nn.Module):
         return TieredParams(self)
 
     def step_config(self) -> StepConfig:
-        """The optimizer settings ``config`` gives: sub-group size and host fraction."""
-        return StepConfig(
-            sub_group_numel=self.config.sub_group_numel,
-            host_fraction=self.config.host_fraction,
-        )
+        """The optimizer settings ``config`` gives (``config.step``)."""
+        return self.config.step
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The wrapped model's forward. If it raises (an error, Ctrl-C), the parameters its
