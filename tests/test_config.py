@@ -7,7 +7,14 @@ from typing import Any
 
 import pytest
 
-from tiers.config import DIRECT_ALIGNMENT, MAX_TIMEOUT_S, AioConfig, Backend, check_timeout_s
+from tiers.config import (
+    DIRECT_ALIGNMENT,
+    MAX_TIMEOUT_S,
+    AioConfig,
+    Backend,
+    check_timeout_s,
+    parse_enum,
+)
 from tiers.errors import SwapConfigError, SwapError
 
 
@@ -290,3 +297,25 @@ def test_check_timeout_s() -> None:
         check_timeout_s("t", float("inf"))
     with pytest.raises(SwapConfigError, match="t=0"):
         check_timeout_s("t", 0, SwapConfigError)
+
+
+# -- parse_enum: the one enum-from-string of the settings ---------------------------------
+
+
+@pytest.mark.parametrize("value", ["threads", Backend.THREADS])
+def test_parse_enum_takes_a_member_or_its_value(value: object) -> None:
+    assert parse_enum(Backend, value, "backend") is Backend.THREADS
+
+
+@pytest.mark.parametrize("value", ["Threads", "", None, 3, ["threads"]])
+def test_parse_enum_names_the_setting_and_every_value(value: object) -> None:
+    with pytest.raises(SwapConfigError) as caught:
+        parse_enum(Backend, value, "backend")
+    assert str(caught.value) == (
+        f"backend={value!r} is not one of: {', '.join(b.value for b in Backend)}"
+    )
+
+
+def test_parse_enum_raises_the_error_type_asked_for() -> None:
+    with pytest.raises(KeyError, match=r"policy='x' is not one of"):
+        parse_enum(Backend, "x", "policy", KeyError)

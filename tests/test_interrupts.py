@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from swapper.manager import EntryState, Kind, ManagerConfig, Tier, TierManager
-from swapper.step import OffloadAdamW
+from swapper.step import OffloadAdamW, StepConfig
 from tiers import signals
 from tiers.config import AioConfig
 from tiers.nvme import NvmeStore
@@ -216,7 +216,12 @@ def _optimizer(model: nn.Module, tmp_path: Path, name: str) -> OffloadAdamW:
         close_timeout_s=10.0,
         device="cpu",
     )
-    return OffloadAdamW(model.parameters(), lr=1e-2, tiers=config, sub_group_numel=SUB_GROUP)
+    return OffloadAdamW(
+        model.parameters(),
+        lr=1e-2,
+        tiers=config,
+        config=StepConfig(sub_group_numel=SUB_GROUP),
+    )
 
 
 def _assert_same_optimizer(opt: OffloadAdamW, ref: OffloadAdamW) -> None:

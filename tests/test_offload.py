@@ -18,7 +18,15 @@ import torch
 from torch import nn
 
 import swapper
-from swapper import DynamicLossScaler, Kind, OffloadAdamW, OffloadConfig, SwapConfigError, Tier
+from swapper import (
+    DynamicLossScaler,
+    Kind,
+    OffloadAdamW,
+    OffloadConfig,
+    StepConfig,
+    SwapConfigError,
+    Tier,
+)
 from swapper.manager import ManagerStats, TierManager
 from swapper.pressure.model import GPT, GPTConfig, batches, init_weights_, materialize_
 
@@ -72,20 +80,28 @@ def _mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return (out.float() - target).pow(2).mean()
 
 
-def _tight(tmp_path: Path, **kwargs: object) -> OffloadConfig:
+def _tight(
+    tmp_path: Path, sub_group_numel: int = SUB_GROUP_NUMEL, **kwargs: object
+) -> OffloadConfig:
     settings: dict[str, object] = {
         "device_nbytes": TIGHT_DEVICE_NBYTES,
         "host_nbytes": TIGHT_HOST_NBYTES,
-        "sub_group_numel": SUB_GROUP_NUMEL,
     }
     settings.update(kwargs)
-    return OffloadConfig(nvme_dirs=[tmp_path / "nvme"], device="cpu", **settings)  # type: ignore[arg-type]
+    return OffloadConfig(
+        nvme_dirs=[tmp_path / "nvme"],
+        device="cpu",
+        step=StepConfig(sub_group_numel=sub_group_numel),
+        **settings,  # type: ignore[arg-type]
+    )
 
 
-def _unlimited(**kwargs: object) -> OffloadConfig:
-    settings: dict[str, object] = {"sub_group_numel": SUB_GROUP_NUMEL}
-    settings.update(kwargs)
-    return OffloadConfig(device="cpu", **settings)  # type: ignore[arg-type]
+def _unlimited(sub_group_numel: int = SUB_GROUP_NUMEL, **kwargs: object) -> OffloadConfig:
+    return OffloadConfig(
+        device="cpu",
+        step=StepConfig(sub_group_numel=sub_group_numel),
+        **kwargs,  # type: ignore[arg-type]
+    )
 
 
 def _optimizer(wrapped: swapper.OffloadedModel, **kwargs: object) -> OffloadAdamW:
@@ -294,7 +310,7 @@ def test_tied_weights_train_bit_identical_and_nothing_left_held(tmp_path: Path) 
         device_nbytes=GPT_DEVICE_NEED + 512,
         host_nbytes=60_000,
         nvme_dirs=[tmp_path / "nvme"],
-        sub_group_numel=GPT_SUB_GROUP_NUMEL,
+        step=StepConfig(sub_group_numel=GPT_SUB_GROUP_NUMEL),
         device="cpu",
     )
     tight = _train_gpt(config, steps=3)
@@ -420,7 +436,7 @@ def test_meta_init_streams_into_tiers_and_equals_normal_init(tmp_path: Path) -> 
         device_nbytes=GPT_DEVICE_NEED + 512,
         host_nbytes=30_000,
         nvme_dirs=[tmp_path / "nvme"],
-        sub_group_numel=GPT_SUB_GROUP_NUMEL,
+        step=StepConfig(sub_group_numel=GPT_SUB_GROUP_NUMEL),
         device="cpu",
     )
     # neither memory tier, nor both together, can hold the 16-bit parameters

@@ -34,6 +34,7 @@ from swapper import (
     ManagerConfig,
     OffloadAdamW,
     StateDictError,
+    StepConfig,
     StepFailedError,
     StepPendingError,
     SwapConfigError,
@@ -43,6 +44,7 @@ from swapper import (
     Tier,
     TierManager,
 )
+from swapper.bench.legacy_step import LegacyGradSwapAdamW
 from swapper.step import ALIGN_NUMEL, PipelineClosedError, SubGroup, plan_sub_groups
 
 #: sub_group_numel used by most tests; the plan rounds it up to 4096 elements.
@@ -303,7 +305,7 @@ def test_bitwise_parity_with_flat_fused_adamw(tmp_path: Path, task: Task) -> Non
         params,
         **ADAM,
         tiers=_config(tmp_path, sg_nbytes=task.sg_nbytes),
-        sub_group_numel=task.sub_group_numel,
+        config=StepConfig(sub_group_numel=task.sub_group_numel),
     ) as opt:
         # sub-groups smaller than the model, some boundaries inside a parameter
         assert len(opt.sub_groups) >= 5
@@ -335,7 +337,10 @@ def test_bitwise_parity_param_groups_weight_decay_and_lr_schedule(tmp_path: Path
     ]
     ref = FlatAdamW(spec[:2])
     with OffloadAdamW(
-        [dict(g) for g in spec], **ADAM, tiers=_config(tmp_path), sub_group_numel=SG_NUMEL
+        [dict(g) for g in spec],
+        **ADAM,
+        tiers=_config(tmp_path),
+        config=StepConfig(sub_group_numel=SG_NUMEL),
     ) as opt:
         assert {sg.group_index for sg in opt.sub_groups} == {0, 1}
         # each group is its own flat vector: offsets restart at 0 in group 1
@@ -366,8 +371,7 @@ def test_bitwise_parity_with_grad_clipping(tmp_path: Path, max_norm: float) -> N
         params,
         **ADAM,
         tiers=_config(tmp_path),
-        sub_group_numel=SG_NUMEL,
-        max_grad_norm=max_norm,
+        config=StepConfig(sub_group_numel=SG_NUMEL, max_grad_norm=max_norm),
     ) as opt:
         for step in range(1, 6):
             _mlp_loss(model, step).backward()
@@ -394,7 +398,12 @@ def test_missing_grad_steps_with_zero_gradient(tmp_path: Path) -> None:
     frozen.requires_grad_(False)
     before = frozen.detach().clone()
     ref = FlatAdamW([{"params": params}])
-    with OffloadAdamW(params, **ADAM, tiers=_config(tmp_path), sub_group_numel=SG_NUMEL) as opt:
+    with OffloadAdamW(
+        params,
+        **ADAM,
+        tiers=_config(tmp_path),
+        config=StepConfig(sub_group_numel=SG_NUMEL),
+    ) as opt:
         for step in range(1, 4):
             _mlp_loss(model, step).backward()
             assert frozen.grad is None
@@ -415,7 +424,11 @@ def test_missing_grad_steps_with_zero_gradient(tmp_path: Path) -> None:
 
 def test_closure_loss_is_returned(tmp_path: Path) -> None:
     model = _mlp()
-    with OffloadAdamW(model.parameters(), tiers=_config(tmp_path), sub_group_numel=SG_NUMEL) as opt:
+    with OffloadAdamW(
+        model.parameters(),
+        tiers=_config(tmp_path),
+        config=StepConfig(sub_group_numel=SG_NUMEL),
+    ) as opt:
 
         def closure() -> float:
             opt.zero_grad()
@@ -443,7 +456,12 @@ def test_close_to_torch_adamw_fused_per_parameter(tmp_path: Path) -> None:
     params = list(model.parameters())
     masters = [p.detach().float().clone().requires_grad_(True) for p in params]
     torch_opt = torch.optim.AdamW(masters, **ADAM, fused=True)
-    with OffloadAdamW(params, **ADAM, tiers=_config(tmp_path), sub_group_numel=SG_NUMEL) as opt:
+    with OffloadAdamW(
+        params,
+        **ADAM,
+        tiers=_config(tmp_path),
+        config=StepConfig(sub_group_numel=SG_NUMEL),
+    ) as opt:
         for step in range(1, 6):
             _mlp_loss(model, step).backward()
             for m, p in zip(masters, params, strict=True):
@@ -491,7 +509,11 @@ def test_fp16_loss_scaling_parity_and_skipped_step(tmp_path: Path, bad: float) -
     ref = FlatAdamW([{"params": params}])
     scales = []
     with OffloadAdamW(
-        params, **ADAM, tiers=_config(tmp_path), sub_group_numel=SG_NUMEL, loss_scaler=scaler
+        params,
+        **ADAM,
+        tiers=_config(tmp_path),
+        config=StepConfig(sub_group_numel=SG_NUMEL),
+        loss_scaler=scaler,
     ) as opt:
         for step in range(1, 7):
             scale = scaler.loss_scale
@@ -562,12 +584,12 @@ def test_loss_scaler_settings_and_state() -> None:
 
 def _traffic_run(tmp_path: Path, name: str, legacy: bool) -> tuple[list[Any], list[torch.Tensor]]:
     model = _mlp()
-    with OffloadAdamW(
+    optimizer_class = LegacyGradSwapAdamW if legacy else OffloadAdamW
+    with optimizer_class(
         model.parameters(),
         **ADAM,
         tiers=_config(tmp_path, name),
-        sub_group_numel=SG_NUMEL,
-        legacy_grad_swap=legacy,
+        config=StepConfig(sub_group_numel=SG_NUMEL),
     ) as opt:
         reports = []
         for step in range(1, 4):
@@ -610,7 +632,9 @@ def test_no_wasted_reads_with_a_budget_of_one_sub_group(tmp_path: Path) -> None:
     model = _mlp()
     padded = 5 * 4096 + 2048
     with OffloadAdamW(
-        model.parameters(), tiers=_config(tmp_path, sub_groups=1), sub_group_numel=SG_NUMEL
+        model.parameters(),
+        tiers=_config(tmp_path, sub_groups=1),
+        config=StepConfig(sub_group_numel=SG_NUMEL),
     ) as opt:
         reads = []
         for step in range(1, 4):
@@ -672,7 +696,10 @@ def _fault_run(
 ) -> tuple[list[torch.Tensor], list[Any], int]:
     model = _mlp()
     with OffloadAdamW(
-        model.parameters(), **ADAM, tiers=_config(tmp_path, name), sub_group_numel=SG_NUMEL
+        model.parameters(),
+        **ADAM,
+        tiers=_config(tmp_path, name),
+        config=StepConfig(sub_group_numel=SG_NUMEL),
     ) as opt:
         for step in range(1, 4):
             _random_grads(model, step)
@@ -802,7 +829,12 @@ def test_accumulation_in_16_bit_grads(tmp_path: Path) -> None:
     model = _mlp()
     params = list(model.parameters())
     ref = FlatAdamW([{"params": params}])
-    with OffloadAdamW(params, **ADAM, tiers=_config(tmp_path), sub_group_numel=SG_NUMEL) as opt:
+    with OffloadAdamW(
+        params,
+        **ADAM,
+        tiers=_config(tmp_path),
+        config=StepConfig(sub_group_numel=SG_NUMEL),
+    ) as opt:
         for step in range(1, 4):
             _mlp_loss(model, 2 * step).backward()
             single = params[0].grad.clone()
@@ -821,7 +853,10 @@ def test_accumulate_fp32(tmp_path: Path) -> None:
     params = list(model.parameters())
     ref = FlatAdamW([{"params": params}])
     with OffloadAdamW(
-        params, **ADAM, tiers=_config(tmp_path), sub_group_numel=SG_NUMEL, accumulate_fp32=True
+        params,
+        **ADAM,
+        tiers=_config(tmp_path),
+        config=StepConfig(sub_group_numel=SG_NUMEL, accumulate_fp32=True),
     ) as opt:
         for step in range(1, 4):
             total = torch.zeros(sum(p.numel() for p in params))
@@ -860,8 +895,7 @@ def test_host_fraction_keeps_sub_groups_in_memory(tmp_path: Path) -> None:
             params,
             **ADAM,
             tiers=_config(tmp_path, f"swap{fraction}", sub_groups=5),
-            sub_group_numel=SG_NUMEL,
-            host_fraction=fraction,
+            config=StepConfig(sub_group_numel=SG_NUMEL, host_fraction=fraction),
         ) as opt:
             reads[fraction], written[fraction] = [], []
             for step in range(1, 4):
@@ -897,8 +931,7 @@ def test_host_fraction_leaving_no_room_to_stream_is_rejected(tmp_path: Path) -> 
         OffloadAdamW(
             model.parameters(),
             tiers=_config(tmp_path, sub_groups=3),
-            sub_group_numel=SG_NUMEL,
-            host_fraction=0.5,
+            config=StepConfig(sub_group_numel=SG_NUMEL, host_fraction=0.5),
         ).close()
 
 
@@ -914,8 +947,7 @@ def trained(tmp_path: Path) -> Iterator[tuple[OffloadAdamW, nn.Module]]:
         model.parameters(),
         **ADAM,
         tiers=_config(tmp_path, "a"),
-        sub_group_numel=SG_NUMEL,
-        readahead=0,
+        config=StepConfig(sub_group_numel=SG_NUMEL, readahead=0),
     )
     try:
         for step in range(1, 3):
@@ -970,7 +1002,10 @@ def test_state_dict_round_trip_continues_identically(
         model = _mlp(seed=7)  # same shapes, other values: all of it comes from the dicts
         model.load_state_dict(model_a.state_dict())
         opt = OffloadAdamW(
-            model.parameters(), lr=0.5, tiers=_config(tmp_path, name), sub_group_numel=SG_NUMEL
+            model.parameters(),
+            lr=0.5,
+            tiers=_config(tmp_path, name),
+            config=StepConfig(sub_group_numel=SG_NUMEL),
         )
         opt.load_state_dict(source)  # "b" streams straight from opt_a's mapping
         assert opt.step_count == 2 and opt.param_groups[0]["lr"] == ADAM["lr"]
@@ -1002,14 +1037,18 @@ def test_load_state_dict_of_other_layouts_is_refused(
         (
             "width",
             lambda: OffloadAdamW(
-                _mlp(hidden=150).parameters(), tiers=_config(tmp_path, "w"), sub_group_numel=4000
+                _mlp(hidden=150).parameters(),
+                tiers=_config(tmp_path, "w"),
+                config=StepConfig(sub_group_numel=4000),
             ),
             r"parameter 0 of group 0 has 10240 elements there, 9600 here",
         ),
         (
             "depth",
             lambda: OffloadAdamW(
-                list(_mlp().parameters())[:4], tiers=_config(tmp_path, "d"), sub_group_numel=4000
+                list(_mlp().parameters())[:4],
+                tiers=_config(tmp_path, "d"),
+                config=StepConfig(sub_group_numel=4000),
             ),
             r"group 0 has 6 parameter\(s\), this optimizer 4",
         ),
@@ -1018,7 +1057,7 @@ def test_load_state_dict_of_other_layouts_is_refused(
             lambda: OffloadAdamW(
                 [{"params": list(_mlp().parameters())}, {"params": [_bf16(3)]}],
                 tiers=_config(tmp_path, "g"),
-                sub_group_numel=4000,
+                config=StepConfig(sub_group_numel=4000),
             ),
             r"1 param group\(s\), this optimizer 2",
         ),
@@ -1027,7 +1066,7 @@ def test_load_state_dict_of_other_layouts_is_refused(
             lambda: OffloadAdamW(
                 _mlp().parameters(),
                 tiers=_config(tmp_path, "s", sub_groups=6),
-                sub_group_numel=8000,
+                config=StepConfig(sub_group_numel=8000),
             ),
             r"sub-groups of 4000 elements, this optimizer into 8000.*same sub_group_numel",
         ),
@@ -1067,7 +1106,9 @@ def test_load_state_dict_refuses_bad_dicts_before_writing_anything(
     ]
     model = _mlp(seed=3)
     with OffloadAdamW(
-        model.parameters(), tiers=_config(tmp_path, "b"), sub_group_numel=SG_NUMEL
+        model.parameters(),
+        tiers=_config(tmp_path, "b"),
+        config=StepConfig(sub_group_numel=SG_NUMEL),
     ) as opt:
         before = _state_rows(opt)
         for bad, message in cases:
@@ -1103,7 +1144,9 @@ def test_load_stopped_part_way_refuses_to_step(
         message = r"sub-group 4 'master' is torch.float32 with 7 elements; expected"
     model = _mlp(seed=3)
     with OffloadAdamW(
-        model.parameters(), tiers=_config(tmp_path, "b"), sub_group_numel=SG_NUMEL
+        model.parameters(),
+        tiers=_config(tmp_path, "b"),
+        config=StepConfig(sub_group_numel=SG_NUMEL),
     ) as opt:
         params = [p.detach().clone() for p in model.parameters()]
         with pytest.raises(StateDictError, match=message):
@@ -1124,7 +1167,9 @@ def test_a_good_load_after_one_that_stopped_part_way_recovers(
     broken = {**good, "state": {k: v for k, v in plain.items() if k != 5}}
     model = _mlp(seed=3)
     with OffloadAdamW(
-        model.parameters(), tiers=_config(tmp_path, "b"), sub_group_numel=SG_NUMEL
+        model.parameters(),
+        tiers=_config(tmp_path, "b"),
+        config=StepConfig(sub_group_numel=SG_NUMEL),
     ) as opt:
         with pytest.raises(StateDictError, match="sub-group 5 is missing"):
             opt.load_state_dict(broken)
@@ -1196,7 +1241,7 @@ BAD_INPUT: list[tuple[str, Callable[[], dict[str, Any]], str]] = [
         "legacy-without-nvme",
         lambda: {
             "tiers": ManagerConfig(device_nbytes=0, host_nbytes=10 * SG_NBYTES),
-            "legacy_grad_swap": True,
+            "class": LegacyGradSwapAdamW,
         },
         r"legacy_grad_swap needs an NVMe tier",
     ),
@@ -1218,12 +1263,19 @@ def test_bad_input_is_refused_naming_it(
     budget = kwargs.pop("host_subgroups", 3)
     kwargs.setdefault("tiers", _config(tmp_path, sub_groups=budget))
     params = kwargs.pop("params")
+    optimizer_class = kwargs.pop("class", OffloadAdamW)
+    step_fields = {f.name for f in dataclasses.fields(StepConfig)}
+    step = {k: kwargs.pop(k) for k in list(kwargs) if k in step_fields}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch.optim warns about a duplicate first
         with pytest.raises(SwapConfigError, match=message):
-            OffloadAdamW(params, **kwargs).close()
+            optimizer_class(params, config=StepConfig(**step), **kwargs).close()
     # nothing was left behind: the swap directory can be used again right away
-    with OffloadAdamW([_bf16(10)], tiers=_config(tmp_path), sub_group_numel=SG_NUMEL) as opt:
+    with OffloadAdamW(
+        [_bf16(10)],
+        tiers=_config(tmp_path),
+        config=StepConfig(sub_group_numel=SG_NUMEL),
+    ) as opt:
         _random_grads(nn.ParameterList(opt.param_groups[0]["params"]), 1)
         opt.step()
         assert opt.step_count == 1
@@ -1235,12 +1287,16 @@ def test_parameter_in_two_groups_raises_swap_config_error(tmp_path: Path) -> Non
         OffloadAdamW(
             [{"params": [p]}, {"params": [_bf16(2), p]}],
             tiers=_config(tmp_path),
-            sub_group_numel=SG_NUMEL,
+            config=StepConfig(sub_group_numel=SG_NUMEL),
         ).close()
 
 
 def test_add_param_group_after_construction_is_refused(tmp_path: Path) -> None:
-    with OffloadAdamW([_bf16(10)], tiers=_config(tmp_path), sub_group_numel=SG_NUMEL) as opt:
+    with OffloadAdamW(
+        [_bf16(10)],
+        tiers=_config(tmp_path),
+        config=StepConfig(sub_group_numel=SG_NUMEL),
+    ) as opt:
         with pytest.raises(SwapConfigError, match="add_param_group"):
             opt.add_param_group({"params": [_bf16(4)]})
         assert len(opt.param_groups) == 1 and len(opt.sub_groups) == 1
@@ -1252,9 +1308,15 @@ def test_add_param_group_after_construction_is_refused(tmp_path: Path) -> None:
 def test_shared_manager_close_and_step_after_close(tmp_path: Path) -> None:
     with TierManager(_config(tmp_path, sub_groups=6)) as manager:
         model_a, model_b = _mlp(), _mlp(seed=1)
-        opt_a = OffloadAdamW(model_a.parameters(), tiers=manager, sub_group_numel=SG_NUMEL)
+        opt_a = OffloadAdamW(
+            model_a.parameters(),
+            tiers=manager,
+            config=StepConfig(sub_group_numel=SG_NUMEL),
+        )
         opt_b = OffloadAdamW(
-            model_b.parameters(), tiers=manager, sub_group_numel=SG_NUMEL, name="other"
+            model_b.parameters(),
+            tiers=manager,
+            config=StepConfig(sub_group_numel=SG_NUMEL, name="other"),
         )
         try:
             keys = manager.keys()
@@ -1379,10 +1441,14 @@ def test_ctrl_c_during_compute_is_delivered_after_the_sub_group_is_marked(
 
     with (
         OffloadAdamW(
-            model.parameters(), tiers=_config(tmp_path, "a"), sub_group_numel=SG_NUMEL
+            model.parameters(),
+            tiers=_config(tmp_path, "a"),
+            config=StepConfig(sub_group_numel=SG_NUMEL),
         ) as opt,
         OffloadAdamW(
-            twin.parameters(), tiers=_config(tmp_path, "b"), sub_group_numel=SG_NUMEL
+            twin.parameters(),
+            tiers=_config(tmp_path, "b"),
+            config=StepConfig(sub_group_numel=SG_NUMEL),
         ) as ref,
     ):
         assert len(opt.sub_groups) > 2

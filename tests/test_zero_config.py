@@ -15,6 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from swapper.manager import Kind, ManagerConfig, Tier
+from swapper.step import StepConfig
 from swapper.zero.config import OffloadConfig
 from tiers.config import AioConfig, Backend
 from tiers.errors import SwapConfigError, SwapError
@@ -98,8 +99,8 @@ def test_defaults() -> None:
     assert cfg.grad_tiers == (H,)
     assert cfg.optimizer_tiers == (H,)
     assert cfg.prefetch_nbytes is None
-    assert cfg.sub_group_numel == 25_000_000
-    assert cfg.host_fraction == 0.0
+    assert cfg.step.sub_group_numel == 25_000_000
+    assert cfg.step.host_fraction == 0.0
     assert cfg.device is None
     assert cfg.store_name == "swapper-offload"
 
@@ -127,13 +128,13 @@ def test_tier_names_normalised_to_enums(tmp_path: Path) -> None:
         param_tiers=["host", "nvme"],
         grad_tiers=["nvme"],
         optimizer_tiers=[Tier.HOST, "device"],
-        host_fraction=1,
+        step=StepConfig(host_fraction=1),
     )
     assert cfg.param_tiers == (H, N)
     assert cfg.grad_tiers == (N,)
     assert cfg.optimizer_tiers == (H, D)
     assert all(isinstance(t, Tier) for t in cfg.param_tiers + cfg.grad_tiers)
-    assert cfg.host_fraction == 1.0 and isinstance(cfg.host_fraction, float)
+    assert cfg.step.host_fraction == 1.0 and isinstance(cfg.step.host_fraction, float)
 
 
 @pytest.mark.parametrize(
@@ -159,15 +160,6 @@ def test_tier_names_normalised_to_enums(tmp_path: Path) -> None:
         ({"param_tiers": ["device", "nvme"]}, "param_tiers=['device', 'nvme']", "nvme_dirs"),
         ({"grad_tiers": ["host", "nvme"]}, "grad_tiers=['host', 'nvme']", "nvme_dirs is empty"),
         ({"optimizer_tiers": ["nvme"]}, "optimizer_tiers=['nvme']", "nvme_dirs is empty"),
-        ({"sub_group_numel": 0}, "sub_group_numel=0", "> 0"),
-        ({"sub_group_numel": -3}, "sub_group_numel=-3", "> 0"),
-        ({"sub_group_numel": 2.5e7}, "sub_group_numel=25000000.0", "int number of elements"),
-        ({"sub_group_numel": True}, "sub_group_numel=True", "int number of elements"),
-        ({"host_fraction": -0.1}, "host_fraction=-0.1", "from 0 to 1"),
-        ({"host_fraction": 1.5}, "host_fraction=1.5", "from 0 to 1"),
-        ({"host_fraction": float("nan")}, "host_fraction=nan", "from 0 to 1"),
-        ({"host_fraction": True}, "host_fraction=True", "from 0 to 1"),
-        ({"host_fraction": "0.5"}, "host_fraction='0.5'", "from 0 to 1"),
         ({"device": 0}, "device=0", "'cpu', 'cuda' or 'cuda:N'"),
         ({"device": "gpu"}, "device='gpu'", "'cpu', 'cuda' or 'cuda:N'"),
         ({"device": "cuda:x"}, "device='cuda:x'", "'cuda:N'"),
@@ -322,8 +314,8 @@ def test_from_dict_sizes_and_aio_dict(tmp_path: Path) -> None:
     assert cfg.param_tiers == (D, H, N)
     assert cfg.grad_tiers == (H,)
     assert cfg.optimizer_tiers == (H, N)
-    assert cfg.sub_group_numel == 1_000_000
-    assert cfg.host_fraction == 0.25
+    assert cfg.step.sub_group_numel == 1_000_000
+    assert cfg.step.host_fraction == 0.25
     assert cfg.device == "cpu"
     assert cfg.store_name == "exp"
     assert cfg.manager_config().prefetch_window_nbytes == 64 * MiB  # clamped to host
@@ -366,6 +358,20 @@ def test_from_dict_unknown_keys_named(
         ({"aio": {"block_size": 1000}}, ["aio:", "block_size=1000"]),
         ({"aio": {"speed": 1}}, ["aio:", "speed"]),
         ({"sub_group_numel": "25M"}, ["sub_group_numel='25M'"]),
+        # the step's settings: flat keys fold into step, or a "step" object
+        ({"sub_group_numel": 0}, ["sub_group_numel=0", "> 0"]),
+        ({"sub_group_numel": -3}, ["sub_group_numel=-3", "> 0"]),
+        ({"sub_group_numel": 2.5e7}, ["sub_group_numel=25000000.0", "int number of elements"]),
+        ({"sub_group_numel": True}, ["sub_group_numel=True", "int number of elements"]),
+        ({"host_fraction": -0.1}, ["host_fraction=-0.1", "between 0 and 1"]),
+        ({"host_fraction": 1.5}, ["host_fraction=1.5", "between 0 and 1"]),
+        ({"host_fraction": float("nan")}, ["host_fraction=nan", "between 0 and 1"]),
+        ({"host_fraction": True}, ["host_fraction=True", "between 0 and 1"]),
+        ({"host_fraction": "0.5"}, ["host_fraction='0.5'", "between 0 and 1"]),
+        ({"step": {"readahead": -1}}, ["readahead=-1", "int >= 0"]),
+        ({"step": {"speed": 1}}, ["unknown step setting(s): speed", "sub_group_numel"]),
+        ({"step": [1]}, ["step=[1] must be a StepConfig"]),
+        ({"step": {"accumulate_fp32": True}}, ["step.accumulate_fp32=True does not apply"]),
     ],
 )
 def test_from_dict_bad_values_named(mapping: dict[str, Any], words: list[str]) -> None:
@@ -447,7 +453,7 @@ def test_from_deepspeed_zero_infinity_maps_every_field() -> None:
         ZERO_INFINITY, device_nbytes=4 * GiB, host_nbytes=16 * GiB, device="cpu"
     )
     # from zero_optimization
-    assert cfg.sub_group_numel == 1_000_000_000  # "sub_group_size": 1e9
+    assert cfg.step.sub_group_numel == 1_000_000_000  # "sub_group_size": 1e9
     assert cfg.param_tiers == (D, H, N)  # offload_param.device = nvme
     assert cfg.grad_tiers == (H, N)  # grads follow param offload, NVMe since dirs exist
     assert cfg.optimizer_tiers == (H, N)  # offload_optimizer.device = nvme
@@ -464,7 +470,7 @@ def test_from_deepspeed_zero_infinity_maps_every_field() -> None:
     assert cfg.host_nbytes == 16 * GiB
     assert cfg.device == "cpu"
     assert cfg.prefetch_nbytes is None
-    assert cfg.host_fraction == 0.0
+    assert cfg.step.host_fraction == 0.0
     assert cfg.store_name == "swapper-offload"
     mc = cfg.manager_config()
     assert mc.placement[Kind.PARAM16] == (D, H, N)
@@ -527,7 +533,7 @@ def test_from_deepspeed_offload_devices(
     assert (cfg.param_tiers, cfg.grad_tiers, cfg.optimizer_tiers) == tiers
     assert bool(cfg.nvme_dirs) == (N in cfg.optimizer_tiers or N in cfg.param_tiers)
     assert cfg.aio == AioConfig()  # no aio section: swapper's defaults
-    assert cfg.sub_group_numel == 25_000_000  # no sub_group_size: ours
+    assert cfg.step.sub_group_numel == 25_000_000  # no sub_group_size: ours
     cfg.manager_config()
 
 
@@ -571,7 +577,7 @@ def test_from_deepspeed_overrides_win() -> None:
     )
     assert cfg.device_nbytes == GiB
     assert cfg.nvme_dirs == (Path("/other"),)
-    assert cfg.sub_group_numel == 1000
+    assert cfg.step.sub_group_numel == 1000
     assert cfg.param_tiers == (D, H)
     assert cfg.aio == AioConfig(num_threads=8)
     assert cfg.manager_config().prefetch_window_nbytes == GiB  # clamped to host
@@ -832,8 +838,12 @@ def _configs(draw: st.DrawFn) -> OffloadConfig:
         grad_tiers=grad_tiers,
         optimizer_tiers=optimizer_tiers,
         prefetch_nbytes=draw(st.none() | st.integers(1, 1 << 42)),
-        sub_group_numel=draw(st.integers(1, 1 << 40)),
-        host_fraction=draw(st.floats(0.0, 1.0)),
+        step=StepConfig(
+            sub_group_numel=draw(st.integers(1, 1 << 40)),
+            host_fraction=draw(st.floats(0.0, 1.0)),
+            max_grad_norm=draw(st.none() | st.floats(0.5, 10.0)),
+            readahead=draw(st.none() | st.integers(0, 4)),
+        ),
         device=draw(st.sampled_from([None, "cpu", "cuda", "cuda:0", "cuda:3"])),
         store_name=draw(st.text(min_size=1, max_size=20)),
     )

@@ -13,7 +13,7 @@ import os
 import threading
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from tiers.errors import SwapConfigError
 from tiers.units import format_size, parse_size
@@ -30,6 +30,32 @@ class Backend(str, enum.Enum):
     LIBAIO = "libaio"  #: native Linux AIO through libaio.so.1 (cffi, ABI mode)
     KERNEL = "kernel"  #: the same kernel calls through libc's syscall(), no libaio needed
     THREADS = "threads"  #: os.preadv / os.pwritev in a thread pool; portable
+
+
+E = TypeVar("E", bound=enum.Enum)
+
+
+def enum_names(cls: type[enum.Enum]) -> str:
+    """The values of enum ``cls``, for messages: ``"auto, libaio, kernel, threads"``."""
+    return ", ".join(str(member.value) for member in cls)
+
+
+def parse_enum(
+    cls: type[E], value: object, name: str, error: type[Exception] = SwapConfigError
+) -> E:
+    """``value`` as a member of enum ``cls``: a member, or a member's value.
+
+    The one enum-from-string of the settings (backends, policies, kinds, tiers); ``name``
+    is how the message names the setting or argument.
+
+    Raises:
+        error: ``value`` is no member's value (also for unhashable values); the message is
+            ``{name}={value!r} is not one of: {values}``.
+    """
+    try:
+        return cls(value)
+    except (ValueError, TypeError):  # TypeError: an unhashable value such as a list
+        raise error(f"{name}={value!r} is not one of: {enum_names(cls)}") from None
 
 
 #: The longest wait a timeout may ask for, in seconds: what ``threading`` can wait
@@ -96,11 +122,7 @@ class AioConfig:
                 raise SwapConfigError(f"{name}={getattr(self, name)!r} must be True or False")
         for name in _TIMEOUT_SETTINGS:
             check_timeout_s(name, getattr(self, name), SwapConfigError)
-        try:
-            object.__setattr__(self, "backend", Backend(self.backend))
-        except ValueError:
-            names = ", ".join(b.value for b in Backend)
-            raise SwapConfigError(f"backend={self.backend!r} is not one of: {names}") from None
+        object.__setattr__(self, "backend", parse_enum(Backend, self.backend, "backend"))
         if self.block_size <= 0 or self.block_size % DIRECT_ALIGNMENT:
             raise SwapConfigError(
                 f"block_size={self.block_size} must be a positive multiple of "

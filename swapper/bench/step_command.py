@@ -41,9 +41,10 @@ from swapper.bench.args import (
 )
 from swapper.bench.checks import check_dirs, check_free_space, check_memory
 from swapper.bench.disk import BenchError, Workspace
+from swapper.bench.legacy_step import LegacyGradSwapAdamW
 from swapper.cli_args import UsageError, check_output_path, table, write_json
 from swapper.manager import ManagerConfig
-from swapper.step import OffloadAdamW, StepPipeline
+from swapper.step import OffloadAdamW, StepConfig, StepPipeline
 from swapper.step.layout import plan_sub_groups
 from tiers.config import AioConfig
 from tiers.units import format_size
@@ -180,14 +181,15 @@ def _run_rounds(plan: StepPlan, dirs: list[Path], say: Callable[[str], None]) ->
                 config = ManagerConfig(device_nbytes=0, host_nbytes=None)
             else:
                 config = _manager_config(plan, dirs, name)
+            # "legacy": DeepSpeed's way (fp32 gradients through the disk), the
+            # benchmark's own subclass; the product optimizer never does it.
+            optimizer_class = LegacyGradSwapAdamW if name == "legacy" else OffloadAdamW
             optimizers[name] = stack.enter_context(
-                OffloadAdamW(
+                optimizer_class(
                     params,
                     lr=1e-4,
                     tiers=config,
-                    sub_group_numel=plan.sub_group,
-                    name=name,
-                    legacy_grad_swap=name == "legacy",
+                    config=StepConfig(sub_group_numel=plan.sub_group, name=name),
                 )
             )
         io_step = 0

@@ -11,7 +11,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from tiers.config import DIRECT_ALIGNMENT, AioConfig
+from tiers.config import DIRECT_ALIGNMENT, AioConfig, enum_names, parse_enum
 from tiers.errors import SwapConfigError
 
 __all__ = ["DEFAULT_PLACEMENT", "Kind", "ManagerConfig", "Policy", "Tier"]
@@ -142,12 +142,9 @@ class ManagerConfig:
         self._set("nvme_dirs", tuple(Path(d) for d in self.nvme_dirs))
         if not isinstance(self.aio, AioConfig):
             raise SwapConfigError(f"aio={self.aio!r} must be an AioConfig")
-        try:
-            self._set("policy", Policy(self.policy))
-        except ValueError:
-            names = ", ".join(p.value for p in Policy)
-            raise SwapConfigError(f"policy={self.policy!r} is not one of: {names}") from None
-        self._set("placement", self._checked_placement())
+        self._set("policy", parse_enum(Policy, self.policy, "policy"))
+        placement = self._checked_placement()
+        self._set("placement", placement)
         for name in ("timeout_s", "close_timeout_s"):
             value = getattr(self, name)
             if not _is_number(value) or not value > 0:
@@ -166,7 +163,7 @@ class ManagerConfig:
         threads = self.mover_threads
         if isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= 64:
             raise SwapConfigError(f"mover_threads={threads!r} must be an int from 1 to 64")
-        self._check_windows()
+        self._check_windows(placement)
 
     def _set(self, name: str, value: Any) -> None:
         object.__setattr__(self, name, value)  # frozen: normalising in __post_init__ only
@@ -180,23 +177,21 @@ class ManagerConfig:
             placement = {k: tuple(t for t in v if t is not Tier.NVME) for k, v in placement.items()}
         for raw_kind, raw_tiers in given.items():
             try:
-                kind = Kind(raw_kind)
-            except ValueError:
-                names = ", ".join(k.value for k in Kind)
+                kind = parse_enum(Kind, raw_kind, "kind")
+            except SwapConfigError:
                 raise SwapConfigError(
-                    f"placement: {raw_kind!r} is not a kind (kinds: {names})"
+                    f"placement: {raw_kind!r} is not a kind (kinds: {enum_names(Kind)})"
                 ) from None
             if isinstance(raw_tiers, (str, Tier)) or not isinstance(raw_tiers, Sequence):
                 raise SwapConfigError(
                     f"placement[{kind.value!r}]={raw_tiers!r} must be a list of tiers"
                 )
             try:
-                tiers = tuple(Tier(t) for t in raw_tiers)
-            except ValueError:
-                names = ", ".join(t.value for t in Tier)
+                tiers = tuple(parse_enum(Tier, t, "tier") for t in raw_tiers)
+            except SwapConfigError:
                 raise SwapConfigError(
                     f"placement[{kind.value!r}]={list(raw_tiers)!r} names an unknown tier "
-                    f"(tiers: {names})"
+                    f"(tiers: {enum_names(Tier)})"
                 ) from None
             if not tiers or len(set(tiers)) != len(tiers):
                 raise SwapConfigError(
@@ -217,7 +212,7 @@ class ManagerConfig:
                 )
         return MappingProxyType(placement)
 
-    def _check_windows(self) -> None:
+    def _check_windows(self, placement: Mapping[Kind, tuple[Tier, ...]]) -> None:
         host = self.host_nbytes
         for name in ("prefetch_window_nbytes", "write_behind_nbytes"):
             value = getattr(self, name)
@@ -232,7 +227,7 @@ class ManagerConfig:
                     "live in host memory, so the window cannot exceed its budget"
                 )
         uses_device_and_nvme = any(
-            Tier.DEVICE in tiers and Tier.NVME in tiers for tiers in self.placement.values()
+            Tier.DEVICE in tiers and Tier.NVME in tiers for tiers in placement.values()
         )
         if uses_device_and_nvme and host == 0:
             raise SwapConfigError(

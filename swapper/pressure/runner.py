@@ -35,7 +35,7 @@ import torch
 from swapper.interrupts import critical
 from swapper.manager import ManagerStats, Tier
 from swapper.pressure.model import GPT, GPTConfig, batches, materialize_
-from swapper.step import DynamicLossScaler, OffloadAdamW
+from swapper.step import DynamicLossScaler, OffloadAdamW, StepConfig
 from swapper.zero.config import OffloadConfig
 from swapper.zero.offload import OffloadedModel
 from tiers.errors import SwapConfigError
@@ -280,13 +280,16 @@ def run_pressure(
             device_nbytes=device,
             host_nbytes=host,
             nvme_dirs=dirs,
-            sub_group_numel=sub_group,
+            step=StepConfig(sub_group_numel=sub_group),
             device="cpu",
         )
         _reset_peak_rss()
         pressure = _train(model_config, config, data, settings, dtype, say, "pressure")
     reference_config = OffloadConfig(
-        device_nbytes=None, host_nbytes=None, sub_group_numel=sub_group, device="cpu"
+        device_nbytes=None,
+        host_nbytes=None,
+        step=StepConfig(sub_group_numel=sub_group),
+        device="cpu",
     )
     reference = _train(model_config, reference_config, data, settings, dtype, say, "reference")
     identical = (
@@ -343,8 +346,7 @@ def _train(
                 lr=settings.lr,
                 weight_decay=0.01,
                 tiers=wrapped,
-                sub_group_numel=config.sub_group_numel,
-                max_grad_norm=1.0,
+                config=StepConfig(max_grad_norm=1.0),  # sub-groups: the model's config.step
                 loss_scaler=scaler,
             )
         )

@@ -1,6 +1,7 @@
 """The optimizer step pipeline: fp32 state streamed from the tiers, fp32 gradients built
 from the retained 16-bit ones (never written to disk), PyTorch's fused AdamW."""
 
+from swapper.step.config import StepConfig
 from swapper.step.layout import ALIGN_NUMEL, Piece, SubGroup, plan_sub_groups
 from swapper.step.optimizer import (
     OffloadAdamW,
@@ -19,6 +20,7 @@ __all__ = [
     "Piece",
     "PipelineClosedError",
     "StateDictError",
+    "StepConfig",
     "StepFailedError",
     "StepPendingError",
     "StepPipeline",

@@ -16,39 +16,35 @@ gradient accumulators.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import math
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
 
-from swapper.manager import Kind, ManagerConfig, Tier, TierManager
-from swapper.step.layout import ALIGN_NUMEL, SIXTEEN_BIT, STATE_ROWS, SubGroup, plan_sub_groups
-from swapper.step.pipeline import PipelineClosedError, StepFailedError, StepPipeline, StepTraffic
+from swapper.manager import ManagerConfig, TierManager
+from swapper.step.config import DEFAULT_SUB_GROUP_NUMEL, StepConfig, check_hyper
+from swapper.step.layout import SubGroup, plan_sub_groups
+from swapper.step.params import check_params, fp32_accumulators
+from swapper.step.pipeline import PipelineClosedError, StepPipeline, StepTraffic
 from swapper.step.scaler import DynamicLossScaler
 from swapper.step.sources import LocalParams, ParamSource, TieredModel
+from swapper.step.state import (
+    StateDictError,
+    SubGroupStates,
+    load_state,
+    saved_state,
+)
 from tiers import signals
 from tiers.errors import SwapConfigError, SwapError
-from tiers.signals import wait_future
 
 __all__ = ["OffloadAdamW", "StateDictError", "StepPendingError", "StepReport", "SubGroupStates"]
-
-#: Elements per sub-group unless told (12 B each: 300 MB of state).
-DEFAULT_SUB_GROUP_NUMEL = 25_000_000
-
-#: Version of the layout written by :meth:`OffloadAdamW.state_dict`.
-STATE_FORMAT = 1
 
 
 class StepPendingError(SwapError, RuntimeError):
     """A step failed part-way and must be finished (call ``step()`` again) first."""
-
-
-class StateDictError(SwapError, ValueError):
-    """A state dict does not fit this optimizer (other parameters, shapes or layout)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,24 +96,13 @@ class OffloadAdamW(torch.optim.Optimizer):
             :meth:`close`), or a :class:`ManagerConfig` for one of its own, or a model
             wrapped by :func:`swapper.offload` (its parameters live in its manager, which
             then holds the state too).
-        sub_group_numel: elements per sub-group (rounded up to a multiple of 1024;
-            default: the offloaded model's config, else 25M). Each sub-group's state is
-            12 B per element; the host budget must hold the kept ones and one more, and
-            holds the read-ahead and write-behind ones too (two or more let a step
-            overlap I/O with compute).
-        host_fraction: fraction of the sub-groups (the first ones) kept in memory for
-            the optimizer's life instead of streamed (default: the offloaded model's
-            config, else 0).
-        max_grad_norm: clip the global L2 norm of the (unscaled) gradients to this.
+        config: sub-group size, host fraction, clipping, fp32 accumulation, read-ahead
+            and key prefix (see :class:`~swapper.step.StepConfig`); fields left ``None``
+            come from the offloaded model's ``OffloadConfig.step``, else the defaults.
         loss_scaler: for fp16: the scaler whose scale the gradients carry; a step with
             inf/NaN gradients is skipped and leaves all state and parameters untouched.
-        accumulate_fp32: accumulate gradients over micro-steps in fp32 accumulators in
-            host memory (4 B per parameter element) instead of in the 16-bit ``.grad``.
-        readahead: sub-groups read ahead (``None``: what the host budget allows).
-        name: prefix of this optimizer's keys in the manager.
-        legacy_grad_swap: for comparison only (``swapper-bench step``): write fp32
-            gradients to NVMe at the start of each step and read them back per sub-group,
-            the way DeepSpeed ZeRO-Infinity does. Same results, 4 B/param more each way.
+            A live object the training loop shares (its state is saved by
+            :meth:`state_dict`), so an argument, not a setting of ``config``.
 
     Raises:
         SwapConfigError: a hyper-parameter or setting is out of range (named), a parameter
@@ -135,31 +120,26 @@ class OffloadAdamW(torch.optim.Optimizer):
         weight_decay: float = 1e-2,
         *,
         tiers: TierManager | ManagerConfig | TieredModel,
-        sub_group_numel: int | None = None,
-        host_fraction: float | None = None,
-        max_grad_norm: float | None = None,
+        config: StepConfig | None = None,
         loss_scaler: DynamicLossScaler | None = None,
-        accumulate_fp32: bool = False,
-        readahead: int | None = None,
-        name: str = "adamw",
-        legacy_grad_swap: bool = False,
     ) -> None:
-        _check_hyper(lr, betas, eps, weight_decay)
-        if max_grad_norm is not None and (
-            not isinstance(max_grad_norm, (int, float)) or not max_grad_norm > 0
-        ):
-            raise SwapConfigError(f"max_grad_norm={max_grad_norm!r} must be > 0 or None")
+        check_hyper(lr, betas, eps, weight_decay)
+        if config is None:
+            config = StepConfig()
+        elif not isinstance(config, StepConfig):
+            raise SwapConfigError(
+                f"config={config!r} must be a StepConfig (e.g. StepConfig(sub_group_numel="
+                "25_000_000))"
+            )
         if loss_scaler is not None and not isinstance(loss_scaler, DynamicLossScaler):
             raise SwapConfigError(f"loss_scaler={loss_scaler!r} must be a DynamicLossScaler")
         defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
         super().__init__(params, defaults)
-        manager: TierManager
         self._source: ParamSource
-        defaults_from: dict[str, Any] = {}
         if isinstance(tiers, TieredModel):
-            manager, self._source = tiers.manager, tiers.param_source()
-            defaults_from = tiers.optimizer_defaults()
-            if accumulate_fp32:
+            self._source = tiers.param_source()
+            config = config.merged(tiers.step_config())
+            if config.accumulate_fp32:
                 raise SwapConfigError(
                     "accumulate_fp32 does not apply to an offloaded model: its 16-bit "
                     "gradients already accumulate in their retained buffers"
@@ -170,19 +150,20 @@ class OffloadAdamW(torch.optim.Optimizer):
             raise SwapConfigError(
                 f"tiers={tiers!r} must be a TierManager, a ManagerConfig or an offloaded model"
             )
-        if sub_group_numel is None:
-            sub_group_numel = defaults_from.get("sub_group_numel", DEFAULT_SUB_GROUP_NUMEL)
-        if host_fraction is None:
-            host_fraction = defaults_from.get("host_fraction", 0.0)
-        self._check_params()
+        config = config.merged(
+            StepConfig(sub_group_numel=DEFAULT_SUB_GROUP_NUMEL, host_fraction=0.0)
+        )
+        sub_group_numel = config.sub_group_numel or DEFAULT_SUB_GROUP_NUMEL
+        host_fraction = config.host_fraction or 0.0
+        self.config = config
+        check_params(self.param_groups, self._source)
         for group in self.param_groups:
-            _check_hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+            check_hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"])
             group.setdefault("step", 0)
         plan = plan_sub_groups(self._numels(), sub_group_numel)
         self.sub_group_numel = sub_group_numel
-        self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
+        self.max_grad_norm = config.max_grad_norm
         self.loss_scaler = loss_scaler
-        self.legacy_grad_swap = bool(legacy_grad_swap)
         self.last_step: StepReport | None = None
         self._step_count = 0
         self._pending: int | None = None  # a step that failed part-way
@@ -191,27 +172,26 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._load_incomplete = False  # a load_state_dict stopped part-way
         self._accumulators: list[torch.Tensor] = []
         self._hooks: list[Any] = []
-        if isinstance(tiers, ManagerConfig | TierManager):
-            nvme_dirs = (tiers if isinstance(tiers, ManagerConfig) else tiers.config).nvme_dirs
-        else:
-            nvme_dirs = manager.config.nvme_dirs
-        if legacy_grad_swap and not nvme_dirs:
-            raise SwapConfigError("legacy_grad_swap needs an NVMe tier: give nvme_dirs")
         self._owns_manager = isinstance(tiers, ManagerConfig)
         if isinstance(tiers, ManagerConfig):
-            manager = TierManager(tiers)
+            self.manager = TierManager(tiers)
         elif isinstance(tiers, TierManager):
-            manager = tiers
-        self.manager = manager
+            self.manager = tiers
+        else:
+            self.manager = tiers.manager
         pipeline: StepPipeline | None = None
         try:
             pipeline = StepPipeline(
-                self.manager, plan, name=name, host_fraction=host_fraction, readahead=readahead
+                self.manager,
+                plan,
+                name=config.name,
+                host_fraction=host_fraction,
+                readahead=config.readahead,
             )
             self._pipeline = pipeline
             self._check_budget()
-            if accumulate_fp32:
-                self._start_fp32_accumulation()
+            if config.accumulate_fp32:
+                self._accumulators = fp32_accumulators(self.param_groups, self._hooks)
             pipeline.initialize(self._initial_state)
         except BaseException:
             for hook in self._hooks:
@@ -265,7 +245,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         target = self._step_count + 1
         grad_norm, found_inf = self._grad_norm()
         skipped = found_inf and self.loss_scaler is not None and self._pending is None
-        if skipped:
+        if skipped and self.loss_scaler is not None:
             self.loss_scaler.update(True)
         else:
             factor = self._grad_factor(grad_norm)
@@ -316,24 +296,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         memory at once); :meth:`~swapper.step.OffloadAdamW.load_state_dict` of it, into
         another optimizer, streams.
         """
-        groups = []
-        index = 0
-        for group in self.param_groups:
-            saved = {k: v for k, v in group.items() if k not in ("params", "param_names")}
-            saved["params"] = list(range(index, index + len(group["params"])))
-            index += len(group["params"])
-            groups.append(saved)
-        return {
-            "state": SubGroupStates(self),
-            "param_groups": groups,
-            "swapper": {
-                "format": STATE_FORMAT,
-                "step": self._step_count,
-                "sub_group_numel": self.sub_group_numel,
-                "numels": self._numels(),
-                "loss_scaler": None if self.loss_scaler is None else self.loss_scaler.state_dict(),
-            },
-        }
+        return saved_state(self)
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load what :meth:`state_dict` returned, one sub-group at a time; each is durable
@@ -349,58 +312,7 @@ class OffloadAdamW(torch.optim.Optimizer):
                 named), or a value in it is invalid (named).
             SwapIOError: writing a sub-group failed; ``step()`` refuses until a load succeeds.
         """
-        meta = _state_meta(state_dict)
-        _check_same_layout(meta, self._numels(), self.sub_group_numel)
-        step = meta.get("step")
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise StateDictError(f"state dict: step={step!r} must be an int >= 0")
-        groups = state_dict["param_groups"]
-        if not isinstance(groups, (list, tuple)) or len(groups) != len(self.param_groups):
-            raise StateDictError(
-                f"state dict has {len(groups) if isinstance(groups, (list, tuple)) else '?'} "
-                f"param group(s), this optimizer {len(self.param_groups)}"
-            )
-        hyper = ("lr", "betas", "eps", "weight_decay")
-        for g, saved in enumerate(groups):
-            if not isinstance(saved, Mapping) or not set(hyper) <= set(saved):
-                raise StateDictError(f"state dict: param group {g} lacks one of {hyper}")
-            try:
-                _check_hyper(*(saved[k] for k in hyper))
-            except SwapConfigError as exc:
-                raise StateDictError(f"state dict: param group {g}: {exc}") from None
-        scaler = meta.get("loss_scaler")
-        if self.loss_scaler is not None and scaler is not None:
-            DynamicLossScaler().load_state_dict(scaler)  # validates, changes nothing here
-        states = state_dict["state"]
-        if not isinstance(states, Mapping):
-            raise StateDictError("state dict: 'state' must map sub-group index to tensors")
-        if self._closed:  # (a load left incomplete is what a new load repairs)
-            raise PipelineClosedError("the optimizer is closed")
-        # From the first write until the last, the state is part old, part new.
-        self._load_incomplete = True
-        for sg in self.sub_groups:
-            try:
-                entry = states[sg.index]
-            except KeyError:
-                raise StateDictError(f"state dict: sub-group {sg.index} is missing") from None
-            tensors = [_state_tensor(entry, row, sg) for row in STATE_ROWS]
-
-            def fill(state: torch.Tensor, tensors: list[torch.Tensor] = tensors) -> None:
-                state.zero_()
-                for row, tensor in enumerate(tensors):
-                    state[row, : tensor.numel()].copy_(tensor)
-
-            self._pipeline.write(sg.index, fill, step)
-            del entry, tensors
-        for group, saved in zip(self.param_groups, groups, strict=True):
-            for key, value in saved.items():
-                if key not in ("params", "param_names"):
-                    group[key] = value
-        self._step_count = step
-        self._pending = None
-        if self.loss_scaler is not None and scaler is not None:
-            self.loss_scaler.load_state_dict(scaler)
-        self._load_incomplete = False
+        load_state(self, state_dict)
 
     def close(self) -> None:
         """Forget the state (its NVMe copy is deleted), remove the hooks, and close the
@@ -456,29 +368,6 @@ class OffloadAdamW(torch.optim.Optimizer):
         parameter's ``.data`` is a placeholder)."""
         return [[self._source.shape(p).numel() for p in g["params"]] for g in self.param_groups]
 
-    def _check_params(self) -> None:
-        seen: dict[int, str] = {}
-        source = self._source
-        for g_index, group in enumerate(self.param_groups):
-            names = group.get("param_names")
-            for p_index, param in enumerate(group["params"]):
-                label = f"parameter {p_index} of group {g_index}"
-                if names is not None:
-                    label += f" ({names[p_index]!r})"
-                label += f", shape {list(source.shape(param))}"
-                dtype = source.dtype(param)
-                if dtype not in SIXTEEN_BIT:
-                    raise SwapConfigError(
-                        f"{label} is {dtype}: OffloadAdamW takes 16-bit parameters "
-                        "(torch.bfloat16 or torch.float16) and keeps the fp32 master copy "
-                        "itself; convert the model with .to(torch.bfloat16)"
-                    )
-                if not source.contiguous(param):
-                    raise SwapConfigError(f"{label} is not contiguous")
-                if id(param) in seen:
-                    raise SwapConfigError(f"{label} is also {seen[id(param)]}: pass it once")
-                seen[id(param)] = label
-
     def _check_budget(self) -> None:
         host = self.manager.config.host_nbytes
         if host is None or not self.sub_groups:
@@ -506,30 +395,6 @@ class OffloadAdamW(torch.optim.Optimizer):
                 piece.param_offset,
                 master[piece.offset : piece.offset + piece.numel],
             )
-
-    def _start_fp32_accumulation(self) -> None:
-        for group in self.param_groups:
-            numel = sum(p.numel() for p in group["params"])
-            for param in group["params"]:
-                if not param.requires_grad:
-                    raise SwapConfigError(
-                        f"accumulate_fp32: a parameter of shape {list(param.shape)} does not "
-                        "require grad, so it never gets a gradient to accumulate"
-                    )
-            device = group["params"][0].device if group["params"] else torch.device("cpu")
-            accumulator = torch.zeros(numel, dtype=torch.float32, device=device)
-            self._accumulators.append(accumulator)
-            offset = 0
-            for param in group["params"]:
-                target = accumulator[offset : offset + param.numel()]
-                offset += param.numel()
-
-                def add(param: torch.Tensor, target: torch.Tensor = target) -> None:
-                    # fp32 sum of the micro-steps' 16-bit gradients; the 16-bit one is freed
-                    target.add_(param.grad.reshape(-1))
-                    param.grad = None
-
-                self._hooks.append(param.register_post_accumulate_grad_hook(add))
 
     # -- one step -------------------------------------------------------------------------
 
@@ -562,7 +427,6 @@ class OffloadAdamW(torch.optim.Optimizer):
         return factor
 
     def _run(self, target: int, factor: float) -> None:
-        extra_keys = self._legacy_keys if self.legacy_grad_swap else None
         threads = torch.get_num_threads()
         try:
             if self._pipeline.streams and threads > 1:
@@ -571,18 +435,18 @@ class OffloadAdamW(torch.optim.Optimizer):
                 # every core starves them, and the step stops overlapping (measured in
                 # docs/benchmarks.md). So the step leaves one core to the I/O threads.
                 torch.set_num_threads(threads - 1)
-            if self.legacy_grad_swap:
-                self._legacy_write_grads(target, factor)
-            self._pipeline.run(
-                target,
-                lambda sg, state, extras: self._update(sg, state, extras, target, factor),
-                self._publish,
-                extra_keys=extra_keys,
-            )
+            self._run_pipeline(target, factor)
         finally:
             torch.set_num_threads(threads)
-            if self.legacy_grad_swap:
-                self._legacy_drop_grads()
+
+    def _run_pipeline(self, target: int, factor: float) -> None:
+        """Every sub-group through the pipeline; a subclass may fetch more per sub-group
+        (``swapper.bench.legacy_step`` fetches the fp32 gradient it wrote)."""
+        self._pipeline.run(
+            target,
+            lambda sg, state, extras: self._update(sg, state, extras, target, factor),
+            self._publish,
+        )
 
     def _grad_buffer(self, device: torch.device, numel: int) -> torch.Tensor:
         buffer = self._grad32.get(device)
@@ -616,13 +480,9 @@ class OffloadAdamW(torch.optim.Optimizer):
     ) -> None:
         group = self.param_groups[sg.group_index]
         n = sg.numel
-        if extras:  # legacy: the fp32 gradient came back from disk
-            grad = extras[0][:n]
-        else:
-            grad = self._grad_buffer(state.device, n)
-            self._build_grad(sg, grad, factor)
+        grad = self._grad(sg, state, extras, factor)
         beta1, beta2 = group["betas"]
-        torch._fused_adamw_(
+        torch._fused_adamw_(  # pyright: ignore[reportPrivateImportUsage]
             [state[0, :n]],
             [grad],
             [state[1, :n]],
@@ -638,6 +498,15 @@ class OffloadAdamW(torch.optim.Optimizer):
             maximize=False,
         )
 
+    def _grad(
+        self, sg: SubGroup, state: torch.Tensor, extras: list[torch.Tensor], factor: float
+    ) -> torch.Tensor:
+        """The fp32 gradient of ``sg``, built from the retained 16-bit one into a reused
+        buffer on the state's device (``extras``: what :meth:`_run_pipeline` fetched)."""
+        grad = self._grad_buffer(state.device, sg.numel)
+        self._build_grad(sg, grad, factor)
+        return grad
+
     def _publish(self, sg: SubGroup, state: torch.Tensor) -> None:
         """Round the new master weights into the 16-bit parameters."""
         master = state[0]
@@ -647,147 +516,3 @@ class OffloadAdamW(torch.optim.Optimizer):
                 piece.param_offset,
                 master[piece.offset : piece.offset + piece.numel],
             )
-
-    # -- the incumbent's way, for comparison ------------------------------------------------
-
-    def _legacy_key(self, sg: SubGroup) -> str:
-        return f"{self._pipeline.name}/grad32/{sg.index}"
-
-    def _legacy_keys(self, sg: SubGroup) -> list[str]:
-        return [self._legacy_key(sg)]
-
-    def _legacy_write_grads(self, target: int, factor: float) -> None:
-        """Write every sub-group's fp32 gradient to NVMe and wait (DeepSpeed does this at
-        the gradient-accumulation boundary, then reads them back in its step)."""
-        largest = max(sg.padded_numel for sg in self.sub_groups)
-        scratch = torch.zeros(largest, dtype=torch.float32)
-        writes = []
-        try:
-            for sg in self.sub_groups:
-                if self._pipeline.progress[sg.index].applied >= target:
-                    continue  # a repeated step: this one is done
-                grad = scratch[: sg.padded_numel]
-                self._build_grad(sg, grad[: sg.numel], factor)
-                key = self._legacy_key(sg)
-                self.manager.register(key, grad, Kind.GRAD32)
-                writes.append(self.manager.evict(key, Tier.NVME))
-        finally:
-            for write in writes:
-                wait_future(write, None, "step.write")
-            errors = [w.exception() for w in writes]
-        failed = [e for e in errors if e is not None]
-        if failed:
-            raise StepFailedError(
-                f"step {target}: writing fp32 gradients (legacy_grad_swap) failed: {failed[0]}",
-                step=target,
-                undone=[sg.index for sg in self.sub_groups],
-            ) from failed[0]
-
-    def _legacy_drop_grads(self) -> None:
-        keys = set(self.manager.keys())
-        for sg in self.sub_groups:
-            key = self._legacy_key(sg)
-            if key in keys:
-                self.manager.unregister(key)
-
-
-class SubGroupStates(Mapping[int, dict[str, torch.Tensor]]):
-    """The ``"state"`` of :meth:`OffloadAdamW.state_dict`: sub-group index → its state,
-    read from the tiers on each lookup (a copy; the caller may keep or drop it)."""
-
-    def __init__(self, optimizer: OffloadAdamW) -> None:
-        self._optimizer = optimizer
-        self._step = optimizer.step_count
-
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        optimizer = self._optimizer
-        if optimizer.step_count != self._step or optimizer._pending is not None:
-            raise StateDictError(
-                f"this state dict was taken at step {self._step}; the optimizer has moved "
-                f"on (step {optimizer.step_count}): take a new one"
-            )
-        if not isinstance(index, int) or not 0 <= index < len(optimizer.sub_groups):
-            raise KeyError(index)
-        sg = optimizer.sub_groups[index]
-        state = optimizer._pipeline.read(index)
-        return {row: state[i, : sg.numel] for i, row in enumerate(STATE_ROWS)}
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(range(len(self._optimizer.sub_groups)))
-
-    def __len__(self) -> int:
-        return len(self._optimizer.sub_groups)
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        # torch.save / pickle: every sub-group read (all in memory at once). An
-        # OrderedDict, because torch.load(weights_only=True) refuses builtins.dict here.
-        return (collections.OrderedDict, (list(self.items()),))
-
-
-def _check_hyper(lr: Any, betas: Any, eps: Any, weight_decay: Any) -> None:
-    def number(value: Any) -> bool:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-    if not number(lr) or not lr >= 0:
-        raise SwapConfigError(f"lr={lr!r} must be a number >= 0")
-    if (
-        not isinstance(betas, (tuple, list))
-        or len(betas) != 2
-        or not all(number(b) and 0.0 <= b < 1.0 for b in betas)
-    ):
-        raise SwapConfigError(f"betas={betas!r} must be two numbers in [0, 1)")
-    if not number(eps) or not eps >= 0:
-        raise SwapConfigError(f"eps={eps!r} must be a number >= 0")
-    if not number(weight_decay) or not weight_decay >= 0:
-        raise SwapConfigError(f"weight_decay={weight_decay!r} must be a number >= 0")
-
-
-def _state_meta(state_dict: Mapping[str, Any]) -> dict[str, Any]:
-    if not isinstance(state_dict, Mapping) or not {"state", "param_groups"} <= set(state_dict):
-        raise StateDictError("not an optimizer state dict (needs 'state' and 'param_groups')")
-    meta = state_dict.get("swapper")
-    if not isinstance(meta, Mapping) or meta.get("format") != STATE_FORMAT:
-        raise StateDictError(
-            "not an OffloadAdamW state dict (no 'swapper' section of format "
-            f"{STATE_FORMAT}); a torch.optim state dict keeps state per parameter, this one "
-            "per sub-group"
-        )
-    return dict(meta)
-
-
-def _check_same_layout(meta: Mapping[str, Any], numels: list[list[int]], sub: int) -> None:
-    theirs = meta.get("numels")
-    if not isinstance(theirs, list) or len(theirs) != len(numels):
-        count = len(theirs) if isinstance(theirs, list) else "?"
-        raise StateDictError(f"state dict has {count} param group(s), this optimizer {len(numels)}")
-    for g, (a, b) in enumerate(zip(theirs, numels, strict=True)):
-        if len(a) != len(b):
-            raise StateDictError(
-                f"state dict: group {g} has {len(a)} parameter(s), this optimizer {len(b)}"
-            )
-        for p, (x, y) in enumerate(zip(a, b, strict=True)):
-            if x != y:
-                raise StateDictError(
-                    f"state dict: parameter {p} of group {g} has {x} elements there, {y} "
-                    "here: the state is of another model"
-                )
-    theirs_sub = meta.get("sub_group_numel")
-    if isinstance(theirs_sub, bool) or not isinstance(theirs_sub, int):
-        raise StateDictError(f"state dict: sub_group_numel={theirs_sub!r} is not an int")
-    if -(-theirs_sub // ALIGN_NUMEL) != -(-sub // ALIGN_NUMEL):
-        raise StateDictError(
-            f"state dict was cut into sub-groups of {meta.get('sub_group_numel')} elements, "
-            f"this optimizer into {sub}: create it with the same sub_group_numel"
-        )
-
-
-def _state_tensor(entry: Any, row: str, sg: SubGroup) -> torch.Tensor:
-    tensor = entry.get(row) if isinstance(entry, Mapping) else None
-    if not isinstance(tensor, torch.Tensor):
-        raise StateDictError(f"state dict: sub-group {sg.index} has no tensor {row!r}")
-    if tensor.numel() != sg.numel or tensor.dtype != torch.float32:
-        raise StateDictError(
-            f"state dict: sub-group {sg.index} {row!r} is {tensor.dtype} with "
-            f"{tensor.numel()} elements; expected torch.float32 with {sg.numel}"
-        )
-    return tensor.reshape(-1)

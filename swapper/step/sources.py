@@ -8,12 +8,13 @@ elements, so the optimizer does not care whether they are ordinary tensors
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 
 if TYPE_CHECKING:
     from swapper.manager import TierManager
+    from swapper.step.config import StepConfig
 
 __all__ = ["LocalParams", "ParamSource", "TieredModel"]
 
@@ -106,7 +107,7 @@ class TieredModel(Protocol):
         """Access to its parameters and their retained gradients."""
         ...
 
-    def optimizer_defaults(self) -> dict[str, Any]:
-        """Settings its config gives the optimizer (``sub_group_numel``,
-        ``host_fraction``), used where the optimizer's caller gives none."""
+    def step_config(self) -> StepConfig:
+        """The optimizer settings its config gives (``OffloadConfig.step``); the
+        optimizer takes those its own config leaves ``None``."""
         ...

@@ -15,7 +15,6 @@ overrides.
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import re
 from collections.abc import Mapping, Sequence
@@ -23,7 +22,9 @@ from pathlib import Path
 from typing import Any
 
 from swapper.manager.config import MEMORY_TIERS, Kind, ManagerConfig, Tier
-from tiers.config import AioConfig, read_json_object
+from swapper.step.config import DEFAULT_SUB_GROUP_NUMEL, StepConfig
+from swapper.zero.deepspeed import deepspeed_settings
+from tiers.config import AioConfig, parse_enum, read_json_object
 from tiers.errors import SwapConfigError
 from tiers.units import parse_size
 
@@ -58,10 +59,13 @@ class OffloadConfig:
             used (``None``: half the device budget, or the manager's default when the
             device budget is unlimited). Bytes read ahead sit in host memory, so
             :meth:`manager_config` clamps the window to ``host_nbytes``.
-        sub_group_numel: optimizer sub-group size in elements; each sub-group's state is
-            12 B per element and the host budget must hold at least one.
-        host_fraction: fraction of the optimizer sub-groups kept in host memory for the
-            optimizer's life instead of streamed from NVMe, in [0, 1].
+        step: the optimizer's settings (:class:`~swapper.step.StepConfig`); an
+            :class:`~swapper.step.OffloadAdamW` over the offloaded model takes those its
+            own config leaves ``None``. ``sub_group_numel`` (each sub-group's state is
+            12 B per element and the host budget must hold at least one) and
+            ``host_fraction`` are normalised to their defaults, 25M and 0, when unset.
+            ``accumulate_fp32`` does not apply (16-bit gradients accumulate in their
+            retained buffers) and is refused; ``name`` is each optimizer's own.
         device: ``None`` (CUDA if available, else the CPU stand-in), ``"cpu"``,
             ``"cuda"``, ``"cuda:N"``. Whether CUDA is present is checked when the manager
             starts, not here.
@@ -79,8 +83,7 @@ class OffloadConfig:
     grad_tiers: Sequence[Tier | str] | None = None
     optimizer_tiers: Sequence[Tier | str] | None = None
     prefetch_nbytes: int | None = None
-    sub_group_numel: int = 25_000_000
-    host_fraction: float = 0.0
+    step: StepConfig = dataclasses.field(default_factory=StepConfig)
     device: str | None = None
     store_name: str = "swapper-offload"
 
@@ -109,6 +112,7 @@ class OffloadConfig:
             "grad_tiers": (Tier.HOST, Tier.NVME),
             "optimizer_tiers": (Tier.HOST, Tier.NVME),
         }
+        checked: dict[str, tuple[Tier, ...]] = {}
         for name in _TIER_FIELDS:
             given = getattr(self, name)
             if given is None:
@@ -116,15 +120,15 @@ class OffloadConfig:
             else:
                 tiers = _checked_tiers(name, given, has_nvme=has_nvme)
             self._set(name, tiers)
-        first = self.param_tiers[0]
-        if first not in MEMORY_TIERS:
+            checked[name] = tiers
+        param_tiers = checked["param_tiers"]
+        if param_tiers[0] not in MEMORY_TIERS:
             raise SwapConfigError(
-                f"param_tiers={_names(self.param_tiers)} must start with a memory tier "
+                f"param_tiers={_names(param_tiers)} must start with a memory tier "
                 "('device' or 'host'): parameters are used where the first tier is"
             )
         if self.host_nbytes == 0:
-            for name in _TIER_FIELDS:
-                tiers = getattr(self, name)
+            for name, tiers in checked.items():
                 if Tier.DEVICE in tiers and Tier.NVME in tiers:
                     raise SwapConfigError(
                         f"host_nbytes=0, but {name}={_names(tiers)} moves device tensors to "
@@ -132,22 +136,21 @@ class OffloadConfig:
                         "room for the largest tensor, or drop 'device' or 'nvme' from "
                         f"{name}"
                     )
-        numel = self.sub_group_numel
-        if isinstance(numel, bool) or not isinstance(numel, int) or numel <= 0:
+        if not isinstance(self.step, StepConfig):
             raise SwapConfigError(
-                f"sub_group_numel={numel!r} must be an int number of elements > 0 (e.g. 25_000_000)"
+                f"step={self.step!r} must be a StepConfig (from_dict also takes a dict)"
             )
-        fraction = self.host_fraction
-        if (
-            isinstance(fraction, bool)
-            or not isinstance(fraction, (int, float))
-            or not 0.0 <= fraction <= 1.0  # also refuses NaN
-        ):
+        if self.step.accumulate_fp32:
             raise SwapConfigError(
-                f"host_fraction={fraction!r} must be a number from 0 to 1 (the fraction of "
-                "optimizer sub-groups kept in host memory)"
+                "step.accumulate_fp32=True does not apply to an offloaded model: its 16-bit "
+                "gradients accumulate in their retained buffers; leave it False"
             )
-        self._set("host_fraction", float(fraction))
+        self._set(
+            "step",
+            self.step.merged(
+                StepConfig(sub_group_numel=DEFAULT_SUB_GROUP_NUMEL, host_fraction=0.0)
+            ),
+        )
         if self.device is not None and (
             not isinstance(self.device, str) or not _DEVICE.match(self.device)
         ):
@@ -170,6 +173,19 @@ class OffloadConfig:
         object.__setattr__(self, name, value)  # frozen: normalising in __post_init__ only
 
     # -- what the integration uses -------------------------------------------------------
+
+    @property
+    def placement(self) -> Mapping[Kind, tuple[Tier, ...]]:
+        """Where each kind may live, normalised: ``param16 → param_tiers``,
+        ``grad16 → grad_tiers``, ``optim_state`` and ``grad32 → optimizer_tiers``
+        (the tier fields typed as stored: tuples of :class:`~swapper.manager.Tier`)."""
+        optimizer = _stored_tiers(self.optimizer_tiers)
+        return {
+            Kind.PARAM16: _stored_tiers(self.param_tiers),
+            Kind.GRAD16: _stored_tiers(self.grad_tiers),
+            Kind.OPTIM_STATE: optimizer,
+            Kind.GRAD32: optimizer,
+        }
 
     @property
     def prefetch_window_nbytes(self) -> int | None:
@@ -203,17 +219,15 @@ class OffloadConfig:
             SwapConfigError: never for a config that constructed (``__post_init__`` builds
                 one to check); listed for the manager's own validation.
         """
+        placement: dict[Kind | str, Sequence[Tier | str]] = {
+            kind: tiers for kind, tiers in self.placement.items()
+        }
         return ManagerConfig(
             device_nbytes=self.device_nbytes,
             host_nbytes=self.host_nbytes,
             nvme_dirs=self.nvme_dirs,
             aio=self.aio,
-            placement={
-                Kind.PARAM16: self.param_tiers,
-                Kind.GRAD16: self.grad_tiers,
-                Kind.OPTIM_STATE: self.optimizer_tiers,
-                Kind.GRAD32: self.optimizer_tiers,
-            },
+            placement=placement,
             prefetch_window_nbytes=self.prefetch_window_nbytes,
             device=self.device,
             store_name=self.store_name,
@@ -232,12 +246,11 @@ class OffloadConfig:
             "host_nbytes": self.host_nbytes,
             "nvme_dirs": [os.fspath(d) for d in self.nvme_dirs],
             "aio": aio,
-            "param_tiers": _names(self.param_tiers),
-            "grad_tiers": _names(self.grad_tiers),
-            "optimizer_tiers": _names(self.optimizer_tiers),
+            "param_tiers": _names(self.placement[Kind.PARAM16]),
+            "grad_tiers": _names(self.placement[Kind.GRAD16]),
+            "optimizer_tiers": _names(self.placement[Kind.OPTIM_STATE]),
             "prefetch_nbytes": self.prefetch_nbytes,
-            "sub_group_numel": self.sub_group_numel,
-            "host_fraction": self.host_fraction,
+            "step": {f.name: getattr(self.step, f.name) for f in dataclasses.fields(self.step)},
             "device": self.device,
             "store_name": self.store_name,
         }
@@ -263,12 +276,19 @@ class OffloadConfig:
             )
         values = {**mapping, **overrides}
         known = [f.name for f in dataclasses.fields(cls)]
-        unknown = sorted(str(key) for key in values if key not in known)
+        unknown = sorted(
+            str(key) for key in values if key not in known and key not in _STEP_ALIASES
+        )
         if unknown:
             raise SwapConfigError(
-                f"unknown offload setting(s): {', '.join(unknown)} (known: {', '.join(known)})"
+                f"unknown offload setting(s): {', '.join(unknown)} (known: {', '.join(known)}; "
+                f"and {', '.join(_STEP_ALIASES)} for step.*)"
             )
-        return cls(**{name: _coerce(name, value) for name, value in values.items()})
+        settings = {name: _coerce(name, value) for name, value in values.items() if name in known}
+        aliases = {name: values[name] for name in _STEP_ALIASES if name in values}
+        if aliases:  # flat keys (DeepSpeed's reader, older files) win over "step"
+            settings["step"] = _step_with(settings.get("step", StepConfig()), aliases)
+        return cls(**settings)
 
     @classmethod
     def from_json(cls, path: str | os.PathLike[str], **overrides: Any) -> OffloadConfig:
@@ -349,21 +369,7 @@ class OffloadConfig:
                 return cls.from_deepspeed(data, **overrides)
             except SwapConfigError as exc:
                 raise SwapConfigError(f"{os.fspath(ds)}: {exc}") from None
-        if not isinstance(ds, Mapping):
-            raise SwapConfigError(
-                f"a DeepSpeed config must be a mapping or a JSON file's path, got "
-                f"{type(ds).__name__}"
-            )
-        values, needs_nvme = _read_deepspeed(ds)
-        values.update(overrides)
-        if not values.get("nvme_dirs"):
-            for field, where in needs_nvme:
-                if field not in overrides:
-                    raise SwapConfigError(
-                        f"{where}.device='nvme' but no {where}.nvme_path is given: name a "
-                        "swap directory there, or pass nvme_dirs=[...]"
-                    )
-        return cls.from_dict(values)
+        return cls.from_dict(deepspeed_settings(ds, overrides))
 
 
 # -- our own keys ------------------------------------------------------------------------
@@ -394,8 +400,8 @@ def _checked_tiers(name: str, given: object, *, has_nvme: bool) -> tuple[Tier, .
     tiers: list[Tier] = []
     for raw in given:
         try:
-            tier = Tier(raw)
-        except (ValueError, TypeError):
+            tier = parse_enum(Tier, raw, name)
+        except SwapConfigError:
             raise SwapConfigError(
                 f"{name}={_shown(given)} names {raw!r}, which is not a tier "
                 "(tiers: device, host, nvme)"
@@ -415,6 +421,13 @@ def _checked_tiers(name: str, given: object, *, has_nvme: bool) -> tuple[Tier, .
     return tuple(tiers)
 
 
+def _stored_tiers(tiers: Sequence[Tier | str] | None) -> tuple[Tier, ...]:
+    """A tier field as ``__post_init__`` left it (a tuple of Tier; never None after it)."""
+    if not isinstance(tiers, tuple) or not all(isinstance(t, Tier) for t in tiers):
+        raise SwapConfigError(f"tier list {tiers!r} was not normalised by OffloadConfig")
+    return tiers  # type: ignore[return-value]  # checked element by element above
+
+
 def _names(tiers: Sequence[Tier]) -> list[str]:
     return [t.value for t in tiers]
 
@@ -424,6 +437,16 @@ def _shown(given: Sequence[Any]) -> list[Any]:
     return [t.value if isinstance(t, Tier) else t for t in given]
 
 
+#: Keys :meth:`OffloadConfig.from_dict` also takes at the top level, for ``step.*``.
+_STEP_ALIASES = ("sub_group_numel", "host_fraction")
+
+
+def _step_with(step: object, values: Mapping[str, Any]) -> StepConfig:
+    if not isinstance(step, StepConfig):
+        raise SwapConfigError(f"step={step!r} must be a StepConfig or a dict of its settings")
+    return dataclasses.replace(step, **values)
+
+
 def _coerce(name: str, value: Any) -> Any:
     """A JSON value for field ``name`` as the dataclass wants it; the rest is validated."""
     if name in _BYTE_FIELDS and isinstance(value, str):
@@ -431,258 +454,17 @@ def _coerce(name: str, value: Any) -> Any:
             return parse_size(value)
         except ValueError as exc:
             raise SwapConfigError(f"{name}={value!r}: {exc}") from None
+    if name == "step" and isinstance(value, Mapping):
+        known = [f.name for f in dataclasses.fields(StepConfig)]
+        unknown = sorted(str(key) for key in value if key not in known)
+        if unknown:
+            raise SwapConfigError(
+                f"unknown step setting(s): {', '.join(unknown)} (known: {', '.join(known)})"
+            )
+        return StepConfig(**value)
     if name == "aio" and isinstance(value, Mapping):
         try:
             return AioConfig.from_dict(value)
         except SwapConfigError as exc:
             raise SwapConfigError(f"aio: {exc}") from None
     return value
-
-
-# -- DeepSpeed ---------------------------------------------------------------------------
-
-#: ``zero_optimization`` keys we read.
-_DS_ZERO_READ = frozenset(
-    {"stage", "sub_group_size", "offload_param", "offload_optimizer", "cpu_offload_param"}
-)
-
-#: ``zero_optimization`` keys DeepSpeed has (with the names its aliases also accept) that
-#: swapper accepts and ignores: collective bucketing and overlap (single-process offload
-#: has no collectives to tune), GPU-side persistence and live-parameter limits (the device
-#: budget bounds these), quantized communication, checkpoint gathering, MiCS/hpZ
-#: partitioning, and deprecated switches whose meaning the offload sections carry
-#: (``cpu_offload`` = optimizer offload to CPU, which is where our optimizer state is
-#: anyway; ``cpu_offload_use_pin_memory``: swapper pins whenever CUDA is present).
-_DS_ZERO_IGNORED = frozenset(
-    {
-        "allgather_bucket_size",
-        "allgather_partitions",
-        "allgather_sequential",
-        "contiguous_gradients",
-        "cpu_offload",
-        "cpu_offload_use_pin_memory",
-        "elastic_checkpoint",
-        "enable_sanity_checks",
-        "gather_16bit_weights_on_model_save",
-        "ignore_unused_parameters",
-        "leaf_module",
-        "legacy_stage1",
-        "load_from_fp32_weights",
-        "log_trace_cache_warnings",
-        "max_live_parameters",
-        "max_reuse_distance",
-        "memory_efficient_linear",
-        "mics_hierarchical_params_gather",
-        "mics_shard_size",
-        "model_persistence_threshold",
-        "module_granularity_threshold",
-        "overlap_comm",
-        "override_module_apply",
-        "param_persistence_threshold",
-        "pipeline_loading_checkpoint",
-        "prefetch_bucket_size",
-        "reduce_bucket_size",
-        "reduce_scatter",
-        "round_robin_gradients",
-        "save_muon_momentum_buffer_in_memory",
-        "stage3_allgather_sequential",
-        "stage3_gather_16bit_weights_on_model_save",
-        "stage3_gather_fp16_weights_on_model_save",
-        "stage3_max_live_parameters",
-        "stage3_max_reuse_distance",
-        "stage3_model_persistence_threshold",
-        "stage3_module_granularity_threshold",
-        "stage3_param_persistence_threshold",
-        "stage3_prefetch_bucket_size",
-        "stage3_use_all_reduce_for_fetch_params",
-        "use_all_reduce_for_fetch_params",
-        "use_multi_rank_bucket_allreduce",
-        "zenflow",
-        "zero_hpz_partition_size",
-        "zero_quantized_gradients",
-        "zero_quantized_nontrainable_weights",
-        "zero_quantized_weights",
-        "zeropp_loco_param",
-    }
-)
-
-_DS_PARAM_READ = frozenset({"device", "nvme_path"})
-#: swapper pins host memory whenever CUDA is present and sizes its buffers (count, size,
-#: parameters kept in host memory) from the byte budgets.
-_DS_PARAM_IGNORED = frozenset({"pin_memory", "buffer_count", "buffer_size", "max_in_cpu"})
-
-_DS_OPTIMIZER_READ = frozenset({"device", "nvme_path"})
-#: Buffers: as above. ``pipeline_read``/``pipeline_write``: the step pipeline always
-#: overlaps read-ahead and write-behind. ``fast_init``: state starts in the tiers directly.
-#: ``ratio``, ``super_offload``, ``cpuadam_cores_perc``: how DeepSpeed splits the step
-#: between GPU and CPU Adam; OffloadAdamW has one way of stepping.
-_DS_OPTIMIZER_IGNORED = frozenset(
-    {
-        "pin_memory",
-        "buffer_count",
-        "buffer_size",
-        "fast_init",
-        "pipeline_read",
-        "pipeline_write",
-        "ratio",
-        "super_offload",
-        "cpuadam_cores_perc",
-    }
-)
-
-#: DeepSpeed reads ``intra_op_parallelism``; ``thread_count`` is its older name and
-#: ``num_threads`` ours. Current DeepSpeed ignores the two; swapper honours all three.
-_DS_AIO_THREADS = ("intra_op_parallelism", "thread_count", "num_threads")
-_DS_AIO_READ = frozenset(
-    {"block_size", "queue_depth", "single_submit", "use_gds", *_DS_AIO_THREADS}
-)
-#: ``overlap_events``: each request has its own future, so completions always overlap.
-_DS_AIO_IGNORED = frozenset({"overlap_events"})
-
-_PARAM_TIERS_BY_DEVICE = {
-    "none": (Tier.DEVICE,),
-    "cpu": (Tier.DEVICE, Tier.HOST),
-    "nvme": (Tier.DEVICE, Tier.HOST, Tier.NVME),
-}
-_OPTIMIZER_TIERS_BY_DEVICE = {
-    "none": (Tier.HOST,),
-    "cpu": (Tier.HOST,),
-    "nvme": (Tier.HOST, Tier.NVME),
-}
-
-
-def _read_deepspeed(ds: Mapping[str, Any]) -> tuple[dict[str, Any], list[tuple[str, str]]]:
-    """Our settings from a DeepSpeed config, and the (field, section) pairs that need NVMe."""
-    if "zero_optimization" not in ds:
-        raise SwapConfigError(
-            "the DeepSpeed config has no zero_optimization section: parameter offload needs "
-            "'zero_optimization': {'stage': 3, 'offload_param': {...}}"
-        )
-    zero = _ds_section(ds["zero_optimization"], "zero_optimization")
-    _check_keys(zero, "zero_optimization", _DS_ZERO_READ, _DS_ZERO_IGNORED)
-    stage = zero.get("stage", 0)
-    if stage != 3 or isinstance(stage, bool):
-        raise SwapConfigError(
-            f"zero_optimization.stage={stage!r}: parameter offload needs ZeRO stage 3; set "
-            "'stage': 3"
-        )
-    values: dict[str, Any] = {}
-    needs_nvme: list[tuple[str, str]] = []
-    if zero.get("sub_group_size") is not None:
-        values["sub_group_numel"] = _ds_count(
-            zero["sub_group_size"], "zero_optimization.sub_group_size", minimum=1
-        )
-    dirs: list[str] = []
-
-    sections = (
-        ("offload_param", "param_tiers", _DS_PARAM_READ, _DS_PARAM_IGNORED, _PARAM_TIERS_BY_DEVICE),
-        (
-            "offload_optimizer",
-            "optimizer_tiers",
-            _DS_OPTIMIZER_READ,
-            _DS_OPTIMIZER_IGNORED,
-            _OPTIMIZER_TIERS_BY_DEVICE,
-        ),
-    )
-    for key, field_name, read, ignored, tiers_by_device in sections:
-        section = zero.get(key)
-        if section is None and key == "offload_param" and zero.get("cpu_offload_param") is True:
-            section = {"device": "cpu"}  # DeepSpeed's deprecated spelling of the same
-        if section is None:
-            values[field_name] = _names(tiers_by_device["none"])
-            continue
-        where = f"zero_optimization.{key}"
-        section = _ds_section(section, where)
-        _check_keys(section, where, read, ignored)
-        device = _ds_offload_device(section, where)
-        values[field_name] = _names(tiers_by_device[device])
-        if device == "nvme":
-            needs_nvme.append((field_name, where))
-            dirs += _ds_paths(section.get("nvme_path"), f"{where}.nvme_path")
-    values["nvme_dirs"] = list(dict.fromkeys(os.fspath(Path(d)) for d in dirs))
-
-    if ds.get("aio") is not None:
-        values["aio"] = _ds_aio(_ds_section(ds["aio"], "aio"))
-    return values, needs_nvme
-
-
-def _ds_section(value: object, where: str) -> Mapping[str, Any]:
-    if not isinstance(value, Mapping):
-        raise SwapConfigError(f"{where}={value!r} must be an object of settings")
-    return value
-
-
-def _check_keys(
-    section: Mapping[str, Any], where: str, read: frozenset[str], ignored: frozenset[str]
-) -> None:
-    known = read | ignored
-    for key in section:
-        if key not in known:
-            raise SwapConfigError(
-                f"{where}.{key} is not a DeepSpeed setting swapper knows; known: "
-                f"{', '.join(sorted(known))}"
-            )
-
-
-def _ds_offload_device(section: Mapping[str, Any], where: str) -> str:
-    device = section.get("device", "none")
-    if device is None:
-        device = "none"
-    if device not in ("none", "cpu", "nvme"):
-        raise SwapConfigError(f"{where}.device={device!r} must be 'none', 'cpu' or 'nvme'")
-    return str(device)
-
-
-def _ds_paths(value: object, where: str) -> list[str]:
-    if value is None:
-        return []
-    items = [value] if isinstance(value, (str, os.PathLike)) else value
-    if not isinstance(items, Sequence) or not all(
-        isinstance(p, (str, os.PathLike)) and os.fspath(p) for p in items
-    ):
-        raise SwapConfigError(f"{where}={value!r} must be a directory path or a list of them")
-    return [os.fspath(p) for p in items]
-
-
-def _ds_count(value: object, where: str, *, minimum: int) -> int:
-    """An int from DeepSpeed's JSON, where counts are often written as floats (``1e9``)."""
-    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise SwapConfigError(f"{where}={value!r} must be an integer >= {minimum}")
-    return value
-
-
-def _ds_aio(section: Mapping[str, Any]) -> AioConfig:
-    _check_keys(section, "aio", _DS_AIO_READ, _DS_AIO_IGNORED)
-    if section.get("use_gds"):
-        raise SwapConfigError(
-            f"aio.use_gds={section['use_gds']!r}: GPUDirect Storage is not supported by "
-            "swapper; set it to false (reads and writes go through pinned host memory)"
-        )
-    settings: dict[str, Any] = {}
-    for key in ("block_size", "queue_depth"):
-        if section.get(key) is not None:
-            settings[key] = _ds_count(section[key], f"aio.{key}", minimum=1)
-    threads = {
-        key: _ds_count(section[key], f"aio.{key}", minimum=1)
-        for key in _DS_AIO_THREADS
-        if section.get(key) is not None
-    }
-    if len(set(threads.values())) > 1:
-        given = ", ".join(f"aio.{key}={value}" for key, value in threads.items())
-        raise SwapConfigError(
-            f"{given}: each sets the I/O thread count, and they disagree; give one "
-            "(intra_op_parallelism is DeepSpeed's current name)"
-        )
-    if threads:
-        settings["num_threads"] = next(iter(threads.values()))
-    if section.get("single_submit") is not None:
-        single = section["single_submit"]
-        if not isinstance(single, bool):
-            raise SwapConfigError(f"aio.single_submit={single!r} must be true or false")
-        settings["single_submit"] = single
-    try:
-        return AioConfig(**settings)
-    except SwapConfigError as exc:
-        raise SwapConfigError(f"aio: {exc}") from None

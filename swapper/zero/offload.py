@@ -6,7 +6,7 @@ module that owns parameters (``recurse=False``) bring them in around the module'
 
 - forward pre-hook: fetch them into the first tier of ``config.param_tiers`` (the device)
   and point ``.data`` at the fetched bytes; forward hook: release them again. The
-  forward hook also passes the outputs through :class:`_BeforeBackward`, whose backward
+  forward hook also passes the outputs through :class:`BeforeBackward`, whose backward
   runs just before the module's own backward and fetches them again;
 - when a parameter's gradient has been accumulated (``register_post_accumulate_grad_hook``:
   every use of it in the graph has contributed, tied weights included), the gradient is
@@ -27,24 +27,33 @@ Parameters are placed at wrap time, one module at a time: each goes to the faste
 its placement with room (device, else pinned host, else written to NVMe), and a model
 built on the meta device is materialised module by module (``materialize``), so a model
 larger than host memory can be initialised.
+
+Layout: the parameter records and the optimizer's view of them are in
+:mod:`swapper.zero.params`, the autograd plumbing in :mod:`swapper.zero.autograd`. What
+stays here (~560 lines) is one state machine: the hooks, the hold counts they share
+(``users``, ``backward_holds``, the forward depth, the recorded order) and the placement
+that registers the slots the hooks then move; split further, each part would have to
+reach into the others' counters, which is what a reader must follow in one place.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import threading
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
 from swapper.manager import Kind, ManagerStats, Tier, TierManager
+from swapper.step.config import StepConfig
 from swapper.step.sources import ParamSource
+from swapper.zero.autograd import in_autograd, mark_outputs
 from swapper.zero.config import OffloadConfig
+from swapper.zero.params import Slot, TieredParams
 from tiers import signals
 from tiers.errors import SwapConfigError
 from tiers.units import format_size
@@ -58,50 +67,6 @@ Materialize = Callable[[nn.Module, Callable[[str, nn.Module], None]], None]
 
 #: Modules wrapped so far (a module may be wrapped once).
 _WRAPPED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
-
-
-@dataclasses.dataclass(eq=False)
-class _Slot:
-    """One offloaded parameter: its keys, real shape, and who holds it now."""
-
-    name: str
-    param: nn.Parameter
-    shape: torch.Size
-    dtype: torch.dtype
-    placeholder: torch.Tensor
-    users: int = 0  # fetches outstanding (forward and backward holds)
-    backward_holds: int = 0  # of which taken for a backward
-    has_grad: bool = False  # its retained gradient is registered
-    #: fp32 L2 norm of the retained gradient, taken when it is moved in (while it is in
-    #: memory anyway), so that the optimizer's global norm reads nothing back from NVMe
-    grad_norm: torch.Tensor | None = None
-
-    @property
-    def key(self) -> str:
-        return f"param/{self.name}"
-
-    @property
-    def grad_key(self) -> str:
-        return f"grad/{self.name}"
-
-    @property
-    def nbytes(self) -> int:
-        return self.shape.numel() * self.dtype.itemsize
-
-
-class _BeforeBackward(torch.autograd.Function):
-    """Identity on a module's outputs whose backward fetches the module's parameters."""
-
-    @staticmethod
-    def forward(ctx: Any, hook: Callable[[], None], *tensors: torch.Tensor) -> Any:  # type: ignore[override]
-        ctx.hook = hook
-        outputs = tuple(t.detach() for t in tensors)
-        return outputs if len(outputs) > 1 else outputs[0]
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> Any:  # type: ignore[override]
-        ctx.hook()
-        return (None, *grads)
 
 
 def offload(
@@ -154,9 +119,9 @@ class OffloadedModel(nn.Module):
             raise SwapConfigError(f"offload: config must be an OffloadConfig, got {config!r}")
         self.module = module
         self.config = config
-        self._slots: dict[int, _Slot] = {}  # id(param) → slot
-        self._by_name: dict[str, _Slot] = {}
-        self._module_slots: dict[nn.Module, list[_Slot]] = {}
+        self._slots: dict[int, Slot] = {}  # id(param) → slot
+        self._by_name: dict[str, Slot] = {}
+        self._module_slots: dict[nn.Module, list[Slot]] = {}
         self._lock = threading.RLock()
         self._handles: list[Any] = []
         self._order: list[str] | None = None  # fetch order, once recorded
@@ -167,7 +132,7 @@ class OffloadedModel(nn.Module):
         self._cursor = -1
         #: per module whose forward runs now (outermost first): the slots its pre-hook
         #: fetched, released by its forward hook or, if the forward raised, by forward()
-        self._forward_holds: list[list[_Slot]] = []
+        self._forward_holds: list[list[Slot]] = []
         self._forward_depth = 0  # calls of forward() running
         self._in_backward = False
         self._closed = False
@@ -198,14 +163,11 @@ class OffloadedModel(nn.Module):
 
     def param_source(self) -> ParamSource:
         """Access to the parameters and their retained gradients, for the optimizer."""
-        return _TieredParams(self)
+        return TieredParams(self)
 
-    def optimizer_defaults(self) -> dict[str, Any]:
-        """The optimizer settings ``config`` gives: sub-group size and host fraction."""
-        return {
-            "sub_group_numel": self.config.sub_group_numel,
-            "host_fraction": self.config.host_fraction,
-        }
+    def step_config(self) -> StepConfig:
+        """The optimizer settings ``config`` gives (``config.step``)."""
+        return self.config.step
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The wrapped model's forward. If it raises (an error, Ctrl-C), the parameters its
@@ -228,7 +190,7 @@ class OffloadedModel(nn.Module):
         """Release what a forward or backward that raised (an error, Ctrl-C) left fetched;
         returns how many holds that was. Called by :meth:`forward` and before an
         optimizer step; does nothing while a forward or backward runs."""
-        if self._forward_depth or _in_autograd():
+        if self._forward_depth or in_autograd():
             return 0
         if not self._forward_holds and not self._in_backward:
             return 0  # (backward holds exist only while a backward runs)
@@ -263,7 +225,7 @@ class OffloadedModel(nn.Module):
         super().zero_grad(set_to_none=set_to_none)
         self._drop_grads(self._by_name.values())
 
-    def _drop_grads(self, slots: Iterable[_Slot]) -> None:
+    def _drop_grads(self, slots: Iterable[Slot]) -> None:
         for slot in slots:
             # Unregistered first, then marked: cut in between (Ctrl-C at the wait for a
             # write of it), the slot still says what the manager holds.
@@ -337,7 +299,7 @@ class OffloadedModel(nn.Module):
                     "(model.to(torch.bfloat16))"
                 )
         limit = self.config.device_nbytes
-        first = self.config.param_tiers[0]
+        first = self.config.placement[Kind.PARAM16][0]
         if first is Tier.HOST:
             limit = self.config.host_nbytes
 
@@ -393,7 +355,7 @@ class OffloadedModel(nn.Module):
         if slots:
             self._module_slots[module] = slots
 
-    def _register(self, name: str, param: nn.Parameter) -> _Slot:
+    def _register(self, name: str, param: nn.Parameter) -> Slot:
         if param.is_meta:
             raise SwapConfigError(
                 f"offload: parameter {name!r} is on the meta device; pass materialize= to "
@@ -404,7 +366,7 @@ class OffloadedModel(nn.Module):
                 f"offload: parameter {name!r} (shape {list(param.shape)}) is {param.dtype}; "
                 "convert the model to bf16 or fp16 first (model.to(torch.bfloat16))"
             )
-        slot = _Slot(
+        slot = Slot(
             name=name,
             param=param,
             shape=param.shape,
@@ -430,10 +392,10 @@ class OffloadedModel(nn.Module):
 
     # -- hooks ----------------------------------------------------------------------------
 
-    def _pre_forward_hook(self, slots: list[_Slot]) -> Callable[..., None]:
+    def _pre_forward_hook(self, slots: list[Slot]) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any) -> None:
             self._step_boundary()
-            taken: list[_Slot] = []
+            taken: list[Slot] = []
             self._forward_holds.append(taken)
             for slot in slots:
                 with signals.at_waits:  # fetched and recorded, or neither
@@ -457,7 +419,7 @@ class OffloadedModel(nn.Module):
                 self._manager_recorded = True
                 recording.__exit__(None, None, None)
 
-    def _post_forward_hook(self, slots: list[_Slot]) -> Callable[..., Any]:
+    def _post_forward_hook(self, slots: list[Slot]) -> Callable[..., Any]:
         def before_backward() -> None:
             self._backward_started()
             for slot in slots:
@@ -473,11 +435,11 @@ class OffloadedModel(nn.Module):
                     self._release(slot)
             if not torch.is_grad_enabled():
                 return output
-            return _mark_outputs(output, before_backward)
+            return mark_outputs(output, before_backward)
 
         return hook
 
-    def _grad_hook(self, slot: _Slot) -> Callable[[torch.Tensor], None]:
+    def _grad_hook(self, slot: Slot) -> Callable[[torch.Tensor], None]:
         def hook(param: torch.Tensor) -> None:
             grad = param.grad
             if grad is not None:
@@ -518,7 +480,7 @@ class OffloadedModel(nn.Module):
                 self._position.setdefault(key, []).append(i)
             log.info("offload: recorded a fetch order of %d parameters", len(self._order))
 
-    def _retain_grad(self, slot: _Slot, grad: torch.Tensor) -> None:
+    def _retain_grad(self, slot: Slot, grad: torch.Tensor) -> None:
         """Move ``grad`` into the retained buffer (one copy; added on later micro-steps).
 
         Cut (Ctrl-C at a wait, an error), the retained buffer is as before: registered
@@ -543,7 +505,7 @@ class OffloadedModel(nn.Module):
 
     # -- fetching and releasing -------------------------------------------------------------
 
-    def _acquire(self, slot: _Slot) -> None:
+    def _acquire(self, slot: Slot) -> None:
         """Count a user of the slot, fetching it for the first. Cut (Ctrl-C at a wait of
         the fetch, an error), nothing is counted or held; a signal arriving after the fetch
         waits for the caller's section, which records the hold first."""
@@ -553,7 +515,7 @@ class OffloadedModel(nn.Module):
                 if slot.users > 1:
                     return
             try:
-                tensor = self._manager.fetch(slot.key, self.config.param_tiers[0])
+                tensor = self._manager.fetch(slot.key, self.config.placement[Kind.PARAM16][0])
             except BaseException:
                 with self._lock:
                     slot.users -= 1
@@ -562,7 +524,7 @@ class OffloadedModel(nn.Module):
                 slot.param.data = tensor
             self._note_fetch(slot.key)
 
-    def _release(self, slot: _Slot) -> None:
+    def _release(self, slot: Slot) -> None:
         with signals.held:  # uncounted and released, or neither
             with self._lock:
                 slot.users -= 1
@@ -572,7 +534,7 @@ class OffloadedModel(nn.Module):
             self._manager.release(slot.key, modified=False)
 
     @contextlib.contextmanager
-    def _holding(self, slot: _Slot) -> Iterator[torch.Tensor]:
+    def _holding(self, slot: Slot) -> Iterator[torch.Tensor]:
         self._acquire(slot)
         try:
             yield slot.param.data
@@ -604,115 +566,4 @@ class OffloadedModel(nn.Module):
                 ahead.append(next_key)
                 taken += nbytes
         if ahead:
-            self._manager.prefetch(ahead, self.config.param_tiers[0])
-
-
-def _in_autograd() -> bool:
-    """Whether the calling thread runs inside a backward pass (a recomputing forward
-    of activation checkpointing, a hook)."""
-    return torch._C._current_graph_task_id() != -1
-
-
-def _mark_outputs(output: Any, hook: Callable[[], None]) -> Any:
-    """``output`` with its grad-requiring tensors passed through :class:`_BeforeBackward`."""
-    if isinstance(output, torch.Tensor):
-        return _BeforeBackward.apply(hook, output) if output.requires_grad else output
-    if isinstance(output, (tuple, list)):
-        tensors = [t for t in output if isinstance(t, torch.Tensor) and t.requires_grad]
-        if not tensors:
-            return output
-        marked = _BeforeBackward.apply(hook, *tensors)
-        marked = marked if isinstance(marked, tuple) else (marked,)
-        it = iter(marked)
-        items = [next(it) if isinstance(t, torch.Tensor) and t.requires_grad else t for t in output]
-        return type(output)(items) if isinstance(output, list) else tuple(items)
-    if isinstance(output, Mapping):
-        keys = [k for k, v in output.items() if isinstance(v, torch.Tensor) and v.requires_grad]
-        if not keys:
-            return output
-        marked = _BeforeBackward.apply(hook, *(output[k] for k in keys))
-        marked = marked if isinstance(marked, tuple) else (marked,)
-        return {**output, **dict(zip(keys, marked, strict=True))}
-    return output
-
-
-class _TieredParams:
-    """:class:`~swapper.step.sources.ParamSource` over an :class:`OffloadedModel`."""
-
-    def __init__(self, model: OffloadedModel) -> None:
-        self._model = model
-        self._manager = model.manager
-        # The optimizer reads and writes parameters on the host (where it computes),
-        # not in the device tier they are used from: no device room taken, and between
-        # steps a parameter waits in host memory (or on NVMe) anyway.
-        tiers = model.config.param_tiers
-        self._tier = Tier.HOST if Tier.HOST in tiers else tiers[0]
-
-    def _slot(self, param: torch.Tensor) -> _Slot:
-        slot = self._model._slots.get(id(param))
-        if slot is None:
-            raise SwapConfigError(
-                f"a parameter of shape {list(param.shape)} given to the optimizer is not one "
-                "of the offloaded model's: pass wrapped.parameters()"
-            )
-        return slot
-
-    def shape(self, param: torch.Tensor) -> torch.Size:
-        return self._slot(param).shape
-
-    def dtype(self, param: torch.Tensor) -> torch.dtype:
-        return self._slot(param).dtype
-
-    def contiguous(self, param: torch.Tensor) -> bool:
-        self._slot(param)
-        return True  # the tiers hold every parameter contiguous
-
-    # Each fetch and its release run in a section: no signal between the fetch and the try.
-
-    def read_param(self, param: torch.Tensor, start: int, out: torch.Tensor) -> None:
-        key = self._slot(param).key
-        with signals.at_waits:
-            tensor = self._manager.fetch(key, self._tier)
-            try:
-                out.copy_(tensor.view(-1)[start : start + out.numel()])
-            finally:
-                self._manager.release(key, modified=False)
-
-    def read_grad(self, param: torch.Tensor, start: int, out: torch.Tensor) -> bool:
-        slot = self._slot(param)
-        if not slot.has_grad:
-            return False
-        with signals.at_waits:
-            tensor = self._manager.fetch(slot.grad_key)
-            try:
-                out.copy_(tensor.view(-1)[start : start + out.numel()])
-            finally:
-                self._manager.release(slot.grad_key, modified=False)
-        return True
-
-    def write_param(self, param: torch.Tensor, start: int, source: torch.Tensor) -> None:
-        slot = self._slot(param)
-        if slot.users:
-            self._model.release_stale_holds()  # a forward or backward that raised
-        if slot.users:
-            raise SwapConfigError(
-                f"optimizer step while parameter {slot.name!r} is in use (inside a forward "
-                "or backward?)"
-            )
-        with signals.at_waits:
-            tensor = self._manager.fetch(slot.key, self._tier)
-            try:
-                tensor.view(-1)[start : start + source.numel()].copy_(source)
-            finally:
-                self._manager.release(slot.key, modified=True)
-
-    def grad_norms(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        norms = []
-        for param in params:
-            slot = self._slot(param)
-            if slot.has_grad and slot.grad_norm is not None:
-                norms.append(slot.grad_norm)
-        return norms
-
-    def zero_grad(self, params: Sequence[torch.Tensor]) -> None:
-        self._model._drop_grads([self._slot(param) for param in params])
+            self._manager.prefetch(ahead, self.config.placement[Kind.PARAM16][0])

@@ -1,0 +1,136 @@
+"""The offloaded parameters' records and the optimizer's view of them.
+
+:class:`Slot`: one offloaded parameter (its keys, real shape, hold counts);
+:class:`TieredParams`: the :class:`~swapper.step.sources.ParamSource` through which
+:class:`~swapper.step.OffloadAdamW` reads and writes an offloaded model's parameters and
+retained gradients in the manager.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from swapper.manager import Kind, Tier
+from tiers import signals
+from tiers.errors import SwapConfigError
+
+if TYPE_CHECKING:
+    from swapper.zero.offload import OffloadedModel
+
+__all__ = ["Slot", "TieredParams"]
+
+
+@dataclasses.dataclass(eq=False)
+class Slot:
+    """One offloaded parameter: its keys, real shape, and who holds it now."""
+
+    name: str
+    param: nn.Parameter
+    shape: torch.Size
+    dtype: torch.dtype
+    placeholder: torch.Tensor
+    users: int = 0  # fetches outstanding (forward and backward holds)
+    backward_holds: int = 0  # of which taken for a backward
+    has_grad: bool = False  # its retained gradient is registered
+    #: fp32 L2 norm of the retained gradient, taken when it is moved in (while it is in
+    #: memory anyway), so that the optimizer's global norm reads nothing back from NVMe
+    grad_norm: torch.Tensor | None = None
+
+    @property
+    def key(self) -> str:
+        return f"param/{self.name}"
+
+    @property
+    def grad_key(self) -> str:
+        return f"grad/{self.name}"
+
+    @property
+    def nbytes(self) -> int:
+        return self.shape.numel() * self.dtype.itemsize
+
+
+class TieredParams:
+    """:class:`~swapper.step.sources.ParamSource` over an :class:`OffloadedModel`."""
+
+    def __init__(self, model: OffloadedModel) -> None:
+        self._model = model
+        self._manager = model.manager
+        # The optimizer reads and writes parameters on the host (where it computes),
+        # not in the device tier they are used from: no device room taken, and between
+        # steps a parameter waits in host memory (or on NVMe) anyway.
+        tiers = model.config.placement[Kind.PARAM16]
+        self._tier = Tier.HOST if Tier.HOST in tiers else tiers[0]
+
+    def _slot(self, param: torch.Tensor) -> Slot:
+        slot = self._model._slots.get(id(param))
+        if slot is None:
+            raise SwapConfigError(
+                f"a parameter of shape {list(param.shape)} given to the optimizer is not one "
+                "of the offloaded model's: pass wrapped.parameters()"
+            )
+        return slot
+
+    def shape(self, param: torch.Tensor) -> torch.Size:
+        return self._slot(param).shape
+
+    def dtype(self, param: torch.Tensor) -> torch.dtype:
+        return self._slot(param).dtype
+
+    def contiguous(self, param: torch.Tensor) -> bool:
+        self._slot(param)
+        return True  # the tiers hold every parameter contiguous
+
+    # Each fetch and its release run in a section: no signal between the fetch and the try.
+
+    def read_param(self, param: torch.Tensor, start: int, out: torch.Tensor) -> None:
+        key = self._slot(param).key
+        with signals.at_waits:
+            tensor = self._manager.fetch(key, self._tier)
+            try:
+                out.copy_(tensor.view(-1)[start : start + out.numel()])
+            finally:
+                self._manager.release(key, modified=False)
+
+    def read_grad(self, param: torch.Tensor, start: int, out: torch.Tensor) -> bool:
+        slot = self._slot(param)
+        if not slot.has_grad:
+            return False
+        with signals.at_waits:
+            tensor = self._manager.fetch(slot.grad_key)
+            try:
+                out.copy_(tensor.view(-1)[start : start + out.numel()])
+            finally:
+                self._manager.release(slot.grad_key, modified=False)
+        return True
+
+    def write_param(self, param: torch.Tensor, start: int, source: torch.Tensor) -> None:
+        slot = self._slot(param)
+        if slot.users:
+            self._model.release_stale_holds()  # a forward or backward that raised
+        if slot.users:
+            raise SwapConfigError(
+                f"optimizer step while parameter {slot.name!r} is in use (inside a forward "
+                "or backward?)"
+            )
+        with signals.at_waits:
+            tensor = self._manager.fetch(slot.key, self._tier)
+            try:
+                tensor.view(-1)[start : start + source.numel()].copy_(source)
+            finally:
+                self._manager.release(slot.key, modified=True)
+
+    def grad_norms(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        norms = []
+        for param in params:
+            slot = self._slot(param)
+            if slot.has_grad and slot.grad_norm is not None:
+                norms.append(slot.grad_norm)
+        return norms
+
+    def zero_grad(self, params: Sequence[torch.Tensor]) -> None:
+        self._model._drop_grads([self._slot(param) for param in params])
