@@ -551,3 +551,49 @@ def test_hand_wired_zero3_steps_match_one_process(tmp_path: Path) -> None:
         assert v["diff"] <= 2**-6, v["diff"]
         assert v["moved"] >= 40 * 2**-6, v["moved"]
     assert values[0]["bits"] == values[1]["bits"]  # every rank holds the same model
+
+
+def _world_one(rank: int, world: int) -> dict[str, Any]:
+    import swapper.distributed.collectives as coll
+
+    def boom(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("a collective was called at world size 1")
+
+    # Any collective at world size 1 is a cost paid for nothing: make it an error here.
+    coll.all_gather_single = boom
+    coll.reduce_scatter_single = boom
+    dist.all_reduce = boom  # type: ignore[assignment]
+    dg = DistGroup.of(timeout=5)
+    infos = _infos()
+    full = _full_params(seed=3)
+    grads = _exact_grads(seed=4)
+    cpu = torch.device("cpu")
+    checked = 0
+    for threshold in (None, 0):
+        plan = plan_partition(infos, 1, whole_below_numel=threshold)
+        shards = _local_shards(plan, full, 0)
+        for idx in _modules(plan):
+            lay = module_layout(plan, idx)
+            for method in ("all_gather", "all_reduce"):
+                got = start_fetch(lay, shards, dg, dtype=torch.bfloat16, device=cpu, method=method)
+                assert got.done and got.bytes_copied_after == 0
+                for i in idx:
+                    assert torch.equal(_bits(got.views[i]), _bits(full[i])), (method, i)
+                    checked += 1
+            out = {i: torch.full_like(shards[i], 7.0) for i in idx}  # padding must be zeroed
+            stats = reduce_scatter_grads(lay, {i: grads[i] for i in idx}, out, dg)
+            assert stats.collective == "none" and stats.input_nbytes == 0
+            for i in idx:
+                n = plan.params[i].numel
+                assert torch.equal(_bits(out[i][:n]), _bits(grads[i].reshape(-1)))
+                assert not out[i][n:].any()
+    norm, overflow = reduce_norm_and_overflow(dg, 9.0, False)
+    assert (norm, overflow) == (3.0, False)
+    assert reduce_norm_and_overflow(dg, math.inf, False) == (math.inf, True)
+    return checked
+
+
+@pytest.mark.dist
+def test_world_size_one_runs_no_collective_and_is_bit_identical(tmp_path: Path) -> None:
+    (checked,) = _values(_spawn(_world_one, 1, tmp_path, pg_timeout_s=5, join_s=30))
+    assert checked == 2 * 2 * len(SPEC)
