@@ -69,6 +69,7 @@ import torch.distributed as dist
 
 from swapper.distributed.groups import (
     DistGroup,
+    _raise_if_failed,
     all_gather_single,
     reduce_scatter_single,
     start_collective,
@@ -158,7 +159,15 @@ class PendingFetch:
         """
         if self._done:
             return self.views
-        wait_work(self._dg, self._work, self.method, self.what)
+        try:
+            wait_work(self._dg, self._work, self.method, self.what)
+        except BaseException:
+            # The buffer's contents are undefined: drop the staging copy now (the backend's
+            # work object keeps what it still uses alive) so a failed read-ahead queue does
+            # not pin twice the module's bytes; the group is marked failed, so a second
+            # wait raises at once.
+            self._staging = None
+            raise
         self._work = None
         if self._staging is not None:
             seg = self.layout.segment_numel
@@ -347,6 +356,7 @@ def reduce_scatter_grads(
     result = mine  # the fallback reduces the whole buffer in place and keeps this slice
     if not use_fallback:
         result = torch.empty(seg, dtype=rdtype, device=device)
+        _raise_if_failed(dg, "reduce_scatter", what)
         try:
             work = reduce_scatter_single(
                 result, buffer, op=dist.ReduceOp.SUM, group=dg.group, async_op=True
