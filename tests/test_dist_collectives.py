@@ -618,3 +618,36 @@ def _world_one(rank: int, world: int) -> dict[str, Any]:
 def test_world_size_one_runs_no_collective_and_is_bit_identical(tmp_path: Path) -> None:
     (checked,) = _values(_spawn(_world_one, 1, tmp_path, pg_timeout_s=5, join_s=30))
     assert checked == 2 * 2 * len(SPEC)
+
+
+class _FakeWork:
+    def __init__(self, outcome: BaseException | None) -> None:
+        self.outcome = outcome
+        self.waited = 0
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        self.waited += 1
+        if self.outcome is not None:
+            raise self.outcome
+        return True
+
+
+def test_an_interrupted_wait_marks_the_group_failed() -> None:
+    from swapper.distributed.groups import wait_work
+
+    dg = DistGroup(None, 0, 2, "gloo", timedelta(seconds=30), torch.device("cpu"))
+    ok = _FakeWork(None)
+    wait_work(dg, ok, "all_gather", "warm-up")  # type: ignore[arg-type]
+    assert ok.waited == 1 and dg.failed is None
+    with pytest.raises(KeyboardInterrupt):
+        wait_work(dg, _FakeWork(KeyboardInterrupt()), "all_gather", "layer 3")  # type: ignore[arg-type]
+    assert dg.failed is not None and "layer 3" in dg.failed and "KeyboardInterrupt" in dg.failed
+    later = _FakeWork(None)
+    with pytest.raises(CollectiveError, match="already failed") as info:
+        wait_work(dg, later, "all_reduce", "layer 4")  # type: ignore[arg-type]
+    assert later.waited == 0 and info.value.rank == 0  # never waited: raised at once
+    # a failed (not interrupted) wait marks it too, with the first cause kept
+    dg2 = DistGroup(None, 1, 2, "gloo", timedelta(seconds=30), torch.device("cpu"))
+    with pytest.raises(CollectiveError, match="rank 1 of 2"):
+        wait_work(dg2, _FakeWork(RuntimeError("Connection closed by peer")), "x", "m")  # type: ignore[arg-type]
+    assert dg2.failed is not None and "Connection closed" in dg2.failed

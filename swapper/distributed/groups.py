@@ -197,6 +197,12 @@ def wait_work(dg: DistGroup, work: dist.Work | None, collective: str, what: str)
         timed_out = "timed out" in text.lower() or "timeout" in text.lower()
         detail = f"{type(exc).__name__}: {text}"
         raise dg.error(collective, what, detail, timed_out=timed_out) from exc
+    except BaseException as exc:  # KeyboardInterrupt, SystemExit: left mid-collective
+        # This rank stops waiting with the collective's outcome unknown: the group can no
+        # longer be trusted, so later collectives on it fail at once (then re-raise).
+        if not dg._failed:
+            dg._failed.append(f"{collective} for {what} interrupted ({type(exc).__name__})")
+        raise
     if finished is False:  # some backends report a timeout by returning False
         raise dg.error(collective, what, "not finished within the timeout", timed_out=True)
 
