@@ -574,7 +574,7 @@ def test_hand_wired_zero3_steps_match_one_process(tmp_path: Path) -> None:
     assert values[0]["bits"] == values[1]["bits"]  # every rank holds the same model
 
 
-def _world_one(rank: int, world: int) -> dict[str, Any]:
+def _world_one(rank: int, world: int) -> int:
     import swapper.distributed.collectives as coll
 
     def boom(*args: Any, **kwargs: Any) -> None:
