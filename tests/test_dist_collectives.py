@@ -347,10 +347,29 @@ def _stalls(rank: int, world: int, tmp: str) -> float:
         while not Path(tmp, "result0.pkl").exists() and time.monotonic() - t0 < 15:
             time.sleep(0.05)
         return time.monotonic() - t0
+    plan = plan_partition(_infos(), world)
+    shards = _local_shards(plan, _full_params(seed=5), rank)
+    cpu = torch.device("cpu")
+    queue = [  # a read-ahead queue of fetches in flight, issued before the step's norm
+        start_fetch(module_layout(plan, idx), shards, dg, dtype=torch.bfloat16, device=cpu)
+        for idx in _modules(plan)[:3]
+    ]
     try:
         reduce_norm_and_overflow(dg, 1.0, False, what="step 1")
     except CollectiveError as exc:
-        exc.args = (f"{exc} [after {time.monotonic() - t0:.1f} s]",)
+        seconds = time.monotonic() - t0
+        # The group is broken: each handle must fail at once, not after one more timeout,
+        # and drop its staging buffer; so must a new collective.
+        rest = []
+        for pf in queue:
+            t = time.monotonic()
+            with pytest.raises(CollectiveError, match="already failed"):
+                pf.wait()
+            rest.append(time.monotonic() - t)
+            assert pf._staging is None
+        with pytest.raises(CollectiveError, match="already failed"):
+            agree(dg, True, "after the failure")
+        exc.args = (f"{exc} [after {seconds:.1f} s] [rest {sum(rest):.3f} s]",)
         raise
     return time.monotonic() - t0
 
@@ -380,6 +399,8 @@ def test_a_stalled_rank_is_a_timeout_error_not_a_hang(tmp_path: Path) -> None:
     assert res["attrs"]["timed_out"] is True
     seconds = float(res["message"].rsplit("[after ", 1)[1].split(" s]")[0])
     assert 1.0 <= seconds < 10.0  # the 1.5 s timeout found it; the sleeper was still there
+    rest = float(res["message"].rsplit("[rest ", 1)[1].split(" s]")[0])
+    assert rest < 0.5  # the read-ahead handles failed at once, not one timeout each
     assert results[1]["value"] >= seconds - 0.5
 
 
@@ -551,3 +572,82 @@ def test_hand_wired_zero3_steps_match_one_process(tmp_path: Path) -> None:
         assert v["diff"] <= 2**-6, v["diff"]
         assert v["moved"] >= 40 * 2**-6, v["moved"]
     assert values[0]["bits"] == values[1]["bits"]  # every rank holds the same model
+
+
+def _world_one(rank: int, world: int) -> int:
+    import swapper.distributed.collectives as coll
+
+    def boom(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("a collective was called at world size 1")
+
+    # Any collective at world size 1 is a cost paid for nothing: make it an error here.
+    coll.all_gather_single = boom
+    coll.reduce_scatter_single = boom
+    dist.all_reduce = boom  # type: ignore[assignment]
+    dg = DistGroup.of(timeout=5)
+    infos = _infos()
+    full = _full_params(seed=3)
+    grads = _exact_grads(seed=4)
+    cpu = torch.device("cpu")
+    checked = 0
+    for threshold in (None, 0):
+        plan = plan_partition(infos, 1, whole_below_numel=threshold)
+        shards = _local_shards(plan, full, 0)
+        for idx in _modules(plan):
+            lay = module_layout(plan, idx)
+            for method in ("all_gather", "all_reduce"):
+                got = start_fetch(lay, shards, dg, dtype=torch.bfloat16, device=cpu, method=method)
+                assert got.done and got.bytes_copied_after == 0
+                for i in idx:
+                    assert torch.equal(_bits(got.views[i]), _bits(full[i])), (method, i)
+                    checked += 1
+            out = {i: torch.full_like(shards[i], 7.0) for i in idx}  # padding must be zeroed
+            stats = reduce_scatter_grads(lay, {i: grads[i] for i in idx}, out, dg)
+            assert stats.collective == "none" and stats.input_nbytes == 0
+            for i in idx:
+                n = plan.params[i].numel
+                assert torch.equal(_bits(out[i][:n]), _bits(grads[i].reshape(-1)))
+                assert not out[i][n:].any()
+    norm, overflow = reduce_norm_and_overflow(dg, 9.0, False)
+    assert (norm, overflow) == (3.0, False)
+    assert reduce_norm_and_overflow(dg, math.inf, False) == (math.inf, True)
+    return checked
+
+
+@pytest.mark.dist
+def test_world_size_one_runs_no_collective_and_is_bit_identical(tmp_path: Path) -> None:
+    (checked,) = _values(_spawn(_world_one, 1, tmp_path, pg_timeout_s=5, join_s=30))
+    assert checked == 2 * 2 * len(SPEC)
+
+
+class _FakeWork:
+    def __init__(self, outcome: BaseException | None) -> None:
+        self.outcome = outcome
+        self.waited = 0
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        self.waited += 1
+        if self.outcome is not None:
+            raise self.outcome
+        return True
+
+
+def test_an_interrupted_wait_marks_the_group_failed() -> None:
+    from swapper.distributed.groups import wait_work
+
+    dg = DistGroup(None, 0, 2, "gloo", timedelta(seconds=30), torch.device("cpu"))
+    ok = _FakeWork(None)
+    wait_work(dg, ok, "all_gather", "warm-up")  # type: ignore[arg-type]
+    assert ok.waited == 1 and dg.failed is None
+    with pytest.raises(KeyboardInterrupt):
+        wait_work(dg, _FakeWork(KeyboardInterrupt()), "all_gather", "layer 3")  # type: ignore[arg-type]
+    assert dg.failed is not None and "layer 3" in dg.failed and "KeyboardInterrupt" in dg.failed
+    later = _FakeWork(None)
+    with pytest.raises(CollectiveError, match="already failed") as info:
+        wait_work(dg, later, "all_reduce", "layer 4")  # type: ignore[arg-type]
+    assert later.waited == 0 and info.value.rank == 0  # never waited: raised at once
+    # a failed (not interrupted) wait marks it too, with the first cause kept
+    dg2 = DistGroup(None, 1, 2, "gloo", timedelta(seconds=30), torch.device("cpu"))
+    with pytest.raises(CollectiveError, match="rank 1 of 2"):
+        wait_work(dg2, _FakeWork(RuntimeError("Connection closed by peer")), "x", "m")  # type: ignore[arg-type]
+    assert dg2.failed is not None and "Connection closed" in dg2.failed

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import itertools
+import math
 from pathlib import Path
 
 import pytest
@@ -370,3 +371,15 @@ def test_shard_of_refuses_a_tensor_of_another_size() -> None:
     plan = plan_partition([ParamInfo(name="w", numel=10, itemsize=2, module_index=0)], 2)
     with pytest.raises(InvalidArgumentError, match="'w' has 10 elements"):
         shard_of(plan.params[0], torch.zeros(11), 0)
+
+
+def test_local_sq_sum_of_a_huge_but_finite_bf16_gradient_is_finite() -> None:
+    # 2**70 is a finite bf16; its square (2**140) is past fp32's range but not fp64's: an
+    # fp32 sum would report an overflow and skip the step on every rank.
+    big = torch.tensor([2.0**70, -(2.0**70), 1.0], dtype=torch.bfloat16)
+    assert local_sq_sum([big]) == 2.0**141 + 1.0
+    assert local_sq_sum([torch.tensor([float("inf")], dtype=torch.bfloat16)]) == math.inf
+    assert math.isnan(local_sq_sum([torch.tensor([float("nan"), 1.0], dtype=torch.float16)]))
+    # chunked: more elements than one chunk, exact because every square is 1
+    assert local_sq_sum([torch.ones((1 << 22) + 3, dtype=torch.bfloat16)]) == (1 << 22) + 3
+    assert local_sq_sum([]) == 0.0 and local_sq_sum([torch.empty(0)]) == 0.0

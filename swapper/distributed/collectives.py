@@ -47,6 +47,10 @@ Backends:
   and no memory saved (the whole buffer is reduced in place). Chosen once per
   (backend, dtype, device type), logged once; ``fallback=True`` forces it.
 
+World size 1: no collective at all (fetch copies the shards into the buffer, gradients
+are copied into the shards, the norm is the local one), bit-identical to both methods and
+to one process without distribution.
+
 Small reductions (:func:`reduce_norm_and_overflow`): the squared gradient norm of each
 rank's shards and its overflow flag go in one float64 ``all_reduce`` of two elements; the
 result, equal on every rank, decides clipping and skipped steps on every rank alike.
@@ -65,6 +69,7 @@ import torch.distributed as dist
 
 from swapper.distributed.groups import (
     DistGroup,
+    _raise_if_failed,
     all_gather_single,
     reduce_scatter_single,
     start_collective,
@@ -154,7 +159,15 @@ class PendingFetch:
         """
         if self._done:
             return self.views
-        wait_work(self._dg, self._work, self.method, self.what)
+        try:
+            wait_work(self._dg, self._work, self.method, self.what)
+        except BaseException:
+            # The buffer's contents are undefined: drop the staging copy now (the backend's
+            # work object keeps what it still uses alive) so a failed read-ahead queue does
+            # not pin twice the module's bytes; the group is marked failed, so a second
+            # wait raises at once.
+            self._staging = None
+            raise
         self._work = None
         if self._staging is not None:
             seg = self.layout.segment_numel
@@ -211,6 +224,18 @@ def start_fetch(
     _check_shards(layout, shards, dg.rank, dtype, device, what)
     views: dict[int, torch.Tensor] = {}
     staging: torch.Tensor | None = None
+    if dg.world_size == 1:
+        # One rank holds every piece: no collective, no staging buffer, one copy per
+        # parameter (bit for bit the shards), whatever the method.
+        buffer = torch.full((layout.buffer_numel,), -0.0, dtype=dtype, device=device)
+        for piece in layout.rank_pieces(0):
+            n = piece.real_numel
+            buffer[piece.buffer_offset : piece.buffer_offset + n].copy_(shards[piece.index][:n])
+        for i, offset in zip(layout.indices, layout.region_offsets, strict=True):
+            views[i] = buffer[offset : offset + layout.plan.params[i].numel]
+        pending = PendingFetch(layout, method, buffer, views, what, dg, None, None)
+        pending.wait()
+        return pending
     if method == "all_reduce":
         buffer = torch.full((layout.buffer_numel,), -0.0, dtype=dtype, device=device)
         for piece in layout.rank_pieces(dg.rank):
@@ -243,7 +268,8 @@ class ReduceScatterStats:
     """What one :func:`reduce_scatter_grads` did.
 
     Attributes:
-        collective: ``"reduce_scatter"`` or ``"all_reduce"`` (the fallback).
+        collective: ``"reduce_scatter"``, ``"all_reduce"`` (the fallback), or ``"none"``
+            (world size 1: no collective).
         reduce_dtype: the dtype the sum was computed in.
         input_nbytes: bytes of the rank-major buffer each rank contributed.
     """
@@ -305,6 +331,15 @@ def reduce_scatter_grads(
     _check_shards(layout, out, dg.rank, out_dtype, device, what)
 
     n = dg.world_size
+    if n == 1:
+        # Nothing to reduce or divide by, no rank-major copy: each gradient, cast to the
+        # shard's dtype (via reduce_dtype, which is exact for a single value), is the shard.
+        for piece in layout.rank_pieces(0):
+            dst, k = out[piece.index], piece.real_numel
+            flat = grads[piece.index].reshape(-1)[piece.start : piece.end]
+            dst[:k].copy_(flat.to(rdtype))
+            dst[k:].zero_()
+        return ReduceScatterStats("none", rdtype, 0)
     seg = layout.segment_numel
     buffer = torch.zeros(seg * n, dtype=rdtype, device=device)
     for piece in layout.pieces:
@@ -321,6 +356,7 @@ def reduce_scatter_grads(
     result = mine  # the fallback reduces the whole buffer in place and keeps this slice
     if not use_fallback:
         result = torch.empty(seg, dtype=rdtype, device=device)
+        _raise_if_failed(dg, "reduce_scatter", what)
         try:
             work = reduce_scatter_single(
                 result, buffer, op=dist.ReduceOp.SUM, group=dg.group, async_op=True
@@ -371,6 +407,10 @@ def reduce_norm_and_overflow(
     Raises:
         CollectiveError: the all_reduce failed or timed out.
     """
+    if dg.world_size == 1:  # nothing to agree with: no collective
+        sq = float(local_sq_sum)
+        overflow = bool(local_overflow) or not math.isfinite(sq)
+        return (math.sqrt(sq) if math.isfinite(sq) and sq >= 0 else math.inf), overflow
     t = torch.tensor(
         [float(local_sq_sum), 1.0 if local_overflow else 0.0],
         dtype=torch.float64,

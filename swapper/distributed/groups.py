@@ -36,7 +36,7 @@ import hashlib
 import logging
 import struct
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
@@ -91,6 +91,16 @@ class DistGroup:
     backend: str
     timeout: timedelta
     control_device: torch.device
+    # The first CollectiveError's message once one was raised (the group is then broken):
+    # every later start or wait on this DistGroup raises at once instead of waiting out
+    # another timeout per handle (a read-ahead queue of K fetches would otherwise take
+    # K timeouts to unwind). A list so that the frozen dataclass can record it.
+    _failed: list[str] = field(default_factory=list, compare=False, repr=False)
+
+    @property
+    def failed(self) -> str | None:
+        """The first collective failure on this group (None while healthy)."""
+        return self._failed[0] if self._failed else None
 
     @classmethod
     def of(
@@ -135,10 +145,13 @@ class DistGroup:
         )
 
     def error(self, collective: str, what: str, detail: str, *, timed_out: bool) -> CollectiveError:
-        """A CollectiveError for this rank, with a message that says what to do."""
+        """A CollectiveError for this rank, with a message that says what to do; marks the
+        group failed (see :attr:`failed`)."""
+        head = f"{collective} for {what} failed on rank {self.rank} of {self.world_size}"
+        if not self._failed:
+            self._failed.append(f"{head}: {detail}")
         return CollectiveError(
-            f"{collective} for {what} failed on rank {self.rank} of {self.world_size} "
-            f"({self.backend}): {detail}. A peer rank died, stalled past the "
+            f"{head} ({self.backend}): {detail}. A peer rank died, stalled past the "
             f"{self.timeout.total_seconds():g} s timeout, or raised; look at the other "
             "ranks' logs for the first error. The process group cannot be reused: "
             "destroy it and restart from the last checkpoint.",
@@ -156,8 +169,10 @@ def start_collective(
     """Call ``start`` (which must pass ``async_op=True``) and return its work handle.
 
     Raises:
-        CollectiveError: the backend refused or failed the call synchronously.
+        CollectiveError: the backend refused or failed the call synchronously, or an
+            earlier collective on ``dg`` failed (then nothing is started).
     """
+    _raise_if_failed(dg, collective, what)
     try:
         return start()
     except (RuntimeError, ValueError) as exc:  # DistBackendError is a RuntimeError
@@ -169,10 +184,12 @@ def wait_work(dg: DistGroup, work: dist.Work | None, collective: str, what: str)
 
     Raises:
         CollectiveError: the collective failed, or did not finish in time
-            (``timed_out`` True).
+            (``timed_out`` True), or an earlier collective on ``dg`` failed (then it
+            raises at once, without waiting).
     """
     if work is None:
         return
+    _raise_if_failed(dg, collective, what)
     try:
         finished = work.wait(timeout=dg.timeout)
     except (RuntimeError, ValueError) as exc:
@@ -180,8 +197,22 @@ def wait_work(dg: DistGroup, work: dist.Work | None, collective: str, what: str)
         timed_out = "timed out" in text.lower() or "timeout" in text.lower()
         detail = f"{type(exc).__name__}: {text}"
         raise dg.error(collective, what, detail, timed_out=timed_out) from exc
+    except BaseException as exc:  # KeyboardInterrupt, SystemExit: left mid-collective
+        # This rank stops waiting with the collective's outcome unknown: the group can no
+        # longer be trusted, so later collectives on it fail at once (then re-raise).
+        if not dg._failed:
+            dg._failed.append(f"{collective} for {what} interrupted ({type(exc).__name__})")
+        raise
     if finished is False:  # some backends report a timeout by returning False
         raise dg.error(collective, what, "not finished within the timeout", timed_out=True)
+
+
+def _raise_if_failed(dg: DistGroup, collective: str, what: str) -> None:
+    if dg.failed is not None:
+        raise dg.error(
+            collective, what, f"not attempted: the group already failed ({dg.failed})",
+            timed_out=False,
+        )  # fmt: skip
 
 
 def _run(dg: DistGroup, collective: str, what: str, start: Callable[[], dist.Work | None]) -> None:

@@ -40,16 +40,25 @@ def shard_of(placement: ParamPlacement, full: torch.Tensor, rank: int) -> torch.
     return out
 
 
+#: Elements squared per step of :func:`local_sq_sum`: bounds its transient fp64 copy (32 MiB).
+_SQ_CHUNK = 1 << 22
+
+
 def local_sq_sum(shards: Iterable[torch.Tensor]) -> float:
-    """Sum of squares of ``shards`` (a rank's gradient shards), computed in fp32.
+    """Sum of squares of ``shards`` (a rank's gradient shards), accumulated in float64.
 
     Each element of the model is in exactly one rank's shards (padding is zero), so the
     ranks' sums add up to the full gradient's: pass the result to
     :func:`~swapper.distributed.collectives.reduce_norm_and_overflow`. inf or NaN
-    anywhere gives a non-finite sum (which that function reports as an overflow).
+    anywhere gives a non-finite sum (which that function reports as an overflow). Float64
+    because a finite bf16 gradient above about 1.8e19 squares past fp32's range: an fp32
+    sum would call it an overflow and skip the step on every rank. Squared a chunk at a
+    time (``_SQ_CHUNK`` elements), so the transient copy stays small.
     """
     total: torch.Tensor | None = None
     for t in shards:
-        sq = t.float().pow(2).sum()  # on the shard's device: one sync at the end, not one each
-        total = sq if total is None else total + sq.to(total.device)
+        for part in t.reshape(-1).split(_SQ_CHUNK):
+            d = part.double()
+            sq = torch.dot(d, d)  # on the shard's device: one sync at the end, not one each
+            total = sq if total is None else total + sq.to(total.device)
     return 0.0 if total is None else float(total)
