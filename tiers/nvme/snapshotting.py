@@ -46,6 +46,7 @@ from tiers.nvme.core import StoreCore
 from tiers.nvme.futures import StoreFuture
 from tiers.nvme.journal import encode_switch
 from tiers.nvme.metafiles import fsync_dir, replace_file
+from tiers.nvme.records import StoredTensor
 from tiers.nvme.snapshots import (
     SnapshotExistsError,
     SnapshotInfo,
@@ -230,6 +231,28 @@ class SnapshotStore(StoreCore):
         with self._lock:
             return {name: why for name, (_, why) in sorted(self._damaged.items())}
 
+    def snapshot_tensor(self, name: str, key: str) -> StoredTensor:
+        """What snapshot ``name`` holds under ``key`` (dtype, shape, extents), as :meth:`info`.
+
+        Raises:
+            SnapshotNotFoundError: no snapshot ``name``, or it does not hold ``key``.
+        """
+        with self._lock:
+            return self._snap_version(name, key, "snapshot_tensor").stored
+
+    def _snap_version(self, name: str, key: str, what: str) -> Version:
+        """Lock held."""
+        held = self._snaps.get(name) if isinstance(name, str) else None
+        if held is None:
+            raise self._unknown(str(name), what)
+        version = held.versions.get(key) if isinstance(key, str) else None
+        if version is None:
+            raise SnapshotNotFoundError(
+                f"{what}: snapshot {name!r} of store {self._files.name!r} holds no "
+                f"key={key!r} (nothing was stored under it when the snapshot was taken)"
+            )
+        return version
+
     def read_snapshot(self, name: str, key: str, out: torch.Tensor) -> StoreFuture:
         """Read ``key``'s bytes as snapshot ``name`` holds them into ``out``; as :meth:`read`
         (verified the same way; the version stays allocated until the future completes,
@@ -240,20 +263,12 @@ class SnapshotStore(StoreCore):
             TypeError, ValueError, StoreClosedError: as :meth:`read`.
         The future raises as :meth:`read`'s does.
         """
-
-        def pick() -> Version:
-            held = self._snaps.get(name)
-            if held is None:
-                raise self._unknown(name, "read_snapshot")
-            version = held.versions.get(key)
-            if version is None:
-                raise SnapshotNotFoundError(
-                    f"read_snapshot: snapshot {name!r} of store {self._files.name!r} holds no "
-                    f"key={key!r} (it was not stored when the snapshot was taken)"
-                )
-            return version
-
-        return self._read(key, out, verify=self._verify and self._checksum, pick=pick)
+        return self._read(
+            key,
+            out,
+            verify=self._verify and self._checksum,
+            pick=lambda: self._snap_version(name, key, "read_snapshot"),
+        )
 
     def drop_snapshot(self, name: str) -> None:
         """Delete snapshot ``name`` durably (its file removed, the directory fsync'd), then
