@@ -89,13 +89,22 @@ _ops = st.lists(
         st.tuples(st.just("restore"), st.just(""), st.integers(0, 5)),
         st.tuples(st.just("reopen"), st.just(""), st.just(0)),
     ),
-    min_size=1,
-    max_size=25,
+    min_size=4,
+    max_size=30,
 )
 
 
+def _check_model(store: NvmeStore, live: dict[str, int], snaps: dict[str, dict[str, int]]) -> None:
+    assert {k: content_hash(_read(store, k)) for k in store} == live
+    assert [i.name for i in store.snapshots()] == list(snaps)
+    for info in store.snapshots():
+        held = {k: content_hash(_read_snap(store, info.name, k)) for k in info.keys}
+        assert held == snaps[info.name], info.name
+        assert info.extra == {"live": sorted(snaps[info.name])}
+
+
 @settings(
-    max_examples=25,
+    max_examples=40,
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
@@ -142,13 +151,9 @@ def test_random_sequences_match_a_model(
             elif op == "reopen":
                 store.close()
                 store = NvmeStore.open(dirs, engine)
+            _check_model(store, live, snaps)  # after every step: a freed extent shows at once
         for _ in range(2):  # as left, then after a reopen
-            assert {k: content_hash(_read(store, k)) for k in store} == live
-            assert [i.name for i in store.snapshots()] == list(snaps)
-            for info in store.snapshots():
-                held = {k: content_hash(_read_snap(store, info.name, k)) for k in info.keys}
-                assert held == snaps[info.name], info.name
-                assert info.extra == {"live": sorted(snaps[info.name])}
+            _check_model(store, live, snaps)
             _check_space(store)
             store.close()
             store = NvmeStore.open(dirs, engine)
@@ -179,6 +184,32 @@ def test_snapshot_keeps_old_bytes_while_key_is_rewritten(tmp_path: Path, engine:
             store.snapshot_tensor("before", "x")
         with pytest.raises(KeyError):
             store.read_snapshot("nope", "w", old)
+
+
+def test_reopen_keeps_snapshots_and_never_reuses_their_extents(
+    tmp_path: Path, engine: AioEngine
+) -> None:
+    old = {k: _tensor(50_000, i) for i, k in enumerate("abc")}
+    with NvmeStore([tmp_path], engine, stripe_nbytes=64 * KiB) as store:
+        for k, t in old.items():
+            store.write(k, t).result()
+        store.snapshot("s", extra={"step": 7})
+        for k in "abc":
+            store.delete(k)  # the snapshot is now the only holder
+    with NvmeStore.open([tmp_path], engine) as store:
+        assert store.keys() == []
+        (info,) = store.snapshots()
+        assert (info.name, info.keys, info.extra) == ("s", ("a", "b", "c"), {"step": 7})
+        assert info.exclusive_nbytes == store.dir_usage()[0].allocated_nbytes > 0
+        for i in range(6):  # first fit would take the snapshot's space if it were free
+            store.write(f"n{i}", _tensor(50_000, 100 + i)).result()
+        for k, t in old.items():
+            assert torch.equal(_read_snap(store, "s", k), t)
+        _check_space(store)
+        store.restore_snapshot("s")
+        assert store.snapshots()[0].exclusive_nbytes == 0  # now current too
+        assert sorted(store.keys()) == ["a", "b", "c"]
+        _check_space(store)
 
 
 def test_snapshot_after_many_writes_writes_only_a_small_file(
