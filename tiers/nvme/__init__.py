@@ -8,6 +8,8 @@ Modules, each with one job (read its header for the invariants it keeps):
 - :mod:`~tiers.nvme.placement`: extent allocation and striping over the directories;
 - :mod:`~tiers.nvme.manifest`: the manifest's format and its strict decoding;
 - :mod:`~tiers.nvme.journal`: the journal of changes since the manifest;
+- :mod:`~tiers.nvme.snapshotting`: retained snapshots (copy-on-write), the store's API;
+- :mod:`~tiers.nvme.snapshots`: the snapshot file format, :class:`SnapshotInfo`, errors;
 - :mod:`~tiers.nvme.committer`: group commit, the thread that makes changes durable;
 - :mod:`~tiers.nvme.opening`: the files at creation and at open (checks, journal replay);
 - :mod:`~tiers.nvme.lock`: the ``flock`` that keeps a store's files to one open store;
@@ -33,6 +35,13 @@ from tiers.nvme.records import (
     StoreKeyError,
     content_hash,
 )
+from tiers.nvme.snapshots import (
+    SnapshotDamagedError,
+    SnapshotError,
+    SnapshotExistsError,
+    SnapshotInfo,
+    SnapshotNotFoundError,
+)
 from tiers.nvme.store import NvmeStore
 
 __all__ = [
@@ -43,6 +52,11 @@ __all__ = [
     "Extent",
     "ManifestError",
     "NvmeStore",
+    "SnapshotDamagedError",
+    "SnapshotError",
+    "SnapshotExistsError",
+    "SnapshotInfo",
+    "SnapshotNotFoundError",
     "StoreClosedError",
     "StoreExistsError",
     "StoreFuture",

@@ -28,6 +28,7 @@ import errno
 import logging
 import os
 import threading
+from collections.abc import Callable
 from typing import NoReturn
 
 import torch
@@ -66,7 +67,9 @@ class StoreCore:
         self._checksum = opened.checksum
         self._verify = verify
         self._table = VersionTable(opened.placement)
-        self._table.load(opened.tensors)
+        snapshots = [s.content.tensors.values() for s in opened.snapshots]
+        held = self._table.load(opened.tensors, snapshots)
+        self._load_snapshots(opened, held)
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._ops = 0  # requests and waits not yet resolved
@@ -137,10 +140,20 @@ class StoreCore:
                     str(self._files.data(i)),
                 ) from exc
 
+    def _load_snapshots(self, opened: opening.Opened, held: list[dict[str, Version]]) -> None:
+        """Set up the snapshot state (see :class:`~tiers.nvme.snapshotting.SnapshotStore`)."""
+
     def _apply(self, items: list[CommitItem]) -> None:
-        """The records are durable: move the durable state on (the committer's thread)."""
+        """The records are durable: move the durable state on (the committer's thread).
+        A switch record (a snapshot restored) carries a list of changes."""
+        changes = []
+        for item in items:
+            if isinstance(item.change, list):
+                changes.extend(item.change)
+            else:
+                changes.append(item.change)
         with self._lock:
-            self._table.apply_durable(item.change for item in items)
+            self._table.apply_durable(changes)
 
     def _failed(self, error: BaseException) -> None:
         log.error(
@@ -270,12 +283,20 @@ class StoreCore:
         with self._lock:
             self._op_done()
 
-    def _read(self, key: str, out: torch.Tensor, *, verify: bool) -> StoreFuture:
+    def _read(
+        self,
+        key: str,
+        out: torch.Tensor,
+        *,
+        verify: bool,
+        pick: Callable[[], Version] | None = None,
+    ) -> StoreFuture:
+        """Read the key's current version, or the one ``pick()`` returns (lock held)."""
         check_key(key)
         future = StoreFuture(Op.READ, key, 0)
         with self._lock:
             self._check_open()
-            version = self._table.current(key, "read")
+            version = self._table.current(key, "read") if pick is None else pick()
             stored = version.stored
             data = byte_view(out, key, Op.READ.value)
             if data.numel() != stored.nbytes:

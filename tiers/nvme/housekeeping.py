@@ -68,7 +68,8 @@ def remove_store(
     dirs: Sequence[str | os.PathLike[str]], *, name: str = "swapper-store"
 ) -> list[Path]:
     """Delete the store named ``name`` in ``dirs``: its data files, manifest, journal,
-    lock files and the temporary files of an interrupted save; nothing else.
+    snapshot files, lock files and the temporary files of an interrupted save; nothing
+    else.
 
     For a store that cannot be reopened (a crash while it was being created, a damaged
     or foreign manifest) as well as for one that can. Directories are kept. Directories
@@ -94,7 +95,8 @@ def remove_store(
     try:
         targets = [files.data(i) for i in present]
         if 0 in present:
-            targets += [files.manifest, files.journal, *files.orphans()]
+            snapshots = [path for _, path in files.snapshots()]
+            targets += [files.manifest, files.journal, *snapshots, *files.orphans()]
         for path in targets:
             try:
                 os.unlink(path)

@@ -15,6 +15,9 @@ File layout (little-endian)::
                        seq = 1, 2, 3 ... within a generation
     payload (JSON):    {"op": "put", "key": k, "tensor": <as in the manifest>}
                        {"op": "delete", "key": k}
+                       {"op": "switch", "put": {k: <tensor>, ...}, "delete": [k, ...]}
+                       (a snapshot restored: all of its changes in one record, so a
+                       crash replays all of them or none)
 
 Invariants:
 
@@ -49,7 +52,15 @@ from tiers.nvme.manifest import loads_strict, tensor_from_json, tensor_to_json
 from tiers.nvme.metafiles import replace_file, write_all
 from tiers.nvme.records import ManifestError, StoredTensor
 
-__all__ = ["Journal", "JournalContents", "decode_payload", "encode_delete", "encode_put"]
+__all__ = [
+    "Journal",
+    "JournalContents",
+    "decode_changes",
+    "decode_payload",
+    "encode_delete",
+    "encode_put",
+    "encode_switch",
+]
 
 log = logging.getLogger("swapper.tiers.nvme")
 
@@ -83,6 +94,48 @@ def encode_put(stored: StoredTensor) -> bytes:
 
 def encode_delete(key: str) -> bytes:
     return json.dumps({"op": "delete", "key": key}, separators=(",", ":")).encode()
+
+
+def encode_switch(puts: list[StoredTensor], deletes: list[str]) -> bytes:
+    document = {
+        "op": "switch",
+        "put": {t.key: tensor_to_json(t) for t in puts},
+        "delete": deletes,
+    }
+    return json.dumps(document, separators=(",", ":")).encode()
+
+
+def decode_changes(
+    payload: bytes, where: str, *, n_dirs: int, stripe_nbytes: int, checksum: bool
+) -> list[tuple[str, StoredTensor | None]]:
+    """The changes of any record, in the order to apply them (a switch's deletes first).
+
+    Raises:
+        ManifestError: the payload is not a record of this layout (naming ``where``).
+    """
+    document = loads_strict(payload, where)
+    if not (isinstance(document, dict) and document.get("op") == "switch"):
+        return [
+            decode_payload(
+                payload, where, n_dirs=n_dirs, stripe_nbytes=stripe_nbytes, checksum=checksum
+            )
+        ]
+    if document.keys() != {"op", "put", "delete"}:
+        raise ManifestError(f"{where}: a switch record with fields {sorted(document)}")
+    puts, deletes = document["put"], document["delete"]
+    if not isinstance(puts, dict) or not isinstance(deletes, list):
+        raise ManifestError(f"{where}: a switch record's put/delete are not an object/a list")
+    changes: list[tuple[str, StoredTensor | None]] = []
+    for key in deletes:
+        if not isinstance(key, str) or not key or key in puts:
+            raise ManifestError(f"{where}.delete: bad key {key!r}")
+        changes.append((key, None))
+    for key, item in puts.items():
+        stored = tensor_from_json(
+            key, item, where, n_dirs=n_dirs, stripe_nbytes=stripe_nbytes, checksum=checksum
+        )
+        changes.append((key, stored))
+    return changes
 
 
 def decode_payload(

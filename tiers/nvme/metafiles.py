@@ -10,8 +10,11 @@ Files of a store named ``<name>`` (nothing else is ever created or deleted):
 - ``<name>.lock`` in every swap directory: the advisory lock, holding the holder's pid;
 - ``<name>.json`` in ``dirs[0]``: the manifest (the durable state at its generation);
 - ``<name>.journal`` in ``dirs[0]``: the records of the changes since the manifest;
-- ``.<name>.json.<8 chars>.tmp`` / ``.<name>.journal.<8 chars>.tmp`` in ``dirs[0]``: a
-  manifest or journal being written; left behind only by a crash mid-write.
+- ``<name>.<snapshot>.snap`` in ``dirs[0]``: a retained snapshot (:mod:`tiers.nvme.snapshots`);
+  a snapshot name has no '.', so the files of a store named ``a.b`` are never a's;
+- ``.<name>.json.<8 chars>.tmp`` / ``.<name>.journal.<8 chars>.tmp`` /
+  ``.<name>.<snapshot>.snap.<8 chars>.tmp`` in ``dirs[0]``: a manifest, journal or
+  snapshot being written; left behind only by a crash mid-write.
 
 Invariants:
 
@@ -66,16 +69,32 @@ class StoreFiles:
     def journal(self) -> Path:
         return self.dirs[0] / f"{self.name}.journal"
 
+    def snapshot(self, snapshot: str) -> Path:
+        """The file of the retained snapshot named ``snapshot`` (a name without '.')."""
+        return self.dirs[0] / f"{self.name}.{snapshot}.snap"
+
+    def snapshots(self) -> list[tuple[str, Path]]:
+        """``(snapshot name, path)`` of every snapshot file in ``dirs[0]``, by name."""
+        pattern = re.compile(rf"^{re.escape(self.name)}\.([A-Za-z0-9_][A-Za-z0-9_-]*)\.snap$")
+        found = [(m.group(1), self.dirs[0] / n) for n in self._names() if (m := pattern.match(n))]
+        return sorted(found)
+
     def orphans(self) -> list[Path]:
-        """Temporary manifests and journals in ``dirs[0]`` (only a crash leaves them)."""
-        pattern = re.compile(rf"^\.{re.escape(self.name)}\.(json|journal)\.[A-Za-z0-9_]{{8}}\.tmp$")
+        """Temporary manifests, journals and snapshots in ``dirs[0]`` (only a crash
+        leaves them)."""
+        pattern = re.compile(
+            rf"^\.{re.escape(self.name)}\.(json|journal|[A-Za-z0-9_][A-Za-z0-9_-]*\.snap)"
+            rf"\.[A-Za-z0-9_]{{8}}\.tmp$"
+        )
+        return sorted(self.dirs[0] / n for n in self._names() if pattern.match(n))
+
+    def _names(self) -> list[str]:
         try:
-            names = os.listdir(self.dirs[0])
+            return os.listdir(self.dirs[0])
         except FileNotFoundError:
             return []
         except OSError as exc:
             raise SwapIOError(exc.errno, f"cannot list: {exc.strerror}", str(self.dirs[0])) from exc
-        return sorted(self.dirs[0] / n for n in names if pattern.match(n))
 
 
 def _kind(mode: int) -> str:

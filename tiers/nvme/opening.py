@@ -15,13 +15,19 @@ Invariants of a reopened state:
   newer one is refused); a torn tail is dropped and logged;
 - every extent lies inside its data file and no two overlap (the free lists are rebuilt
   from them), so nothing durable can be handed out again;
-- every data file is a regular file opened without following a symlink.
+- every data file is a regular file opened without following a symlink;
+- every retained snapshot file is read and checked (:mod:`tiers.nvme.snapshots`), its
+  extents inside the data files and each either one the durable state (or an earlier
+  snapshot) names for the same tensor, or overlapping nothing; its extents are allocated
+  in the free lists too. A snapshot that fails a check is listed as damaged (logged,
+  ignored, its file left for ``drop_snapshot``): it never stops the store from opening.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import os
 import stat
 from dataclasses import dataclass
@@ -34,7 +40,7 @@ from tiers.nvme.housekeeping import create_exclusive, existing_store_error
 from tiers.nvme.journal import (
     Journal,
     JournalContents,
-    decode_payload,
+    decode_changes,
     log_dropped,
     parse_journal,
 )
@@ -42,9 +48,21 @@ from tiers.nvme.lock import StoreLock
 from tiers.nvme.manifest import ManifestSpec, encode_manifest, parse_manifest
 from tiers.nvme.metafiles import StoreFiles, read_metadata, remove_orphans, replace_file
 from tiers.nvme.placement import Placement
-from tiers.nvme.records import ManifestError, StoredTensor, check_distinct
+from tiers.nvme.records import Extent, ManifestError, StoredTensor, check_distinct
+from tiers.nvme.snapshots import SnapshotDamagedError, SnapshotFile, parse_snapshot
 
-__all__ = ["Opened", "create", "reopen"]
+__all__ = ["LoadedSnapshot", "Opened", "create", "reopen"]
+
+log = logging.getLogger("swapper.tiers.nvme")
+
+
+@dataclass
+class LoadedSnapshot:
+    """A retained snapshot found at open: its file's contents, path and size."""
+
+    content: SnapshotFile
+    path: Path
+    file_nbytes: int
 
 
 @dataclass
@@ -59,6 +77,8 @@ class Opened:
     placement: Placement
     checksum: bool
     tensors: list[StoredTensor]
+    snapshots: list[LoadedSnapshot]
+    damaged: dict[str, tuple[Path, str]]
 
 
 @dataclass
@@ -70,6 +90,8 @@ class _Recovered:
     tensors: dict[str, StoredTensor]
     files: list[SwapFile]
     placement: Placement
+    snapshots: list[LoadedSnapshot]
+    damaged: dict[str, tuple[Path, str]]
 
     @property
     def needs_compaction(self) -> bool:
@@ -148,17 +170,17 @@ def _recover(files: StoreFiles, engine: AioEngine) -> _Recovered:
         )
     if journal.generation == spec.generation:
         for i, payload in enumerate(journal.payloads):
-            key, stored = decode_payload(
+            for key, stored in decode_changes(
                 payload,
                 f"journal {files.journal} record {i + 1}",
                 n_dirs=len(paths),
                 stripe_nbytes=spec.stripe_nbytes,
                 checksum=spec.checksum,
-            )
-            if stored is None:
-                tensors.pop(key, None)
-            else:
-                tensors[key] = stored
+            ):
+                if stored is None:
+                    tensors.pop(key, None)
+                else:
+                    tensors[key] = stored
         log_dropped(files.journal, journal)
     opened: list[SwapFile] = []
     try:
@@ -180,19 +202,95 @@ def _recover(files: StoreFiles, engine: AioEngine) -> _Recovered:
                         f"{e.offset + e.nbytes} of {files.data(e.dir_index)}, which has only "
                         f"{size}: the data file was truncated"
                     )
+        owners = {e: t for t in tensors.values() for e in t.extents}
         try:
-            placement = Placement.rebuild(
-                len(paths),
-                spec.stripe_nbytes,
-                [e for t in tensors.values() for e in t.extents],
-            )
+            placement = Placement.rebuild(len(paths), spec.stripe_nbytes, list(owners))
         except ValueError as exc:
             raise ManifestError(f"manifest {files.manifest}: extents overlap: {exc}") from None
+        snapshots, damaged = _load_snapshots(files, spec, [f.size() for f in opened], owners)
+        if snapshots:
+            placement = Placement.rebuild(len(paths), spec.stripe_nbytes, list(owners))
     except BaseException:
         for f in opened:
             f.close()
         raise
-    return _Recovered(spec, journal, tensors, opened, placement)
+    return _Recovered(spec, journal, tensors, opened, placement, snapshots, damaged)
+
+
+def _load_snapshots(
+    files: StoreFiles, spec: ManifestSpec, sizes: list[int], owners: dict[Extent, StoredTensor]
+) -> tuple[list[LoadedSnapshot], dict[str, tuple[Path, str]]]:
+    """Read and check every snapshot file, oldest first; ``owners`` (extent → tensor of
+    the durable state) gains the extents of those accepted. See the module docstring."""
+    found: list[LoadedSnapshot] = []
+    damaged: dict[str, tuple[Path, str]] = {}
+    for name, path in files.snapshots():
+        try:
+            data = read_metadata(path, "snapshot file")
+            content = parse_snapshot(
+                data,
+                path,
+                store=files.name,
+                name=name,
+                dirs=list(files.dirs),
+                stripe_nbytes=spec.stripe_nbytes,
+                checksum=spec.checksum,
+            )
+        except FileNotFoundError:
+            continue
+        except ManifestError as exc:  # SnapshotDamagedError is one
+            damaged[name] = (path, str(exc))
+            continue
+        found.append(LoadedSnapshot(content, path, len(data)))
+    found.sort(key=lambda s: (s.content.seq, s.content.name))
+    accepted = []
+    for snapshot in found:
+        try:
+            _check_snapshot_extents(snapshot, files, spec, sizes, owners)
+        except SnapshotDamagedError as exc:
+            damaged[snapshot.content.name] = (snapshot.path, str(exc))
+            continue
+        accepted.append(snapshot)
+    for name, (_, why) in sorted(damaged.items()):
+        log.warning("store %r: snapshot %r is damaged and ignored: %s", files.name, name, why)
+    return accepted, damaged
+
+
+def _check_snapshot_extents(
+    snapshot: LoadedSnapshot,
+    files: StoreFiles,
+    spec: ManifestSpec,
+    sizes: list[int],
+    owners: dict[Extent, StoredTensor],
+) -> None:
+    """Add the snapshot's extents to ``owners`` if they fit (else nothing changes).
+
+    Raises:
+        SnapshotDamagedError: an extent is outside its data file, is another tensor's, or
+            overlaps an extent already named.
+    """
+    where = f"snapshot file {snapshot.path}"
+    new: dict[Extent, StoredTensor] = {}
+    for stored in snapshot.content.tensors.values():
+        for e in stored.extents:
+            if e.offset + e.nbytes > sizes[e.dir_index]:
+                raise SnapshotDamagedError(
+                    f"{where}: tensors[{stored.key!r}] needs bytes up to {e.offset + e.nbytes} "
+                    f"of {files.data(e.dir_index)}, which has only {sizes[e.dir_index]}"
+                )
+            owner = owners.get(e) or new.get(e)
+            if owner is not None and owner != stored:
+                raise SnapshotDamagedError(
+                    f"{where}: tensors[{stored.key!r}] names an extent of key {owner.key!r}"
+                )
+            if owner is None:
+                new[e] = stored
+    if new:
+        try:
+            Placement.rebuild(len(files.dirs), spec.stripe_nbytes, [*owners, *new])
+        except ValueError as exc:
+            raise SnapshotDamagedError(f"{where}: its extents overlap others: {exc}") from None
+    owners.update(new)
 
 
 def create(files: StoreFiles, engine: AioEngine, *, stripe_nbytes: int, checksum: bool) -> Opened:
@@ -219,7 +317,8 @@ def create(files: StoreFiles, engine: AioEngine, *, stripe_nbytes: int, checksum
         check_distinct(paths)
         lock = StoreLock.acquire(files)
         data_paths = [files.data(i) for i in range(len(paths))]
-        for path in [*data_paths, files.manifest, files.journal]:
+        snapshot_paths = [p for _, p in files.snapshots()]  # left by a removed store: refuse
+        for path in [*data_paths, files.manifest, files.journal, *snapshot_paths]:
             if os.path.lexists(path):
                 raise existing_store_error(files, path)
         remove_orphans(files)
@@ -253,7 +352,7 @@ def create(files: StoreFiles, engine: AioEngine, *, stripe_nbytes: int, checksum
                 path.rmdir()
         raise
     placement = Placement(len(paths), stripe_nbytes)
-    return Opened(files, lock, data, created_dirs, journal, placement, checksum, [])
+    return Opened(files, lock, data, created_dirs, journal, placement, checksum, [], [], {})
 
 
 def reopen(files: StoreFiles, engine: AioEngine) -> Opened:
@@ -295,4 +394,15 @@ def reopen(files: StoreFiles, engine: AioEngine) -> Opened:
         lock.release(remove_created=True)
         raise
     tensors = list(found.tensors.values())
-    return Opened(files, lock, found.files, [], journal, found.placement, spec.checksum, tensors)
+    return Opened(
+        files,
+        lock,
+        found.files,
+        [],
+        journal,
+        found.placement,
+        spec.checksum,
+        tensors,
+        found.snapshots,
+        found.damaged,
+    )

@@ -45,7 +45,9 @@ core with the data in memory (4-6 GB/s on data just read, on a loaded 2-core mac
 about 0.1-0.2 s of CPU per GB read. The padding after an extent is never read.
 
 This module is the public API and the lifecycle; the requests in flight and the glue to
-the committer are in :mod:`tiers.nvme.core`.
+the committer are in :mod:`tiers.nvme.core`; retained snapshots (copy-on-write, a
+manifest switch: ``snapshot``, ``snapshots``, ``read_snapshot``, ``restore_snapshot``,
+``drop_snapshot``, ``prune_snapshots``) in :mod:`tiers.nvme.snapshotting`.
 
 Buffers: the engine uses O_DIRECT only for 4 KiB-aligned memory; stage through
 page-aligned buffers (:mod:`tiers.buffers`) for the fast path.
@@ -66,7 +68,6 @@ from tiers.config import DIRECT_ALIGNMENT
 from tiers.errors import SwapConfigError
 from tiers.nvme import opening
 from tiers.nvme.committer import CommitItem
-from tiers.nvme.core import StoreCore
 from tiers.nvme.futures import StoreFuture, digest
 from tiers.nvme.journal import encode_delete
 from tiers.nvme.lock import StoreLock
@@ -79,6 +80,7 @@ from tiers.nvme.records import (
     check_key,
     check_name,
 )
+from tiers.nvme.snapshotting import SnapshotStore
 from tiers.units import format_size
 
 __all__ = ["NvmeStore"]
@@ -86,7 +88,7 @@ __all__ = ["NvmeStore"]
 log = logging.getLogger("swapper.tiers.nvme")
 
 
-class NvmeStore(StoreCore):
+class NvmeStore(SnapshotStore):
     """Tensors by key in data files over one or more swap directories.
 
     Thread-safe: reads and writes of any keys may run concurrently from any threads; of
@@ -396,8 +398,8 @@ class NvmeStore(StoreCore):
         files and release the lock. Idempotent.
 
         The store's files stay on disk unless ``remove``: then they are deleted (data
-        files, manifest, journal, lock files) and the directories the constructor created
-        are removed if nothing else is in them. Nothing else is ever deleted.
+        files, manifest, journal, snapshot files, lock files) and the directories the
+        constructor created are removed if nothing else is in them. Nothing else is ever deleted.
 
         Raises:
             StoreLockedError: ``remove`` after an earlier close, and another store has
@@ -422,6 +424,7 @@ class NvmeStore(StoreCore):
                 *(self._files.data(i) for i in range(n)),
                 self._files.manifest,
                 self._files.journal,
+                *(path for _, path in self._files.snapshots()),
                 *self._files.orphans(),
             ]:
                 with contextlib.suppress(FileNotFoundError):

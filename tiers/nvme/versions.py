@@ -9,7 +9,11 @@ A version's ``pins`` count what may still use its extents:
 - each read in flight of it: +1 until the read completes;
 - the durable state: +1 from when its put record is queued (the record may become durable
   at any moment from then on) until a durable record of the same key supersedes it (a
-  later put, or a delete).
+  later put, or a delete);
+- each retained snapshot naming it (:mod:`tiers.nvme.snapshotting`): +1 from when the
+  snapshot captures it until the snapshot's file is durably removed. Snapshots share the
+  version object with the key's current or durable version when they name the same
+  extents, so its extents are freed once, when the last holder lets go.
 
 A version is freed (its extents returned) when it is retired (no longer current) and has
 no pins. Hence the invariant crash safety rests on: extents the durable state names are
@@ -68,12 +72,33 @@ class VersionTable:
         self._durable: dict[str, Version] = {}
         self._seq = itertools.count()
 
-    def load(self, tensors: Iterable[StoredTensor]) -> None:
-        """Start from the durable state found at open (each version pinned by it)."""
+    def load(
+        self, tensors: Iterable[StoredTensor], snapshots: Iterable[Iterable[StoredTensor]] = ()
+    ) -> list[dict[str, Version]]:
+        """Start from the durable state found at open (each version pinned by it) and the
+        retained snapshots' tensors (each version pinned once per snapshot naming it; the
+        opener has checked that equal extents mean equal tensors). Returns each
+        snapshot's versions by key."""
+        by_extents: dict[tuple, Version] = {}
         for stored in tensors:
             version = Version(stored, next(self._seq), pins=1)
             self._keys[stored.key] = _Key(current=version, seq=version.seq)
             self._durable[stored.key] = version
+            if stored.extents:
+                by_extents[stored.extents] = version
+        held = []
+        for snapshot in snapshots:
+            versions = {}
+            for stored in snapshot:
+                version = by_extents.get(stored.extents) if stored.extents else None
+                if version is None:
+                    version = Version(stored, next(self._seq), retired=True)
+                    if stored.extents:
+                        by_extents[stored.extents] = version
+                version.pins += 1
+                versions[stored.key] = version
+            held.append(versions)
+        return held
 
     # -- queries ------------------------------------------------------------------------
 
@@ -94,6 +119,10 @@ class VersionTable:
 
     def keys(self) -> list[str]:
         return [k for k, entry in self._keys.items() if entry.current is not None]
+
+    def currents(self) -> dict[str, Version]:
+        """Every key's current version."""
+        return {k: e.current for k, e in self._keys.items() if e.current is not None}
 
     def durable(self) -> list[StoredTensor]:
         """What the durable state names, in manifest order."""
@@ -142,6 +171,33 @@ class VersionTable:
         self.retire(version)
         if entry.writing == 0:
             del self._keys[key]
+
+    def restore(self, versions: dict[str, Version]) -> list[tuple[str, Version | None]]:
+        """Make ``versions`` (pinned by a snapshot, so never freed) the current versions
+        of their keys and delete every other key; writes in flight of any key complete as
+        superseded. Returns the changes whose one record must be queued (as for
+        :meth:`finish_write` and :meth:`delete`)."""
+        changes: list[tuple[str, Version | None]] = []
+        for key, entry in list(self._keys.items()):
+            if key in versions:
+                continue
+            if entry.current is not None:
+                self.delete(key)
+                changes.append((key, None))
+            else:
+                entry.seq = next(self._seq)
+        for key, version in versions.items():
+            entry = self._keys.setdefault(key, _Key())
+            entry.seq = next(self._seq)
+            if entry.current is version:
+                continue
+            old, entry.current = entry.current, version
+            version.retired = False
+            version.pins += 1  # the durable state's, as for a committed write
+            if old is not None:
+                self.retire(old)
+            changes.append((key, version))
+        return changes
 
     # -- pins ---------------------------------------------------------------------------
 
