@@ -51,7 +51,7 @@ import mmap
 import os
 import sys
 import threading
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -223,12 +223,21 @@ def _cuda_available() -> bool:
         return False
 
 
+def _cudart() -> Any:
+    """torch's CUDA runtime binding (an untyped pybind module, hence Any).
+
+    Raises RuntimeError where torch has none (no CUDA build).
+    """
+    runtime = torch.cuda.cudart()
+    if runtime is None:
+        raise RuntimeError("torch.cuda.cudart() is None: this torch has no CUDA runtime")
+    return runtime
+
+
 def _cuda_register(address: int, nbytes: int) -> str | None:
     """Pin host memory with cudaHostRegister; None on success, else the reason it failed."""
     try:
-        code = int(
-            torch.cuda.cudart().cudaHostRegister(address, nbytes, _CUDA_HOST_REGISTER_PORTABLE)
-        )
+        code = int(_cudart().cudaHostRegister(address, nbytes, _CUDA_HOST_REGISTER_PORTABLE))
     except Exception as exc:
         # The runtime binding fails in several ways (no libcudart symbol, CUDA not
         # re-initializable in a forked child, ...); each one just means "not pinned".
@@ -238,7 +247,7 @@ def _cuda_register(address: int, nbytes: int) -> str | None:
 
 def _cuda_unregister(address: int) -> None:
     try:
-        code = int(torch.cuda.cudart().cudaHostUnregister(address))
+        code = int(_cudart().cudaHostUnregister(address))
     except Exception as exc:
         log.warning("cudaHostUnregister(%#x) failed: %s", address, exc)
         return
