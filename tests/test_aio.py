@@ -34,7 +34,9 @@ import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+import tiers.aio.backend as backend_mod
 import tiers.aio.engine as engine_mod
+import tiers.aio.worker as worker_mod
 from tiers import files
 from tiers.aio import AioEngine, IOFuture, Op, probe_backend, resolve_backend
 from tiers.aio._native import IOCB_CMD_PREAD, IOCB_CMD_PWRITE, KernelAio, LibAio, ffi
@@ -462,7 +464,7 @@ def test_direct_descriptor_used_for_aligned_pieces(
 ) -> None:
     """'direct on' really goes through O_DIRECT where the piece allows, and only there."""
     routed: list[tuple[bool, int, int, int]] = []
-    real_route = engine_mod._route
+    real_route = worker_mod._route
 
     def spy(piece: Any) -> None:
         real_route(piece)
@@ -470,7 +472,7 @@ def test_direct_descriptor_used_for_aligned_pieces(
         assert bool(flags & O_DIRECT) == piece.direct
         routed.append((piece.direct, piece.address, piece.offset, piece.nbytes))
 
-    monkeypatch.setattr(engine_mod, "_route", spy)
+    monkeypatch.setattr(worker_mod, "_route", spy)
     engine = engines.get(backend, direct=True, block_size=64 * KiB, queue_depth=4, num_threads=1)
     path = swap_dir / "x.bin"
     cases = [(8192, 256 * KiB, 0), (100, 200_000, 100), (100, 200_000, 200)]
@@ -1167,12 +1169,12 @@ def test_named_backend_unavailable(monkeypatch: pytest.MonkeyPatch) -> None:
     def missing(*args: Any) -> None:
         raise OSError(errno.ENOENT, "libaio.so.1: cannot open shared object file")
 
-    monkeypatch.setattr(engine_mod, "LibAio", missing)
+    monkeypatch.setattr(backend_mod, "LibAio", missing)
     with pytest.raises(BackendUnavailableError) as info:
         AioEngine(AioConfig(backend=Backend.LIBAIO))
     assert "'libaio' unavailable" in str(info.value)
     assert "apt-get install libaio1" in str(info.value)
-    monkeypatch.setattr(engine_mod, "KernelAio", missing)
+    monkeypatch.setattr(backend_mod, "KernelAio", missing)
     with pytest.raises(BackendUnavailableError, match=r"'kernel' unavailable.*'threads'"):
         AioEngine(AioConfig(backend=Backend.KERNEL))
     assert probe_backend(Backend.THREADS) == (None, "asked for")
@@ -1411,7 +1413,7 @@ def _auto_records(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
 def test_auto_logs_choice_once(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, available_backends: list
 ) -> None:
-    monkeypatch.setattr(engine_mod, "_auto_choice", None)
+    monkeypatch.setattr(backend_mod, "_auto_choice", None)
     caplog.set_level(logging.INFO, logger="swapper.tiers.aio")
     expected = next((b for b in available_backends if b in NATIVE), Backend.THREADS)
     with AioEngine(AioConfig()) as a, AioEngine(AioConfig(backend=Backend.AUTO)) as b:
@@ -1428,7 +1430,7 @@ def test_auto_logs_choice_once(
 def test_auto_falls_back_and_says_why(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, swap_dir: Path
 ) -> None:
-    monkeypatch.setattr(engine_mod, "_auto_choice", None)
+    monkeypatch.setattr(backend_mod, "_auto_choice", None)
     caplog.set_level(logging.INFO, logger="swapper.tiers.aio")
 
     def no_libaio(*args: Any) -> None:
@@ -1437,7 +1439,7 @@ def test_auto_falls_back_and_says_why(
     def no_kernel_aio(*args: Any) -> None:
         raise OSError(errno.ENOSYS, "Function not implemented")
 
-    monkeypatch.setattr(engine_mod, "LibAio", no_libaio)
+    monkeypatch.setattr(backend_mod, "LibAio", no_libaio)
     if "kernel" in [b.value for b in probe_targets()]:
         assert resolve_backend(Backend.AUTO)[0] is Backend.KERNEL
         (record,) = _auto_records(caplog)
@@ -1445,7 +1447,7 @@ def test_auto_falls_back_and_says_why(
         assert "-> kernel" in record.getMessage()
         assert "libaio.so.1: cannot open shared object file" in record.getMessage()
         caplog.clear()
-    monkeypatch.setattr(engine_mod, "KernelAio", no_kernel_aio)
+    monkeypatch.setattr(backend_mod, "KernelAio", no_kernel_aio)
     with AioEngine(AioConfig()) as engine:
         assert engine.backend is Backend.THREADS
         path = swap_dir / "x.bin"
@@ -1831,14 +1833,14 @@ def test_unaligned_requests_with_o_direct_go_buffered(
     """Unaligned offset, length or address with O_DIRECT on: not refused; each unaligned
     piece goes through the buffered descriptor (O_DIRECT would fail it with EINVAL)."""
     to_direct: list[tuple[int, int, int]] = []
-    real_route = engine_mod._route
+    real_route = worker_mod._route
 
     def spy(piece: Any) -> None:
         real_route(piece)
         if piece.direct:
             to_direct.append((piece.address, piece.offset, piece.nbytes))
 
-    monkeypatch.setattr(engine_mod, "_route", spy)
+    monkeypatch.setattr(worker_mod, "_route", spy)
     engine = engines.get(backend, direct=True, block_size=64 * KiB)
     path = swap_dir / "x.bin"
     with engine.open(path, create=True) as f:

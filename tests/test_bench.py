@@ -290,12 +290,12 @@ def test_bad_arguments_exit_2_with_one_line(
 def test_unavailable_backend_is_a_usage_error(
     workdir: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import tiers.aio.engine as engine_module
+    import tiers.aio.backend as backend_module
 
     def refuse(backend: Any) -> Any:
         raise BackendUnavailableError(f"backend {backend.value!r} unavailable: test")
 
-    monkeypatch.setattr(engine_module, "probe_backend", refuse)
+    monkeypatch.setattr(backend_module, "probe_backend", refuse)
     rc = main(["--dir", str(workdir), "--size", "4MiB", "--backend", "libaio"])
     err = capsys.readouterr().err
     assert rc == 2

@@ -14,7 +14,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tiers import EngineClosedError, SwapConfigError
+from tiers import EngineClosedError, SwapConfigError, hostmap
 from tiers import buffers as B
 from tiers.buffers import BufferClosedError, allocate, hugepage_bytes
 
@@ -35,7 +35,7 @@ fast = settings(max_examples=25, deadline=None, suppress_health_check=[HealthChe
 @pytest.fixture(autouse=True)
 def _fresh_log_once() -> None:
     """Each test sees the log-once messages again."""
-    B._logged.clear()
+    hostmap._logged.clear()
 
 
 def mapped(address: int) -> bool:
@@ -49,7 +49,7 @@ def mapped(address: int) -> bool:
 
 
 def free_hugetlb_pages() -> int:
-    info = B._meminfo()
+    info = hostmap._meminfo()
     return info.get("HugePages_Free", 0) - info.get("HugePages_Rsvd", 0)
 
 
@@ -286,15 +286,15 @@ def test_mlock_where_permitted_locks_the_region() -> None:
 
 def _no_hugetlb(monkeypatch: pytest.MonkeyPatch) -> None:
     """As on a machine whose hugetlb pool is empty."""
-    monkeypatch.setattr(B, "_hugetlb_room", lambda nbytes: (HUGE, "0 hugetlb pages free"))
-    real_anonymous = B._anonymous
+    monkeypatch.setattr(hostmap, "_hugetlb_room", lambda nbytes: (HUGE, "0 hugetlb pages free"))
+    real_anonymous = hostmap._anonymous
 
     def anonymous(length: int, extra_flags: int = 0):  # type: ignore[no-untyped-def]
-        if extra_flags & B._MAP_HUGETLB:
+        if extra_flags & hostmap._MAP_HUGETLB:
             raise OSError(errno.ENOMEM, "Cannot allocate memory")
         return real_anonymous(length, extra_flags)
 
-    monkeypatch.setattr(B, "_anonymous", anonymous)
+    monkeypatch.setattr(hostmap, "_anonymous", anonymous)
 
 
 @needs_linux
@@ -318,7 +318,7 @@ def test_no_huge_pages_at_all_falls_back(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     _no_hugetlb(monkeypatch)
-    monkeypatch.setattr(B, "thp_mode", lambda: "never")
+    monkeypatch.setattr(hostmap, "thp_mode", lambda: "never")
     with caplog.at_level(logging.WARNING, logger="swapper.tiers.buffers"):
         with allocate(2 * HUGE, lock=False) as buf:
             assert buf.backing == "pages"
@@ -330,7 +330,7 @@ def test_no_huge_pages_at_all_falls_back(
 
 def test_prefault_without_populate_write_touches_pages(monkeypatch: pytest.MonkeyPatch) -> None:
     # Kernels before 5.14 answer MADV_POPULATE_WRITE with EINVAL.
-    monkeypatch.setattr(B, "_MADV_POPULATE_WRITE", -1)
+    monkeypatch.setattr(hostmap, "_MADV_POPULATE_WRITE", -1)
     with allocate(2 * HUGE, huge=True, lock=False) as buf:
         buf.tensor.fill_(3)
         assert int(buf.tensor[-1]) == 3

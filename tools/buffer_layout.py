@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tiers import AioConfig, AioEngine
+from tiers import AioConfig, AioEngine, hostmap
 from tiers import buffers as B
 from tiers.files import direct_refused
 from tiers.units import format_size, parse_size
@@ -72,7 +72,7 @@ KINDS = {
 
 
 def hugetlb_free_pages() -> int:
-    info = B._meminfo()
+    info = hostmap._meminfo()
     return info.get("HugePages_Free", 0) - info.get("HugePages_Rsvd", 0)
 
 
@@ -82,7 +82,7 @@ def hugetlb_reserved(nbytes: int) -> Iterator[str]:
 
     Yields "" when the pages are there, else why not.
     """
-    page = B._meminfo().get("Hugepagesize", 0)
+    page = hostmap._meminfo().get("Hugepagesize", 0)
     if page <= 0:
         yield "no hugetlb support"
         return
@@ -155,7 +155,7 @@ def fragmented_memory(nbytes: int) -> Iterator[None]:
     ballast = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     try:
         ballast.madvise(mmap.MADV_NOHUGEPAGE)
-        ballast.madvise(B._MADV_POPULATE_WRITE)
+        ballast.madvise(hostmap._MADV_POPULATE_WRITE)
         for offset in range(0, nbytes, 2 * 4096):
             ballast.madvise(mmap.MADV_DONTNEED, offset, 4096)
         yield

@@ -21,6 +21,8 @@ import errno as errno_mod
 import os
 import platform
 import sys
+from collections.abc import Callable
+from typing import cast
 
 from cffi import FFI
 
@@ -84,6 +86,15 @@ _SYSCALLS = {
 LITTLE_ENDIAN = sys.byteorder == "little"
 
 
+def _symbol(lib: object, name: str) -> Callable[..., int]:
+    """A function of a library cffi opened, typed as what it is: a C call returning an int.
+
+    cffi's ``Lib`` objects grow their attributes from the cdef at run time, which no static
+    checker can see; this is the one place that bridges the two.
+    """
+    return cast(Callable[..., int], getattr(lib, name))
+
+
 def _oserror(code: int, call: str) -> OSError:
     return OSError(code, f"{call}: {os.strerror(code)}")
 
@@ -119,9 +130,10 @@ class _Provider:
         """
         ts = ffi.NULL
         if timeout_s is not None:
-            ts = ffi.new("struct timespec *")
-            ts.tv_sec = int(timeout_s)
-            ts.tv_nsec = int((timeout_s - int(timeout_s)) * 1e9)
+            # Initialised by field order (tv_sec, tv_nsec): cffi's struct fields are not
+            # attributes a static checker can see.
+            seconds = int(timeout_s)
+            ts = ffi.new("struct timespec *", [seconds, int((timeout_s - seconds) * 1e9)])
         while True:
             rc = self._call(3, ctx, min_nr, nr, events, ts)
             if rc == -errno_mod.EINTR:
@@ -146,11 +158,9 @@ class LibAio(_Provider):
 
     def __init__(self, soname: str = "libaio.so.1") -> None:
         self._lib = ffi.dlopen(soname)
-        self._fns = (
-            self._lib.io_setup,
-            self._lib.io_destroy,
-            self._lib.io_submit,
-            self._lib.io_getevents,
+        self._fns = tuple(
+            _symbol(self._lib, name)
+            for name in ("io_setup", "io_destroy", "io_submit", "io_getevents")
         )
 
     def _call(self, index: int, *args: object) -> int:
@@ -176,11 +186,19 @@ class KernelAio(_Provider):
             )
         self._numbers = numbers
         self._libc = ffi.dlopen(None)
+        self._syscall = _symbol(self._libc, "syscall")
 
     def _call(self, index: int, *args: object) -> int:
         # syscall() is variadic: cffi needs every extra argument as typed cdata.
-        typed = [a if isinstance(a, ffi.CData) else ffi.cast("long", a) for a in args]
-        rc = int(self._libc.syscall(ffi.cast("long", self._numbers[index]), *typed))
+        typed: list[object] = []
+        for a in args:
+            if isinstance(a, ffi.CData):
+                typed.append(a)
+            elif isinstance(a, int):
+                typed.append(ffi.cast("long", a))
+            else:  # pragma: no cover - the providers above pass only ints and cdata
+                raise TypeError(f"syscall argument {a!r}: expected an int or cffi cdata")
+        rc = int(self._syscall(ffi.cast("long", self._numbers[index]), *typed))
         if rc == -1:
             return -ffi.errno
         return rc
