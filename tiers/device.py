@@ -209,7 +209,9 @@ class DeviceTier:
         thread, whose own current stream knows nothing of this one's kernels."""
         if not self.is_cuda:
             return None
-        return torch.cuda.current_stream(self.device).record_event()
+        event = torch.cuda.Event()  # typed as the cuda Event the copies wait on
+        event.record(torch.cuda.current_stream(self.device))
+        return event
 
     def copy(
         self, dst: torch.Tensor, src: torch.Tensor, *, after: torch.cuda.Event | None = None

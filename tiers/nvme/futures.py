@@ -121,8 +121,9 @@ def name_key(error: BaseException, op: Op, key: str) -> BaseException:
     if not isinstance(error, OSError):
         # Not an I/O error (corruption, EngineClosedError, a bad buffer...): keep its type;
         # add the key where the message does not have it.
-        if f"key={key!r}" not in str(error) and hasattr(error, "add_note"):  # Python >= 3.11
-            error.add_note(f"while doing the {op.value} of key={key!r}")
+        add_note = getattr(error, "add_note", None)  # Python >= 3.11
+        if f"key={key!r}" not in str(error) and add_note is not None:
+            add_note(f"while doing the {op.value} of key={key!r}")
         return error
     cls = type(error) if isinstance(error, SwapIOError) else SwapIOError
     code = error.errno if error.errno is not None else errno.EIO
