@@ -1,3 +1,5 @@
+# Size: one class (~520 lines): torch.optim.Optimizer's surface and the step it runs;
+# the state dict, parameter checks and legacy swap already live elsewhere.
 """``OffloadAdamW``: AdamW over 16-bit parameters with fp32 state streamed from the tiers.
 
 The 16-bit parameters and their 16-bit gradients stay where they are (ordinary tensors);

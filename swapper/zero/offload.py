@@ -1,3 +1,4 @@
+# Size: one state machine (~570 lines): the hooks and the hold counts they share (Layout).
 """``swapper.offload(model, config)``: a module's 16-bit parameters live in the tiers.
 
 Every parameter is one tensor of kind ``param16`` in a :class:`~swapper.manager.TierManager`
