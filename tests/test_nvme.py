@@ -14,6 +14,7 @@ import sys
 import tempfile
 import textwrap
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,7 @@ from tiers.nvme import (
     StoreKeyError,
     content_hash,
 )
+from tiers.nvme.journal import Journal
 
 KiB = 1024
 STRIPE = 64 * KiB
@@ -198,7 +200,9 @@ def test_overwrite_same_and_different_size(tmp_path: Path, engine: AioEngine) ->
         assert store.verify("w")
 
 
-def test_delete_reuses_holes_and_coalesces(tmp_path: Path, engine: AioEngine) -> None:
+def test_delete_reuses_holes_and_coalesces(
+    tmp_path: Path, engine: AioEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
     with NvmeStore([tmp_path / "d"], engine, stripe_nbytes=STRIPE) as store:
         for key in "abcd":
             store.write(key, torch.full((16 * KiB,), ord(key), dtype=torch.uint8)).result()
@@ -210,9 +214,27 @@ def test_delete_reuses_holes_and_coalesces(tmp_path: Path, engine: AioEngine) ->
         assert "b" not in store and len(store) == 3
         with pytest.raises(StoreKeyError, match="key='b'"):
             store.info("b")
-        # b's extents are reused only once its delete is durable.
-        store.write("e0", torch.ones(10 * KiB, dtype=torch.uint8)).result()
+        # b's extents are reused only once its delete is durable: hold the journal (the
+        # committer waits in its append), so the delete cannot become durable while e0
+        # is placed. (Without the hold, whether a commit ran first is timing.)
+        gate = threading.Event()
+        real_append = Journal.append
+
+        def held_append(journal: Journal, payloads: list[bytes]) -> None:
+            gate.wait(10)
+            real_append(journal, payloads)
+
+        monkeypatch.setattr(Journal, "append", held_append)
+        e0 = store.write("e0", torch.ones(10 * KiB, dtype=torch.uint8))
+        deadline = time.monotonic() + 10
+        while "e0" not in store:  # committed (its data written), not yet durable
+            assert time.monotonic() < deadline, "e0's data write never finished"
+            time.sleep(0.002)
+        assert not e0.done()  # its record waits behind the held journal
         assert store.info("e0").extents[0].offset == file_nbytes
+        gate.set()
+        monkeypatch.setattr(Journal, "append", real_append)
+        e0.result(timeout=10)
         store.delete("e0")
         store.sync()
         store.write("e", torch.ones(10 * KiB, dtype=torch.uint8)).result()
