@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from swapper.manager import EntryState, Kind, ManagerConfig, Tier, TierManager
+from swapper.manager.context import ManagerContext
 from swapper.step import OffloadAdamW, StepConfig
 from tiers import signals
 from tiers.config import AioConfig
@@ -73,7 +74,7 @@ def _until(predicate: Callable[[], bool], timeout_s: float = 10.0) -> bool:
 
 def _settled(m: TierManager) -> bool:
     """No I/O in flight and no entry transient."""
-    engine = m._engine
+    engine = m._ctx.engine
     if engine is not None and engine.pending():
         return False
     keys = m.keys()
@@ -246,20 +247,20 @@ def test_ctrl_c_as_a_fetch_marks_its_entry_in_use_leaves_no_holderless_entry(
     opt, ref = _optimizer(model, tmp_path, "a"), _optimizer(twin, tmp_path, "b")
     try:
         assert len(opt.sub_groups) == 4
-        real = TierManager._set_state
+        real = ManagerContext.set_state
         marked = {"n": 0}
 
-        def set_state(self: TierManager, entry: Any, new: EntryState) -> None:
+        def set_state(self: ManagerContext, entry: Any, new: EntryState) -> None:
             real(self, entry, new)
-            if new is EntryState.IN_USE and self is opt.manager:
+            if new is EntryState.IN_USE and self is opt.manager._ctx:
                 marked["n"] += 1
                 if marked["n"] == 2:
                     signal.raise_signal(signal.SIGINT)
 
-        monkeypatch.setattr(TierManager, "_set_state", set_state)
+        monkeypatch.setattr(ManagerContext, "set_state", set_state)
         with pytest.raises(KeyboardInterrupt):
             opt.step()
-        monkeypatch.setattr(TierManager, "_set_state", real)
+        monkeypatch.setattr(ManagerContext, "set_state", real)
         _assert_not_wedged(opt.manager)
         opt.step()  # the interrupted call, retried
         ref.step()
@@ -419,13 +420,13 @@ def gated(monkeypatch: pytest.MonkeyPatch) -> Iterator[Gates]:
 
 def _assert_budgets_exact(m: TierManager) -> None:
     """Once idle, every byte a budget counts belongs to an entry: nothing leaked."""
-    entries = list(m._entries.values())
-    for tier, memory in ((Tier.HOST, m._host), (Tier.DEVICE, m._device)):
+    entries = list(m._ctx.entries.values())
+    for tier, memory in ((Tier.HOST, m._ctx.host), (Tier.DEVICE, m._ctx.device)):
         held_nbytes = sum(e.block.charged_nbytes for e in entries if e.tier is tier and e.block)
         assert memory.budget.used_nbytes == held_nbytes, (tier, memory.budget)
-    assert m._writebehind.used_nbytes == 0
+    assert m._ctx.writebehind.used_nbytes == 0
     windows = sum(e.readahead.nbytes for e in entries if e.readahead is not None)
-    assert m._readahead.used_nbytes == windows
+    assert m._ctx.readahead.used_nbytes == windows
 
 
 class Case:

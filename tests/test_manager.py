@@ -308,7 +308,7 @@ def test_evict_is_write_behind_and_frees_memory_only_when_durable(
 ) -> None:
     t = _rand(torch.float32, (8 * KiB,), 11)  # 32 KiB
     manager.register("o", t, "optim_state")
-    store = manager._store
+    store = manager._ctx.store
     gate = threading.Event()
     real_write = store.write
 
@@ -381,7 +381,8 @@ def test_prefetch_reads_ahead_and_fetch_counts_a_hit(manager: TierManager) -> No
     assert manager.prefetch(["a"]) == 0  # already requested
     _until(
         lambda: (
-            manager.info("a").tier is Tier.DEVICE and manager._entries["a"].prefetch.value == "none"
+            manager.info("a").tier is Tier.DEVICE
+            and manager._ctx.entries["a"].prefetch.value == "none"
         )
     )
     _check(manager, "a", t)
@@ -390,7 +391,7 @@ def test_prefetch_reads_ahead_and_fetch_counts_a_hit(manager: TierManager) -> No
     assert stats.stall_s == 0.0
     assert stats.moved(Tier.NVME, Tier.HOST).nbytes == 16 * KiB
     assert stats.moved(Tier.HOST, Tier.DEVICE).nbytes == 16 * KiB
-    assert manager._readahead.used_nbytes == 0  # the window is given back on fetch
+    assert manager._ctx.readahead.used_nbytes == 0  # the window is given back on fetch
 
 
 def test_prefetch_never_blocks_and_takes_no_room_from_tensors_in_use(manager: TierManager) -> None:
@@ -402,7 +403,7 @@ def test_prefetch_never_blocks_and_takes_no_room_from_tensors_in_use(manager: Ti
     start = time.monotonic()
     manager.prefetch(["x"], Tier.DEVICE)
     assert time.monotonic() - start < 0.5
-    _until(lambda: manager._entries["x"].prefetch.value == "none")
+    _until(lambda: manager._ctx.entries["x"].prefetch.value == "none")
     assert manager.info("x").tier is Tier.HOST  # no room: dropped, nothing evicted
     assert manager.stats().prefetch_dropped == 1
     for key in held:
@@ -451,7 +452,7 @@ def test_recording_sets_the_order(manager: TierManager) -> None:
         for key in "zxy":
             manager.fetch(key)
             manager.release(key)
-    assert manager._order is not None and manager._order.keys == ("z", "x", "y")
+    assert manager._ctx.order is not None and manager._ctx.order.keys == ("z", "x", "y")
 
 
 def test_access_order_distances() -> None:
@@ -474,9 +475,9 @@ def test_access_order_distances() -> None:
 def test_unregister_deletes_the_nvme_copy(manager: TierManager) -> None:
     manager.register("u", torch.ones(1000), "optim_state")
     manager.evict("u").result(timeout=10)
-    assert "optim_state/u" in manager._store
+    assert "optim_state/u" in manager._ctx.store
     manager.unregister("u")
-    assert "u" not in manager and "optim_state/u" not in manager._store
+    assert "u" not in manager and "optim_state/u" not in manager._ctx.store
     manager.register("u", torch.zeros(10), "grad16")  # the key is free again
     assert manager.info("u").kind is Kind.GRAD16
 
@@ -554,12 +555,12 @@ def test_fetch_cancels_a_read_ahead_that_has_not_started(manager: TierManager) -
     manager.register("o", _rand(torch.float32, (1000,), 3), Kind.OPTIM_STATE)
     manager.evict("o").result()
     held: list[Callable[[], None]] = []
-    submit = manager._pool.submit
-    manager._pool.submit = lambda fn, *a: held.append(lambda: fn(*a))  # type: ignore[method-assign]
+    submit = manager._ctx.pool.submit
+    manager._ctx.pool.submit = lambda fn, *a: held.append(lambda: fn(*a))  # type: ignore[method-assign]
     try:
         assert manager.prefetch(["o"], Tier.HOST) == 1
     finally:
-        manager._pool.submit = submit  # type: ignore[method-assign]
+        manager._ctx.pool.submit = submit  # type: ignore[method-assign]
     manager.fetch("o", Tier.HOST).add_(1)
     manager.release("o")
     manager.evict("o").result()
@@ -633,8 +634,8 @@ def test_failed_write_keeps_the_data_and_names_key_and_path(
 ) -> None:
     t = _rand(torch.float32, (4 * KiB,), 21)
     manager.register("w", t, "optim_state")
-    path = str(manager._store.dirs[0] / "swapper-store.bin")
-    monkeypatch.setattr(manager._store, "write", _failing_write(path))
+    path = str(manager._ctx.store.dirs[0] / "swapper-store.bin")
+    monkeypatch.setattr(manager._ctx.store, "write", _failing_write(path))
     with pytest.raises(SwapIOError) as info:
         manager.evict("w").result(timeout=10)
     assert "key='w'" in str(info.value) and info.value.filename == path
@@ -656,8 +657,8 @@ def test_failed_victim_write_fails_the_fetch_that_needed_room(
     for key, t in tensors.items():
         manager.register(key, t, "optim_state")
     manager.register("new", _rand(torch.float32, (8 * KiB,), 9), "optim_state")  # to NVMe
-    path = str(manager._store.dirs[1] / "swapper-store.bin")
-    monkeypatch.setattr(manager._store, "write", _failing_write(path))
+    path = str(manager._ctx.store.dirs[1] / "swapper-store.bin")
+    monkeypatch.setattr(manager._ctx.store, "write", _failing_write(path))
     with pytest.raises(SwapIOError, match="key='o0'") as info:
         manager.fetch("new")
     assert info.value.filename == path
@@ -696,6 +697,9 @@ def test_enospc_on_a_full_filesystem(
         # Make room on disk: later writes succeed.
         for key in [k for k in tensors if k not in failed][:3]:
             m.unregister(key)
+        # A deleted key's extents are reused only once the delete is durable (else a
+        # crash could find the old key's record naming bytes of a new one): wait for it.
+        m._ctx.nvme().sync()
         m.evict(failed[0]).result(timeout=10)
         assert m.info(failed[0]).state is EntryState.ON_NVME
         _check(m, failed[0], tensors[failed[0]])
@@ -709,7 +713,7 @@ def test_short_read_raises_and_leaves_the_entry_on_nvme(manager: TierManager) ->
     t = _rand(torch.float16, (20 * KiB,), 31)  # 40 KiB: striped over both files
     manager.register("r", t, "optim_state")
     manager.evict("r").result(timeout=10)
-    for d in manager._store.dirs:
+    for d in manager._ctx.store.dirs:
         os.truncate(d / "swapper-store.bin", 4096)
     with pytest.raises(SwapIOError, match="key='r'") as info:
         manager.fetch("r")
@@ -729,7 +733,7 @@ def test_close_waits_for_writes_in_flight(
     tensors = {f"o{i}": _rand(torch.float32, (4 * KiB,), i) for i in range(4)}
     for key, t in tensors.items():
         m.register(key, t, "optim_state")
-    real_write = m._store.write
+    real_write = m._ctx.store.write
 
     def slow_write(key: str, tensor: torch.Tensor) -> concurrent.futures.Future[int]:
         inner = real_write(key, tensor)
@@ -737,7 +741,7 @@ def test_close_waits_for_writes_in_flight(
         threading.Timer(0.3, lambda: outer.set_result(inner.result())).start()
         return outer
 
-    monkeypatch.setattr(m._store, "write", slow_write)
+    monkeypatch.setattr(m._ctx.store, "write", slow_write)
     futures = [m.evict(key) for key in tensors]
     start = time.monotonic()
     m.close()
@@ -755,7 +759,7 @@ def test_close_names_the_keys_that_are_not_durable(
     m = TierManager(config)
     m.register("good", torch.full((1000,), 2.0), "optim_state")
     m.register("bad", torch.full((1000,), 3.0), "optim_state")
-    real_write = m._store.write
+    real_write = m._ctx.store.write
     path = str(dirs[0] / "swapper-store.bin")
 
     def write(key: str, tensor: torch.Tensor) -> concurrent.futures.Future[int]:
@@ -763,7 +767,7 @@ def test_close_names_the_keys_that_are_not_durable(
             return _failing_write(path)(key, tensor)
         return real_write(key, tensor)
 
-    monkeypatch.setattr(m._store, "write", write)
+    monkeypatch.setattr(m._ctx.store, "write", write)
     before = _fd_count()
     with pytest.raises(NotDurableError, match="'bad'") as info:
         m.close()
@@ -780,7 +784,7 @@ def test_close_times_out_naming_writes_in_flight_then_finishes(
 ) -> None:
     m = TierManager(_config(dirs, close_timeout_s=0.2))
     m.register("slow", torch.full((1000,), 5.0), "optim_state")
-    real_write = m._store.write
+    real_write = m._ctx.store.write
     gate = threading.Event()
 
     def write(key: str, tensor: torch.Tensor) -> concurrent.futures.Future[int]:
@@ -789,7 +793,7 @@ def test_close_times_out_naming_writes_in_flight_then_finishes(
         threading.Thread(target=lambda: (gate.wait(), outer.set_result(inner.result()))).start()
         return outer
 
-    monkeypatch.setattr(m._store, "write", write)
+    monkeypatch.setattr(m._ctx.store, "write", write)
     with pytest.raises(NotDurableError, match="'slow' \\(still in flight\\)") as info:
         m.close()
     assert info.value.keys == ["slow"] and not info.value.errors

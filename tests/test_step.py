@@ -667,7 +667,7 @@ class StateFaults:
         *,
         index: int,
     ) -> None:
-        self.store = manager._store
+        self.store = manager._ctx.store
         self.real = getattr(self.store, op)
         self.op, self.code, self.index = op, code, index
         self.failed: list[int] = []  # sub-group indices, in the order they failed

@@ -99,10 +99,12 @@ class HostBlock(TierBlock):
         self.nbytes = tensor.numel()
         self.charged_nbytes = reservation.nbytes
 
-    def release(self) -> None:
+    def release(self, after: torch.cuda.Event | None = None) -> None:
         """Give the memory back to the tier and the bytes to its budget. Idempotent.
 
         Views of the block must not be used afterwards: the range is handed out again.
+        ``after`` is accepted for the :class:`~tiers.protocols.MemoryBlock` protocol and
+        ignored: host memory is only touched by copies that were waited for already.
         """
         self._tier._release(self)
 

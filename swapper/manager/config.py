@@ -9,7 +9,7 @@ import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any
+from typing import Any, cast
 
 from tiers.config import DIRECT_ALIGNMENT, AioConfig, enum_names, parse_enum
 from tiers.errors import SwapConfigError
@@ -164,6 +164,12 @@ class ManagerConfig:
         if isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= 64:
             raise SwapConfigError(f"mover_threads={threads!r} must be an int from 1 to 64")
         self._check_windows(placement)
+
+    @property
+    def tier_order(self) -> Mapping[Kind, tuple[Tier, ...]]:
+        """``placement`` as the constructor normalised it: every kind, its tiers as
+        :class:`Tier` in order of preference."""
+        return cast("Mapping[Kind, tuple[Tier, ...]]", self.placement)
 
     def _set(self, name: str, value: Any) -> None:
         object.__setattr__(self, name, value)  # frozen: normalising in __post_init__ only

@@ -45,13 +45,13 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
 from swapper.manager.config import Kind, Tier
 from swapper.manager.errors import IllegalTransitionError
 from tiers.budget import Reservation
+from tiers.protocols import MemoryBlock
 
 __all__ = ["EntryInfo", "EntryState", "MemoryBlock", "Prefetch", "SwapEntry"]
 
@@ -103,20 +103,6 @@ class Prefetch(str, enum.Enum):
     NONE = "none"
     QUEUED = "queued"  #: submitted, not started: a fetch does not wait for it
     RUNNING = "running"  #: making room or transferring: a fetch waits for it
-
-
-class MemoryBlock(Protocol):
-    """What :class:`tiers.host.HostBlock` and :class:`tiers.device.DeviceBlock` share."""
-
-    nbytes: int
-    charged_nbytes: int
-
-    @property
-    def tensor(self) -> torch.Tensor: ...
-
-    def view(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor: ...
-
-    def release(self) -> None: ...
 
 
 @dataclass(eq=False)

@@ -1,0 +1,370 @@
+"""What every part of a :class:`~swapper.manager.TierManager` shares: its tiers and its
+entry table, under one lock.
+
+The parts (:mod:`~swapper.manager.placement`, :mod:`~swapper.manager.mover`,
+:mod:`~swapper.manager.jobs`, the facade in :mod:`~swapper.manager.core`) hold one
+:class:`ManagerContext` and nothing else of each other's state.
+
+Invariants (checked by the tests in ``tests/test_manager.py`` and
+``tests/test_interrupts.py``):
+
+* ``cond`` guards ``entries`` and every field of every :class:`SwapEntry` but the first
+  six; it is held only for bookkeeping, never across I/O, copies or ``try_alloc``.
+* Every change of an entry's state goes through :meth:`ManagerContext.set_state`, which
+  notifies ``cond``; ``epoch`` grows with every notification, so a thread that looked at
+  the table, let go of the lock and came back can tell whether anything changed.
+* An entry's memory is in ``entry.block`` of ``entry.tier`` or nowhere; it is freed only
+  by :meth:`ManagerContext.free_memory` (or by the part that owned it while transient).
+* ``jobs`` counts requests queued for the mover threads and not yet ended: ``close``
+  waits for it to reach 0 before it shuts the pool.
+* Bounds: each tier's bytes by its budget; bytes being written by ``write_behind_nbytes``;
+  bytes read ahead and not yet fetched by ``prefetch_window_nbytes``. Every byte in flight
+  to or from NVMe sits in a host block (a device tensor is staged through one), so I/O never
+  holds more than the host budget.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import errno
+import itertools
+import threading
+import time
+
+import torch
+
+from swapper.manager.config import Kind, ManagerConfig, Policy, Tier
+from swapper.manager.entry import EntryState, Prefetch, SwapEntry
+from swapper.manager.errors import (
+    EntryInUseError,
+    ManagerClosedError,
+    ManagerTimeout,
+    UnknownKeyError,
+)
+from swapper.manager.policy import AccessOrder
+from swapper.manager.stats import StatsRecorder, TierStats
+from tiers.aio import AioEngine
+from tiers.budget import ByteBudget
+from tiers.device import DeviceTier
+from tiers.errors import SwapConfigError, SwapIOError
+from tiers.host import HostTier
+from tiers.nvme import ManifestError, NvmeStore
+from tiers.protocols import MemoryTier
+from tiers.signals import wait_cond
+
+__all__ = ["ManagerContext"]
+
+_S = EntryState
+
+
+class ManagerContext:
+    """The tiers, budgets, store and entry table of one manager (see the module docstring).
+
+    Raises (constructor):
+        SwapConfigError: the device is not usable, or ``reopen`` with no ``nvme_dirs``.
+        StoreExistsError: a new store's files exist already.
+        ManifestError: ``reopen`` found no manifest, or one not written by a TierManager.
+        BackendUnavailableError, SwapIOError: the AIO engine or the store cannot be set up.
+    """
+
+    def __init__(self, config: ManagerConfig, *, reopen: bool) -> None:
+        if reopen and not config.nvme_dirs:
+            raise SwapConfigError("nothing to reopen: nvme_dirs is empty")
+        self.config = config
+        self.placement = config.tier_order
+        self.device = DeviceTier(config.device_nbytes, device=config.device)
+        self.host = HostTier(config.host_nbytes, arena_nbytes=config.host_arena_nbytes)
+        self.memory: dict[Tier, MemoryTier] = {Tier.DEVICE: self.device, Tier.HOST: self.host}
+        self.readahead = ByteBudget("read-ahead", config.prefetch_window_nbytes)
+        self.writebehind = ByteBudget("write-behind", config.write_behind_nbytes)
+        self.entries: dict[str, SwapEntry] = {}
+        self.cond = threading.Condition(threading.Lock())
+        self.epoch = 0  # bumped on every notify: "something changed since I looked"
+        self.clock = itertools.count(1)  # LRU time
+        self.order: AccessOrder | None = None
+        self.recorded: list[str] | None = None
+        self.stats = StatsRecorder()
+        self.closing = False
+        self.closed = False
+        self.jobs = 0  # evict and prefetch requests submitted and not yet ended
+        self.engine: AioEngine | None = None
+        self.store: NvmeStore | None = None
+        if config.nvme_dirs:
+            self.engine = AioEngine(config.aio)
+            try:
+                if reopen:
+                    self.store = NvmeStore.open(
+                        config.nvme_dirs, self.engine, name=config.store_name, verify=config.verify
+                    )
+                    self._load_entries(self.store)
+                else:
+                    self.store = NvmeStore(
+                        config.nvme_dirs,
+                        self.engine,
+                        stripe_nbytes=config.stripe_nbytes,
+                        checksum=config.checksum,
+                        verify=config.verify,
+                        name=config.store_name,
+                    )
+            except BaseException:
+                if self.store is not None:
+                    self.store.close()
+                self.engine.close()
+                self.host.close()
+                raise
+        # Threads start on the first submit, not here.
+        self.pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=config.mover_threads, thread_name_prefix="swapper-mover"
+        )
+        # Futures handed to callers are resolved here, never on an AIO worker: a caller's
+        # done-callback may call the manager, and a read it issues needs those workers.
+        self.notifier = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="swapper-notify"
+        )
+
+    def _load_entries(self, store: NvmeStore) -> None:
+        for store_key in store:  # a snapshot of its keys
+            kind_name, _, key = store_key.partition("/")
+            try:
+                kind = Kind(kind_name)
+            except ValueError:
+                raise ManifestError(
+                    f"{store.manifest_path}: key {store_key!r} was not written by a TierManager "
+                    "(expected '<kind>/<key>')"
+                ) from None
+            stored = store.info(store_key)
+            entry = SwapEntry(
+                key, kind, stored.dtype, stored.shape, stored.nbytes, self.home(kind, stored.nbytes)
+            )
+            entry.nvme_version = entry.version
+            entry.transition(_S.ON_NVME)
+            self.entries[key] = entry
+
+    def nvme(self) -> NvmeStore:
+        """The store; only called where an entry is on (or bound for) NVMe, which exists
+        only with a store.
+
+        Raises:
+            SwapConfigError: there is no NVMe tier (a bug in the caller, named).
+        """
+        store = self.store
+        if store is None:
+            raise SwapConfigError("no NVMe tier: nvme_dirs is empty")
+        return store
+
+    def release_all(self, *, remove: bool = False) -> None:
+        """Free every entry's memory and close the store, engine and tiers (lock not held)."""
+        with self.cond:
+            for entry in self.entries.values():
+                self.free_memory(entry)
+            self.closed = True
+        self.notifier.shutdown(wait=True)  # every caller's future is resolved by now
+        if self.store is not None:
+            self.store.close(remove=remove)
+        if self.engine is not None:
+            self.engine.close()
+        self.host.close()
+        self.device.close()
+
+    def tier_stats(self) -> dict[Tier, TierStats]:
+        """Budget, bytes held and peak of each memory tier; bytes allocated on NVMe."""
+        tiers = {
+            tier: TierStats(m.budget.limit_nbytes, m.budget.used_nbytes, m.budget.peak_nbytes)
+            for tier, m in self.memory.items()
+        }
+        stored = (
+            0 if self.store is None else sum(u.allocated_nbytes for u in self.store.dir_usage())
+        )
+        tiers[Tier.NVME] = TierStats(None, stored, None)
+        return tiers
+
+    # -- where an entry belongs (no lock needed: budgets' limits never change) ----------
+
+    def fits_ever(self, tier: Tier, nbytes: int) -> bool:
+        memory = self.memory[tier]
+        limit = memory.budget.limit_nbytes
+        return limit is None or memory.charge(nbytes) <= limit
+
+    def home(self, kind: Kind, nbytes: int) -> Tier:
+        """The fastest tier of ``kind``'s placement that can ever hold ``nbytes``."""
+        for tier in self.placement[kind]:
+            if tier is Tier.NVME or self.fits_ever(tier, nbytes):
+                return tier
+        return self.placement[kind][-1]
+
+    # -- the table (lock held) ------------------------------------------------------------
+
+    def check_open(self) -> None:
+        if self.closing:
+            raise ManagerClosedError("the tier manager is closed")
+
+    def get(self, key: str) -> SwapEntry:
+        entry = self.entries.get(key) if isinstance(key, str) else None
+        if entry is None:
+            raise UnknownKeyError(f"no tensor registered under key={key!r}")
+        return entry
+
+    def notify(self) -> None:
+        self.epoch += 1
+        self.cond.notify_all()
+
+    def set_state(self, entry: SwapEntry, new: EntryState) -> None:
+        entry.transition(new)
+        self.notify()
+
+    def wait(self, deadline: float, entry: SwapEntry) -> None:
+        """Wait on the condition for ``entry``'s transfer (a wait point).
+
+        Raises:
+            ManagerTimeout: ``deadline`` passed.
+        """
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise ManagerTimeout(
+                f"key={entry.key!r}: waited too long for its {entry.state.value} transfer "
+                f"(prefetch {entry.prefetch.value}) to end"
+            )
+        wait_cond(self.cond, left, "manager.transfer")
+
+    def await_idle(self, entry: SwapEntry, deadline: float, doing: str) -> None:
+        """Wait until no transfer of ``entry`` runs; it must be neither unregistered nor in
+        use by then.
+
+        Raises:
+            UnknownKeyError: it was unregistered meanwhile.
+            EntryInUseError: it is (or was fetched again and is) in use.
+            ManagerTimeout: a transfer did not end by ``deadline``.
+        """
+        while entry.state.transient or entry.prefetch is Prefetch.RUNNING:
+            self.wait(deadline, entry)
+        if entry.state is _S.GONE:
+            raise UnknownKeyError(f"{doing} of key={entry.key!r}: it is no longer registered")
+        if entry.state is _S.IN_USE:
+            raise EntryInUseError(
+                f"{doing} of key={entry.key!r}: it is in use ({entry.users} fetch(es) not released)"
+            )
+
+    def await_settled(self, entry: SwapEntry, target: Tier, deadline: float) -> tuple[bool, bool]:
+        """Wait out transfers of ``entry``. Returns (it is in ``target`` now, waited)."""
+        waited = False
+        while True:
+            if entry.state is _S.GONE:
+                raise UnknownKeyError(f"key={entry.key!r} was unregistered during the fetch")
+            if entry.tier is target and entry.state in (_S.RESIDENT, _S.IN_USE):
+                return True, waited
+            if entry.state.transient or entry.prefetch is Prefetch.RUNNING:
+                waited = True
+                self.wait(deadline, entry)
+                continue
+            if entry.state is _S.IN_USE:
+                where = "memory" if entry.tier is None else entry.tier.value
+                raise EntryInUseError(
+                    f"fetch of key={entry.key!r} into {target.value}: it is in use in "
+                    f"{where}; release it first"
+                )
+            return False, waited
+
+    def pin(self, entry: SwapEntry) -> torch.Tensor:
+        entry.users += 1
+        if entry.users == 1:
+            self.set_state(entry, _S.IN_USE)
+        if entry.readahead is not None:
+            entry.readahead.release()
+            entry.readahead = None
+        return entry_view(entry)
+
+    def unpin(self, entry: SwapEntry) -> None:
+        """Undo a :meth:`pin` whose tensor never reached the caller (lock not held)."""
+        with self.cond:
+            entry.users -= 1
+            if entry.users == 0:
+                self.set_state(entry, _S.RESIDENT)
+
+    def wait_for_transfers(self, deadline: float) -> None:
+        """Wait until no entry is transient, or until ``deadline``."""
+        while any(e.state.transient for e in self.entries.values()):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            wait_cond(self.cond, left, "manager.drain")
+
+    def free_memory(self, entry: SwapEntry) -> None:
+        """Free ``entry``'s memory and read-ahead window; it is then in no memory tier."""
+        if entry.block is not None:
+            # On the device a user's kernels may still read it on their own stream (CUDA):
+            # the memory is reused only once they are done (``ready``).
+            entry.block.release(after=entry.ready if entry.tier is Tier.DEVICE else None)
+        if entry.readahead is not None:
+            entry.readahead.release()
+        entry.block, entry.tier, entry.readahead = None, None, None
+        self.notify()
+
+    def note_access(self, entry: SwapEntry) -> None:
+        entry.last_use = next(self.clock)
+        if self.order is not None:
+            self.order.advance(entry.key)
+        if self.recorded is not None:
+            self.recorded.append(entry.key)
+
+    def order_in_use(self) -> AccessOrder | None:
+        if self.config.policy is Policy.LRU or self.order is None:
+            return None
+        return self.order
+
+    def timeout(self, timeout_s: float | None) -> float:
+        return self.config.timeout_s if timeout_s is None else timeout_s
+
+
+# -- small pure helpers shared by the parts --------------------------------------------
+
+
+def check_key(key: object) -> None:
+    if not isinstance(key, str) or not key:
+        raise TypeError(f"key must be a non-empty str, got {key!r}")
+
+
+def to_kind(kind: Kind | str) -> Kind:
+    try:
+        return Kind(kind)
+    except ValueError:
+        names = ", ".join(k.value for k in Kind)
+        raise ValueError(f"kind={kind!r} is not one of: {names}") from None
+
+
+def to_tier(tier: Tier | str) -> Tier:
+    try:
+        return Tier(tier)
+    except ValueError:
+        names = ", ".join(t.value for t in Tier)
+        raise ValueError(f"tier={tier!r} is not one of: {names}") from None
+
+
+def store_key_of(entry: SwapEntry) -> str:
+    """The store's key: the kind rides along so that a reopened store knows it."""
+    return f"{entry.kind.value}/{entry.key}"
+
+
+def window_share(budget: ByteBudget, nbytes: int) -> int:
+    """What one request takes of a window: its size, or the whole window if larger (a
+    tensor larger than the window then goes alone rather than never)."""
+    limit = budget.limit_nbytes
+    return nbytes if limit is None else min(nbytes, limit)
+
+
+def named_error(error: BaseException, doing: str, key: str) -> BaseException:
+    """An I/O error re-raised with the manager's key in its message; the file stays."""
+    if not isinstance(error, OSError):
+        return error
+    cls = type(error) if isinstance(error, SwapIOError) else SwapIOError
+    code = error.errno if error.errno is not None else errno.EIO
+    named = cls(code, f"{doing} key={key!r} failed: {error.strerror or error}", error.filename)
+    named.__cause__ = error
+    return named
+
+
+def entry_view(entry: SwapEntry) -> torch.Tensor:
+    """The tensor of an entry that is in memory (lock held)."""
+    block = entry.block
+    if block is None:
+        raise RuntimeError(f"key={entry.key!r} is {entry.state.value} without memory")
+    return block.view(entry.dtype, entry.shape)

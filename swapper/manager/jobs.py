@@ -1,0 +1,249 @@
+"""Work the manager does off the caller's thread: ``evict`` and ``prefetch`` requests on the
+mover threads, and ``flush`` (write every dirty tensor, keep it in memory).
+
+Invariants:
+
+* A request is counted in ``ctx.jobs`` from :meth:`MoverJobs.submit` until it has ended,
+  whatever happened to it; ``close`` waits for 0 before shutting the pool, so no job
+  ever runs against a closed store.
+* A read-ahead claims nothing until it runs (``Prefetch.QUEUED``); a fetch that comes
+  first takes the entry over and the queued read-ahead does nothing. A running read-ahead
+  (``Prefetch.RUNNING``) is waited for by a fetch of the same key, never duplicated.
+* Its share of the read-ahead window is held from ``prefetch`` until the tensor is
+  fetched, evicted, or the read-ahead fails (then given back at once).
+* Futures handed to callers are resolved outside the lock (their callbacks may call the
+  manager).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+
+from swapper.manager.config import Tier
+from swapper.manager.context import ManagerContext
+from swapper.manager.entry import EntryState, Prefetch, SwapEntry
+from swapper.manager.errors import NotDurableError
+from swapper.manager.mover import Mover
+from swapper.manager.placement import Placement
+from tiers.budget import Reservation
+from tiers.signals import wait_cond, wait_future
+
+__all__ = ["MoverJobs"]
+
+log = logging.getLogger("swapper.manager")
+
+_S = EntryState
+
+
+class MoverJobs:
+    """The mover threads' requests and ``flush`` (see the module docstring)."""
+
+    def __init__(self, ctx: ManagerContext, placement: Placement, mover: Mover) -> None:
+        self._ctx = ctx
+        self._placement = placement
+        self._mover = mover
+
+    def submit(self, job: Callable[..., None], *args: object) -> None:
+        """Lock held. Queue ``job(*args)`` for a mover thread; ``close`` waits for it."""
+        self._ctx.pool.submit(self._run, job, *args)
+        self._ctx.jobs += 1
+
+    def _run(self, job: Callable[..., None], *args: object) -> None:
+        try:
+            job(*args)
+        finally:
+            with self._ctx.cond:
+                self._ctx.jobs -= 1
+                self._ctx.notify()
+
+    def evict(self, entry: SwapEntry, to: Tier, deadline: float, future: Future[None]) -> None:
+        """An ``evict`` request: move ``entry`` down to ``to``, then resolve ``future``."""
+        ctx = self._ctx
+        # The future is resolved outside the lock: its callbacks may call the manager.
+        try:
+            with ctx.cond:
+                ctx.await_idle(entry, deadline, "evict")
+                work = entry.tier is not None and entry.tier.rank < to.rank  # else: there
+                if work and entry.readahead is not None:
+                    entry.readahead.release()
+                    entry.readahead = None
+                if work and to is Tier.NVME and entry.clean:
+                    ctx.free_memory(entry)
+                    ctx.set_state(entry, _S.ON_NVME)
+                    work = False
+                if work:
+                    ctx.set_state(entry, _S.WRITING if to is Tier.NVME else _S.MOVING)
+                version = entry.version
+            if not work:
+                future.set_result(None)
+            elif to is Tier.NVME:
+                self._mover.write_out(entry, version, future, deadline, keep=False)
+            else:
+                self._mover.demote(entry, to, deadline)
+                future.set_result(None)
+        except Exception as exc:
+            if not future.done():
+                future.set_exception(exc)
+
+    def prefetch(self, entry: SwapEntry, target: Tier, window: Reservation) -> None:
+        """A read-ahead request: bring ``entry`` into ``target`` if it still needs it and
+        room can be had without taking what is needed sooner; else give up quietly."""
+        ctx = self._ctx
+        deadline = time.monotonic() + ctx.config.timeout_s
+        landed = False
+        try:
+            with ctx.cond:
+                if ctx.closing or entry.prefetch is not Prefetch.QUEUED:
+                    return
+                entry.prefetch = Prefetch.RUNNING
+                while entry.state.transient:
+                    ctx.wait(deadline, entry)
+                if entry.state not in (_S.RESIDENT, _S.ON_NVME) or entry.tier is target:
+                    return  # gone, in use, or already there
+            block = self._placement.obtain(
+                target,
+                entry.nbytes,
+                what=f"key={entry.key!r}",
+                deadline=deadline,
+                moving=entry,
+                read_ahead=True,
+            )
+            if block is None:
+                return
+            with ctx.cond:
+                source = entry.tier
+                if entry.state not in (_S.RESIDENT, _S.ON_NVME) or source is target:
+                    block.release()
+                    ctx.notify()
+                    return
+                ctx.set_state(entry, _S.READING if source is None else _S.MOVING)
+            self._mover.transfer(
+                entry, block, source, target, deadline, pin=False, readahead=window
+            )
+            landed = True
+        except Exception as exc:
+            log.debug("read-ahead of key=%r failed: %s", entry.key, exc)
+        finally:
+            if not landed:
+                window.release()
+                ctx.stats.add(prefetch_dropped=1)
+            with ctx.cond:
+                entry.prefetch = Prefetch.NONE
+                ctx.notify()
+
+    def flush(self, deadline: float, *, final: bool) -> None:
+        """Write every dirty RESIDENT entry (memory kept), wait, save the manifest.
+
+        ``final`` (close, nothing else running): first let transfers under way end (an
+        eviction that fails leaves a dirty entry to write), and at the end every entry must
+        be clean. Otherwise only the writes this flush starts are judged: other threads may
+        be moving and dirtying tensors meanwhile.
+
+        Raises:
+            NotDurableError: names the keys not durable.
+        """
+        ctx = self._ctx
+        store = ctx.store
+        if store is None:
+            return
+        with ctx.cond:
+            if final:
+                ctx.wait_for_transfers(deadline)
+            dirty = [e for e in ctx.entries.values() if e.state is _S.RESIDENT and not e.clean]
+        writes: list[tuple[str, Future[None]]] = []
+        for entry in dirty:
+            # Claimed one at a time, just before its write: an entry claimed and not yet
+            # being written could never be a victim, and staging a device entry may need
+            # room that only such a victim can give.
+            with ctx.cond:
+                if entry.state is not _S.RESIDENT or entry.clean:
+                    continue  # moved, evicted or fetched meanwhile
+                ctx.set_state(entry, _S.CLEANING)
+                version = entry.version
+            future: Future[None] = Future()
+            future.set_running_or_notify_cancel()
+            self._mover.write_out(entry, version, future, deadline, keep=True)
+            writes.append((entry.key, future))
+        errors: dict[str, BaseException] = {}
+        pending: set[str] = set()
+        for key, future in writes:
+            # Cut here, the writes go on: their completions settle the entries.
+            if not wait_future(future, max(0.0, deadline - time.monotonic()), "manager.flush"):
+                pending.add(key)
+                continue
+            error = future.exception()
+            if error is not None:
+                errors[key] = error
+        if final:
+            with ctx.cond:
+                ctx.wait_for_transfers(deadline)
+                pending |= {e.key for e in ctx.entries.values() if not e.clean} - set(errors)
+        store.save_manifest()
+        not_durable = sorted(set(errors) | pending)
+        if not_durable:
+            raise NotDurableError(
+                f"{len(not_durable)} tensor(s) not durable on NVMe: "
+                + ", ".join(
+                    f"{key!r} ({errors[key]})" if key in errors else f"{key!r} (still in flight)"
+                    for key in not_durable[:10]
+                )
+                + (" ..." if len(not_durable) > 10 else ""),
+                keys=not_durable,
+                errors=errors,
+            )
+
+    def shutdown(self, *, remove: bool) -> None:
+        """The work of ``TierManager.close``: refuse new work, let queued requests end,
+        then write everything (or, with ``remove``, nothing) and free it all. Cut, it
+        leaves the manager closing with everything else open; called again, it finishes.
+
+        Raises:
+            NotDurableError: as ``close`` documents.
+        """
+        ctx = self._ctx
+        with ctx.cond:
+            if ctx.closed:
+                return
+            ctx.closing = True
+            ctx.notify()
+            # Queued evictions run; queued read-aheads give up. (Waited for here, not in
+            # the pool's shutdown, so that Ctrl-C can stop the wait.)
+            while ctx.jobs:
+                wait_cond(ctx.cond, None, "manager.close")
+        ctx.pool.shutdown(wait=True)
+        deadline = time.monotonic() + ctx.config.close_timeout_s
+        if remove:
+            with ctx.cond:
+                # Nothing is written, but memory that I/O uses is freed only once it ends.
+                ctx.wait_for_transfers(deadline)
+            ctx.release_all(remove=True)
+            return
+        failed: NotDurableError | None = None
+        if ctx.store is not None:
+            with ctx.cond:
+                for entry in ctx.entries.values():
+                    if entry.state is _S.IN_USE:
+                        log.warning(
+                            "close: key=%r is still in use (%d fetch(es)); writing it as modified",
+                            entry.key,
+                            entry.users,
+                        )
+                        entry.users = 0
+                        entry.version += 1
+                        ctx.set_state(entry, _S.RESIDENT)
+            try:
+                self.flush(deadline, final=True)
+            except NotDurableError as exc:
+                if set(exc.keys) - set(exc.errors):
+                    raise  # writes still in flight: keep everything open for them
+                failed = exc
+            except Exception:
+                ctx.release_all()
+                raise
+            # (Interrupted: everything stays open, and close() again finishes the job.)
+        ctx.release_all()
+        if failed is not None:
+            raise failed

@@ -1,0 +1,462 @@
+"""The mover: bytes between tiers (copies, NVMe reads and writes) and their completions.
+
+Every transfer starts from an entry some thread has claimed (a transient state, see
+:mod:`swapper.manager.entry`) and ends by settling it; who settles it is the rule that
+makes interrupts and errors safe.
+
+Interrupts and exceptions
+-------------------------
+Every public call of the manager runs in a :mod:`tiers.signals` section: Ctrl-C (or
+SIGTERM/SIGHUP with a Python handler) is recorded, not raised, and delivered only at a
+*wait point* (each place a thread blocks: ``manager.room``, ``manager.transfer``,
+``manager.drain``, ``manager.flush``, ``manager.close``, ``store.read``, ``store.write``,
+``device.copy``, ``budget.reserve``) or when the call ends. So a ``KeyboardInterrupt`` can
+surface exactly where an error can (a timeout, a failed read), and the code is written for
+the waits, not for every bytecode. Two rules make every cut safe:
+
+1. A buffer with I/O in flight belongs to the I/O until its completion arrives. A waiter
+   whose wait for a read or a registration's write is cut hands the buffers (and the
+   write-behind window, and the caller's tensor) to the request's done-callback, which
+   frees them and settles the entry; the entry stays transient until then, so nobody
+   else touches it. A device copy cannot be called back: a cut wait still waits for it
+   (it is short) before its buffers can go. Writes of victims and flushes are always
+   settled by their completion, cut or not.
+2. Every transition an exception can cut has its undo next to it, run before the
+   exception leaves the manager:
+
+   ======================  ==========================================  ====================
+   transition              cut at (wait points; errors alike)          becomes
+   ======================  ==========================================  ====================
+   register: NEW           room (memory tier without NVMe)              GONE, block freed
+   NEW → ON_NVME           budget.reserve                               GONE
+                           store.write (write in flight)                NEW until the write
+                                                                        ends, then GONE (the
+                                                                        copy it made deleted)
+   fetch: → READING        manager.room (staging), device.copy          ON_NVME, blocks freed
+                           store.read (read in flight)                  READING until the
+                                                                        read ends, then
+                                                                        ON_NVME, blocks freed
+   fetch: → MOVING         device.copy                                  RESIDENT where it was
+   fetch: → IN_USE         a signal delivered as the fetch ends         pin undone: RESIDENT
+   victim → WRITING        room for staging, device.copy,               RESIDENT, data kept
+     (or CLEANING, flush)  budget.reserve (before the write is issued)
+                           after it is issued: never (completion)       ON_NVME / RESIDENT
+   victims claimed, not    the eviction of an earlier one               RESIDENT
+     yet evicted
+   victim → MOVING         room in the host, device.copy                RESIDENT where it was
+   read-ahead: → READING   as fetch (a mover: errors only)              as fetch
+   fetch, unregister,      making room, waiting for another thread's    unchanged
+     evict                   transfer (before any change of their own)
+   flush, close            waiting for writes (they go on)              settled by the writes
+   ======================  ==========================================  ====================
+
+   Transitions between two wait points happen under the lock with signals held, so none
+   is seen half done.
+
+What no code can close: a signal arriving in the bytecodes between the end of a call and
+the caller storing its result (``t = manager.fetch(k)``) is raised there and the result is
+lost. Callers inside swapper that keep their own records of what they hold (the step
+pipeline, the offload hooks) call within their own section, so the signal waits until
+the record is made.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import Future
+
+import torch
+
+from swapper.manager.config import Tier
+from swapper.manager.context import (
+    ManagerContext,
+    entry_view,
+    named_error,
+    store_key_of,
+    window_share,
+)
+from swapper.manager.entry import EntryState, SwapEntry
+from swapper.manager.placement import Placement
+from tiers.budget import ByteBudget, Reservation
+from tiers.errors import SwapError
+from tiers.protocols import MemoryBlock
+from tiers.signals import deliver_pending, wait_future, wait_point
+
+__all__ = ["Mover"]
+
+log = logging.getLogger("swapper.manager")
+
+_S = EntryState
+
+
+class Mover:
+    """Transfers of one manager's entries (see the module docstring)."""
+
+    def __init__(self, ctx: ManagerContext, placement: Placement) -> None:
+        self._ctx = ctx
+        self._placement = placement
+
+    # -- registration ---------------------------------------------------------------------
+
+    def write_new(self, entry: SwapEntry, tensor: torch.Tensor, deadline: float) -> None:
+        """Write a NEW entry's tensor straight to NVMe (from the caller's memory if it can):
+        ON_NVME, or on failure dropped (GONE) and it raises.
+
+        When the wait for the write is cut, the exception propagates at once and the
+        write's completion finishes the job: it releases the write-behind window, lets
+        the source go (the kernel reads it until then) and drops the entry, deleting what
+        it wrote. The entry stays NEW meanwhile, so a new ``register`` of the key waits.
+        """
+        ctx = self._ctx
+        outcome = "failed"  # → "handed" to the completion, or "written"
+        try:
+            source = tensor.detach().resolve_conj().resolve_neg()
+            if source.device.type != "cpu" or not source.is_contiguous():
+                # Exactly one copy. (Tensor.to(memory_format=...) would return a strided
+                # CPU tensor unchanged, and .contiguous() after .cpu() could copy twice.)
+                source = torch.empty(entry.shape, dtype=entry.dtype).copy_(source)
+            window = self._reserve_window(ctx.writebehind, entry, deadline)
+            ctx.stats.begin(Tier.HOST, Tier.NVME)
+            try:
+                future = ctx.nvme().write(store_key_of(entry), source)
+            except BaseException as exc:
+                window.release()
+                ctx.stats.end(Tier.HOST, Tier.NVME, None)
+                raise named_error(exc, "writing", entry.key) from exc
+
+            def ended(error: BaseException | None) -> None:
+                window.release()
+                ctx.stats.end(Tier.HOST, Tier.NVME, None if error else entry.nbytes, entry.kind)
+
+            try:
+                wait_future(future, None, "store.write")
+            except BaseException:
+                outcome = "handed"
+
+                def abandoned(done: Future[int], source: torch.Tensor = source) -> None:
+                    # ``source`` is bound here so that it lives until the write has ended.
+                    error = done.exception()
+                    ended(error)
+                    with ctx.cond:
+                        self.drop_new(entry, wrote=error is None)
+
+                future.add_done_callback(abandoned)
+                raise
+            error = future.exception()
+            ended(error)
+            if error is not None:
+                raise named_error(error, "writing", entry.key) from error
+            outcome = "written"
+            deliver_pending()  # now rather than after the key is visible
+        except BaseException:
+            if outcome != "handed":
+                with ctx.cond:
+                    self.drop_new(entry, wrote=outcome == "written")
+            raise
+        with ctx.cond:
+            entry.nvme_version = entry.version
+            ctx.set_state(entry, _S.ON_NVME)
+
+    def drop_new(self, entry: SwapEntry, *, wrote: bool) -> None:
+        """Lock held. Undo a registration that did not finish: NEW → GONE, forgotten, and
+        the NVMe copy its write made deleted (``wrote``)."""
+        ctx = self._ctx
+        if wrote and ctx.store is not None:
+            store_key = store_key_of(entry)
+            try:
+                if store_key in ctx.store:
+                    ctx.store.delete(store_key)
+            except SwapError as exc:  # a closed store: nothing of it is read again
+                log.warning("key=%r: could not delete its abandoned copy: %s", entry.key, exc)
+        entry.transition(_S.GONE)
+        if ctx.entries.get(entry.key) is entry:
+            del ctx.entries[entry.key]
+        ctx.notify()
+
+    # -- down: victims and evictions --------------------------------------------------------
+
+    def evict_claimed(
+        self, entry: SwapEntry, dest: Tier, version: int, deadline: float
+    ) -> Future[None]:
+        """Evict an entry already marked WRITING (dest NVMe) or MOVING (dest host). Cut
+        or failed, the entry is settled (RESIDENT where it was) before this raises."""
+        future: Future[None] = Future()
+        future.set_running_or_notify_cancel()
+        if dest is Tier.NVME:
+            self.write_out(entry, version, future, deadline, keep=False)
+            return future
+        try:
+            self.demote(entry, dest, deadline)
+        except BaseException as exc:
+            future.set_exception(exc)
+            if not isinstance(exc, Exception):
+                raise
+        else:
+            future.set_result(None)
+        return future
+
+    def demote(self, entry: SwapEntry, dest: Tier, deadline: float) -> None:
+        """Copy a MOVING entry down to memory tier ``dest``; RESIDENT there, or where it
+        was on failure."""
+        source = entry.tier
+        try:
+            block = self._placement.obtain_now(
+                dest, entry.nbytes, what=f"key={entry.key!r}", deadline=deadline
+            )
+        except BaseException:
+            with self._ctx.cond:
+                self._ctx.set_state(entry, _S.RESIDENT)
+            raise
+        self.transfer(entry, block, source, dest, deadline, pin=False)
+
+    def write_out(
+        self, entry: SwapEntry, version: int, future: Future[None], deadline: float, *, keep: bool
+    ) -> None:
+        """Write a WRITING (``keep`` False) or CLEANING entry to NVMe; returns once issued.
+
+        The completion settles the entry (memory freed only if the write succeeded and not
+        ``keep``) and then resolves ``future``. Failing (or cut) before the write is
+        issued, the entry is settled RESIDENT at once and ``future`` fails; an error is
+        reported only through ``future``, anything else (``KeyboardInterrupt``) raised.
+        """
+        ctx = self._ctx
+        staging: MemoryBlock | None = None
+        window: Reservation | None = None
+        try:
+            held = _block_of(entry)
+            if entry.tier is Tier.DEVICE:
+                staging = self._placement.obtain_now(
+                    Tier.HOST,
+                    entry.nbytes,
+                    what=f"staging for key={entry.key!r}",
+                    deadline=deadline,
+                )
+                with ctx.stats.transfer(Tier.DEVICE, Tier.HOST, entry.nbytes, entry.kind):
+                    self._copy(staging.tensor, held.tensor, after=entry.ready)
+                source = staging.view(entry.dtype, entry.shape)
+            else:
+                source = held.view(entry.dtype, entry.shape)
+            window = self._reserve_window(ctx.writebehind, entry, deadline)
+            ctx.stats.begin(Tier.HOST, Tier.NVME)
+            try:
+                store_future = ctx.nvme().write(store_key_of(entry), source)
+            except BaseException:
+                ctx.stats.end(Tier.HOST, Tier.NVME, None)
+                raise
+        except BaseException as exc:
+            named = named_error(exc, "writing", entry.key)
+            self._end_write(entry, version, staging, window, named, keep)
+            future.set_exception(named)
+            if not isinstance(exc, Exception):
+                raise
+            return
+
+        def done(store_future: Future[int]) -> None:
+            error = store_future.exception()
+            ctx.stats.end(Tier.HOST, Tier.NVME, None if error else entry.nbytes, entry.kind)
+            named = None if error is None else named_error(error, "writing", entry.key)
+            self._end_write(entry, version, staging, window, named, keep)
+            if named is None:
+                ctx.notifier.submit(future.set_result, None)
+            else:
+                ctx.notifier.submit(future.set_exception, named)
+
+        store_future.add_done_callback(done)
+
+    def _end_write(
+        self,
+        entry: SwapEntry,
+        version: int,
+        staging: MemoryBlock | None,
+        window: Reservation | None,
+        error: BaseException | None,
+        keep: bool,
+    ) -> None:
+        """Settle a write (any thread): durable → ON_NVME (memory freed) or RESIDENT (kept);
+        failed or never issued → RESIDENT with its data."""
+        ctx = self._ctx
+        if window is not None:
+            window.release()
+        with ctx.cond:
+            if staging is not None:
+                staging.release()
+            if error is None:
+                entry.nvme_version = version
+                if not keep:
+                    ctx.free_memory(entry)
+            ctx.set_state(entry, _S.ON_NVME if error is None and not keep else _S.RESIDENT)
+        if isinstance(error, Exception):
+            ctx.stats.add(write_errors=1)
+            log.warning("write of key=%r to NVMe failed; it stays in memory: %s", entry.key, error)
+
+    # -- up: fetches and read-ahead ------------------------------------------------------------
+
+    def bring(
+        self, entry: SwapEntry, target: Tier, deadline: float
+    ) -> tuple[torch.Tensor, bool, bool]:
+        """A fetch's own work: wait out transfers of ``entry`` under way, then, unless it
+        is in ``target`` by then, make room there and move it in; pin it (IN_USE).
+
+        Returns:
+            (its tensor, whether it was there already (a hit), whether this waited for
+            another thread's transfer).
+
+        Raises:
+            as :meth:`~swapper.manager.TierManager.fetch`; the entry is settled where it
+            was (or, for a cut read, settles when the read ends).
+        """
+        ctx = self._ctx
+        waited = False
+        while True:
+            with ctx.cond:
+                ready, waited_now = ctx.await_settled(entry, target, deadline)
+                waited |= waited_now
+                if ready:
+                    return ctx.pin(entry), True, waited
+            block = self._placement.obtain(
+                target, entry.nbytes, what=f"key={entry.key!r}", deadline=deadline, moving=entry
+            )
+            if block is None:
+                continue  # it no longer needs us (it arrived, or someone else moves it)
+            with ctx.cond:
+                source = entry.tier
+                if entry.state not in (_S.RESIDENT, _S.ON_NVME) or source is target:
+                    block.release()  # someone moved it while we made room: look again
+                    ctx.notify()
+                    continue
+                ctx.set_state(entry, _S.READING if source is None else _S.MOVING)
+            self.transfer(entry, block, source, target, deadline, pin=True)
+            with ctx.cond:
+                return entry_view(entry), False, waited
+
+    def transfer(
+        self,
+        entry: SwapEntry,
+        block: MemoryBlock,
+        source: Tier | None,
+        target: Tier,
+        deadline: float,
+        *,
+        pin: bool,
+        readahead: Reservation | None = None,
+    ) -> None:
+        """Copy a READING (``source`` None: from NVMe) or MOVING entry into ``block`` of
+        ``target``; then free the old memory and settle: IN_USE if ``pin``, else RESIDENT
+        (holding ``readahead``). On failure the entry is back where it was and ``block``
+        freed, and it raises; if the wait for a read from NVMe was cut, both happen only
+        when the read ends (see :meth:`_read_into`).
+        """
+        ctx = self._ctx
+        if source is None:
+            self._read_into(entry, block, target, deadline)
+        else:
+            try:
+                with ctx.stats.transfer(source, target, entry.nbytes, entry.kind):
+                    self._copy(block.tensor, _block_of(entry).tensor, after=entry.ready)
+            except BaseException:
+                with ctx.cond:
+                    block.release()
+                    ctx.set_state(entry, _S.RESIDENT)
+                raise
+        with ctx.cond:
+            old, entry.block, entry.tier = entry.block, block, target
+            if old is not None:
+                old.release()
+            if pin:
+                entry.users += 1
+                ctx.set_state(entry, _S.IN_USE)
+                if entry.readahead is not None:  # a read-ahead that a fetch moved on
+                    entry.readahead.release()
+                    entry.readahead = None
+            else:
+                if readahead is not None:
+                    entry.readahead = readahead
+                    entry.last_use = next(ctx.clock)
+                ctx.set_state(entry, _S.RESIDENT)
+
+    def _read_into(
+        self, entry: SwapEntry, block: MemoryBlock, target: Tier, deadline: float
+    ) -> None:
+        """Read a READING entry from NVMe into ``block`` of ``target`` (staged through a host
+        block for the device). On failure ``block`` (and the staging block) is freed and
+        the entry is back ON_NVME, and it raises.
+
+        The kernel writes into the buffer until the read ends: when the wait for it is
+        cut (a signal, an error), the exception propagates at once and the read's
+        completion does the freeing and settling; the entry stays READING until then.
+        """
+        ctx = self._ctx
+        staging: MemoryBlock | None = None
+        handed = False
+        try:
+            if target is not Tier.HOST:
+                staging = self._placement.obtain_now(
+                    Tier.HOST,
+                    entry.nbytes,
+                    what=f"staging for key={entry.key!r}",
+                    deadline=deadline,
+                )
+            buffer = block if staging is None else staging
+            with ctx.stats.transfer(Tier.NVME, Tier.HOST, entry.nbytes, entry.kind):
+                future = ctx.nvme().read(store_key_of(entry), buffer.tensor)
+                try:
+                    wait_future(future, None, "store.read")
+                except BaseException:
+                    handed = True
+                    future.add_done_callback(
+                        lambda _f, staging=staging: self._end_read(entry, block, staging)
+                    )
+                    raise
+                error = future.exception()
+                if error is not None:
+                    raise error
+            if staging is not None:
+                with ctx.stats.transfer(Tier.HOST, target, entry.nbytes, entry.kind):
+                    self._copy(block.tensor, staging.tensor)
+        except BaseException as exc:
+            if not handed:
+                self._end_read(entry, block, staging)
+            if isinstance(exc, OSError):
+                raise named_error(exc, "reading", entry.key) from exc
+            raise
+        if staging is not None:
+            with ctx.cond:
+                staging.release()
+                ctx.notify()
+
+    def _end_read(self, entry: SwapEntry, block: MemoryBlock, staging: MemoryBlock | None) -> None:
+        """A read that did not land (any thread): its buffers freed, the entry ON_NVME."""
+        with self._ctx.cond:
+            block.release()
+            if staging is not None:
+                staging.release()
+            self._ctx.set_state(entry, _S.ON_NVME)
+
+    # -- small pieces ---------------------------------------------------------------------------
+
+    def _copy(
+        self, dst: torch.Tensor, src: torch.Tensor, *, after: torch.cuda.Event | None = None
+    ) -> None:
+        """Copy between memory tiers and wait for it. A cut wait still waits (a device
+        copy cannot be called back, and is short) before its buffers can be freed."""
+        copy = self._ctx.device.copy(dst, src, after=after)
+        try:
+            wait_point("device.copy")
+        finally:
+            copy.wait()
+
+    def _reserve_window(self, budget: ByteBudget, entry: SwapEntry, deadline: float) -> Reservation:
+        return budget.reserve(
+            window_share(budget, entry.nbytes),
+            what=f"key={entry.key!r}",
+            timeout_s=max(0.0, deadline - time.monotonic()),
+        )
+
+
+def _block_of(entry: SwapEntry) -> MemoryBlock:
+    """The memory of an entry that a transfer owns (RESIDENT before it was claimed)."""
+    block = entry.block
+    if block is None:
+        raise RuntimeError(f"key={entry.key!r} is {entry.state.value} without memory")
+    return block
