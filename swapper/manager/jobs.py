@@ -9,6 +9,10 @@ Invariants:
 * A read-ahead claims nothing until it runs (``Prefetch.QUEUED``); a fetch that comes
   first takes the entry over and the queued read-ahead does nothing. A running read-ahead
   (``Prefetch.RUNNING``) is waited for by a fetch of the same key, never duplicated.
+* A read-ahead from NVMe into host memory is issued and left to its completion
+  (:meth:`~swapper.manager.mover.Mover.read_ahead`), which settles the entry and ends the
+  read-ahead: a mover thread never waits for the disk, so a few threads keep many reads
+  in flight and the disk's queue full. The read counts in ``ctx.jobs`` until it ends.
 * Its share of the read-ahead window is held from ``prefetch`` until the tensor is
   fetched, evicted, or the read-ahead fails (then given back at once).
 * Futures handed to callers are resolved outside the lock (their callbacks may call the
@@ -93,7 +97,7 @@ class MoverJobs:
         room can be had without taking what is needed sooner; else give up quietly."""
         ctx = self._ctx
         deadline = time.monotonic() + ctx.config.timeout_s
-        landed = False
+        landed = handed = False
         try:
             with ctx.cond:
                 if ctx.closing or entry.prefetch is not Prefetch.QUEUED:
@@ -120,6 +124,12 @@ class MoverJobs:
                     ctx.notify()
                     return
                 ctx.set_state(entry, _S.READING if source is None else _S.MOVING)
+            if source is None and target is Tier.HOST:
+                # Issued and left to its completion, which settles the entry and ends
+                # the read-ahead: the thread goes on to the next request meanwhile.
+                self._mover.read_ahead(entry, block, window)
+                handed = True
+                return
             self._mover.transfer(
                 entry, block, source, target, deadline, pin=False, readahead=window
             )
@@ -127,12 +137,13 @@ class MoverJobs:
         except Exception as exc:
             log.debug("read-ahead of key=%r failed: %s", entry.key, exc)
         finally:
-            if not landed:
-                window.release()
-                ctx.stats.add(prefetch_dropped=1)
-            with ctx.cond:
-                entry.prefetch = Prefetch.NONE
-                ctx.notify()
+            if not handed:
+                if not landed:
+                    window.release()
+                    ctx.stats.add(prefetch_dropped=1)
+                with ctx.cond:
+                    entry.prefetch = Prefetch.NONE
+                    ctx.notify()
 
     def flush(self, deadline: float, *, final: bool) -> None:
         """Write every dirty RESIDENT entry (memory kept), wait, save the manifest.
