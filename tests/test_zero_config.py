@@ -879,6 +879,18 @@ def test_from_dict_nested_with_flat_overrides(tmp_path: Path) -> None:
         OffloadConfig.from_dict(data, param_tiers=["host"], prefetch_nbytes=1)
 
 
+def test_from_json_reads_what_as_dict_writes(tmp_path: Path) -> None:
+    cfg = OffloadConfig.create(host_nbytes=64 * MiB, nvme_dirs=[tmp_path / "swap"], policy="lru")
+    path = tmp_path / "offload.json"
+    path.write_text(json.dumps(cfg.as_dict()))
+    assert OffloadConfig.from_json(path) == cfg
+    # the read-ahead window was the manager's default (half the host budget): it follows
+    # an overridden host budget instead of outgrowing it
+    smaller = OffloadConfig.from_json(path, host_nbytes=MiB)
+    assert smaller.manager.prefetch_window_nbytes == MiB // 2
+    assert smaller.manager.policy is Policy.LRU
+
+
 @pytest.mark.parametrize(
     ("mapping", "words"),
     [
@@ -1016,3 +1028,38 @@ def test_as_dict_round_trips(cfg: OffloadConfig) -> None:
     assert _placed(cfg, Kind.GRAD32) == _placed(cfg, Kind.OPTIM_STATE)
     if mc.host_nbytes is not None and mc.prefetch_window_nbytes is not None:
         assert mc.prefetch_window_nbytes <= mc.host_nbytes
+
+
+@st.composite
+def _direct_configs(draw: st.DrawFn) -> OffloadConfig:
+    """Configs built from a ManagerConfig directly: any placement per kind (grad32 apart
+    from optim_state too) and windows given outright, which create() never makes."""
+    dirs = [f"/swap/d{i}" for i in range(draw(st.integers(0, 2)))]
+    allowed = _TIERS if dirs else [D, H]
+    placement: dict[Kind | str, list[Tier]] = {}
+    for kind in Kind:
+        if draw(st.booleans()):
+            tiers = draw(st.lists(st.sampled_from(allowed), min_size=1, unique=True))
+            if kind is Kind.PARAM16 and tiers[0] is N:
+                tiers = [H, *[t for t in tiers if t is not H]]
+            placement[kind] = tiers
+    host = draw(st.none() | st.integers(2, 1 << 40))
+    window = st.none() | st.integers(1, host if host is not None else 1 << 40)
+    manager = ManagerConfig(
+        device_nbytes=draw(st.none() | st.integers(0, 1 << 40)),
+        host_nbytes=host,
+        nvme_dirs=dirs,
+        placement=placement,
+        prefetch_window_nbytes=draw(window),
+        write_behind_nbytes=draw(window),
+        close_timeout_s=draw(st.floats(0.001, 1e6)),
+        host_arena_nbytes=4096 * draw(st.integers(1, 1 << 16)),
+        store_name=draw(st.sampled_from(["swapper-store", "x"])),
+    )
+    return OffloadConfig(manager=manager, step=StepConfig(accumulate_fp32=False))
+
+
+@given(_direct_configs())
+def test_as_dict_round_trips_direct_configs(cfg: OffloadConfig) -> None:
+    data = json.loads(json.dumps(cfg.as_dict()))
+    assert OffloadConfig.from_dict(data) == cfg
