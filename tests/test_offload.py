@@ -88,7 +88,7 @@ def _tight(
         "host_nbytes": TIGHT_HOST_NBYTES,
     }
     settings.update(kwargs)
-    return OffloadConfig(
+    return OffloadConfig.create(
         nvme_dirs=[tmp_path / "nvme"],
         device="cpu",
         step=StepConfig(sub_group_numel=sub_group_numel),
@@ -97,7 +97,7 @@ def _tight(
 
 
 def _unlimited(sub_group_numel: int = SUB_GROUP_NUMEL, **kwargs: object) -> OffloadConfig:
-    return OffloadConfig(
+    return OffloadConfig.create(
         device="cpu",
         step=StepConfig(sub_group_numel=sub_group_numel),
         **kwargs,  # type: ignore[arg-type]
@@ -170,8 +170,8 @@ def _assert_same_params(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) 
 def _assert_within_budgets(stats: ManagerStats, config: OffloadConfig) -> None:
     device_peak = stats.tiers[Tier.DEVICE].peak_nbytes
     host_peak = stats.tiers[Tier.HOST].peak_nbytes
-    assert device_peak is not None and 0 < device_peak <= config.device_nbytes  # type: ignore[operator]
-    assert host_peak is not None and 0 < host_peak <= config.host_nbytes  # type: ignore[operator]
+    assert device_peak is not None and 0 < device_peak <= config.manager.device_nbytes  # type: ignore[operator]
+    assert host_peak is not None and 0 < host_peak <= config.manager.host_nbytes  # type: ignore[operator]
 
 
 # -- 1. tight budgets give the same training as unlimited ones --------------------------------
@@ -306,7 +306,7 @@ def _train_gpt(config: OffloadConfig, steps: int) -> TrainedGPT:
 
 
 def test_tied_weights_train_bit_identical_and_nothing_left_held(tmp_path: Path) -> None:
-    config = OffloadConfig(
+    config = OffloadConfig.create(
         device_nbytes=GPT_DEVICE_NEED + 512,
         host_nbytes=60_000,
         nvme_dirs=[tmp_path / "nvme"],
@@ -432,7 +432,7 @@ def test_second_step_reads_ahead_along_recorded_order(tmp_path: Path) -> None:
 
 def test_meta_init_streams_into_tiers_and_equals_normal_init(tmp_path: Path) -> None:
     param_nbytes = 2 * GPT_CONFIG.num_params()
-    config = OffloadConfig(
+    config = OffloadConfig.create(
         device_nbytes=GPT_DEVICE_NEED + 512,
         host_nbytes=30_000,
         nvme_dirs=[tmp_path / "nvme"],
@@ -440,7 +440,7 @@ def test_meta_init_streams_into_tiers_and_equals_normal_init(tmp_path: Path) -> 
         device="cpu",
     )
     # neither memory tier, nor both together, can hold the 16-bit parameters
-    assert config.device_nbytes + config.host_nbytes < param_nbytes  # type: ignore[operator]
+    assert config.manager.device_nbytes + config.manager.host_nbytes < param_nbytes  # type: ignore[operator]
     with torch.device("meta"):
         model = GPT(GPT_CONFIG)
     assert all(p.is_meta for p in model.parameters())

@@ -1,5 +1,6 @@
-"""swapper.zero.config: OffloadConfig validation, manager_config(), from_dict / from_json /
-from_deepspeed, and an as_dict round trip over random configs."""
+"""swapper.zero.config: OffloadConfig (a manager and a step section) built by create() from
+flat settings, validation, from_dict (flat or nested) / from_json / from_deepspeed, and an
+as_dict round trip over random configs."""
 
 from __future__ import annotations
 
@@ -14,9 +15,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from swapper.manager import Kind, ManagerConfig, Tier
+from swapper.manager import Kind, ManagerConfig, Policy, Tier
 from swapper.step import StepConfig
 from swapper.zero.config import OffloadConfig
+from swapper.zero.settings import tiers_of
 from tiers.config import AioConfig, Backend
 from tiers.errors import SwapConfigError, SwapError
 
@@ -74,6 +76,17 @@ ZERO_INFINITY: dict[str, Any] = {
 }
 
 
+def _placed(cfg: OffloadConfig, kind: Kind) -> tuple[Tier, ...]:
+    """Where ``cfg`` places ``kind`` (its manager's normalised placement)."""
+    return tiers_of(cfg.manager, kind)
+
+
+def _tiers(cfg: OffloadConfig) -> tuple[tuple[Tier, ...], ...]:
+    """(param16, grad16, optim_state) tiers: what param_tiers, grad_tiers and
+    optimizer_tiers became."""
+    return tuple(_placed(cfg, k) for k in (Kind.PARAM16, Kind.GRAD16, Kind.OPTIM_STATE))
+
+
 def _ds(**zero_changes: Any) -> dict[str, Any]:
     """A copy of :data:`ZERO_INFINITY` with ``zero_optimization`` keys replaced (None: drop)."""
     ds = copy.deepcopy(ZERO_INFINITY)
@@ -89,51 +102,56 @@ def _ds(**zero_changes: Any) -> dict[str, Any]:
 
 
 def test_defaults() -> None:
-    cfg = OffloadConfig()
-    assert cfg.device_nbytes is None
-    assert cfg.host_nbytes is None
-    assert cfg.nvme_dirs == ()
-    assert cfg.aio == AioConfig()
+    cfg = OffloadConfig.create()
+    assert cfg.manager.device_nbytes is None
+    assert cfg.manager.host_nbytes is None
+    assert cfg.manager.nvme_dirs == ()
+    assert cfg.manager.aio == AioConfig()
     # without swap directories the default tier lists leave nvme out
-    assert cfg.param_tiers == (D, H)
-    assert cfg.grad_tiers == (H,)
-    assert cfg.optimizer_tiers == (H,)
-    assert cfg.prefetch_nbytes is None
+    assert _placed(cfg, Kind.PARAM16) == (D, H)
+    assert _placed(cfg, Kind.GRAD16) == (H,)
+    assert _placed(cfg, Kind.OPTIM_STATE) == (H,)
+    assert cfg.manager.prefetch_window_nbytes is None  # no budgets: unlimited
     assert cfg.step.sub_group_numel == 25_000_000
     assert cfg.step.host_fraction == 0.0
-    assert cfg.device is None
-    assert cfg.store_name == "swapper-offload"
+    assert cfg.manager.device is None
+    assert cfg.manager.store_name == "swapper-offload"
+    # the other manager settings keep the manager's defaults
+    assert cfg.manager.policy == ManagerConfig(device_nbytes=None, host_nbytes=None).policy
+    assert OffloadConfig() == cfg
 
 
 def test_defaults_with_nvme_dirs(tmp_path: Path) -> None:
-    cfg = OffloadConfig(nvme_dirs=[str(tmp_path), tmp_path / "b"])
-    assert cfg.nvme_dirs == (tmp_path, tmp_path / "b")
-    assert all(isinstance(d, Path) for d in cfg.nvme_dirs)
-    assert cfg.param_tiers == (D, H, N)
-    assert cfg.grad_tiers == (H, N)
-    assert cfg.optimizer_tiers == (H, N)
+    cfg = OffloadConfig.create(nvme_dirs=[str(tmp_path), tmp_path / "b"])
+    assert cfg.manager.nvme_dirs == (tmp_path, tmp_path / "b")
+    assert all(isinstance(d, Path) for d in cfg.manager.nvme_dirs)
+    assert _placed(cfg, Kind.PARAM16) == (D, H, N)
+    assert _placed(cfg, Kind.GRAD16) == (H, N)
+    assert _placed(cfg, Kind.OPTIM_STATE) == (H, N)
 
 
 def test_frozen_and_keyword_only() -> None:
-    cfg = OffloadConfig()
+    cfg = OffloadConfig.create()
     with pytest.raises(dataclasses.FrozenInstanceError):
-        cfg.host_nbytes = 1  # type: ignore[misc]
+        cfg.manager = cfg.manager  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.manager.host_nbytes = 1  # type: ignore[misc]
     with pytest.raises(TypeError):
         OffloadConfig(1)  # type: ignore[misc]
 
 
 def test_tier_names_normalised_to_enums(tmp_path: Path) -> None:
-    cfg = OffloadConfig(
+    cfg = OffloadConfig.create(
         nvme_dirs=[tmp_path],
         param_tiers=["host", "nvme"],
         grad_tiers=["nvme"],
         optimizer_tiers=[Tier.HOST, "device"],
         step=StepConfig(host_fraction=1),
     )
-    assert cfg.param_tiers == (H, N)
-    assert cfg.grad_tiers == (N,)
-    assert cfg.optimizer_tiers == (H, D)
-    assert all(isinstance(t, Tier) for t in cfg.param_tiers + cfg.grad_tiers)
+    assert _placed(cfg, Kind.PARAM16) == (H, N)
+    assert _placed(cfg, Kind.GRAD16) == (N,)
+    assert _placed(cfg, Kind.OPTIM_STATE) == (H, D)
+    assert all(isinstance(t, Tier) for tiers in _tiers(cfg) for t in tiers)
     assert cfg.step.host_fraction == 1.0 and isinstance(cfg.step.host_fraction, float)
 
 
@@ -169,7 +187,7 @@ def test_tier_names_normalised_to_enums(tmp_path: Path) -> None:
 )
 def test_validation_names_the_setting(kwargs: dict[str, Any], setting: str, hint: str) -> None:
     with pytest.raises(SwapConfigError) as info:
-        OffloadConfig(**kwargs)
+        OffloadConfig.create(**kwargs)
     msg = str(info.value)
     assert setting in msg
     assert hint in msg
@@ -179,26 +197,26 @@ def test_validation_names_the_setting(kwargs: dict[str, Any], setting: str, hint
 
 def test_param_tiers_must_start_with_a_memory_tier(tmp_path: Path) -> None:
     with pytest.raises(SwapConfigError, match=r"param_tiers=\['nvme', 'host'\].*memory tier"):
-        OffloadConfig(nvme_dirs=[tmp_path], param_tiers=["nvme", "host"])
+        OffloadConfig.create(nvme_dirs=[tmp_path], param_tiers=["nvme", "host"])
     # host first is fine: parameters used on the host
-    assert OffloadConfig(param_tiers=["host"]).param_tiers == (H,)
+    assert _placed(OffloadConfig.create(param_tiers=["host"]), Kind.PARAM16) == (H,)
 
 
 def test_host_zero_refused_where_device_tensors_reach_nvme(tmp_path: Path) -> None:
     with pytest.raises(SwapConfigError, match=r"host_nbytes=0.*param_tiers"):
-        OffloadConfig(nvme_dirs=[tmp_path], host_nbytes=0)
+        OffloadConfig.create(nvme_dirs=[tmp_path], host_nbytes=0)
     # without that path a host budget of 0 is a valid (if odd) choice
-    cfg = OffloadConfig(nvme_dirs=[tmp_path], host_nbytes=0, param_tiers=["device", "host"])
-    assert cfg.manager_config().host_nbytes == 0
+    cfg = OffloadConfig.create(nvme_dirs=[tmp_path], host_nbytes=0, param_tiers=["device", "host"])
+    assert cfg.manager.host_nbytes == 0
 
 
 @pytest.mark.parametrize("device", [None, "cpu", "cuda", "cuda:0", "cuda:12"])
 def test_device_values(device: str | None) -> None:
     # CUDA's presence is checked when a manager starts, not by the config
-    assert OffloadConfig(device=device).manager_config().device == device
+    assert OffloadConfig.create(device=device).manager.device == device
 
 
-# -- manager_config ----------------------------------------------------------------------
+# -- the manager section --------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -220,7 +238,7 @@ def test_device_values(device: str | None) -> None:
         ({"param_tiers": ["device", "host"], "optimizer_tiers": ["host"]}, False, None),
     ],
 )
-def test_manager_config_placement(
+def test_manager_section_placement(
     tmp_path: Path,
     kwargs: dict[str, Any],
     with_nvme: bool,
@@ -228,7 +246,7 @@ def test_manager_config_placement(
 ) -> None:
     dirs = [tmp_path / "a", tmp_path / "b"] if with_nvme else []
     aio = AioConfig(block_size=64 * 1024, num_threads=2)
-    cfg = OffloadConfig(
+    cfg = OffloadConfig.create(
         device_nbytes=8 * MiB,
         host_nbytes=64 * MiB,
         nvme_dirs=dirs,
@@ -237,7 +255,7 @@ def test_manager_config_placement(
         store_name="run1",
         **kwargs,
     )
-    mc = cfg.manager_config()
+    mc = cfg.manager
     assert isinstance(mc, ManagerConfig)
     assert mc.device_nbytes == 8 * MiB
     assert mc.host_nbytes == 64 * MiB
@@ -245,12 +263,9 @@ def test_manager_config_placement(
     assert mc.aio is aio
     assert mc.device == "cpu"
     assert mc.store_name == "run1"
-    assert mc.placement[Kind.PARAM16] == cfg.param_tiers
-    assert mc.placement[Kind.GRAD16] == cfg.grad_tiers
-    assert mc.placement[Kind.OPTIM_STATE] == cfg.optimizer_tiers
-    assert mc.placement[Kind.GRAD32] == cfg.optimizer_tiers
+    assert _placed(cfg, Kind.GRAD32) == _placed(cfg, Kind.OPTIM_STATE)  # optimizer_tiers
     if placement is not None:
-        assert (cfg.param_tiers, cfg.grad_tiers, cfg.optimizer_tiers) == placement
+        assert _tiers(cfg) == placement
 
 
 @pytest.mark.parametrize(
@@ -273,9 +288,8 @@ def test_manager_config_placement(
 def test_prefetch_window_always_fits_the_host_budget(
     device: int | None, host: int | None, prefetch: int | None, window: int | None
 ) -> None:
-    cfg = OffloadConfig(device_nbytes=device, host_nbytes=host, prefetch_nbytes=prefetch)
-    assert cfg.prefetch_window_nbytes == window
-    mc = cfg.manager_config()  # must not raise
+    cfg = OffloadConfig.create(device_nbytes=device, host_nbytes=host, prefetch_nbytes=prefetch)
+    mc = cfg.manager
     if window is not None:
         assert mc.prefetch_window_nbytes == window
     elif host is not None:
@@ -306,28 +320,27 @@ def test_from_dict_sizes_and_aio_dict(tmp_path: Path) -> None:
             "store_name": "exp",
         }
     )
-    assert cfg.device_nbytes == 2 * GiB
-    assert cfg.host_nbytes == 64 * MiB
-    assert cfg.prefetch_nbytes == 1_500_000_000
-    assert cfg.nvme_dirs == (tmp_path,)
-    assert cfg.aio == AioConfig(backend=Backend.THREADS, block_size=8 * MiB, queue_depth=16)
-    assert cfg.param_tiers == (D, H, N)
-    assert cfg.grad_tiers == (H,)
-    assert cfg.optimizer_tiers == (H, N)
+    assert cfg.manager.device_nbytes == 2 * GiB
+    assert cfg.manager.host_nbytes == 64 * MiB
+    assert cfg.manager.nvme_dirs == (tmp_path,)
+    assert cfg.manager.aio == AioConfig(backend=Backend.THREADS, block_size=8 * MiB, queue_depth=16)
+    assert _placed(cfg, Kind.PARAM16) == (D, H, N)
+    assert _placed(cfg, Kind.GRAD16) == (H,)
+    assert _placed(cfg, Kind.OPTIM_STATE) == (H, N)
     assert cfg.step.sub_group_numel == 1_000_000
     assert cfg.step.host_fraction == 0.25
-    assert cfg.device == "cpu"
-    assert cfg.store_name == "exp"
-    assert cfg.manager_config().prefetch_window_nbytes == 64 * MiB  # clamped to host
+    assert cfg.manager.device == "cpu"
+    assert cfg.manager.store_name == "exp"
+    assert cfg.manager.prefetch_window_nbytes == 64 * MiB  # clamped to host
 
 
 def test_from_dict_overrides_win() -> None:
     cfg = OffloadConfig.from_dict({"host_nbytes": "1GiB", "device": "cpu"}, host_nbytes="2GiB")
-    assert cfg.host_nbytes == 2 * GiB
-    assert cfg.device == "cpu"
+    assert cfg.manager.host_nbytes == 2 * GiB
+    assert cfg.manager.device == "cpu"
     aio = AioConfig(num_threads=4)
-    assert OffloadConfig.from_dict({"aio": {"num_threads": 2}}, aio=aio).aio is aio
-    assert OffloadConfig.from_dict({}) == OffloadConfig()
+    assert OffloadConfig.from_dict({"aio": {"num_threads": 2}}, aio=aio).manager.aio is aio
+    assert OffloadConfig.from_dict({}) == OffloadConfig.create()
 
 
 @pytest.mark.parametrize(
@@ -399,12 +412,12 @@ def test_from_json_own_keys(tmp_path: Path) -> None:
         )
     )
     cfg = OffloadConfig.from_json(path, device_nbytes="1GiB")
-    assert cfg.host_nbytes == 256 * MiB
-    assert cfg.device_nbytes == GiB
-    assert cfg.nvme_dirs == (tmp_path / "swap",)
-    assert cfg.aio.queue_depth == 64
-    assert cfg.param_tiers == (D, H, N)
-    assert cfg.grad_tiers == (H,)
+    assert cfg.manager.host_nbytes == 256 * MiB
+    assert cfg.manager.device_nbytes == GiB
+    assert cfg.manager.nvme_dirs == (tmp_path / "swap",)
+    assert cfg.manager.aio.queue_depth == 64
+    assert _placed(cfg, Kind.PARAM16) == (D, H, N)
+    assert _placed(cfg, Kind.GRAD16) == (H,)
     assert OffloadConfig.from_json(str(path), device_nbytes="1GiB") == cfg
 
 
@@ -415,7 +428,7 @@ def test_from_json_deepspeed(tmp_path: Path) -> None:
     assert cfg == OffloadConfig.from_deepspeed(
         ZERO_INFINITY, device_nbytes=4 * GiB, host_nbytes=16 * GiB
     )
-    assert cfg.nvme_dirs == (Path("/local_nvme"),)
+    assert cfg.manager.nvme_dirs == (Path("/local_nvme"),)
 
 
 @pytest.mark.parametrize(
@@ -454,30 +467,25 @@ def test_from_deepspeed_zero_infinity_maps_every_field() -> None:
     )
     # from zero_optimization
     assert cfg.step.sub_group_numel == 1_000_000_000  # "sub_group_size": 1e9
-    assert cfg.param_tiers == (D, H, N)  # offload_param.device = nvme
-    assert cfg.grad_tiers == (H, N)  # grads follow param offload, NVMe since dirs exist
-    assert cfg.optimizer_tiers == (H, N)  # offload_optimizer.device = nvme
-    assert cfg.nvme_dirs == (Path("/local_nvme"),)  # same path in both sections: once
+    assert _placed(cfg, Kind.PARAM16) == (D, H, N)  # offload_param.device = nvme
+    assert _placed(cfg, Kind.GRAD16) == (H, N)  # grads follow param offload, NVMe since dirs exist
+    assert _placed(cfg, Kind.OPTIM_STATE) == (H, N)  # offload_optimizer.device = nvme
+    assert cfg.manager.nvme_dirs == (Path("/local_nvme"),)  # same path in both sections: once
     # from aio
-    assert cfg.aio.block_size == 262144
-    assert cfg.aio.queue_depth == 32
-    assert cfg.aio.num_threads == 1  # thread_count honoured
-    assert cfg.aio.single_submit is False
+    assert cfg.manager.aio.block_size == 262144
+    assert cfg.manager.aio.queue_depth == 32
+    assert cfg.manager.aio.num_threads == 1  # thread_count honoured
+    assert cfg.manager.aio.single_submit is False
     # not in DeepSpeed: swapper's defaults, or the overrides
-    assert cfg.aio.backend is Backend.AUTO
-    assert cfg.aio.direct is True
-    assert cfg.device_nbytes == 4 * GiB
-    assert cfg.host_nbytes == 16 * GiB
-    assert cfg.device == "cpu"
-    assert cfg.prefetch_nbytes is None
+    assert cfg.manager.aio.backend is Backend.AUTO
+    assert cfg.manager.aio.direct is True
+    assert cfg.manager.device_nbytes == 4 * GiB
+    assert cfg.manager.host_nbytes == 16 * GiB
+    assert cfg.manager.device == "cpu"
     assert cfg.step.host_fraction == 0.0
-    assert cfg.store_name == "swapper-offload"
-    mc = cfg.manager_config()
-    assert mc.placement[Kind.PARAM16] == (D, H, N)
-    assert mc.placement[Kind.GRAD16] == (H, N)
-    assert mc.placement[Kind.OPTIM_STATE] == (H, N)
-    assert mc.placement[Kind.GRAD32] == (H, N)
-    assert mc.prefetch_window_nbytes == 2 * GiB
+    assert cfg.manager.store_name == "swapper-offload"
+    assert _placed(cfg, Kind.GRAD32) == (H, N)
+    assert cfg.manager.prefetch_window_nbytes == 2 * GiB
 
 
 def test_from_deepspeed_reads_a_path(tmp_path: Path) -> None:
@@ -524,17 +532,22 @@ def test_from_deepspeed_offload_devices(
     optimizer: dict[str, Any] | None,
     tiers: tuple[tuple[Tier, ...], ...],
 ) -> None:
-    ds = {"zero_optimization": {"stage": 3}}
+    ds: dict[str, Any] = {"zero_optimization": {"stage": 3}}
     if param is not None:
         ds["zero_optimization"]["offload_param"] = param
     if optimizer is not None:
         ds["zero_optimization"]["offload_optimizer"] = optimizer
     cfg = OffloadConfig.from_deepspeed(ds)
-    assert (cfg.param_tiers, cfg.grad_tiers, cfg.optimizer_tiers) == tiers
-    assert bool(cfg.nvme_dirs) == (N in cfg.optimizer_tiers or N in cfg.param_tiers)
-    assert cfg.aio == AioConfig()  # no aio section: swapper's defaults
+    assert (
+        _placed(cfg, Kind.PARAM16),
+        _placed(cfg, Kind.GRAD16),
+        _placed(cfg, Kind.OPTIM_STATE),
+    ) == tiers
+    assert bool(cfg.manager.nvme_dirs) == (
+        N in _placed(cfg, Kind.OPTIM_STATE) or N in _placed(cfg, Kind.PARAM16)
+    )
+    assert cfg.manager.aio == AioConfig()  # no aio section: swapper's defaults
     assert cfg.step.sub_group_numel == 25_000_000  # no sub_group_size: ours
-    cfg.manager_config()
 
 
 def test_from_deepspeed_nvme_paths_merged_in_order() -> None:
@@ -542,17 +555,17 @@ def test_from_deepspeed_nvme_paths_merged_in_order() -> None:
     ds["zero_optimization"]["offload_param"]["nvme_path"] = ["/nvme0", "/nvme1"]
     ds["zero_optimization"]["offload_optimizer"]["nvme_path"] = "/nvme2"
     cfg = OffloadConfig.from_deepspeed(ds)
-    assert cfg.nvme_dirs == (Path("/nvme0"), Path("/nvme1"), Path("/nvme2"))
+    assert cfg.manager.nvme_dirs == (Path("/nvme0"), Path("/nvme1"), Path("/nvme2"))
     ds["zero_optimization"]["offload_optimizer"]["nvme_path"] = ["/nvme1", "/nvme0/", "/n3"]
     cfg = OffloadConfig.from_deepspeed(ds)
-    assert cfg.nvme_dirs == (Path("/nvme0"), Path("/nvme1"), Path("/n3"))
+    assert cfg.manager.nvme_dirs == (Path("/nvme0"), Path("/nvme1"), Path("/n3"))
 
 
 def test_from_deepspeed_nvme_without_path() -> None:
     ds = _ds()
     del ds["zero_optimization"]["offload_param"]["nvme_path"]
     cfg = OffloadConfig.from_deepspeed(ds)  # the optimizer's path serves both
-    assert cfg.nvme_dirs == (Path("/local_nvme"),)
+    assert cfg.manager.nvme_dirs == (Path("/local_nvme"),)
     del ds["zero_optimization"]["offload_optimizer"]["nvme_path"]
     with pytest.raises(SwapConfigError) as info:
         OffloadConfig.from_deepspeed(ds)
@@ -560,8 +573,8 @@ def test_from_deepspeed_nvme_without_path() -> None:
     assert "nvme_dirs=" in str(info.value)
     # the caller's nvme_dirs fill the gap
     cfg = OffloadConfig.from_deepspeed(ds, nvme_dirs=["/scratch"])
-    assert cfg.nvme_dirs == (Path("/scratch"),)
-    assert cfg.param_tiers == (D, H, N)
+    assert cfg.manager.nvme_dirs == (Path("/scratch"),)
+    assert _placed(cfg, Kind.PARAM16) == (D, H, N)
 
 
 def test_from_deepspeed_overrides_win() -> None:
@@ -575,12 +588,12 @@ def test_from_deepspeed_overrides_win() -> None:
         aio={"num_threads": 8},
         prefetch_nbytes="2GiB",
     )
-    assert cfg.device_nbytes == GiB
-    assert cfg.nvme_dirs == (Path("/other"),)
+    assert cfg.manager.device_nbytes == GiB
+    assert cfg.manager.nvme_dirs == (Path("/other"),)
     assert cfg.step.sub_group_numel == 1000
-    assert cfg.param_tiers == (D, H)
-    assert cfg.aio == AioConfig(num_threads=8)
-    assert cfg.manager_config().prefetch_window_nbytes == GiB  # clamped to host
+    assert _placed(cfg, Kind.PARAM16) == (D, H)
+    assert cfg.manager.aio == AioConfig(num_threads=8)
+    assert cfg.manager.prefetch_window_nbytes == GiB  # clamped to host
 
 
 def test_from_deepspeed_unknown_override_named() -> None:
@@ -593,13 +606,13 @@ def test_from_deepspeed_thread_count_names(key: str) -> None:
     ds = _ds()
     del ds["aio"]["thread_count"]
     ds["aio"][key] = 6
-    assert OffloadConfig.from_deepspeed(ds).aio.num_threads == 6
+    assert OffloadConfig.from_deepspeed(ds).manager.aio.num_threads == 6
 
 
 def test_from_deepspeed_thread_count_names_agreeing() -> None:
     ds = _ds()
     ds["aio"].update(thread_count=4, intra_op_parallelism=4, num_threads=4.0)
-    assert OffloadConfig.from_deepspeed(ds).aio.num_threads == 4
+    assert OffloadConfig.from_deepspeed(ds).manager.aio.num_threads == 4
 
 
 @pytest.mark.parametrize(
@@ -759,12 +772,12 @@ def test_from_deepspeed_deprecated_cpu_offload_param() -> None:
     cfg = OffloadConfig.from_deepspeed(
         {"zero_optimization": {"stage": 3, "cpu_offload_param": True}}
     )
-    assert cfg.param_tiers == (D, H)
+    assert _placed(cfg, Kind.PARAM16) == (D, H)
     # offload_param, where given, decides
     cfg = OffloadConfig.from_deepspeed(
         {"zero_optimization": {"stage": 3, "cpu_offload_param": True, "offload_param": None}}
     )
-    assert cfg.param_tiers == (D, H)
+    assert _placed(cfg, Kind.PARAM16) == (D, H)
     cfg = OffloadConfig.from_deepspeed(
         {
             "zero_optimization": {
@@ -774,7 +787,7 @@ def test_from_deepspeed_deprecated_cpu_offload_param() -> None:
             }
         }
     )
-    assert cfg.param_tiers == (D,)
+    assert _placed(cfg, Kind.PARAM16) == (D,)
 
 
 def test_from_deepspeed_refuses_other_shapes() -> None:
@@ -790,6 +803,150 @@ def test_from_deepspeed_emitted_bench_config_is_not_a_deepspeed_config(tmp_path:
     path.write_text(json.dumps({"swapper": {"aio": {}}, "deepspeed": {"aio": {}}}))
     with pytest.raises(SwapConfigError, match=r"unknown offload setting.*deepspeed, swapper"):
         OffloadConfig.from_json(path)
+
+
+# -- nested sections and direct construction ---------------------------------------------
+
+
+def test_as_dict_has_two_sections(tmp_path: Path) -> None:
+    cfg = OffloadConfig.create(
+        device_nbytes=8 * MiB,
+        host_nbytes=64 * MiB,
+        nvme_dirs=[tmp_path],
+        param_tiers=["device", "host", "nvme"],
+        policy="lru",
+        step=StepConfig(sub_group_numel=4096),
+    )
+    data = cfg.as_dict()
+    assert set(data) == {"manager", "step"}
+    manager = data["manager"]
+    assert set(manager) == {f.name for f in dataclasses.fields(ManagerConfig)}
+    assert manager["nvme_dirs"] == [str(tmp_path)]
+    assert manager["placement"] == {
+        "param16": ["device", "host", "nvme"],
+        "grad16": ["host", "nvme"],
+        "optim_state": ["host", "nvme"],
+        "grad32": ["host", "nvme"],
+    }
+    assert manager["policy"] == "lru"
+    assert manager["prefetch_window_nbytes"] == 4 * MiB  # half the device budget
+    assert manager["aio"]["backend"] == "auto"
+    assert AioConfig.from_dict(manager["aio"]) == cfg.manager.aio
+    assert data["step"]["sub_group_numel"] == 4096
+    assert OffloadConfig.from_dict(data) == cfg
+
+
+def test_from_dict_nested_sections_take_offload_defaults(tmp_path: Path) -> None:
+    cfg = OffloadConfig.from_dict(
+        {
+            "manager": {
+                "host_nbytes": "64MiB",
+                "nvme_dirs": [str(tmp_path)],
+                "placement": {"param16": ["host", "nvme"]},
+                "aio": {"queue_depth": 8},
+                "mover_threads": 3,
+            },
+            "step": {"max_grad_norm": 1.0},
+        }
+    )
+    flat = OffloadConfig.create(
+        host_nbytes=64 * MiB,
+        nvme_dirs=[tmp_path],
+        param_tiers=["host", "nvme"],
+        aio=AioConfig(queue_depth=8),
+        mover_threads=3,
+        step=StepConfig(max_grad_norm=1.0),
+    )
+    assert cfg == flat
+    assert _tiers(cfg) == ((H, N), (H, N), (H, N))
+    assert cfg.manager.store_name == "swapper-offload"
+    assert cfg.step.sub_group_numel == 25_000_000
+    # without swap directories the defaults leave nvme out, as create() does
+    assert _tiers(OffloadConfig.from_dict({"manager": {}})) == ((D, H), (H,), (H,))
+    assert OffloadConfig.from_dict({"manager": {}}) == OffloadConfig()
+
+
+def test_from_dict_nested_with_flat_overrides(tmp_path: Path) -> None:
+    data = OffloadConfig.create(device_nbytes=8 * MiB, nvme_dirs=[tmp_path]).as_dict()
+    cfg = OffloadConfig.from_dict(data, host_nbytes="1GiB", store_name="b", sub_group_numel=512)
+    assert cfg.manager.host_nbytes == GiB
+    assert cfg.manager.store_name == "b"
+    assert cfg.manager.device_nbytes == 8 * MiB
+    assert cfg.step.sub_group_numel == 512
+    mc = dataclasses.replace(cfg.manager, mover_threads=5)
+    assert OffloadConfig.from_dict(data, manager=mc).manager is mc
+    with pytest.raises(SwapConfigError, match=r"param_tiers, prefetch_nbytes beside a 'manager'"):
+        OffloadConfig.from_dict(data, param_tiers=["host"], prefetch_nbytes=1)
+
+
+def test_from_json_reads_what_as_dict_writes(tmp_path: Path) -> None:
+    cfg = OffloadConfig.create(host_nbytes=64 * MiB, nvme_dirs=[tmp_path / "swap"], policy="lru")
+    path = tmp_path / "offload.json"
+    path.write_text(json.dumps(cfg.as_dict()))
+    assert OffloadConfig.from_json(path) == cfg
+    # the read-ahead window was the manager's default (half the host budget): it follows
+    # an overridden host budget instead of outgrowing it
+    smaller = OffloadConfig.from_json(path, host_nbytes=MiB)
+    assert smaller.manager.prefetch_window_nbytes == MiB // 2
+    assert smaller.manager.policy is Policy.LRU
+
+
+@pytest.mark.parametrize(
+    ("mapping", "words"),
+    [
+        ({"manager": {"host_budget": 1}}, ["unknown manager setting(s): host_budget", "known:"]),
+        ({"manager": [1]}, ["manager=[1] must be a ManagerConfig"]),
+        ({"manager": {"placement": {"param16": ["gpu"]}}}, ["manager:", "unknown tier"]),
+        ({"manager": {"placement": {"params": ["host"]}}}, ["manager:", "'params' is not a kind"]),
+        ({"manager": {"host_nbytes": "lots"}}, ["host_nbytes='lots'"]),
+        ({"manager": {"aio": {"speed": 1}}}, ["aio:", "speed"]),
+        (
+            {"manager": {"placement": {"param16": ["nvme"]}, "nvme_dirs": ["/s"]}},
+            ["manager.placement['param16']=['nvme']", "memory tier"],
+        ),
+        ({"manager": {"device": "gpu"}}, ["manager.device='gpu'", "'cuda:N'"]),
+        ({"manager": {}, "step": {"accumulate_fp32": True}}, ["step.accumulate_fp32=True"]),
+    ],
+)
+def test_from_dict_nested_errors_named(mapping: dict[str, Any], words: list[str]) -> None:
+    with pytest.raises(SwapConfigError) as info:
+        OffloadConfig.from_dict(mapping)
+    for word in words:
+        assert word in str(info.value)
+
+
+def test_direct_construction_checks_the_sections() -> None:
+    manager = ManagerConfig(device_nbytes=None, host_nbytes=None)
+    cfg = OffloadConfig(manager=manager)
+    assert cfg.manager is manager
+    assert cfg.step.sub_group_numel == 25_000_000  # normalised as create() does
+    with pytest.raises(SwapConfigError, match=r"manager=.*must be a ManagerConfig"):
+        OffloadConfig(manager={"host_nbytes": 1})  # type: ignore[arg-type]
+    with pytest.raises(SwapConfigError, match=r"step=.*must be a StepConfig"):
+        OffloadConfig(step={"readahead": 1})  # type: ignore[arg-type]
+    with pytest.raises(SwapConfigError, match=r"manager.placement\['param16'\].*memory tier"):
+        OffloadConfig(
+            manager=ManagerConfig(
+                device_nbytes=None,
+                host_nbytes=None,
+                nvme_dirs=["/s"],
+                placement={"param16": ["nvme"]},
+            )
+        )
+
+
+def test_create_passes_manager_settings_through() -> None:
+    cfg = OffloadConfig.create(policy="belady", write_behind_nbytes=MiB, timeout_s=5.0)
+    assert cfg.manager.policy is Policy.BELADY
+    assert cfg.manager.write_behind_nbytes == MiB
+    assert cfg.manager.timeout_s == 5.0
+    with pytest.raises(SwapConfigError, match=r"unknown offload setting\(s\): placement"):
+        OffloadConfig.create(placement={})
+    with pytest.raises(SwapConfigError, match="no valid TierManager config: mover_threads=0"):
+        OffloadConfig.create(mover_threads=0)
+    cfg = OffloadConfig.from_dict({"policy": "lru", "stripe_nbytes": "1MiB"})
+    assert cfg.manager.policy is Policy.LRU
+    assert cfg.manager.stripe_nbytes == MiB
 
 
 # -- round trip --------------------------------------------------------------------------
@@ -829,7 +986,7 @@ def _configs(draw: st.DrawFn) -> OffloadConfig:
     optimizer_tiers = tier_list()
     if host == 0:
         host = 1  # host 0 with device and nvme in one list is refused; tested above
-    return OffloadConfig(
+    return OffloadConfig.create(
         device_nbytes=draw(sizes),
         host_nbytes=host,
         nvme_dirs=dirs,
@@ -843,9 +1000,17 @@ def _configs(draw: st.DrawFn) -> OffloadConfig:
             host_fraction=draw(st.floats(0.0, 1.0)),
             max_grad_norm=draw(st.none() | st.floats(0.5, 10.0)),
             readahead=draw(st.none() | st.integers(0, 4)),
+            name=draw(st.text(min_size=1, max_size=10)),
         ),
         device=draw(st.sampled_from([None, "cpu", "cuda", "cuda:0", "cuda:3"])),
         store_name=draw(st.text(min_size=1, max_size=20)),
+        policy=draw(st.sampled_from(list(Policy))),
+        stats_interval_s=draw(st.none() | st.floats(0.001, 1e6)),
+        timeout_s=draw(st.floats(0.001, 1e6)),
+        stripe_nbytes=4096 * draw(st.integers(1, 1 << 20)),
+        checksum=draw(st.booleans()),
+        verify=draw(st.booleans()),
+        mover_threads=draw(st.integers(1, 64)),
     )
 
 
@@ -857,9 +1022,44 @@ def test_as_dict_round_trips(cfg: OffloadConfig) -> None:
     assert data_via_json == data
     assert OffloadConfig.from_dict(data) == cfg
     assert OffloadConfig.from_dict(data_via_json) == cfg
-    assert AioConfig.from_dict(data["aio"]) == cfg.aio
-    # and every valid config makes a valid manager config
-    mc = cfg.manager_config()
-    assert mc.placement[Kind.PARAM16] == cfg.param_tiers
+    assert AioConfig.from_dict(data["manager"]["aio"]) == cfg.manager.aio
+    # the optimizer's kinds share one tier list, and the window fits the host budget
+    mc = cfg.manager
+    assert _placed(cfg, Kind.GRAD32) == _placed(cfg, Kind.OPTIM_STATE)
     if mc.host_nbytes is not None and mc.prefetch_window_nbytes is not None:
         assert mc.prefetch_window_nbytes <= mc.host_nbytes
+
+
+@st.composite
+def _direct_configs(draw: st.DrawFn) -> OffloadConfig:
+    """Configs built from a ManagerConfig directly: any placement per kind (grad32 apart
+    from optim_state too) and windows given outright, which create() never makes."""
+    dirs = [f"/swap/d{i}" for i in range(draw(st.integers(0, 2)))]
+    allowed = _TIERS if dirs else [D, H]
+    placement: dict[Kind | str, list[Tier]] = {}
+    for kind in Kind:
+        if draw(st.booleans()):
+            tiers = draw(st.lists(st.sampled_from(allowed), min_size=1, unique=True))
+            if kind is Kind.PARAM16 and tiers[0] is N:
+                tiers = [H, *[t for t in tiers if t is not H]]
+            placement[kind] = tiers
+    host = draw(st.none() | st.integers(2, 1 << 40))
+    window = st.none() | st.integers(1, host if host is not None else 1 << 40)
+    manager = ManagerConfig(
+        device_nbytes=draw(st.none() | st.integers(0, 1 << 40)),
+        host_nbytes=host,
+        nvme_dirs=dirs,
+        placement=placement,
+        prefetch_window_nbytes=draw(window),
+        write_behind_nbytes=draw(window),
+        close_timeout_s=draw(st.floats(0.001, 1e6)),
+        host_arena_nbytes=4096 * draw(st.integers(1, 1 << 16)),
+        store_name=draw(st.sampled_from(["swapper-store", "x"])),
+    )
+    return OffloadConfig(manager=manager, step=StepConfig(accumulate_fp32=False))
+
+
+@given(_direct_configs())
+def test_as_dict_round_trips_direct_configs(cfg: OffloadConfig) -> None:
+    data = json.loads(json.dumps(cfg.as_dict()))
+    assert OffloadConfig.from_dict(data) == cfg

@@ -276,7 +276,7 @@ def run_pressure(
         f"{host:,} B (optimizer state {state_nbytes:,} B)"
     )
     with _swap_dirs(settings.dirs) as dirs:
-        config = OffloadConfig(
+        config = OffloadConfig.create(
             device_nbytes=device,
             host_nbytes=host,
             nvme_dirs=dirs,
@@ -285,7 +285,7 @@ def run_pressure(
         )
         _reset_peak_rss()
         pressure = _train(model_config, config, data, settings, dtype, say, "pressure")
-    reference_config = OffloadConfig(
+    reference_config = OffloadConfig.create(
         device_nbytes=None,
         host_nbytes=None,
         step=StepConfig(sub_group_numel=sub_group),
@@ -384,7 +384,7 @@ def _baseline_rss(settings: PressureSettings, dtype: torch.dtype) -> int:
     model_config = GPTConfig.for_params(tiny.params)
     data = batches(model_config, batch=settings.batch, seq=settings.seq, steps=1, seed=0)
     with _swap_dirs(settings.dirs) as dirs:
-        config = OffloadConfig(device_nbytes=None, host_nbytes=None, nvme_dirs=dirs, device="cpu")
+        config = OffloadConfig.create(nvme_dirs=dirs, device="cpu")
         _train(model_config, config, data, tiny, dtype, lambda line: None, "baseline")
     return _peak_rss()
 

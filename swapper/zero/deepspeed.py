@@ -1,10 +1,11 @@
 """The DeepSpeed config reader: our :class:`~swapper.zero.OffloadConfig` settings from a
 DeepSpeed config's ``zero_optimization`` and ``aio`` sections.
 
-:func:`deepspeed_settings` returns a mapping of OffloadConfig keys (what
-:meth:`OffloadConfig.from_dict` reads); :meth:`OffloadConfig.from_deepspeed` builds the
-config from it. What is read and what is accepted and ignored is listed with the key sets
-below; :meth:`OffloadConfig.from_deepspeed` documents the mapping.
+:func:`deepspeed_settings` returns a mapping of OffloadConfig's flat keys (what
+:meth:`OffloadConfig.from_dict` reads, the keywords of :meth:`OffloadConfig.create`);
+:meth:`OffloadConfig.from_deepspeed` builds the config from it. What is read and what is
+accepted and ignored is listed with the key sets below;
+:meth:`OffloadConfig.from_deepspeed` documents the mapping.
 """
 
 from __future__ import annotations

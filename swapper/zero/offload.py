@@ -5,7 +5,7 @@ Every parameter is one tensor of kind ``param16`` in a :class:`~swapper.manager.
 (key ``param/<name>``); between uses its ``.data`` is an empty placeholder. Hooks on each
 module that owns parameters (``recurse=False``) bring them in around the module's work:
 
-- forward pre-hook: fetch them into the first tier of ``config.param_tiers`` (the device)
+- forward pre-hook: fetch them into the first tier of their placement (the device)
   and point ``.data`` at the fetched bytes; forward hook: release them again. The
   forward hook also passes the outputs through :class:`BeforeBackward`, whose backward
   runs just before the module's own backward and fetches them again;
@@ -20,9 +20,10 @@ A parameter used by several modules (tied weights) is one entry; it is fetched o
 counted per user, so it is never released twice nor early.
 
 The first forward and backward record the order in which parameters are fetched; from
-then on every fetch reads ahead the next ones along it (up to ``config.prefetch_nbytes``
-of them). The manager records every fetch from the first forward to the second (so the
-optimizer's step is in it too) and evicts by that order (Belady).
+then on every fetch reads ahead the next ones along it (up to
+``config.manager.prefetch_window_nbytes`` of them). The manager records every fetch from
+the first forward to the second (so the optimizer's step is in it too) and evicts by that
+order (Belady).
 
 Parameters are placed at wrap time, one module at a time: each goes to the fastest tier of
 its placement with room (device, else pinned host, else written to NVMe), and a model
@@ -55,6 +56,7 @@ from swapper.step.sources import ParamSource
 from swapper.zero.autograd import in_autograd, mark_outputs
 from swapper.zero.config import OffloadConfig
 from swapper.zero.params import Slot, TieredParams
+from swapper.zero.settings import tiers_of
 from tiers import signals
 from tiers.errors import SwapConfigError
 from tiers.units import format_size
@@ -120,6 +122,7 @@ class OffloadedModel(nn.Module):
             raise SwapConfigError(f"offload: config must be an OffloadConfig, got {config!r}")
         self.module = module
         self.config = config
+        self._use_tier = tiers_of(config.manager, Kind.PARAM16)[0]  # where params are used
         self._slots: dict[int, Slot] = {}  # id(param) → slot
         self._by_name: dict[str, Slot] = {}
         self._module_slots: dict[nn.Module, list[Slot]] = {}
@@ -138,7 +141,7 @@ class OffloadedModel(nn.Module):
         self._in_backward = False
         self._closed = False
         self._check_modules(module)
-        self._manager = TierManager(config.manager_config())
+        self._manager = TierManager(config.manager)
         self._originals: list[tuple[nn.Parameter, torch.Tensor]] = []  # until placed
         try:
             self._place_all(module, materialize)
@@ -299,10 +302,10 @@ class OffloadedModel(nn.Module):
                     f"{param.dtype}; convert the model to bf16 or fp16 first "
                     "(model.to(torch.bfloat16))"
                 )
-        limit = self.config.device_nbytes
-        first = self.config.placement[Kind.PARAM16][0]
+        limit = self.config.manager.device_nbytes
+        first = self._use_tier
         if first is Tier.HOST:
-            limit = self.config.host_nbytes
+            limit = self.config.manager.host_nbytes
 
         def nbytes_of(p: torch.Tensor) -> int:
             # a meta parameter becomes 16-bit when materialised (checked at registration)
@@ -516,7 +519,7 @@ class OffloadedModel(nn.Module):
                 if slot.users > 1:
                     return
             try:
-                tensor = self._manager.fetch(slot.key, self.config.placement[Kind.PARAM16][0])
+                tensor = self._manager.fetch(slot.key, self._use_tier)
             except BaseException:
                 with self._lock:
                     slot.users -= 1
@@ -555,7 +558,7 @@ class OffloadedModel(nn.Module):
             return
         after = [i for i in positions if i > self._cursor]
         self._cursor = after[0] if after else positions[0]
-        window = self.config.prefetch_window_nbytes
+        window = self.config.manager.prefetch_window_nbytes
         ahead: list[str] = []
         taken = 0
         for i in range(self._cursor + 1, self._cursor + len(order)):
@@ -567,4 +570,4 @@ class OffloadedModel(nn.Module):
                 ahead.append(next_key)
                 taken += nbytes
         if ahead:
-            self._manager.prefetch(ahead, self.config.placement[Kind.PARAM16][0])
+            self._manager.prefetch(ahead, self._use_tier)

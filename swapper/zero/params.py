@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from swapper.manager import Kind, Tier
+from swapper.zero.settings import tiers_of
 from tiers import signals
 from tiers.errors import SwapConfigError
 
@@ -63,7 +64,7 @@ class TieredParams:
         # The optimizer reads and writes parameters on the host (where it computes),
         # not in the device tier they are used from: no device room taken, and between
         # steps a parameter waits in host memory (or on NVMe) anyway.
-        tiers = model.config.placement[Kind.PARAM16]
+        tiers = tiers_of(model.config.manager, Kind.PARAM16)
         self._tier = Tier.HOST if Tier.HOST in tiers else tiers[0]
 
     def _slot(self, param: torch.Tensor) -> Slot:
