@@ -10,7 +10,7 @@ Invariants:
   first takes the entry over and the queued read-ahead does nothing. A running read-ahead
   (``Prefetch.RUNNING``) is waited for by a fetch of the same key, never duplicated.
 * A read-ahead from NVMe into host memory is issued and left to its completion
-  (:meth:`~swapper.manager.mover.Mover.read_ahead`), which settles the entry and ends the
+  (:meth:`MoverJobs._read_ahead`), which settles the entry and ends the
   read-ahead: a mover thread never waits for the disk, so a few threads keep many reads
   in flight and the disk's queue full. The read counts in ``ctx.jobs`` until it ends.
 * Its share of the read-ahead window is held from ``prefetch`` until the tensor is
@@ -27,12 +27,13 @@ from collections.abc import Callable
 from concurrent.futures import Future
 
 from swapper.manager.config import Tier
-from swapper.manager.context import ManagerContext
+from swapper.manager.context import ManagerContext, named_error, store_key_of
 from swapper.manager.entry import EntryState, Prefetch, SwapEntry
 from swapper.manager.errors import NotDurableError
 from swapper.manager.mover import Mover
 from swapper.manager.placement import Placement
 from tiers.budget import Reservation
+from tiers.protocols import MemoryBlock
 from tiers.signals import wait_cond, wait_future
 
 __all__ = ["MoverJobs"]
@@ -127,7 +128,7 @@ class MoverJobs:
             if source is None and target is Tier.HOST:
                 # Issued and left to its completion, which settles the entry and ends
                 # the read-ahead: the thread goes on to the next request meanwhile.
-                self._mover.read_ahead(entry, block, window)
+                self._read_ahead(entry, block, window)
                 handed = True
                 return
             self._mover.transfer(
@@ -144,6 +145,56 @@ class MoverJobs:
                 with ctx.cond:
                     entry.prefetch = Prefetch.NONE
                     ctx.notify()
+
+    def _read_ahead(self, entry: SwapEntry, block: MemoryBlock, window: Reservation) -> None:
+        """Start reading a READING entry (``Prefetch.RUNNING``) from NVMe into host
+        ``block`` and return at once: a read-ahead does not hold a mover thread while the
+        disk works, so the threads keep the disk's queue full.
+
+        From here on the read's completion owns ``block``, ``window`` and the entry: it
+        settles it RESIDENT in the host tier holding ``window`` (or, failed, ON_NVME with
+        both freed) and ends the read-ahead (``Prefetch.NONE``). The read counts in
+        ``ctx.jobs`` until then, so ``close`` waits for it.
+
+        Raises:
+            SwapIOError: the read could not be issued; the entry is ON_NVME again and
+                ``block`` freed (``window`` stays the caller's).
+        """
+        ctx = self._ctx
+        with ctx.cond:
+            ctx.jobs += 1
+        ctx.stats.begin(Tier.NVME, Tier.HOST)
+        try:
+            future = ctx.nvme().read(store_key_of(entry), block.tensor)
+        except BaseException as exc:
+            ctx.stats.end(Tier.NVME, Tier.HOST, None)
+            self._mover.end_read(entry, block, None)
+            with ctx.cond:
+                ctx.jobs -= 1
+                ctx.notify()
+            raise named_error(exc, "reading", entry.key) from exc
+
+        def done(future: Future[int]) -> None:
+            error = future.exception()
+            ctx.stats.end(Tier.NVME, Tier.HOST, None if error else entry.nbytes, entry.kind)
+            with ctx.cond:
+                if error is None:
+                    entry.block, entry.tier = block, Tier.HOST
+                    entry.readahead = window
+                    entry.last_use = next(ctx.clock)
+                    ctx.set_state(entry, _S.RESIDENT)
+                else:
+                    block.release()
+                    window.release()
+                    ctx.set_state(entry, _S.ON_NVME)
+                entry.prefetch = Prefetch.NONE
+                ctx.jobs -= 1
+                ctx.notify()
+            if error is not None:
+                ctx.stats.add(prefetch_dropped=1)
+                log.debug("read-ahead of key=%r failed: %s", entry.key, error)
+
+        future.add_done_callback(done)
 
     def flush(self, deadline: float, *, final: bool) -> None:
         """Write every dirty RESIDENT entry (memory kept), wait, save the manifest.

@@ -76,7 +76,7 @@ from swapper.manager.context import (
     store_key_of,
     window_share,
 )
-from swapper.manager.entry import EntryState, Prefetch, SwapEntry
+from swapper.manager.entry import EntryState, SwapEntry
 from swapper.manager.placement import Placement
 from tiers.budget import ByteBudget, Reservation
 from tiers.errors import SwapError
@@ -405,7 +405,7 @@ class Mover:
                 except BaseException:
                     handed = True
                     future.add_done_callback(
-                        lambda _f, staging=staging: self._end_read(entry, block, staging)
+                        lambda _f, staging=staging: self.end_read(entry, block, staging)
                     )
                     raise
                 error = future.exception()
@@ -416,7 +416,7 @@ class Mover:
                     self._copy(block.tensor, staging.tensor)
         except BaseException as exc:
             if not handed:
-                self._end_read(entry, block, staging)
+                self.end_read(entry, block, staging)
             if isinstance(exc, OSError):
                 raise named_error(exc, "reading", entry.key) from exc
             raise
@@ -425,57 +425,7 @@ class Mover:
                 staging.release()
                 ctx.notify()
 
-    def read_ahead(self, entry: SwapEntry, block: MemoryBlock, window: Reservation) -> None:
-        """Start reading a READING entry (``Prefetch.RUNNING``) from NVMe into host
-        ``block`` and return at once: a read-ahead does not hold a mover thread while the
-        disk works, so the threads keep the disk's queue full.
-
-        From here on the read's completion owns ``block``, ``window`` and the entry: it
-        settles it RESIDENT in the host tier holding ``window`` (or, failed, ON_NVME with
-        both freed) and ends the read-ahead (``Prefetch.NONE``). The read counts in
-        ``ctx.jobs`` until then, so ``close`` waits for it.
-
-        Raises:
-            SwapIOError: the read could not be issued; the entry is ON_NVME again and
-                ``block`` freed (``window`` stays the caller's).
-        """
-        ctx = self._ctx
-        with ctx.cond:
-            ctx.jobs += 1
-        ctx.stats.begin(Tier.NVME, Tier.HOST)
-        try:
-            future = ctx.nvme().read(store_key_of(entry), block.tensor)
-        except BaseException as exc:
-            ctx.stats.end(Tier.NVME, Tier.HOST, None)
-            self._end_read(entry, block, None)
-            with ctx.cond:
-                ctx.jobs -= 1
-                ctx.notify()
-            raise named_error(exc, "reading", entry.key) from exc
-
-        def done(future: Future[int]) -> None:
-            error = future.exception()
-            ctx.stats.end(Tier.NVME, Tier.HOST, None if error else entry.nbytes, entry.kind)
-            with ctx.cond:
-                if error is None:
-                    entry.block, entry.tier = block, Tier.HOST
-                    entry.readahead = window
-                    entry.last_use = next(ctx.clock)
-                    ctx.set_state(entry, _S.RESIDENT)
-                else:
-                    block.release()
-                    window.release()
-                    ctx.set_state(entry, _S.ON_NVME)
-                entry.prefetch = Prefetch.NONE
-                ctx.jobs -= 1
-                ctx.notify()
-            if error is not None:
-                ctx.stats.add(prefetch_dropped=1)
-                log.debug("read-ahead of key=%r failed: %s", entry.key, error)
-
-        future.add_done_callback(done)
-
-    def _end_read(self, entry: SwapEntry, block: MemoryBlock, staging: MemoryBlock | None) -> None:
+    def end_read(self, entry: SwapEntry, block: MemoryBlock, staging: MemoryBlock | None) -> None:
         """A read that did not land (any thread): its buffers freed, the entry ON_NVME."""
         with self._ctx.cond:
             block.release()
