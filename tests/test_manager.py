@@ -520,7 +520,7 @@ def test_close_leaves_everything_durable_and_open_brings_it_back(dirs: list[Path
         held = m.fetch("g")  # still in use at close: written anyway
         held.zero_()
     tensors["g"] = (torch.zeros(7, 9, 11, dtype=torch.float16), Kind.GRAD16)
-    with pytest.raises(StoreExistsError):
+    with pytest.raises(StoreExistsError, match=r"TierManager\.open\(config\) reopens it"):
         TierManager(config)
     with TierManager.open(config) as m:
         assert sorted(m.keys()) == sorted(tensors)

@@ -48,7 +48,7 @@ from tiers.budget import ByteBudget
 from tiers.device import DeviceTier
 from tiers.errors import SwapConfigError, SwapIOError
 from tiers.host import HostTier
-from tiers.nvme import ManifestError, NvmeStore
+from tiers.nvme import ManifestError, NvmeStore, StoreExistsError
 from tiers.protocols import MemoryTier
 from tiers.signals import wait_cond
 
@@ -106,11 +106,18 @@ class ManagerContext:
                         verify=config.verify,
                         name=config.store_name,
                     )
-            except BaseException:
+            except BaseException as exc:
                 if self.store is not None:
                     self.store.close()
                 self.engine.close()
                 self.host.close()
+                if isinstance(exc, StoreExistsError) and "cannot be reopened" not in str(exc):
+                    raise StoreExistsError(
+                        exc.errno or errno.EEXIST,
+                        f"{exc.strerror} (a manager that was not closed, or a crash, left "
+                        "it: TierManager.open(config) reopens it with every tensor it holds)",
+                        exc.filename,
+                    ) from exc
                 raise
         # Threads start on the first submit, not here.
         self.pool = concurrent.futures.ThreadPoolExecutor(
