@@ -11,7 +11,12 @@ group at a time, make them durable in this order:
    durable record superseded), then each item's ``done(None)``.
 
 A group is whatever was queued while the previous one was being synced: many writes
-completing together share one flush, and a lone write waits for one flush only.
+completing together share one flush, and a lone write waits for one flush only. A group of
+records also waits, up to :data:`GATHER_S`, for the store's other writes still in flight
+(``in_flight()``) to join it: writes issued together land one after another, and without
+the wait each would take a flush of its own (two ``fdatasync`` calls, a drive cache flush
+each), which on a busy disk costs a fifth of the write bandwidth. A store with nothing else
+in flight commits at once, so a lone write's latency is unchanged.
 
 Items without a record are barriers: ``done`` runs once everything queued before them is
 durable (``NvmeStore.sync``, and writes superseded before they committed). A checkpoint
@@ -33,6 +38,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,9 +47,15 @@ from typing import Any
 from tiers.nvme.journal import Journal
 from tiers.nvme.metafiles import replace_file
 
-__all__ = ["CommitItem", "GroupCommitter"]
+__all__ = ["GATHER_S", "CommitItem", "GroupCommitter"]
 
 log = logging.getLogger("swapper.tiers.nvme")
+
+
+#: How long a group of records waits for the store's writes in flight to join it (seconds).
+#: Bounds the extra latency of a durable write on a disk kept busy by other writes; long
+#: enough for a few 8-64 MiB writes to land on a 2-7 GB/s disk.
+GATHER_S = 0.02
 
 
 class _JournalLost(Exception):
@@ -88,6 +100,9 @@ class GroupCommitter:
         compact_nbytes: a journal longer than this is compacted after a group (at least;
             twice the last manifest's size when that is larger).
         name: the thread's name.
+        in_flight: the store's writes issued and not yet queued here (a hint read without
+            the store's lock); a group of records waits up to ``gather_s`` for it to reach 0.
+        gather_s: see :data:`GATHER_S` (the default); 0 commits every group at once.
     """
 
     def __init__(
@@ -101,6 +116,8 @@ class GroupCommitter:
         failed: Callable[[BaseException], None],
         compact_nbytes: int,
         name: str,
+        in_flight: Callable[[], int] = lambda: 0,
+        gather_s: float | None = None,
     ) -> None:
         self.journal = journal
         self._manifest_path = manifest_path
@@ -110,6 +127,8 @@ class GroupCommitter:
         self._failed = failed
         self._base_compact_nbytes = self._compact_nbytes = compact_nbytes
         self._name = name
+        self._in_flight = in_flight
+        self._gather_s = GATHER_S if gather_s is None else gather_s
         self._queue = _Queue()
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -131,6 +150,12 @@ class GroupCommitter:
                 self._thread.start()
             self._queue.cond.notify()
 
+    def nudge(self) -> None:
+        """A write in flight ended without queuing anything (it failed): a group waiting
+        for it to join stops waiting."""
+        with self._queue.cond:
+            self._queue.cond.notify()
+
     def stop(self) -> None:
         """Complete everything queued, then end the thread. Idempotent."""
         with self._queue.cond:
@@ -143,10 +168,14 @@ class GroupCommitter:
         thread.join()
 
     def _take(self) -> list[CommitItem]:
-        """The next group: everything queued, up to and including a checkpoint or stop."""
+        """The next group: everything queued, up to and including a checkpoint or stop;
+        records only wait (up to ``gather_s``) for the store's writes in flight."""
         with self._queue.cond:
             while not self._queue.items:
                 self._queue.cond.wait()
+            deadline = time.monotonic() + self._gather_s
+            while self._gathering() and (left := deadline - time.monotonic()) > 0:
+                self._queue.cond.wait(left)
             items = self._queue.items
             for i, item in enumerate(items):
                 if item.checkpoint or item.stop:
@@ -154,6 +183,12 @@ class GroupCommitter:
                     return group
             self._queue.items = []
             return items
+
+    def _gathering(self) -> bool:
+        """Whether the queue holds only records and more writes may join them (a barrier,
+        checkpoint or stop is someone waiting: commit at once)."""
+        items = self._queue.items
+        return all(i.payload is not None for i in items) and self._in_flight() > 0
 
     def _run(self) -> None:
         while True:

@@ -78,6 +78,7 @@ class StoreCore:
         self._closed = False
         self._removed = False
         self._journal = opened.journal
+        self._writing = 0  # writes issued whose pieces are not all done yet
         self._committer = GroupCommitter(
             opened.journal,
             manifest_path=self._files.manifest,
@@ -87,6 +88,7 @@ class StoreCore:
             failed=self._failed,
             compact_nbytes=JOURNAL_COMPACT_NBYTES,
             name=f"swapper-nvme-commit-{self._files.name}",
+            in_flight=lambda: self._writing,
         )
         self._hasher = concurrent.futures.ThreadPoolExecutor(
             max_workers=VERIFY_THREADS, thread_name_prefix="swapper-nvme-verify"
@@ -253,6 +255,7 @@ class StoreCore:
             if error is None and self._broken is not None:
                 error = SwapIOError(errno.EIO, f"the store is not writing: {self._broken}")
             outcome = self._table.finish_write(version, stored, ok=error is None)
+            self._writing -= 1
             if outcome is Outcome.COMMITTED:
                 self._committer.put(
                     CommitItem(
@@ -266,6 +269,7 @@ class StoreCore:
                 self._committer.put(CommitItem(done=lambda e: self._resolve_write(future, e)))
             else:
                 self._op_done()
+                self._committer.nudge()  # a group may be waiting for this write to join
         if outcome is Outcome.FAILED:
             future._resolve(error)
 

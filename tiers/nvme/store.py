@@ -283,6 +283,7 @@ class NvmeStore(SnapshotStore):
             self._check_writable("write", key)
             version = self._table.start_write(key, tensor.dtype, tuple(tensor.shape), data.numel())
             self._ops += 1
+            self._writing += 1
             extents = version.stored.extents
             digests = [None] * len(extents)
             hashing = self._checksum and bool(extents)
