@@ -248,3 +248,91 @@ def test_a_failed_run_exits_1(
     assert pressure_main(["--params", "300k", "--dir", str(tmp_path)]) == 1
     err = capsys.readouterr().err
     assert err == "swapper-pressure: error: stopped by the test\n"
+
+
+# ----------------------------------------------------------------------------------------
+# Units: binary prefixes, labelled, in both tools' human output; --json keys unchanged
+
+
+@pytest.mark.parametrize(
+    ("nbytes", "text"),
+    [
+        (0, "0 B"),
+        (1023, "1023 B"),
+        (1536, "1.5 KiB"),
+        (100 << 20, "100.0 MiB"),
+        (3 << 30, "3.0 GiB"),
+    ],
+)
+def test_show_nbytes(nbytes: int, text: str) -> None:
+    assert cli_args.show_nbytes(nbytes) == text
+
+
+def _pressure_result() -> Any:
+    from swapper.pressure.model import GPTConfig
+    from swapper.pressure.runner import PressureResult, PressureSettings, _Phases
+
+    return PressureResult(
+        settings=PressureSettings(steps=1),
+        model=GPTConfig.for_params(300_000),
+        num_params=291_008,
+        losses=[1.5],
+        reference_losses=[1.5],
+        identical=True,
+        peak_bytes={"device": 140_000, "host": 800_000},
+        budget_bytes={"device": 145_504, "host": None},
+        peak_rss_bytes=300 << 20,
+        baseline_rss_bytes=250 << 20,
+        sub_group_numel=1 << 16,
+        activation_bytes=3 << 20,
+        bytes_moved=5 << 30,
+        phases=_Phases(),
+        reference_phases=_Phases(),
+        stall_fraction=0.25,
+        seconds=2.0,
+        reference_seconds=1.0,
+    )
+
+
+def test_pressure_summary_units() -> None:
+    from swapper.pressure.cli import _summary
+
+    text = _summary(_pressure_result())
+    assert "device peak 136.7 KiB of budget 142.1 KiB" in text
+    assert "host peak 781.2 KiB of budget unlimited" in text
+    assert "peak RSS 300.0 MiB, bound 257.1 MiB (budgets + baseline 250.0 MiB" in text
+    assert "moved 5.0 GiB between tiers" in text
+    assert "stalled 0.50 s waiting for bytes (25.0% of the budgeted run)" in text
+    assert " GB" not in text and "MB" not in text  # no decimal prefixes
+    data = _pressure_result().to_json()  # --json: integers in bytes, the same keys
+    assert data["bytes_moved"] == 5 << 30 and data["stall_fraction"] == 0.25
+
+
+def test_bench_tables_are_in_gib_per_second() -> None:
+    from swapper.bench.disk import Measurement, Setting
+    from swapper.bench.report import format_table
+
+    setting = Setting(
+        engine="swapper",
+        backend=Backend.THREADS,
+        block_size=1 << 20,
+        queue_depth=8,
+        threads=1,
+        direct=True,
+    )
+    m = Measurement(
+        op="read",
+        setting=setting,
+        backend="threads",
+        direct=True,
+        nbytes=2 << 30,
+        seconds=[1.0],
+        cpu_seconds=0.5,
+        cache="O_DIRECT",
+        dirs=["/x"],
+    )
+    header, row, note = format_table([m]).splitlines()
+    assert "GiB/s" in header and "CPU s/GiB" in header and "GB/s" not in header
+    assert "2.00" in row  # 2 GiB in 1 s
+    assert "GiB = 2^30 bytes" in note
+    assert m.to_record()["gbps"] == pytest.approx(2 * 2**30 / 1e9)  # --json: GB/s as before
