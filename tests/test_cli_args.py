@@ -71,6 +71,18 @@ def test_env_sets_the_bench_disk_default_and_a_flag_wins(
     assert list(work.iterdir()) == []
 
 
+def test_emitted_config_says_the_single_submit_measured(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SWAPPER_AIO_SINGLE_SUBMIT", "off")
+    out = tmp_path / "aio.json"
+    argv = ["disk", "--dir", str(tmp_path), "--size", "1MiB", "--no-baselines", *FAST]
+    assert bench_main([*argv, "--emit-config", str(out)]) == 0, capsys.readouterr().err
+    emitted = json.loads(out.read_text())
+    assert emitted["deepspeed"]["aio"]["single_submit"] is False
+    assert AioConfig.from_json(out).single_submit is False
+
+
 def test_env_reaches_bench_tiers_and_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SWAPPER_AIO_BLOCK_SIZE", "256KiB")
     monkeypatch.setenv("SWAPPER_AIO_THREADS", "3")

@@ -300,7 +300,8 @@ def _write_outputs(
         report.write_results(args.json, run.measurements, best, _meta(plan, run))
         print(f"results written to {args.json}")
     if args.emit_config is not None:
-        report.write_config(args.emit_config, best["both"])
+        # measured with SWAPPER_AIO_SINGLE_SUBMIT where set: emitted as measured
+        report.write_config(args.emit_config, best["both"], plan.settings[0].single_submit)
         print(f"config written to {args.emit_config} (load with AioConfig.from_json)")
     if args.plot is not None:
         report.write_plot(args.plot, run.measurements)

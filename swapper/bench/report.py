@@ -201,13 +201,14 @@ def write_results(
     write_json(path, data)
 
 
-def emitted_config(choice: Choice) -> dict[str, Any]:
+def emitted_config(choice: Choice, single_submit: bool = AioConfig.single_submit) -> dict[str, Any]:
     """The ``--emit-config`` document: swapper's ``aio`` section and DeepSpeed's.
 
     Current DeepSpeed reads the thread count from ``intra_op_parallelism`` (older releases
     called it ``thread_count``, which current ones ignore);
-    ``single_submit`` follows swapper's default (one request per ``io_submit``, measured
-    faster on virtio disks: see :class:`tiers.AioConfig`); ``overlap_events`` and
+    ``single_submit`` is the one measured: swapper's default (one request per
+    ``io_submit``, measured faster on virtio disks: see :class:`tiers.AioConfig`) unless
+    ``SWAPPER_AIO_SINGLE_SUBMIT`` said otherwise; ``overlap_events`` and
     ``use_gds`` are DeepSpeed's defaults. ``measured`` records
     the figures the choice was made on; loaders ignore it.
     """
@@ -219,6 +220,7 @@ def emitted_config(choice: Choice) -> dict[str, Any]:
                 "queue_depth": choice.queue_depth,
                 "num_threads": choice.threads,
                 "direct": choice.direct,
+                "single_submit": single_submit,
             }
         },
         "deepspeed": {
@@ -226,7 +228,7 @@ def emitted_config(choice: Choice) -> dict[str, Any]:
                 "block_size": choice.block_size,
                 "queue_depth": choice.queue_depth,
                 "intra_op_parallelism": choice.threads,
-                "single_submit": AioConfig().single_submit,
+                "single_submit": single_submit,
                 "overlap_events": True,
                 "use_gds": False,
             }
@@ -235,9 +237,11 @@ def emitted_config(choice: Choice) -> dict[str, Any]:
     }
 
 
-def write_config(path: str | os.PathLike[str], choice: Choice) -> None:
+def write_config(
+    path: str | os.PathLike[str], choice: Choice, single_submit: bool = AioConfig.single_submit
+) -> None:
     """Write :func:`emitted_config` to ``path``."""
-    write_json(path, emitted_config(choice))
+    write_json(path, emitted_config(choice, single_submit))
 
 
 # ----------------------------------------------------------------------------------------
