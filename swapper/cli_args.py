@@ -1,6 +1,12 @@
 """What the command-line tools (``swapper-bench``, ``swapper-pressure``) share: the run
 around their ``main`` (signals, exit codes, one-line errors), argument types that keep
-their messages, and output files written whole or not at all.
+their messages, the ``SWAPPER_AIO_*`` settings, the units of their human output, and
+output files written whole or not at all.
+
+Units: what both tools print for people uses binary prefixes, always labelled —
+sizes as :func:`show_nbytes` writes them (``95.2 MiB``), throughput in GiB/s
+(:func:`gib_per_s`), times in seconds (``s``), fractions as percentages. ``--json`` keeps
+its keys: bytes as integers, and ``gbps`` fields in GB/s (10^9 bytes), as they always were.
 
 Exit codes of both tools: 0 done; 1 the I/O or the library failed (one line on stderr);
 2 bad arguments (one line on stderr, no usage dump); 128 + signal number when stopped
@@ -25,22 +31,27 @@ from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
 from swapper.interrupts import fired, interrupts_raise, settle
-from tiers.errors import SwapError
+from tiers.config import AioConfig
+from tiers.errors import SwapConfigError, SwapError
 from tiers.units import parse_size
 
 __all__ = [
     "OneLineParser",
     "UsageError",
+    "aio_environment",
     "at_least_arg",
     "check_dirs",
     "check_output_path",
     "count_arg",
     "enum_arg",
+    "finite_arg",
+    "gib_per_s",
     "int_arg",
     "list_arg",
     "one_line",
     "output_file",
     "run_tool",
+    "show_nbytes",
     "size_arg",
     "table",
     "write_json",
@@ -145,6 +156,26 @@ def check_dirs(dirs: Sequence[Path] | None) -> list[Path]:
     return out
 
 
+def aio_environment() -> dict[str, Any]:
+    """The I/O settings the ``SWAPPER_AIO_*`` variables set (AioConfig field → value as
+    the config holds it, e.g. a :class:`~tiers.config.Backend`; a variable not set is
+    absent), read by :meth:`AioConfig.env_values` and validated.
+
+    Both tools take them over their own defaults, and their flags over them: with
+    ``SWAPPER_AIO_BLOCK_SIZE=4MiB``, ``swapper-bench`` measures 4 MiB requests unless
+    ``--block-size`` says otherwise, and ``swapper-pressure`` swaps with them.
+
+    Raises:
+        UsageError: a variable's value does not parse or validate (the message names the
+            variable); checked before any work, like a bad flag.
+    """
+    try:
+        config = AioConfig.from_env()  # validates what is set, naming the variable
+        return {name: getattr(config, name) for name in AioConfig.env_values()}
+    except SwapConfigError as exc:
+        raise UsageError(f"environment: {exc}") from None
+
+
 # ----------------------------------------------------------------------------------------
 # Argument types: ArgumentTypeError keeps our message (argparse hides other errors').
 
@@ -178,6 +209,17 @@ def int_arg(text: str) -> int:
         return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+
+
+def finite_arg(text: str) -> float:
+    """A finite number ``>= 0`` (a learning rate): ``1e-3``, ``0``; not ``inf``, ``nan``."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a finite number >= 0")
+    return value
 
 
 def at_least_arg(minimum: int) -> Callable[[str], int]:
@@ -226,13 +268,44 @@ def list_arg(parse: Callable[[str], T]) -> Callable[[str], list[T]]:
 
 
 def check_output_path(flag: str, path: Path | None) -> None:
-    """An output file's directory must exist.
+    """An output file must be writable where asked: its directory exists and is writable
+    (the file is written beside it first, then renamed: :func:`output_file`), and the
+    path is not a directory. Checked before any work, not after a long run.
 
     Raises:
-        UsageError: it does not.
+        UsageError: it is not.
     """
-    if path is not None and not path.resolve().parent.is_dir():
-        raise UsageError(f"{flag} {path}: directory {path.resolve().parent} does not exist")
+    if path is None:
+        return
+    parent = path.resolve().parent
+    if not parent.is_dir():
+        raise UsageError(f"{flag} {path}: directory {parent} does not exist")
+    if path.is_dir():
+        raise UsageError(f"{flag} {path}: is a directory; give a file name")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise UsageError(f"{flag} {path}: directory {parent} is not writable")
+    if path.exists() and not os.access(path, os.W_OK):
+        raise UsageError(f"{flag} {path}: the file exists and is not writable")
+
+
+_BINARY_UNITS = (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10))
+#: Bytes in a GiB, and in the GB of ``--json``'s ``gbps`` fields.
+GIB = 1 << 30
+GB = 10**9
+
+
+def show_nbytes(nbytes: float) -> str:
+    """A byte count for people: the largest binary unit it reaches, one decimal, labelled
+    (``512 B``, ``1.5 KiB``, ``95.2 MiB``, ``3.0 GiB``)."""
+    for unit, factor in _BINARY_UNITS:
+        if abs(nbytes) >= factor:
+            return f"{nbytes / factor:.1f} {unit}"
+    return f"{nbytes:.0f} B"
+
+
+def gib_per_s(gbps: float) -> float:
+    """A throughput in GB/s (10^9 bytes, the ``--json`` unit) as GiB/s (2^30 bytes)."""
+    return gbps * GB / GIB
 
 
 def one_line(text: object) -> str:

@@ -11,7 +11,7 @@ import enum
 import json
 import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -141,13 +141,16 @@ class AioConfig:
             f"threads={self.num_threads} {direct}"
         )
 
-    @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> AioConfig:
-        """Build a config from ``SWAPPER_AIO_*`` variables; ``overrides`` win over them.
+    @staticmethod
+    def env_values(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+        """The settings the ``SWAPPER_AIO_*`` variables set, parsed (field name → value);
+        those not set are absent. The one place the environment is read: callers that
+        keep defaults of their own (``swapper-bench``'s 8 MiB block size) take the
+        variables over those defaults and their flags over the variables.
 
         Raises:
-            SwapConfigError: a variable holds a value that does not parse or validate; the
-                message names the variable.
+            SwapConfigError: a variable's value does not parse; the message names it.
+                (Values are validated by the constructor: see :meth:`from_env`.)
         """
         env = os.environ if environ is None else environ
         values: dict[str, Any] = {}
@@ -157,6 +160,18 @@ class AioConfig:
                     values[name] = parse(env[var])
                 except ValueError as exc:
                     raise SwapConfigError(f"{var}={env[var]!r}: {exc}") from None
+        return values
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> AioConfig:
+        """Build a config from ``SWAPPER_AIO_*`` variables; ``overrides`` win over them.
+
+        Raises:
+            SwapConfigError: a variable holds a value that does not parse or validate; the
+                message names the variable.
+        """
+        env = os.environ if environ is None else environ
+        values = cls.env_values(env)
         values.update(overrides)
         try:
             return cls(**values)
@@ -251,6 +266,50 @@ _ENV: dict[str, tuple[str, Any]] = {
     "close_timeout_s": ("SWAPPER_AIO_CLOSE_TIMEOUT", float),
     "single_submit": ("SWAPPER_AIO_SINGLE_SUBMIT", _parse_bool),
 }
+
+
+def check_swap_dirs(dirs: Sequence[str | os.PathLike[str]], setting: str = "nvme_dirs") -> None:
+    """Each swap directory must be usable before a store is made in it: an existing
+    directory this process may write in, or a missing one whose nearest existing
+    ancestor is a directory it may write in (the store makes the missing ones). Checked
+    when a store is created, so that a typo or a permission is named at once, not
+    found by the first write.
+
+    Args:
+        dirs: the swap directories.
+        setting: how messages name them (``nvme_dirs``, ``--dir``).
+
+    Raises:
+        SwapConfigError: one is not a directory, or cannot be written, or cannot be made;
+            the message names ``setting``, the path and what to do.
+    """
+    for d in dirs:
+        path = Path(os.path.abspath(os.fspath(d)))
+        if os.path.lexists(path):
+            if not path.is_dir():
+                raise SwapConfigError(
+                    f"{setting}: {os.fspath(path)!r} exists and is not a directory: name a "
+                    "directory (one that does not exist yet is made)"
+                )
+            if not os.access(path, os.W_OK | os.X_OK):
+                raise SwapConfigError(
+                    f"{setting}: directory {os.fspath(path)!r} is not writable by this "
+                    f"process (uid {os.geteuid()}): choose one you can write in, or change "
+                    "its permissions"
+                )
+            continue
+        ancestor = next(p for p in path.parents if os.path.lexists(p))
+        if not ancestor.is_dir():
+            raise SwapConfigError(
+                f"{setting}: {os.fspath(path)!r} cannot be made: {os.fspath(ancestor)!r} "
+                "is not a directory"
+            )
+        if not os.access(ancestor, os.W_OK | os.X_OK):
+            raise SwapConfigError(
+                f"{setting}: {os.fspath(path)!r} does not exist and cannot be made: "
+                f"{os.fspath(ancestor)!r} is not writable by this process (uid "
+                f"{os.geteuid()}); create the directory first, or choose another"
+            )
 
 
 def read_json_object(path: str | os.PathLike[str]) -> Mapping[str, Any]:

@@ -1,5 +1,9 @@
 """Every flag of ``swapper-bench`` and its default, per subcommand.
 
+The I/O flags (``--block-size``, ``--queue-depth``, ``--threads``, ``--backend``,
+``--direct``) default to the ``SWAPPER_AIO_*`` variables where they are set, else to the
+defaults here (:func:`swapper.cli_args.aio_environment`).
+
 The flags live apart from the commands that use them: the parser is built (and
 ``--help`` answered) without importing torch, and the commands import this module, never
 the command line (:mod:`swapper.bench.cli`) that dispatches to them.
@@ -88,32 +92,34 @@ def add_disk_arguments(p: argparse.ArgumentParser) -> None:
         "--block-size",
         type=list_arg(size_arg),
         metavar="SIZE[,SIZE...]",
-        help=f"bytes per kernel request (default {format_size(DEFAULT_BLOCK_SIZE)}; "
-        "sweep: 1MiB,4MiB,8MiB)",
+        help="bytes per kernel request (default SWAPPER_AIO_BLOCK_SIZE, else "
+        f"{format_size(DEFAULT_BLOCK_SIZE)}; sweep: 1MiB,4MiB,8MiB)",
     )
     p.add_argument(
         "--queue-depth",
         type=list_arg(int_arg),
         metavar="N[,N...]",
-        help=f"requests in flight per thread (default {DEFAULT_QUEUE_DEPTH}; sweep: 8,32)",
+        help="requests in flight per thread (default SWAPPER_AIO_QUEUE_DEPTH, else "
+        f"{DEFAULT_QUEUE_DEPTH}; sweep: 8,32)",
     )
     p.add_argument(
         "--threads",
         type=list_arg(int_arg),
         metavar="N[,N...]",
-        help=f"I/O threads (default {DEFAULT_THREADS}; sweep: 1,2)",
+        help=f"I/O threads (default SWAPPER_AIO_THREADS, else {DEFAULT_THREADS}; sweep: 1,2)",
     )
     p.add_argument(
         "--backend",
         type=list_arg(backend_arg),
         metavar="NAME[,NAME...]",
-        help="auto, libaio, kernel or threads (default auto; sweep: libaio or kernel, and threads)",
+        help="auto, libaio, kernel or threads (default SWAPPER_AIO_BACKEND, else auto; "
+        "sweep: libaio or kernel, and threads)",
     )
     p.add_argument(
         "--direct",
         action=argparse.BooleanOptionalAction,
-        default=True,
-        help="O_DIRECT, bypassing the page cache (default: on)",
+        default=None,
+        help="O_DIRECT, bypassing the page cache (default: SWAPPER_AIO_DIRECT, else on)",
     )
     p.add_argument(
         "--loops",
@@ -161,16 +167,26 @@ def add_tiers_arguments(p: argparse.ArgumentParser) -> None:
         "--block-size",
         type=size_arg,
         metavar="SIZE",
-        help=f"bytes per kernel request (default {format_size(DEFAULT_BLOCK_SIZE)})",
+        help="bytes per kernel request (default SWAPPER_AIO_BLOCK_SIZE, else "
+        f"{format_size(DEFAULT_BLOCK_SIZE)})",
     )
     p.add_argument(
-        "--queue-depth", type=at_least_arg(1), metavar="N", help=f"default {DEFAULT_QUEUE_DEPTH}"
+        "--queue-depth",
+        type=at_least_arg(1),
+        metavar="N",
+        help=f"default SWAPPER_AIO_QUEUE_DEPTH, else {DEFAULT_QUEUE_DEPTH}",
     )
     p.add_argument(
-        "--threads", type=at_least_arg(1), metavar="N", help=f"default {DEFAULT_THREADS}"
+        "--threads",
+        type=at_least_arg(1),
+        metavar="N",
+        help=f"default SWAPPER_AIO_THREADS, else {DEFAULT_THREADS}",
     )
     p.add_argument(
-        "--backend", type=backend_arg, metavar="NAME", help="auto, libaio, kernel or threads"
+        "--backend",
+        type=backend_arg,
+        metavar="NAME",
+        help="auto, libaio, kernel or threads (default SWAPPER_AIO_BACKEND, else auto)",
     )
     p.add_argument(
         "--loops", type=at_least_arg(1), metavar="N", help=f"timed passes (default {DEFAULT_LOOPS})"

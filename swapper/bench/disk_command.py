@@ -47,7 +47,7 @@ from swapper.bench.disk import (
     run_disk,
     split_nbytes,
 )
-from swapper.cli_args import UsageError, check_output_path
+from swapper.cli_args import UsageError, aio_environment, check_output_path
 from tiers.config import DIRECT_ALIGNMENT, AioConfig, Backend
 from tiers.errors import SwapConfigError
 from tiers.units import format_size
@@ -74,24 +74,30 @@ def _check_engine_values(
             raise UsageError(message) from None
 
 
-def _block_sizes(args: argparse.Namespace, file_nbytes: int, ndirs: int) -> list[int]:
-    """Block sizes to try. Defaults larger than the file shrink to it; given ones must fit.
+def _block_sizes(
+    args: argparse.Namespace, env: dict[str, Any], file_nbytes: int, ndirs: int
+) -> list[int]:
+    """Block sizes to try: --block-size, else SWAPPER_AIO_BLOCK_SIZE, else the defaults.
+    Defaults larger than the file shrink to it; given ones must fit.
 
     Raises:
         UsageError: a given block size is larger than a file.
     """
-    if args.block_size is None:
+    given, flag = args.block_size, "--block-size"
+    if given is None and "block_size" in env:
+        given, flag = [env["block_size"]], "SWAPPER_AIO_BLOCK_SIZE"
+    if given is None:
         defaults = SWEEP_BLOCK_SIZES if args.sweep else (DEFAULT_BLOCK_SIZE,)
         fitting = [b for b in defaults if b <= file_nbytes]
         return fitting or [file_nbytes]
-    for b in args.block_size:
+    for b in given:
         if b > file_nbytes:
             per = f" per file over {ndirs} dirs" if ndirs > 1 else ""
             raise UsageError(
                 f"--size gives {format_size(file_nbytes)}{per}, smaller than "
-                f"--block-size {format_size(b)}"
+                f"{flag} {format_size(b)}"
             )
-    return list(dict.fromkeys(args.block_size))
+    return list(dict.fromkeys(given))
 
 
 def _unique(values: Sequence[int]) -> list[int]:
@@ -99,27 +105,40 @@ def _unique(values: Sequence[int]) -> list[int]:
     return list(dict.fromkeys(values))
 
 
-def _backends(args: argparse.Namespace) -> list[Backend]:
+def _backends(args: argparse.Namespace, env: dict[str, Any]) -> list[Backend]:
     if args.backend is not None:
         return check_backends(args.backend)
+    if "backend" in env:
+        return check_backends([env["backend"]])
     if args.sweep:
         return default_sweep_backends()
     return check_backends([Backend.AUTO])
 
 
-def _grid(args: argparse.Namespace, file_nbytes: int, ndirs: int) -> list[Setting]:
-    """The swapper engine settings to measure: the product of the (default) lists.
+def _grid(
+    args: argparse.Namespace, env: dict[str, Any], file_nbytes: int, ndirs: int
+) -> list[Setting]:
+    """The swapper engine settings to measure: the product of the lists. Each list is
+    its flag's values, else the ``SWAPPER_AIO_*`` variable's one value (``env``, see
+    :func:`~swapper.cli_args.aio_environment`), else the defaults (the sweep's grid).
 
     Raises:
         UsageError: a value cannot work here.
     """
     sweep = args.sweep
-    block_sizes = _block_sizes(args, file_nbytes, ndirs)
-    queue_depths = _unique(
-        args.queue_depth or (SWEEP_QUEUE_DEPTHS if sweep else [DEFAULT_QUEUE_DEPTH])
+
+    def values(flag: list[int] | None, name: str, defaults: Sequence[int]) -> list[int]:
+        if flag is not None:
+            return _unique(flag)
+        return [env[name]] if name in env else list(defaults)
+
+    block_sizes = _block_sizes(args, env, file_nbytes, ndirs)
+    queue_depths = values(
+        args.queue_depth, "queue_depth", SWEEP_QUEUE_DEPTHS if sweep else [DEFAULT_QUEUE_DEPTH]
     )
-    threads = _unique(args.threads or (SWEEP_THREADS if sweep else [DEFAULT_THREADS]))
+    threads = values(args.threads, "num_threads", SWEEP_THREADS if sweep else [DEFAULT_THREADS])
     _check_engine_values(block_sizes, queue_depths, threads)
+    direct = args.direct if args.direct is not None else env.get("direct", True)
     return [
         Setting(
             engine=ENGINE_SWAPPER,
@@ -127,14 +146,16 @@ def _grid(args: argparse.Namespace, file_nbytes: int, ndirs: int) -> list[Settin
             block_size=b,
             queue_depth=q,
             threads=t,
-            direct=args.direct,
+            direct=direct,
             role="sweep" if sweep else "main",
+            single_submit=env.get("single_submit", AioConfig.single_submit),
+            close_timeout_s=env.get("close_timeout_s", AioConfig.close_timeout_s),
         )
         # Backend innermost: neighbours in time differ by backend only, so a load change
         # on the shared disk (MACHINE.md: "compare in one sitting, alternating") hits
         # both backends alike instead of one half of the grid.
         for b, q, t, backend in itertools.product(
-            block_sizes, queue_depths, threads, _backends(args)
+            block_sizes, queue_depths, threads, _backends(args, env)
         )
     ]
 
@@ -162,6 +183,7 @@ def build_plan(args: argparse.Namespace) -> DiskPlan:
         UsageError: an argument cannot work here; the message names it.
     """
     dirs = check_dirs(args.dirs)
+    env = aio_environment()
     total_nbytes = DEFAULT_SIZE_NBYTES if args.size is None else args.size
     file_nbytes = split_nbytes(total_nbytes, len(dirs))
     if file_nbytes < DIRECT_ALIGNMENT:
@@ -169,7 +191,7 @@ def build_plan(args: argparse.Namespace) -> DiskPlan:
             f"--size {format_size(total_nbytes)} is too small: each of the {len(dirs)} "
             f"file(s) needs at least {DIRECT_ALIGNMENT} bytes"
         )
-    settings = _grid(args, file_nbytes, len(dirs))
+    settings = _grid(args, env, file_nbytes, len(dirs))
     if args.baselines or (args.baselines is None and not args.sweep):
         settings += baseline_settings(settings[0])
     _check_outputs(args)
@@ -278,7 +300,8 @@ def _write_outputs(
         report.write_results(args.json, run.measurements, best, _meta(plan, run))
         print(f"results written to {args.json}")
     if args.emit_config is not None:
-        report.write_config(args.emit_config, best["both"])
+        # measured with SWAPPER_AIO_SINGLE_SUBMIT where set: emitted as measured
+        report.write_config(args.emit_config, best["both"], plan.settings[0].single_submit)
         print(f"config written to {args.emit_config} (load with AioConfig.from_json)")
     if args.plot is not None:
         report.write_plot(args.plot, run.measurements)

@@ -60,6 +60,9 @@ class Setting:
     direct: bool
     role: str = "main"
     label: str = ""
+    #: Not flags: from ``SWAPPER_AIO_SINGLE_SUBMIT`` / ``SWAPPER_AIO_CLOSE_TIMEOUT``.
+    single_submit: bool = AioConfig.single_submit
+    close_timeout_s: float = AioConfig.close_timeout_s
 
     def aio_config(self) -> AioConfig:
         """The engine config of this setting (raises SwapConfigError for bad values)."""
@@ -69,6 +72,8 @@ class Setting:
             queue_depth=self.queue_depth,
             num_threads=self.threads,
             direct=self.direct,
+            single_submit=self.single_submit,
+            close_timeout_s=self.close_timeout_s,
         )
 
 

@@ -1,6 +1,9 @@
 """Presenting measurements: the table, the best settings, JSON, the emitted config, a plot.
 
-Throughput is in GB/s with GB = 10^9 bytes (as fio and disk vendors count), everywhere.
+Units (:mod:`swapper.cli_args`): what is printed for people (the table, the best
+settings, the plot) gives throughput in GiB/s (2^30 bytes) and CPU time in seconds per
+GiB; ``--json`` keeps its ``gbps`` fields in GB/s (10^9 bytes, as fio and disk vendors
+count), the keys they always had.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from swapper.bench.disk import ENGINE_SWAPPER, Measurement
-from swapper.cli_args import output_file, write_json
+from swapper.cli_args import GB, GIB, gib_per_s, output_file, write_json
 from tiers.config import AioConfig
 from tiers.units import format_size
 
@@ -23,9 +26,9 @@ _COLUMNS = (
     "bs",
     "qd",
     "thr",
-    "GB/s",
+    "GiB/s",
     "min-max",
-    "CPU s/GB",
+    "CPU s/GiB",
     "cache",
 )
 
@@ -40,9 +43,9 @@ def _row(m: Measurement) -> tuple[str, ...]:
         format_size(s.block_size),
         str(s.queue_depth),
         str(s.threads),
-        f"{m.gbps:.2f}",
-        f"{m.gbps_min:.2f}-{m.gbps_max:.2f}",
-        f"{m.cpu_seconds_per_gb:.3f}",
+        f"{gib_per_s(m.gbps):.2f}",
+        f"{gib_per_s(m.gbps_min):.2f}-{gib_per_s(m.gbps_max):.2f}",
+        f"{m.cpu_seconds_per_gb * GIB / GB:.3f}",
         m.cache,
     )
 
@@ -51,7 +54,7 @@ def format_table(measurements: Sequence[Measurement]) -> str:
     """An aligned text table, one row per measurement, with a units footnote."""
     rows = [_COLUMNS, *(_row(m) for m in measurements)]
     widths = [max(len(r[i]) for r in rows) for i in range(len(_COLUMNS))]
-    numeric = {"bs", "qd", "thr", "GB/s", "min-max", "CPU s/GB"}
+    numeric = {"bs", "qd", "thr", "GiB/s", "min-max", "CPU s/GiB"}
     lines = []
     for r in rows:
         cells = [
@@ -60,8 +63,8 @@ def format_table(measurements: Sequence[Measurement]) -> str:
         ]
         lines.append("  ".join(cells).rstrip())
     lines.append(
-        "GB/s: median of the timed passes, GB = 10^9 bytes; min-max over the passes. "
-        "Writes are timed up to fsync."
+        "GiB/s: median of the timed passes, GiB = 2^30 bytes; min-max over the passes. "
+        "Writes are timed up to fsync. (--json: gbps in GB/s, GB = 10^9 bytes.)"
     )
     return "\n".join(lines)
 
@@ -95,7 +98,7 @@ class Choice:
     def describe(self) -> str:
         io = "O_DIRECT" if self.direct else "buffered"
         figures = ", ".join(
-            f"{op} {g:.2f} GB/s"
+            f"{op} {gib_per_s(g):.2f} GiB/s"
             for op, g in (("read", self.read_gbps), ("write", self.write_gbps))
             if g is not None
         )
@@ -198,13 +201,14 @@ def write_results(
     write_json(path, data)
 
 
-def emitted_config(choice: Choice) -> dict[str, Any]:
+def emitted_config(choice: Choice, single_submit: bool = AioConfig.single_submit) -> dict[str, Any]:
     """The ``--emit-config`` document: swapper's ``aio`` section and DeepSpeed's.
 
     Current DeepSpeed reads the thread count from ``intra_op_parallelism`` (older releases
     called it ``thread_count``, which current ones ignore);
-    ``single_submit`` follows swapper's default (one request per ``io_submit``, measured
-    faster on virtio disks: see :class:`tiers.AioConfig`); ``overlap_events`` and
+    ``single_submit`` is the one measured: swapper's default (one request per
+    ``io_submit``, measured faster on virtio disks: see :class:`tiers.AioConfig`) unless
+    ``SWAPPER_AIO_SINGLE_SUBMIT`` said otherwise; ``overlap_events`` and
     ``use_gds`` are DeepSpeed's defaults. ``measured`` records
     the figures the choice was made on; loaders ignore it.
     """
@@ -216,6 +220,7 @@ def emitted_config(choice: Choice) -> dict[str, Any]:
                 "queue_depth": choice.queue_depth,
                 "num_threads": choice.threads,
                 "direct": choice.direct,
+                "single_submit": single_submit,
             }
         },
         "deepspeed": {
@@ -223,7 +228,7 @@ def emitted_config(choice: Choice) -> dict[str, Any]:
                 "block_size": choice.block_size,
                 "queue_depth": choice.queue_depth,
                 "intra_op_parallelism": choice.threads,
-                "single_submit": AioConfig().single_submit,
+                "single_submit": single_submit,
                 "overlap_events": True,
                 "use_gds": False,
             }
@@ -232,9 +237,11 @@ def emitted_config(choice: Choice) -> dict[str, Any]:
     }
 
 
-def write_config(path: str | os.PathLike[str], choice: Choice) -> None:
+def write_config(
+    path: str | os.PathLike[str], choice: Choice, single_submit: bool = AioConfig.single_submit
+) -> None:
     """Write :func:`emitted_config` to ``path``."""
-    write_json(path, emitted_config(choice))
+    write_json(path, emitted_config(choice, single_submit))
 
 
 # ----------------------------------------------------------------------------------------
@@ -281,15 +288,18 @@ def write_plot(path: str | os.PathLike[str], measurements: Sequence[Measurement]
         for name, points in sorted(lines.items(), key=lambda item: _line_order(item[1][0])):
             points.sort(key=lambda m: m.setting.block_size)
             xs = [m.setting.block_size / 2**20 for m in points]
-            ys = [m.gbps for m in points]
-            errs = [[m.gbps - m.gbps_min for m in points], [m.gbps_max - m.gbps for m in points]]
+            ys = [gib_per_s(m.gbps) for m in points]
+            errs = [
+                [gib_per_s(m.gbps - m.gbps_min) for m in points],
+                [gib_per_s(m.gbps_max - m.gbps) for m in points],
+            ]
             ax.errorbar(xs, ys, yerr=errs, marker="o", capsize=3, label=name)
         ax.set_xscale("log", base=2)
         sizes = sorted({m.setting.block_size for m in measurements if m.op == op})
         ax.set_xticks([b / 2**20 for b in sizes], [format_size(b) for b in sizes])
         ax.minorticks_off()
         ax.set_xlabel("block size")
-        ax.set_ylabel("GB/s (10^9 bytes/s), median")
+        ax.set_ylabel("GiB/s (2^30 bytes/s), median")
         ax.set_title(op)
         ax.set_ylim(bottom=0)
         ax.grid(True, alpha=0.3)

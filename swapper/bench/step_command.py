@@ -42,7 +42,7 @@ from swapper.bench.args import (
 from swapper.bench.checks import check_dirs, check_free_space, check_memory
 from swapper.bench.disk import BenchError, Workspace
 from swapper.bench.legacy_step import LegacyGradSwapAdamW
-from swapper.cli_args import UsageError, check_output_path, table, write_json
+from swapper.cli_args import UsageError, aio_environment, check_output_path, table, write_json
 from swapper.manager import ManagerConfig
 from swapper.step import OffloadAdamW, StepConfig, StepPipeline
 from swapper.step.layout import plan_sub_groups
@@ -71,6 +71,8 @@ class StepPlan:
     host_nbytes: int
     legacy: bool
     seed: int
+    #: the stores' I/O settings: SWAPPER_AIO_* over swapper's defaults
+    aio: AioConfig = dataclasses.field(default_factory=AioConfig)
 
     @property
     def state_nbytes(self) -> int:
@@ -101,6 +103,7 @@ def build_plan(args: argparse.Namespace) -> StepPlan:
     params = args.params or DEFAULT_PARAMS
     sub_group = args.sub_group or DEFAULT_SUB_GROUP
     check_output_path("--json", args.json)
+    aio = AioConfig(**aio_environment())
     plan = StepPlan(
         dirs=dirs,
         params=params,
@@ -110,6 +113,7 @@ def build_plan(args: argparse.Namespace) -> StepPlan:
         host_nbytes=0,
         legacy=args.legacy_grad_swap,
         seed=args.seed,
+        aio=aio,
     )
     largest = max(sg.state_nbytes for sg in plan.sub_groups())
     host = 4 * largest if args.host_budget is None else args.host_budget
@@ -157,7 +161,7 @@ def _manager_config(plan: StepPlan, dirs: list[Path], name: str) -> ManagerConfi
         device_nbytes=0,
         host_nbytes=plan.host_nbytes,
         nvme_dirs=dirs,
-        aio=AioConfig(),
+        aio=plan.aio,
         store_name=f"swapper-bench-{name}",
     )
 

@@ -59,11 +59,20 @@ from swapper.bench.disk import (
     fill_random,
     split_nbytes,
 )
-from swapper.cli_args import UsageError, check_output_path, table, write_json
+from swapper.cli_args import (
+    GB,
+    GIB,
+    UsageError,
+    aio_environment,
+    check_output_path,
+    gib_per_s,
+    table,
+    write_json,
+)
 from swapper.manager import Kind, ManagerConfig, Tier, TierManager
 from tiers.aio import AioEngine
 from tiers.buffers import allocate
-from tiers.config import DIRECT_ALIGNMENT, Backend
+from tiers.config import DIRECT_ALIGNMENT, AioConfig, Backend
 from tiers.nvme import content_hash
 from tiers.units import format_size
 
@@ -124,14 +133,18 @@ def build_plan(args: argparse.Namespace) -> TiersPlan:
         raise UsageError(f"--tensor-min {low} and --tensor-max {high}: need 0 < min <= max")
     if total < low:
         raise UsageError(f"--size {format_size(total)} is smaller than --tensor-min")
-    backend = check_backends([args.backend or Backend.AUTO])[0]
+    # flags over SWAPPER_AIO_* over the defaults; the manager always uses O_DIRECT here
+    env = aio_environment()
+    backend = check_backends([args.backend or env.get("backend", Backend.AUTO)])[0]
     setting = Setting(
         engine=ENGINE_SWAPPER,
         backend=backend,
-        block_size=args.block_size or DEFAULT_BLOCK_SIZE,
-        queue_depth=args.queue_depth or DEFAULT_QUEUE_DEPTH,
-        threads=args.threads or DEFAULT_THREADS,
+        block_size=args.block_size or env.get("block_size", DEFAULT_BLOCK_SIZE),
+        queue_depth=args.queue_depth or env.get("queue_depth", DEFAULT_QUEUE_DEPTH),
+        threads=args.threads or env.get("num_threads", DEFAULT_THREADS),
         direct=True,
+        single_submit=env.get("single_submit", AioConfig.single_submit),
+        close_timeout_s=env.get("close_timeout_s", AioConfig.close_timeout_s),
     )
     if setting.block_size % DIRECT_ALIGNMENT:
         raise UsageError(f"--block-size must be a multiple of {DIRECT_ALIGNMENT}")
@@ -291,22 +304,25 @@ def run_tiers(plan: TiersPlan) -> list[TiersMeasurement]:
 
 
 def format_table(results: list[TiersMeasurement]) -> str:
-    rows = [("op", "GB/s", "min-max", "CPU s/GB", "disk op", "disk GB/s", "ratio")]
+    rows = [("op", "GiB/s", "min-max", "CPU s/GiB", "disk op", "disk GiB/s", "ratio")]
     for r in results:
         m = r.manager
         rows.append(
             (
                 m.op,
-                f"{m.gbps:.2f}",
-                f"{m.gbps_min:.2f}-{m.gbps_max:.2f}",
-                f"{m.cpu_seconds_per_gb:.3f}",
+                f"{gib_per_s(m.gbps):.2f}",
+                f"{gib_per_s(m.gbps_min):.2f}-{gib_per_s(m.gbps_max):.2f}",
+                f"{m.cpu_seconds_per_gb * GIB / GB:.3f}",
                 r.disk.op,
-                f"{r.disk.gbps:.2f}",
+                f"{gib_per_s(r.disk.gbps):.2f}",
                 f"{r.ratio:.2f}",
             )
         )
     lines = table(rows)
-    lines.append("GB/s: median of the timed passes, GB = 10^9 bytes; ratio = manager / raw disk")
+    lines.append(
+        "GiB/s: median of the timed passes, GiB = 2^30 bytes; ratio = manager / raw disk "
+        "(--json: gbps in GB/s, GB = 10^9 bytes)"
+    )
     return "\n".join(lines)
 
 

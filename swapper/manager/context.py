@@ -45,6 +45,7 @@ from swapper.manager.policy import AccessOrder
 from swapper.manager.stats import StatsRecorder, TierStats
 from tiers.aio import AioEngine
 from tiers.budget import ByteBudget
+from tiers.config import check_swap_dirs
 from tiers.device import DeviceTier
 from tiers.errors import SwapConfigError, SwapIOError
 from tiers.host import HostTier
@@ -61,7 +62,9 @@ class ManagerContext:
     """The tiers, budgets, store and entry table of one manager (see the module docstring).
 
     Raises (constructor):
-        SwapConfigError: the device is not usable, or ``reopen`` with no ``nvme_dirs``.
+        SwapConfigError: the device is not usable, ``reopen`` with no ``nvme_dirs``, or
+            (a new store) an ``nvme_dirs`` entry that is not a directory, or cannot be
+            written or made (named, with the path).
         StoreExistsError: a new store's files exist already.
         ManifestError: ``reopen`` found no manifest, or one not written by a TierManager.
         BackendUnavailableError, SwapIOError: the AIO engine or the store cannot be set up.
@@ -70,6 +73,10 @@ class ManagerContext:
     def __init__(self, config: ManagerConfig, *, reopen: bool) -> None:
         if reopen and not config.nvme_dirs:
             raise SwapConfigError("nothing to reopen: nvme_dirs is empty")
+        if not reopen:
+            # before anything is allocated: a bad directory is named as nvme_dirs here,
+            # not found by the store's first mkdir or write
+            check_swap_dirs(config.nvme_dirs)
         self.config = config
         self.placement = config.tier_order
         self.device = DeviceTier(config.device_nbytes, device=config.device)

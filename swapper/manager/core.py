@@ -94,7 +94,9 @@ class TierManager:
         config: the settings; a new NVMe store is created in ``config.nvme_dirs``.
 
     Raises:
-        SwapConfigError: the device is not usable.
+        SwapConfigError: the device is not usable, or an ``nvme_dirs`` entry is not a
+            directory, or cannot be written or made (the message names nvme_dirs and the
+            path; checked before anything is allocated).
         StoreExistsError: a store of that name is already in the directories (use
             :meth:`open`, or delete it).
         BackendUnavailableError, SwapIOError: the AIO engine or the store's files cannot

@@ -1,5 +1,8 @@
 """``swapper-pressure``: train a GPT under tight budgets and prove it equals an unlimited run.
 
+Human output uses the units of :mod:`swapper.cli_args` (binary prefixes, labelled; times
+in seconds); ``--json`` keeps its keys (bytes as integers, ``stall_fraction`` a fraction).
+
 Exit codes: 0 the runs are bit-identical and every tier stayed within its budget; 1 they
 differ, a budget was exceeded, or the tiers failed (one line on stderr); 2 bad arguments;
 128 + signal number when stopped by SIGINT, SIGTERM or SIGHUP (130, 143, 129), its swap
@@ -19,14 +22,19 @@ from typing import TYPE_CHECKING
 
 from swapper.cli_args import (
     OneLineParser,
+    aio_environment,
+    at_least_arg,
     check_dirs,
     check_output_path,
     count_arg,
+    finite_arg,
+    int_arg,
     run_tool,
+    show_nbytes,
     size_arg,
     write_json,
 )
-from tiers.units import format_size
+from tiers.config import AioConfig
 
 if TYPE_CHECKING:
     from swapper.pressure.runner import PressureResult
@@ -49,8 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="model parameters, e.g. 2M, 100M (default 2M)",
     )
-    p.add_argument("--steps", type=int, default=5, metavar="N", help="default 5")
-    p.add_argument("--seed", type=int, default=0, help="model and data (default 0)")
+    p.add_argument("--steps", type=at_least_arg(1), default=5, metavar="N", help="default 5")
+    p.add_argument("--seed", type=int_arg, default=0, help="model and data (default 0)")
     p.add_argument(
         "--device-budget",
         type=size_arg,
@@ -73,15 +81,19 @@ def build_parser() -> argparse.ArgumentParser:
         "inside and removed at exit (default: a temporary directory)",
     )
     p.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16", help="default bf16")
-    p.add_argument("--batch", type=int, default=4, metavar="N", help="sequences per step")
-    p.add_argument("--seq", type=int, default=64, metavar="N", help="tokens per sequence")
+    p.add_argument(
+        "--batch", type=at_least_arg(1), default=4, metavar="N", help="sequences per step"
+    )
+    p.add_argument(
+        "--seq", type=at_least_arg(1), default=64, metavar="N", help="tokens per sequence"
+    )
     p.add_argument(
         "--sub-group",
         type=count_arg,
         metavar="N",
         help="optimizer sub-group elements (default: a quarter of the host budget)",
     )
-    p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
+    p.add_argument("--lr", type=finite_arg, default=1e-3, help="AdamW learning rate (default 1e-3)")
     p.add_argument("--json", type=Path, metavar="FILE", help="write the results as JSON")
     return p
 
@@ -94,7 +106,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _run(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
+    # Every argument (and SWAPPER_AIO_*) is checked before torch loads or a file is made.
     check_output_path("--json", args.json)
+    dirs = tuple(check_dirs(args.dirs)) if args.dirs else ()
+    aio = aio_environment()
     from swapper.pressure.runner import PressureSettings, run_pressure  # torch loads now
 
     settings = PressureSettings(
@@ -103,12 +118,13 @@ def _run(argv: list[str]) -> int:
         seed=args.seed,
         device_nbytes=args.device_budget,
         host_nbytes=args.host_budget,
-        dirs=tuple(check_dirs(args.dirs)) if args.dirs else (),
+        dirs=dirs,
         dtype=args.dtype,
         batch=args.batch,
         seq=args.seq,
         sub_group_numel=args.sub_group,
         lr=args.lr,
+        aio=AioConfig(**aio),
     )
     result = run_pressure(settings, say=lambda line: print(line, flush=True))
     print(_summary(result))
@@ -128,17 +144,18 @@ def _summary(res: PressureResult) -> str:
         lines.append(f"{i:>4}  {a:<19.12g}  {b:<19.12g}  {'yes' if a == b else 'NO'}")
     for tier in ("device", "host"):
         limit = res.budget_bytes[tier]
-        shown = "unlimited" if limit is None else format_size(limit)
-        lines.append(f"{tier} peak {format_size(res.peak_bytes[tier])} of budget {shown}")
-    mib = 1 << 20
+        shown = "unlimited" if limit is None else show_nbytes(limit)
+        lines.append(f"{tier} peak {show_nbytes(res.peak_bytes[tier])} of budget {shown}")
     lines.append(
-        f"peak RSS {res.peak_rss_bytes / mib:.1f} MiB, bound {res.rss_bound_bytes / mib:.1f} "
-        f"MiB (budgets + baseline {res.baseline_rss_bytes / mib:.1f} + optimizer buffers "
-        f"{16 * res.sub_group_numel / mib:.1f} + 2 x activations "
-        f"{res.activation_bytes / mib:.1f})"
+        f"peak RSS {show_nbytes(res.peak_rss_bytes)}, bound {show_nbytes(res.rss_bound_bytes)} "
+        f"(budgets + baseline {show_nbytes(res.baseline_rss_bytes)} + optimizer buffers "
+        f"{show_nbytes(16 * res.sub_group_numel)} + 2 x activations "
+        f"{show_nbytes(res.activation_bytes)})"
     )
     lines.append(
-        f"bytes moved {format_size(res.bytes_moved)}; stall fraction {res.stall_fraction:.3f}; "
+        f"moved {show_nbytes(res.bytes_moved)} between tiers; stalled "
+        f"{res.stall_fraction * res.seconds:.2f} s waiting for bytes "
+        f"({100 * res.stall_fraction:.1f}% of the budgeted run); "
         f"{res.seconds:.2f} s budgeted vs {res.reference_seconds:.2f} s unlimited"
     )
     lines.append(

@@ -32,12 +32,14 @@ from typing import Any
 
 import torch
 
+from swapper.cli_args import show_nbytes
 from swapper.interrupts import critical
 from swapper.manager import ManagerStats, Tier
 from swapper.pressure.model import GPT, GPTConfig, batches, materialize_
 from swapper.step import DynamicLossScaler, OffloadAdamW, StepConfig
 from swapper.zero.config import OffloadConfig
 from swapper.zero.offload import OffloadedModel
+from tiers.config import AioConfig
 from tiers.errors import SwapConfigError
 from tiers.nvme import content_hash
 
@@ -63,6 +65,8 @@ class PressureSettings:
         sub_group_numel: optimizer sub-group size (``None``: what lets the host budget
             hold 4 sub-groups).
         lr: AdamW learning rate.
+        aio: the I/O settings of the NVMe tier (the command line's come from
+            ``SWAPPER_AIO_*``).
     """
 
     params: int = 2_000_000
@@ -76,8 +80,11 @@ class PressureSettings:
     seq: int = 64
     sub_group_numel: int | None = None
     lr: float = 1e-3
+    aio: AioConfig = dataclasses.field(default_factory=AioConfig)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.aio, AioConfig):
+            raise SwapConfigError(f"aio={self.aio!r} must be an AioConfig")
         if self.dtype not in DTYPES:
             raise SwapConfigError(f"dtype={self.dtype!r} must be one of {sorted(DTYPES)}")
         for name in ("params", "steps", "batch", "seq"):
@@ -272,14 +279,15 @@ def run_pressure(
     say(
         f"swapper-pressure: GPT of {num_params:,} params ({model_config.n_layers} layers, "
         f"d_model {model_config.d_model}), {settings.dtype}, {settings.steps} steps; "
-        f"device budget {device:,} B (16-bit params {param_nbytes:,} B), host budget "
-        f"{host:,} B (optimizer state {state_nbytes:,} B)"
+        f"device budget {show_nbytes(device)} (16-bit params {show_nbytes(param_nbytes)}), "
+        f"host budget {show_nbytes(host)} (optimizer state {show_nbytes(state_nbytes)})"
     )
     with _swap_dirs(settings.dirs) as dirs:
         config = OffloadConfig.create(
             device_nbytes=device,
             host_nbytes=host,
             nvme_dirs=dirs,
+            aio=settings.aio,
             step=StepConfig(sub_group_numel=sub_group),
             device="cpu",
         )
@@ -365,9 +373,9 @@ def _train(
             losses.append(float(loss.detach()))
             say(
                 f"  {label} step {step}: loss {losses[-1]:.6f}  "
-                f"(forward+backward {phases.model_s[-1]:.2f} s, stall "
-                f"{phases.model_stall_s[-1]:.2f}; optimizer {phases.optimizer_s[-1]:.2f} s, "
-                f"stall {phases.optimizer_stall_s[-1]:.2f})"
+                f"(forward+backward {phases.model_s[-1]:.2f} s, stalled "
+                f"{phases.model_stall_s[-1]:.2f} s; optimizer {phases.optimizer_s[-1]:.2f} s, "
+                f"stalled {phases.optimizer_stall_s[-1]:.2f} s)"
             )
         seconds = time.perf_counter() - start
         peak_rss = _peak_rss()
@@ -384,7 +392,7 @@ def _baseline_rss(settings: PressureSettings, dtype: torch.dtype) -> int:
     model_config = GPTConfig.for_params(tiny.params)
     data = batches(model_config, batch=settings.batch, seq=settings.seq, steps=1, seed=0)
     with _swap_dirs(settings.dirs) as dirs:
-        config = OffloadConfig.create(nvme_dirs=dirs, device="cpu")
+        config = OffloadConfig.create(nvme_dirs=dirs, aio=settings.aio, device="cpu")
         _train(model_config, config, data, tiny, dtype, lambda line: None, "baseline")
     return _peak_rss()
 

@@ -297,8 +297,14 @@ class OffloadConfig:
     ) -> OffloadConfig:
         """Build a config from a DeepSpeed config (a mapping, or a JSON file's path).
 
-        What is read (everything else at the top level — ``train_batch_size``, ``fp16``,
-        ``bf16``, ``optimizer``, ``scheduler``, ... — is not ours and is ignored):
+        What is read is below; ``gradient_clipping`` → ``step.max_grad_norm``; the other
+        training sections (``optimizer``, ``fp16``, ``bf16``) are read by
+        :func:`~swapper.zero.deepspeed.load_deepspeed`, which returns them beside this
+        config. Every key given that is not honoured (``scheduler``, ``train_batch_size``,
+        the ZeRO and offload keys listed as not needed below, ``"auto"`` placeholders,
+        ...) is named in one warning (logger ``swapper.zero.deepspeed``); a
+        ``sub_group_size`` (or ours) whose state the host budget cannot hold is reduced
+        to a quarter of it, with one log line.
 
         ``zero_optimization``: ``stage`` must be 3 (parameter offload is ZeRO-3's);
         ``sub_group_size`` → ``sub_group_numel`` (absent: ours, 25M, not DeepSpeed's 1e9);
@@ -327,7 +333,9 @@ class OffloadConfig:
         Gradients: ``grad_tiers`` is left to its default, ``(host, nvme)`` with NVMe
         directories, else ``(host,)``.
 
-        ``aio``: ``block_size``, ``queue_depth``, ``single_submit`` and the thread count
+        ``aio`` (at the top, or inside ``zero_optimization`` as Hugging Face's DeepSpeed
+        guide prints it; both given must agree): ``block_size``, ``queue_depth``,
+        ``single_submit`` and the thread count
         → :class:`AioConfig` (keys not given keep swapper's defaults, not DeepSpeed's).
         The thread count is ``intra_op_parallelism``; ``thread_count`` (older DeepSpeed)
         and ``num_threads`` are honoured as aliases, though current DeepSpeed silently

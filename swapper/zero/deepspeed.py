@@ -1,26 +1,59 @@
 """The DeepSpeed config reader: our :class:`~swapper.zero.OffloadConfig` settings from a
-DeepSpeed config's ``zero_optimization`` and ``aio`` sections.
+DeepSpeed config's ``zero_optimization`` and ``aio`` sections (``aio`` at the top, or
+inside ``zero_optimization`` as Hugging Face's DeepSpeed guide prints it), and what its
+training sections (``optimizer``, ``gradient_clipping``, ``fp16``, ``bf16``) ask of the
+optimizer and the loop (:mod:`swapper.zero.deepspeed_training`).
 
 :func:`deepspeed_settings` returns a mapping of OffloadConfig's flat keys (what
 :meth:`OffloadConfig.from_dict` reads, the keywords of :meth:`OffloadConfig.create`);
-:meth:`OffloadConfig.from_deepspeed` builds the config from it. What is read and what is
-accepted and ignored is listed with the key sets below;
+:meth:`OffloadConfig.from_deepspeed` builds the config from it, and
+:func:`load_deepspeed` gives that config with the
+:class:`~swapper.zero.deepspeed_training.TrainingSettings` beside it. What is read and
+what is accepted and not used is listed with the key sets below;
 :meth:`OffloadConfig.from_deepspeed` documents the mapping.
+
+Nothing is dropped silently: every key given that is not honoured (a top-level key not
+read here such as ``scheduler`` or ``train_batch_size``, a ZeRO key that swapper's
+budgets replace, an ``"auto"`` placeholder) is named in one warning per load (logger
+``swapper.zero.deepspeed``); keys DeepSpeed does not have are refused. A sub-group
+(``sub_group_size``, or ours when absent) whose state (12 B per element) the host budget
+cannot hold is reduced to a quarter of the host budget, with one log line saying so.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from swapper.manager.config import Tier
+from swapper.step.config import DEFAULT_SUB_GROUP_NUMEL
+from swapper.step.layout import ALIGN_NUMEL
+from swapper.zero.deepspeed_training import (
+    TRAINING_KEYS,
+    TrainingSettings,
+    Unhonoured,
+    read_training,
+)
 from tiers.config import AioConfig, read_json_object
 from tiers.errors import SwapConfigError
+from tiers.units import parse_size
 
-__all__ = ["deepspeed_settings"]
+if TYPE_CHECKING:
+    from swapper.zero.config import OffloadConfig
+
+__all__ = ["deepspeed_settings", "load_deepspeed"]
+
+log = logging.getLogger(__name__)
+
+#: Bytes of optimizer state per sub-group element (fp32 master, exp_avg, exp_avg_sq).
+_STATE_BYTES = 12
+#: Sub-groups a reduced ``sub_group_size`` leaves room for in the host budget: one
+#: computing, one written behind, the rest read ahead (as ``swapper-pressure`` sizes them).
+_FIT_SUB_GROUPS = 4
 
 
 def deepspeed_settings(
@@ -28,24 +61,69 @@ def deepspeed_settings(
 ) -> dict[str, Any]:
     """OffloadConfig settings (our keys) from a DeepSpeed config, ``overrides`` winning.
 
-    ``ds`` is a mapping or a JSON file's path.
+    ``ds`` is a mapping or a JSON file's path. Logs the one warning of the module
+    docstring (and the sub-group line) when there is something to say.
 
     Raises:
         OSError: ``ds`` is a path that cannot be read.
         SwapConfigError: see :meth:`~swapper.zero.OffloadConfig.from_deepspeed`; with a
             path, the message names the file.
     """
+    return _deepspeed(ds, overrides)[0]
+
+
+def load_deepspeed(
+    ds: Mapping[str, Any] | str | os.PathLike[str], **overrides: Any
+) -> tuple[OffloadConfig, TrainingSettings]:
+    """A DeepSpeed config read whole: the offload config
+    (:meth:`~swapper.zero.OffloadConfig.from_deepspeed`'s, ``gradient_clipping`` in its
+    ``step.max_grad_norm``) and what the training sections ask of the optimizer and the
+    loop::
+
+        config, training = load_deepspeed("ds.json", device_nbytes=..., host_nbytes=...)
+        model = model.to(training.torch_dtype or torch.bfloat16)  # 16-bit params
+        with swapper.offload(model, config) as wrapped:
+            opt = OffloadAdamW(wrapped.parameters(), **training.optimizer, tiers=wrapped,
+                               loss_scaler=training.make_loss_scaler())
+
+    One warning names every key not honoured (use this rather than calling
+    ``from_deepspeed`` as well, which would warn again).
+
+    Raises:
+        OSError: ``ds`` is a path that cannot be read.
+        SwapConfigError: as :meth:`~swapper.zero.OffloadConfig.from_deepspeed`, and for a
+            training section that cannot be honoured (named); with a path, the message
+            names the file.
+    """
+    from swapper.zero.config import OffloadConfig  # config imports this module
+
+    values, training = _deepspeed(ds, overrides)
+    try:
+        return OffloadConfig.from_dict(values), training
+    except SwapConfigError as exc:
+        if isinstance(ds, (str, os.PathLike)):
+            raise SwapConfigError(f"{os.fspath(ds)}: {exc}") from None
+        raise
+
+
+def _deepspeed(
+    ds: Mapping[str, Any] | str | os.PathLike[str], overrides: Mapping[str, Any]
+) -> tuple[dict[str, Any], TrainingSettings]:
     if isinstance(ds, (str, os.PathLike)):
         data = read_json_object(ds)
         try:
-            return deepspeed_settings(data, overrides)
+            return _deepspeed(data, overrides)
         except SwapConfigError as exc:
             raise SwapConfigError(f"{os.fspath(ds)}: {exc}") from None
     if not isinstance(ds, Mapping):
         raise SwapConfigError(
             f"a DeepSpeed config must be a mapping or a JSON file's path, got {type(ds).__name__}"
         )
-    values, needs_nvme = _read_deepspeed(ds)
+    notes = Unhonoured()
+    values, needs_nvme = _read_deepspeed(ds, notes)
+    training = read_training(ds, notes)
+    if training.max_grad_norm is not None:
+        values["max_grad_norm"] = training.max_grad_norm
     values.update(overrides)
     if not values.get("nvme_dirs"):
         for field, where in needs_nvme:
@@ -54,16 +132,74 @@ def deepspeed_settings(
                     f"{where}.device='nvme' but no {where}.nvme_path is given: name a "
                     "swap directory there, or pass nvme_dirs=[...]"
                 )
-    return values
+    message = notes.message()
+    if message is not None:
+        log.warning("%s", message)
+    _fit_sub_group(values, overrides)
+    return values, training
+
+
+def _fit_sub_group(values: dict[str, Any], overrides: Mapping[str, Any]) -> None:
+    """Reduce ``sub_group_numel`` (the config's, or our default when it gives none) to a
+    quarter of the host budget when the host budget cannot hold one sub-group's state,
+    which OffloadAdamW would refuse; one log line says so. Left alone: a sub-group size
+    the caller passed, kept sub-groups (``host_fraction``), no host budget, or a budget
+    too small for the smallest sub-group (OffloadAdamW's message gives the figures)."""
+    host = values.get("host_nbytes")
+    if isinstance(host, str):
+        try:
+            host = parse_size(host)
+        except ValueError:
+            return  # refused, with its name, when the config is built
+    if (
+        not isinstance(host, int)
+        or isinstance(host, bool)
+        or "sub_group_numel" in overrides
+        or values.get("host_fraction")
+    ):
+        return
+    given = values.get("sub_group_numel")
+    numel = DEFAULT_SUB_GROUP_NUMEL if given is None else given
+    padded = -(-numel // ALIGN_NUMEL) * ALIGN_NUMEL  # as the optimizer lays it out
+    if _STATE_BYTES * padded <= host:
+        return
+    fitted = host // (_FIT_SUB_GROUPS * _STATE_BYTES) // ALIGN_NUMEL * ALIGN_NUMEL
+    if fitted < ALIGN_NUMEL:
+        return
+    values["sub_group_numel"] = fitted
+    where = (
+        f"zero_optimization.sub_group_size={numel}"
+        if given is not None
+        else f"the default sub-group size ({numel} elements; the config gives none)"
+    )
+    log.warning(
+        "%s needs %s of optimizer state per sub-group (12 B per element), more than "
+        "host_nbytes=%d (%s) holds: reduced to %d elements (%s each, a quarter of the "
+        "host budget: one sub-group steps while others are read ahead and written behind)",
+        where,
+        _mib(_STATE_BYTES * padded),
+        host,
+        _mib(host),
+        fitted,
+        _mib(_STATE_BYTES * fitted),
+    )
+
+
+def _mib(nbytes: int) -> str:
+    """Bytes for a log line, in MiB (binary, labelled) with one decimal."""
+    return f"{nbytes / (1 << 20):,.1f} MiB"
 
 
 def _names(tiers: Sequence[Tier]) -> list[str]:
     return [t.value for t in tiers]
 
 
-#: ``zero_optimization`` keys we read.
+#: Top-level keys we read; any other is named in the warning.
+_DS_TOP_READ = frozenset({"zero_optimization", "aio", *TRAINING_KEYS})
+
+#: ``zero_optimization`` keys we read (``aio``: the layout of Hugging Face's guide).
 _DS_ZERO_READ = frozenset(
-    {"stage", "sub_group_size", "offload_param", "offload_optimizer", "cpu_offload_param"}
+    {"stage", "sub_group_size", "offload_param", "offload_optimizer", "cpu_offload_param", "aio"}
 )
 
 #: ``zero_optimization`` keys DeepSpeed has (with the names its aliases also accept) that
@@ -171,15 +307,21 @@ _OPTIMIZER_TIERS_BY_DEVICE = {
 }
 
 
-def _read_deepspeed(ds: Mapping[str, Any]) -> tuple[dict[str, Any], list[tuple[str, str]]]:
-    """Our settings from a DeepSpeed config, and the (field, section) pairs that need NVMe."""
+def _read_deepspeed(
+    ds: Mapping[str, Any], notes: Unhonoured
+) -> tuple[dict[str, Any], list[tuple[str, str]]]:
+    """Our settings from a DeepSpeed config's offload sections, and the (field, section)
+    pairs that need NVMe; the keys not used go to ``notes``."""
     if "zero_optimization" not in ds:
         raise SwapConfigError(
             "the DeepSpeed config has no zero_optimization section: parameter offload needs "
             "'zero_optimization': {'stage': 3, 'offload_param': {...}}"
         )
+    for key in ds:
+        if key not in _DS_TOP_READ:
+            notes.ignored.append(str(key))
     zero = _ds_section(ds["zero_optimization"], "zero_optimization")
-    _check_keys(zero, "zero_optimization", _DS_ZERO_READ, _DS_ZERO_IGNORED)
+    _check_keys(zero, "zero_optimization", _DS_ZERO_READ, _DS_ZERO_IGNORED, notes)
     stage = zero.get("stage", 0)
     if stage != 3 or isinstance(stage, bool):
         raise SwapConfigError(
@@ -213,7 +355,7 @@ def _read_deepspeed(ds: Mapping[str, Any]) -> tuple[dict[str, Any], list[tuple[s
             continue
         where = f"zero_optimization.{key}"
         section = _ds_section(section, where)
-        _check_keys(section, where, read, ignored)
+        _check_keys(section, where, read, ignored, notes)
         device = _ds_offload_device(section, where)
         values[field_name] = _names(tiers_by_device[device])
         if device == "nvme":
@@ -221,8 +363,17 @@ def _read_deepspeed(ds: Mapping[str, Any]) -> tuple[dict[str, Any], list[tuple[s
             dirs += _ds_paths(section.get("nvme_path"), f"{where}.nvme_path")
     values["nvme_dirs"] = list(dict.fromkeys(os.fspath(Path(d)) for d in dirs))
 
-    if ds.get("aio") is not None:
-        values["aio"] = _ds_aio(_ds_section(ds["aio"], "aio"))
+    top, nested = ds.get("aio"), zero.get("aio")
+    if top is not None and nested is not None and top != nested:
+        raise SwapConfigError(
+            "aio and zero_optimization.aio are both given and differ: give the I/O "
+            "settings once (either place is read)"
+        )
+    if top is not None:
+        values["aio"] = _ds_aio(_ds_section(top, "aio"), "aio", notes)
+    elif nested is not None:
+        where = "zero_optimization.aio"
+        values["aio"] = _ds_aio(_ds_section(nested, where), where, notes)
     return values, needs_nvme
 
 
@@ -233,8 +384,13 @@ def _ds_section(value: object, where: str) -> Mapping[str, Any]:
 
 
 def _check_keys(
-    section: Mapping[str, Any], where: str, read: frozenset[str], ignored: frozenset[str]
+    section: Mapping[str, Any],
+    where: str,
+    read: frozenset[str],
+    ignored: frozenset[str],
+    notes: Unhonoured,
 ) -> None:
+    """Refuse keys DeepSpeed does not have; note those swapper does not need."""
     known = read | ignored
     for key in section:
         if key not in known:
@@ -242,6 +398,8 @@ def _check_keys(
                 f"{where}.{key} is not a DeepSpeed setting swapper knows; known: "
                 f"{', '.join(sorted(known))}"
             )
+        if key in ignored:
+            notes.unneeded.append(f"{where}.{key}")
 
 
 def _ds_offload_device(section: Mapping[str, Any], where: str) -> str:
@@ -273,24 +431,24 @@ def _ds_count(value: object, where: str, *, minimum: int) -> int:
     return value
 
 
-def _ds_aio(section: Mapping[str, Any]) -> AioConfig:
-    _check_keys(section, "aio", _DS_AIO_READ, _DS_AIO_IGNORED)
+def _ds_aio(section: Mapping[str, Any], where: str, notes: Unhonoured) -> AioConfig:
+    _check_keys(section, where, _DS_AIO_READ, _DS_AIO_IGNORED, notes)
     if section.get("use_gds"):
         raise SwapConfigError(
-            f"aio.use_gds={section['use_gds']!r}: GPUDirect Storage is not supported by "
+            f"{where}.use_gds={section['use_gds']!r}: GPUDirect Storage is not supported by "
             "swapper; set it to false (reads and writes go through pinned host memory)"
         )
     settings: dict[str, Any] = {}
     for key in ("block_size", "queue_depth"):
         if section.get(key) is not None:
-            settings[key] = _ds_count(section[key], f"aio.{key}", minimum=1)
+            settings[key] = _ds_count(section[key], f"{where}.{key}", minimum=1)
     threads = {
-        key: _ds_count(section[key], f"aio.{key}", minimum=1)
+        key: _ds_count(section[key], f"{where}.{key}", minimum=1)
         for key in _DS_AIO_THREADS
         if section.get(key) is not None
     }
     if len(set(threads.values())) > 1:
-        given = ", ".join(f"aio.{key}={value}" for key, value in threads.items())
+        given = ", ".join(f"{where}.{key}={value}" for key, value in threads.items())
         raise SwapConfigError(
             f"{given}: each sets the I/O thread count, and they disagree; give one "
             "(intra_op_parallelism is DeepSpeed's current name)"
@@ -300,9 +458,9 @@ def _ds_aio(section: Mapping[str, Any]) -> AioConfig:
     if section.get("single_submit") is not None:
         single = section["single_submit"]
         if not isinstance(single, bool):
-            raise SwapConfigError(f"aio.single_submit={single!r} must be true or false")
+            raise SwapConfigError(f"{where}.single_submit={single!r} must be true or false")
         settings["single_submit"] = single
     try:
         return AioConfig(**settings)
     except SwapConfigError as exc:
-        raise SwapConfigError(f"aio: {exc}") from None
+        raise SwapConfigError(f"{where}: {exc}") from None

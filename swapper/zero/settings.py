@@ -74,8 +74,8 @@ PASSTHROUGH_KEYS = tuple(
 )
 
 #: Keys also taken at the top level of ``from_dict``, for ``step.*`` (as DeepSpeed's
-#: ``sub_group_size`` maps to one of them).
-STEP_ALIASES = ("sub_group_numel", "host_fraction")
+#: ``sub_group_size`` and ``gradient_clipping`` map to two of them).
+STEP_ALIASES = ("sub_group_numel", "host_fraction", "max_grad_norm")
 
 #: Settings in bytes, which JSON may give as sizes such as ``"64MiB"``.
 _BYTE_KEYS = frozenset(
