@@ -1,0 +1,100 @@
+"""What swapper's hooks cost when there is nothing to move: forward + backward of a deep,
+narrow GPT through ``swapper.offload`` with unlimited budgets, against the same model in
+plain PyTorch, as the number of parameter tensors grows.
+
+Little compute per module (``--d-model 64``) so that the per-module cost of the hooks
+(fetch, release, read-ahead, moving each gradient into its retained 16-bit buffer) shows.
+For each depth the plain and the offloaded model (same weights, same batch) alternate
+``--iters`` times after ``--warmup`` untimed iterations; the figure is the ratio of the
+medians. ``--window`` also runs the offloaded model with that read-ahead window
+(``prefetch_nbytes``), the setting under which each fetch used to walk the recorded order.
+
+    python tools/hook_overhead.py --layers 8 16 32 64 --iters 10
+    python tools/hook_overhead.py --layers 32 64 --window 1MiB
+
+No optimizer step is timed (the hooks are the subject); the gradients the offloaded run
+keeps accumulate in their retained buffers, as they do over micro-steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+
+import swapper
+from swapper.cli_args import size_arg
+from swapper.pressure.model import GPT, GPTConfig
+from swapper.zero import OffloadConfig
+
+
+def _timed(run: Callable[[], None]) -> float:
+    start = time.perf_counter()
+    run()
+    return time.perf_counter() - start
+
+
+def _measure(layers: int, args: argparse.Namespace, window: int | None) -> dict[str, float]:
+    torch.manual_seed(0)
+    config = GPTConfig(
+        vocab_size=256, context=args.seq, d_model=args.d_model, n_layers=layers, n_heads=4
+    )
+    plain = GPT(config).to(torch.bfloat16)
+    offloaded_model = copy.deepcopy(plain)
+    tensors = sum(1 for _ in plain.parameters())
+    tokens = torch.randint(0, 256, (args.batch, args.seq + 1))
+
+    def plain_step() -> None:
+        plain.loss(tokens).backward()
+        plain.zero_grad(set_to_none=True)
+
+    settings = OffloadConfig.create(prefetch_nbytes=window, device="cpu")
+    with swapper.offload(offloaded_model, settings):
+
+        def offloaded_step() -> None:
+            offloaded_model.loss(tokens).backward()  # the hooks are on its modules
+
+        for _ in range(args.warmup):
+            plain_step()
+            offloaded_step()
+        plain_s: list[float] = []
+        offload_s: list[float] = []
+        for _ in range(args.iters):
+            plain_s.append(_timed(plain_step))
+            offload_s.append(_timed(offloaded_step))
+    p, o = statistics.median(plain_s), statistics.median(offload_s)
+    return {"tensors": tensors, "plain_s": p, "swapper_s": o, "ratio": o / p}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layers", type=int, nargs="+", default=[8, 16, 32, 64])
+    parser.add_argument("--d-model", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--window", type=size_arg, default=None, help="also with this window")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    print(f"{'layers':>6} {'tensors':>7} {'window':>8} {'plain ms':>9} {'swapper ms':>10} ratio")
+    for layers in args.layers:
+        for window in [None] if args.window is None else [None, args.window]:
+            r = _measure(layers, args, window)
+            shown = "none" if window is None else f"{window >> 10}KiB"
+            print(
+                f"{layers:>6} {int(r['tensors']):>7} {shown:>8} {r['plain_s'] * 1e3:>9.1f} "
+                f"{r['swapper_s'] * 1e3:>10.1f} {r['ratio']:.2f}",
+                flush=True,
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
