@@ -1,0 +1,121 @@
+"""Which parameters to read ahead after each fetch, along the recorded fetch order.
+
+Job: given the order in which one training step fetched the parameters (recorded on the
+first step; it repeats every step) and each one's size, answer, at every fetch, which keys
+to ask the manager to read ahead: those that come next in the order, up to a window of
+``window_nbytes`` bytes and ``max_tensors`` tensors (whichever is reached first), wrapping
+around into the next step.
+
+Cost: each call is O(log n + keys returned), and over a whole step the keys returned number
+at most ``(1 + RETRY) * n`` (plus ``max_tensors`` per repeated use of a key): a key enters
+the window once (the *frontier* remembers how far
+read-ahead has been asked for), and only the next :data:`RETRY` keys are asked for again
+at every fetch (a read-ahead the manager dropped for want of room gets another chance just
+before it is needed). The earlier scheme walked the whole window at every fetch, which
+without a window meant the whole order: a per-hook cost growing with the model's tensor
+count (18.9 x plain PyTorch at 388 tensors, ``tools/hook_overhead.py``).
+
+Positions are *unrolled*: position ``i`` of the next step is ``i + n``, so the window may
+run past the end of the order; the cursor (the position of the last fetch) is in
+``[0, n)``, the frontier in ``[cursor + 1, cursor + n]``.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Mapping, Sequence
+
+from tiers.errors import SwapConfigError
+
+__all__ = ["DEFAULT_MAX_TENSORS", "RETRY", "ReadAhead"]
+
+#: Tensors read ahead at most (besides the byte window). Enough to keep a deep model's next
+#: few modules in flight; small enough that one fetch never asks for a whole model.
+DEFAULT_MAX_TENSORS = 64
+
+#: The next keys asked for again at every fetch (their read-ahead may have been dropped).
+RETRY = 2
+
+
+class ReadAhead:
+    """The read-ahead plan of one recorded order (not thread-safe: the caller's lock).
+
+    Args:
+        order: keys in fetch order (a key may appear several times: tied weights).
+        nbytes: each key's size in bytes.
+        window_nbytes: at most this many bytes ahead of the current fetch (``None``: no
+            byte bound).
+        max_tensors: at most this many positions ahead (>= 0).
+
+    Raises:
+        SwapConfigError: ``max_tensors`` is negative, ``window_nbytes`` is negative, or a
+            key of ``order`` has no size.
+    """
+
+    def __init__(
+        self,
+        order: Sequence[str],
+        nbytes: Mapping[str, int],
+        *,
+        window_nbytes: int | None,
+        max_tensors: int = DEFAULT_MAX_TENSORS,
+    ) -> None:
+        if max_tensors < 0:
+            raise SwapConfigError(f"read-ahead max_tensors={max_tensors} must be >= 0")
+        if window_nbytes is not None and window_nbytes < 0:
+            raise SwapConfigError(f"read-ahead window_nbytes={window_nbytes} must be >= 0")
+        missing = [k for k in order if k not in nbytes]
+        if missing:
+            raise SwapConfigError(f"read-ahead order names keys without a size: {missing[:5]}")
+        self._order = list(order)
+        self._window = window_nbytes
+        self._max_tensors = max_tensors
+        self._positions: dict[str, list[int]] = {}
+        for i, key in enumerate(self._order):
+            self._positions.setdefault(key, []).append(i)
+        n = len(self._order)
+        # prefix[j] = bytes of unrolled positions [0, j), over two steps.
+        self._prefix = [0]
+        for j in range(2 * n):
+            self._prefix.append(self._prefix[-1] + nbytes[self._order[j % n]])
+        self._cursor = -1
+        self._frontier = 0
+
+    @property
+    def order(self) -> list[str]:
+        """The recorded order (a copy)."""
+        return list(self._order)
+
+    def after(self, key: str) -> list[str]:
+        """``key`` is being fetched: the keys to read ahead now (distinct, never ``key``),
+        nearest first. A key not in the order returns nothing and moves nothing."""
+        positions = self._positions.get(key)
+        if not positions:
+            return []
+        n = len(self._order)
+        i = bisect.bisect_right(positions, self._cursor)
+        cursor = positions[i] if i < len(positions) else positions[0]
+        if cursor <= self._cursor:  # a new step: unrolled positions move back by n
+            self._frontier -= n
+        self._cursor = cursor
+        start = cursor + 1
+        end = min(start + self._max_tensors, cursor + n)  # never the fetch itself again
+        if self._window is not None:
+            # The furthest end whose bytes from start fit the window.
+            limit = self._prefix[start] + self._window
+            end = min(end, bisect.bisect_right(self._prefix, limit, start, end + 1) - 1)
+        end = max(end, start)
+        frontier = max(self._frontier, start)
+        retry_end = min(start + RETRY, end)
+        ahead: dict[str, None] = {}
+        reached = max(frontier, end)
+        for j in (*range(start, retry_end), *range(max(frontier, retry_end), end)):
+            next_key = self._order[j % n]
+            if next_key != key:
+                ahead[next_key] = None
+            elif j >= frontier:
+                # A later use of the key being fetched (a tied weight): ask for it from the
+                # next fetch on, once this one may have released it.
+                reached = min(reached, j)
+        self._frontier = reached
+        return list(ahead)
