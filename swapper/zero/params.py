@@ -41,6 +41,11 @@ class Slot:
     #: fp32 L2 norm of the retained gradient, taken when it is moved in (while it is in
     #: memory anyway), so that the optimizer's global norm reads nothing back from NVMe
     grad_norm: torch.Tensor | None = None
+    #: the device the parameter was on when wrapped (where unwrap() puts it back)
+    home: torch.device = dataclasses.field(default_factory=lambda: torch.device("cpu"))
+    #: ``param._version`` when swapper last set ``.data``: a different value means an
+    #: in-place write on the parameter since (see :mod:`swapper.zero.weights`)
+    version: int = 0
 
     @property
     def key(self) -> str:
