@@ -224,6 +224,41 @@ def test_weights_that_do_not_fit_raise_and_stay_in_the_tiers(
     _assert_bitwise(model.state_dict(), before)
 
 
+def test_block_that_raised_keeps_its_error_when_weights_do_not_fit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    model = _mlp()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    monkeypatch.setattr(weights, "available_nbytes", lambda device: 1000)
+    wrapped = swapper.offload(model, _tight(tmp_path))
+    with pytest.raises(ValueError, match="the block's own"), wrapped:
+        raise ValueError("the block's own")
+    assert "still in the tiers" in caplog.text
+    _assert_bitwise(dict(wrapped.iter_state_dict()), before)  # nothing lost
+    wrapped.close()
+
+
+def test_unwrap_inside_a_forward_raises_and_changes_nothing(tmp_path: Path) -> None:
+    model = _mlp()
+    wrapped = swapper.offload(model, _tight(tmp_path))
+    raised: list[BaseException] = []
+
+    def unwrap_now(module: nn.Module, args: object) -> None:
+        try:
+            wrapped.unwrap()
+        except swapper.SwapConfigError as exc:
+            raised.append(exc)
+
+    handle = model[3].register_forward_pre_hook(unwrap_now)
+    with torch.no_grad():
+        wrapped(_data()[0][0])
+    handle.remove()
+    assert len(raised) == 1 and "in use" in str(raised[0])
+    assert all(p.numel() == 0 for p in model.parameters())  # still offloaded
+    wrapped.unwrap()
+    assert all(p.numel() > 0 for p in model.parameters())
+
+
 def test_state_dict_after_close_raises_instead_of_saving_empty(tmp_path: Path) -> None:
     model = _mlp()
     wrapped = swapper.offload(model, _tight(tmp_path))

@@ -30,6 +30,9 @@ its placement with room (device, else pinned host, else written to NVMe), and a 
 built on the meta device is materialised module by module (``materialize``), so a model
 larger than host memory can be initialised.
 
+Weights outside the step (``state_dict``/``load_state_dict`` of the model, ``unwrap()`` when
+the block is left, in-place writes outside the hooks) are in :mod:`swapper.zero.weights`.
+
 Layout: the parameter records and the optimizer's view of them are in
 :mod:`swapper.zero.params`, the autograd plumbing in :mod:`swapper.zero.autograd`. What
 stays here (~560 lines) is one state machine: the hooks, the hold counts they share
