@@ -171,6 +171,19 @@ def test_load_state_dict_size_mismatch_names_the_real_shape(tmp_path: Path) -> N
             model.load_state_dict(bad)
 
 
+def test_offloaded_sub_module_inside_a_plain_parent_round_trips(tmp_path: Path) -> None:
+    parent = nn.Sequential(nn.Linear(4, 4).bfloat16())
+    inner = _mlp()
+    expected = {f"1.module.{k}": v.clone() for k, v in inner.state_dict().items()}
+    with swapper.offload(inner, _tight(tmp_path)) as wrapped:
+        parent.append(wrapped)
+        saved = parent.state_dict()
+        assert {k: v for k, v in saved.items() if k.startswith("1.")}.keys() == expected.keys()
+        _assert_bitwise({k: saved[k] for k in expected}, expected)
+        parent.load_state_dict(saved)  # the keys a parent's load expects
+        _assert_bitwise(wrapped.state_dict(prefix="1.module."), expected)
+
+
 def test_tied_weights_saved_under_both_names_and_stay_tied(tmp_path: Path) -> None:
     config = GPTConfig(vocab_size=64, context=16, d_model=32, n_layers=2, n_heads=2)
     model = GPT(config).to(torch.bfloat16)

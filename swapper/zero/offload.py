@@ -269,8 +269,12 @@ class OffloadedModel(nn.Module):
         """The wrapped model's ``state_dict()`` (keys its own, no ``module.`` prefix):
         its state-dict hooks put in ordinary CPU copies of the parameters, fetched one
         at a time (see :mod:`swapper.zero.weights`); the same as
-        ``wrapped.module.state_dict(...)``."""
-        return self.module.state_dict(*args, **kwargs)
+        ``wrapped.module.state_dict(...)``. Called by a parent module's ``state_dict``
+        (``destination=`` given), it is ``nn.Module``'s, keys under ``module.`` as the
+        parent's ``load_state_dict`` expects them."""
+        if args or "destination" in kwargs:
+            return super().state_dict(*args, **kwargs)
+        return self.module.state_dict(**kwargs)
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:  # type: ignore[override]
         """The wrapped model's ``load_state_dict`` (keys its own): each offloaded
