@@ -292,7 +292,19 @@ def _zero(param: nn.Parameter) -> None:
         param.zero_()
 
 
-@pytest.mark.parametrize("write", [_init_normal, _zero], ids=["init.normal_", "zero_"])
+def _data_normal(param: nn.Parameter) -> None:
+    param.data.normal_(mean=0.0, std=0.02)  # as Hugging Face's _init_weights
+
+
+def _data_fill(param: nn.Parameter) -> None:
+    param.data.fill_(1.0)
+
+
+@pytest.mark.parametrize(
+    "write",
+    [_init_normal, _zero, _data_normal, _data_fill],
+    ids=["init.normal_", "zero_", "data.normal_", "data.fill_"],
+)
 @pytest.mark.parametrize("then", ["forward", "state_dict", "unwrap"])
 def test_write_outside_hooks_raises_naming_the_parameter(
     tmp_path: Path, write: object, then: str

@@ -61,7 +61,15 @@ from swapper.zero.autograd import in_autograd, mark_outputs
 from swapper.zero.config import OffloadConfig
 from swapper.zero.params import Slot, TieredParams
 from swapper.zero.settings import tiers_of
-from swapper.zero.weights import WeightHooks, check_unwritten, fetch_copy, leave, unwrap
+from swapper.zero.weights import (
+    WeightHooks,
+    check_unwritten,
+    fetch_copy,
+    guard,
+    leave,
+    unguard,
+    unwrap,
+)
 from tiers import signals
 from tiers.errors import SwapConfigError
 from tiers.units import format_size
@@ -165,6 +173,7 @@ class OffloadedModel(nn.Module):
             if self._weights is not None:
                 self._weights.remove()
             # Nothing lost: the parameters emptied so far get their own bytes back.
+            unguard(self._by_name.values())
             for param, data in self._originals:
                 param.data = data
             self._manager.close(remove=True)
@@ -304,6 +313,7 @@ class OffloadedModel(nn.Module):
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        unguard(self._by_name.values())
         self._manager.close(remove=True)
         _WRAPPED.discard(self.module)
 
@@ -406,6 +416,7 @@ class OffloadedModel(nn.Module):
         self._originals.append((param, param.data))
         param.data = slot.placeholder  # the tiers hold it now
         slot.version = param._version  # a write from now on would be lost: noticed
+        guard(slot)  # (and one through .data)
         self._slots[id(param)] = slot
         self._by_name[name] = slot
         return slot

@@ -46,6 +46,9 @@ class Slot:
     #: ``param._version`` when swapper last set ``.data``: a different value means an
     #: in-place write on the parameter since (see :mod:`swapper.zero.weights`)
     version: int = 0
+    #: ``placeholder._version`` then: ``param.data`` of a guarded parameter between uses
+    #: is the placeholder itself, so a write through ``.data`` shows here
+    placeholder_version: int = 0
 
     @property
     def key(self) -> str:

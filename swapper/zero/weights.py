@@ -14,20 +14,24 @@ a clear error:
   through to the tiers (one parameter at a time) and takes it out of what torch copies
   into the placeholder; a post-hook keeps those keys out of ``missing_keys``. A shape
   mismatch is reported with the parameter's real shape;
-- in-place writes on the parameter itself outside the hooks (``torch.nn.init.*``,
-  ``param.zero_()``, ``param.copy_(...)`` under ``no_grad``): they land on the placeholder
-  and cannot be recovered, but they bump ``param._version``; swapper records the version
-  whenever it sets ``.data`` and raises :class:`OffloadedWriteError` naming the parameter
-  at the next fetch, ``state_dict()`` or ``unwrap()``. A write made while the parameter is
-  fetched (inside a forward) lands in the fetched bytes and is written back when it is
-  released (``modified=True``);
+- in-place writes outside the hooks, on the parameter (``torch.nn.init.*``,
+  ``param.zero_()`` under ``no_grad``) or through ``.data`` (``param.data.normal_()``, as
+  Hugging Face's ``_init_weights`` does): they land on the placeholder and cannot be
+  recovered, but they bump a version counter: ``param._version``, or, since an offloaded
+  ``nn.Parameter`` is a :class:`GuardedParameter` whose ``.data`` between uses is the
+  placeholder object itself (not a fresh alias with a counter of its own), the
+  placeholder's. Swapper records both whenever it sets ``.data`` and raises
+  :class:`OffloadedWriteError` naming the parameter at its next fetch, ``state_dict()`` or
+  ``unwrap()``. A write on the parameter while it is fetched (inside a forward) lands in
+  the fetched bytes and is written back when it is released (``modified=True``);
 - :func:`restore`: what ``unwrap()`` and leaving ``with swapper.offload(...)`` use: every
   parameter copied back into an ordinary tensor on the device it was on when wrapped,
   after a check that they fit (else :class:`WeightsDoNotFitError`, nothing changed).
 
-Not caught: a write through a ``.data`` alias (``param.data.normal_()``): ``.data`` is a
-new tensor with its own version counter, so the write to 0 elements leaves no trace.
-``param.data.copy_(x)`` with a non-empty ``x`` raises torch's own size error.
+Not caught: a write through ``.data`` while the parameter is fetched (written, but not
+marked modified), and writes to a parameter of an ``nn.Parameter`` subclass (not guarded:
+its class is left alone). ``param.data.copy_(x)`` with a non-empty ``x`` raises torch's own
+size error.
 """
 
 from __future__ import annotations
@@ -35,9 +39,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -55,14 +59,17 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 __all__ = [
+    "GuardedParameter",
     "OffloadedWriteError",
     "WeightHooks",
     "WeightsDoNotFitError",
     "available_nbytes",
     "check_unwritten",
     "fetch_copy",
+    "guard",
     "leave",
     "restore",
+    "unguard",
     "unwrap",
 ]
 
@@ -78,6 +85,62 @@ class OffloadedWriteError(SwapError, RuntimeError):
     bytes were in the tiers; the write landed on the empty placeholder and is lost."""
 
 
+#: ``torch.Tensor.data``'s own descriptor (what :class:`GuardedParameter` falls back to).
+_TENSOR_DATA: Any = torch._C.TensorBase.__dict__["data"]
+
+#: id(param) → (a weak reference to it, its placeholder), while it is guarded.
+_PLACEHOLDERS: dict[int, tuple[weakref.ref[nn.Parameter], torch.Tensor]] = {}
+
+
+class GuardedParameter(nn.Parameter):
+    """An offloaded ``nn.Parameter`` (its class while wrapped; ``nn.Parameter`` again after
+    ``unwrap()``/``close()``). Only ``.data`` differs: between uses it returns the
+    placeholder object itself rather than a fresh alias, so that a write through it bumps
+    a version counter swapper reads. ``__torch_function__`` stays disabled (no cost in
+    torch calls); pickled, it is an ``nn.Parameter``."""
+
+    @property
+    def data(self) -> torch.Tensor:  # type: ignore[override]
+        current = _TENSOR_DATA.__get__(self)
+        entry = _PLACEHOLDERS.get(id(self))
+        if entry is not None and entry[0]() is self and current.numel() == 0:
+            return entry[1]
+        return current
+
+    @data.setter
+    def data(self, value: torch.Tensor) -> None:  # pyright: ignore[reportIncompatibleVariableOverride]
+        _TENSOR_DATA.__set__(self, value)
+
+
+def guard(slot: Slot) -> None:
+    """Make the slot's parameter a :class:`GuardedParameter` (an exact ``nn.Parameter``
+    only; a subclass of its own is left alone) and record the placeholder versions."""
+    param = slot.param
+    slot.placeholder_version = slot.placeholder._version
+    if type(param) is not nn.Parameter:
+        return
+    key = id(param)
+
+    def forget(ref: weakref.ref[nn.Parameter], key: int = key) -> None:
+        entry = _PLACEHOLDERS.get(key)
+        if entry is not None and entry[0] is ref:  # (not a later parameter of the same id)
+            del _PLACEHOLDERS[key]
+
+    _PLACEHOLDERS[key] = (weakref.ref(param, forget), slot.placeholder)
+    param.__class__ = GuardedParameter
+
+
+def unguard(slots: Iterable[Slot]) -> None:
+    """Give the parameters back their ``nn.Parameter`` class (idempotent)."""
+    for slot in slots:
+        param = slot.param
+        entry = _PLACEHOLDERS.get(id(param))
+        if entry is not None and entry[0]() is param:
+            del _PLACEHOLDERS[id(param)]
+        if type(param) is GuardedParameter:
+            cast(Any, param).__class__ = nn.Parameter
+
+
 def check_unwritten(slot: Slot) -> None:
     """Raise if the parameter was written in place since swapper last set its ``.data``
     (it is not fetched now). The error is raised once: the version is recorded again, the
@@ -86,13 +149,14 @@ def check_unwritten(slot: Slot) -> None:
     Raises:
         OffloadedWriteError: naming the parameter and how to write it instead.
     """
-    version = slot.param._version
-    if version == slot.version:
+    version, placeholder_version = slot.param._version, slot.placeholder._version
+    if version == slot.version and placeholder_version == slot.placeholder_version:
         return
-    slot.version = version
+    slot.version, slot.placeholder_version = version, placeholder_version
     raise OffloadedWriteError(
         f"offload: parameter {slot.name!r} (shape {list(slot.shape)}) was written in place "
-        "outside the forward/backward (torch.nn.init.*, param.copy_/zero_/fill_ ...) while "
+        "outside the forward/backward (torch.nn.init.*, param.zero_(), param.data.normal_() "
+        "...) while "
         "its bytes were in the tiers: the write landed on an empty placeholder and is lost "
         "(the parameter keeps the value the tiers hold). Write offloaded parameters with "
         "model.load_state_dict({name: value}, strict=False), which writes through to the "
@@ -125,8 +189,8 @@ def _held(model: OffloadedModel, slot: Slot, *, write: bool) -> Iterator[torch.T
             )
         yield slot.param.data
         return
-    if write:
-        slot.version = slot.param._version  # a lost write before is superseded by this one
+    if write:  # a lost write before is superseded by this one
+        slot.version, slot.placeholder_version = slot.param._version, slot.placeholder._version
     else:
         check_unwritten(slot)
     manager = model.manager
