@@ -224,7 +224,8 @@ def write_through(model: OffloadedModel, slot: Slot, value: torch.Tensor) -> Non
     in the tiers; the manager writes it back to NVMe as needed."""
     with torch.no_grad(), _held(model, slot, write=True) as tensor, signals.held:
         tensor.view(slot.shape).copy_(value)
-    slot.version = slot.param._version  # the load is the parameter's value now
+    # the load is the parameter's value now
+    slot.version, slot.placeholder_version = slot.param._version, slot.placeholder._version
 
 
 def available_nbytes(device: torch.device) -> int | None:
