@@ -427,6 +427,30 @@ def test_second_step_reads_ahead_along_recorded_order(tmp_path: Path) -> None:
     assert misses[1] < misses[0]
 
 
+def test_read_ahead_is_bounded_in_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each fetch requests at most READ_AHEAD_TENSORS parameters, the next ones along the
+    recorded order, however many the model has (before, every fetch re-requested all of
+    them: a hook's cost grew with the model's tensor count)."""
+    from swapper.zero.offload import READ_AHEAD_TENSORS
+
+    layers = READ_AHEAD_TENSORS  # 2 tensors each: twice the bound
+    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(layers)]).to(torch.bfloat16)
+    x = torch.randn(2, 4).to(torch.bfloat16)
+    with swapper.offload(model, _unlimited()) as wrapped:
+        wrapped(x).float().sum().backward()  # records the order
+        requests: list[list[str]] = []
+        monkeypatch.setattr(
+            wrapped.manager, "prefetch", lambda keys, tier=None: requests.append(list(keys)) or 0
+        )
+        with torch.no_grad():
+            wrapped(x)
+    assert len(requests) == 2 * layers
+    assert max(len(r) for r in requests) == READ_AHEAD_TENSORS
+    first = requests[0]  # after the first fetch (0.weight): the next ones, in order
+    assert first[:3] == ["param/0.bias", "param/1.weight", "param/1.bias"]
+    assert len(set(first)) == len(first)
+
+
 # -- 6. a model built on the meta device is materialised into the tiers ----------------------
 
 

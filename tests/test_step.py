@@ -218,17 +218,18 @@ class FlatAdamW:
 def _reference_norm_and_factor(
     grads16: list[torch.Tensor], *, max_norm: float | None = None, scale: float | None = None
 ) -> tuple[float, float]:
-    """Mirror of OffloadAdamW._grad_norm / _grad_factor: per-tensor fp32 norms, the norm of
-    those, divided by the loss scale; factor = 1/scale × min(1, max_norm / (norm + 1e-6))."""
-    norms = [torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads16]
-    total = float(torch.linalg.vector_norm(torch.stack(norms)))
+    """What torch does: ``torch.nn.utils.get_total_norm`` of the fp32 gradients (divided by
+    the loss scale, a power of two, as GradScaler.unscale_ would have made them) and the
+    fp32 clip coefficient ``clamp(max_norm / (norm + 1e-6), max=1)`` of
+    ``clip_grad_norm_``; factor = 1/scale x that coefficient."""
+    total = torch.nn.utils.get_total_norm([g.float() for g in grads16])
     factor = 1.0
     if scale is not None:
-        total /= scale
+        total = total / scale
         factor = 1.0 / scale
     if max_norm is not None:
-        factor *= min(1.0, max_norm / (total + 1e-6))
-    return total, factor
+        factor *= float(torch.clamp(max_norm / (total + 1e-6), max=1.0))
+    return float(total), factor
 
 
 def _assert_params_equal(

@@ -381,6 +381,10 @@ def _train(
         peak_rss = _peak_rss()
         stats = wrapped.stats()
         hashes = {name: content_hash(t) for name, t in wrapped.iter_state_dict()}
+        # hashed one at a time: close rather than give the whole model back into memory
+        # (what leaving the block would do), which could exceed a run's memory
+        optimizer.close()
+        wrapped.close()
     return _Run(losses, hashes, stats, seconds, peak_rss, activations.peak_nbytes, phases)
 
 

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from swapper.manager import ManagerConfig, TierManager
+from swapper.step.clip import clip_coefficient, grad_norm32, total_norm
 from swapper.step.config import DEFAULT_SUB_GROUP_NUMEL, StepConfig, check_hyper
 from swapper.step.layout import SubGroup, plan_sub_groups
 from swapper.step.params import check_params, fp32_accumulators
@@ -263,7 +264,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         self.last_step = StepReport(
             step=self._step_count,
             skipped=skipped,
-            grad_norm=grad_norm,
+            grad_norm=None if grad_norm is None else float(grad_norm),
             seconds=time.perf_counter() - started,
             stall_seconds=self.manager.stats().stall_s - stall_before,
             traffic=self._pipeline.traffic_since(before),
@@ -400,32 +401,41 @@ class OffloadAdamW(torch.optim.Optimizer):
 
     # -- one step -------------------------------------------------------------------------
 
-    def _grad_norm(self) -> tuple[float | None, bool]:
-        """(unscaled global L2 norm, found inf/NaN), when clipping or scaling needs it."""
+    def _grad_norm(self) -> tuple[torch.Tensor | None, bool]:
+        """(unscaled global L2 norm as a 0-dim fp32 tensor, found inf/NaN), when clipping
+        or scaling needs it; computed as ``clip_grad_norm_`` does (see
+        :mod:`swapper.step.clip`)."""
         if self.max_grad_norm is None and self.loss_scaler is None:
             return None, False
         if self._accumulators:
-            norms = [torch.linalg.vector_norm(a, dtype=torch.float32) for a in self._accumulators]
+            # per parameter, as the reference's fp32 .grad tensors would be
+            norms = [
+                n
+                for group, acc in zip(self.param_groups, self._accumulators, strict=True)
+                for n in grad_norm32(acc.split([p.numel() for p in group["params"]]))
+            ]
         else:
             norms = self._source.grad_norms(self._all_params())
         if not norms:
-            return 0.0, False
-        device = norms[0].device
-        # one host sync for the whole norm, not one per gradient
-        total = float(torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms])))
-        if not math.isfinite(total):
+            return torch.tensor(0.0), False
+        total = total_norm(norms)  # one host sync below for the whole norm
+        if not math.isfinite(float(total)):
             return total, True
         if self.loss_scaler is not None:
-            total /= self.loss_scaler.loss_scale
+            # the scale is a power of two: dividing the norm is exact, and equals the
+            # norm of the unscaled gradients that GradScaler.unscale_ would give
+            total = total / self.loss_scaler.loss_scale
         return total, False
 
-    def _grad_factor(self, grad_norm: float | None) -> float:
-        """What the fp32 gradients are multiplied by: 1/scale, times the clip coefficient."""
+    def _grad_factor(self, grad_norm: torch.Tensor | None) -> float:
+        """What the fp32 gradients are multiplied by: 1/scale, times the clip coefficient
+        (computed in fp32 as ``clip_grad_norm_`` does; the returned float is that fp32
+        value exactly, so multiplying an fp32 tensor by it rounds as torch does)."""
         factor = 1.0
         if self.loss_scaler is not None:
             factor = 1.0 / self.loss_scaler.loss_scale
         if self.max_grad_norm is not None and grad_norm is not None:
-            factor *= min(1.0, self.max_grad_norm / (grad_norm + 1e-6))
+            factor *= float(clip_coefficient(grad_norm, self.max_grad_norm))
         return factor
 
     def _run(self, target: int, factor: float) -> None:

@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 
+from swapper.step.clip import grad_norm32
+
 if TYPE_CHECKING:
     from swapper.manager import TierManager
     from swapper.step.config import StepConfig
@@ -49,8 +51,8 @@ class ParamSource(Protocol):
         ...
 
     def grad_norms(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """The fp32 L2 norm (``torch.linalg.vector_norm(grad, dtype=torch.float32)``) of
-        each parameter's gradient that exists, for the global norm."""
+        """The fp32 L2 norm of each parameter's gradient that exists, for the global
+        norm, rounded as ``clip_grad_norm_`` rounds it (:func:`swapper.step.clip.grad_norm32`)."""
         ...
 
     def zero_grad(self, params: Sequence[torch.Tensor]) -> None:
@@ -84,11 +86,7 @@ class LocalParams:
         param.detach().view(-1)[start : start + source.numel()].copy_(source)
 
     def grad_norms(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        return [
-            torch.linalg.vector_norm(p.grad, dtype=torch.float32)
-            for p in params
-            if p.grad is not None
-        ]
+        return grad_norm32([p.grad for p in params if p.grad is not None])
 
     def zero_grad(self, params: Sequence[torch.Tensor]) -> None:
         for p in params:

@@ -2,5 +2,12 @@
 
 from swapper.zero.config import OffloadConfig
 from swapper.zero.offload import OffloadedModel, offload
+from swapper.zero.weights import OffloadedWriteError, WeightsDoNotFitError
 
-__all__ = ["OffloadConfig", "OffloadedModel", "offload"]
+__all__ = [
+    "OffloadConfig",
+    "OffloadedModel",
+    "OffloadedWriteError",
+    "WeightsDoNotFitError",
+    "offload",
+]

@@ -30,6 +30,9 @@ its placement with room (device, else pinned host, else written to NVMe), and a 
 built on the meta device is materialised module by module (``materialize``), so a model
 larger than host memory can be initialised.
 
+Weights outside the step (``state_dict``/``load_state_dict`` of the model, ``unwrap()`` when
+the block is left, in-place writes outside the hooks) are in :mod:`swapper.zero.weights`.
+
 Layout: the parameter records and the optimizer's view of them are in
 :mod:`swapper.zero.params`, the autograd plumbing in :mod:`swapper.zero.autograd`. What
 stays here (~560 lines) is one state machine: the hooks, the hold counts they share
@@ -51,12 +54,22 @@ import torch
 from torch import nn
 
 from swapper.manager import Kind, ManagerStats, Tier, TierManager
+from swapper.step.clip import grad_norm32
 from swapper.step.config import StepConfig
 from swapper.step.sources import ParamSource
 from swapper.zero.autograd import in_autograd, mark_outputs
 from swapper.zero.config import OffloadConfig
 from swapper.zero.params import Slot, TieredParams
 from swapper.zero.settings import tiers_of
+from swapper.zero.weights import (
+    WeightHooks,
+    check_unwritten,
+    fetch_copy,
+    guard,
+    leave,
+    unguard,
+    unwrap,
+)
 from tiers import signals
 from tiers.errors import SwapConfigError
 from tiers.units import format_size
@@ -67,6 +80,12 @@ log = logging.getLogger(__name__)
 
 #: materialize(model, place): see :class:`OffloadedModel`.
 Materialize = Callable[[nn.Module, Callable[[str, nn.Module], None]], None]
+
+#: At most this many parameters are read ahead of each fetch (besides the byte window):
+#: without it, each fetch walked and re-requested the whole recorded order, so a hook's
+#: cost grew with the model's tensor count (forward+backward 49x plain PyTorch at 288
+#: tensors, 457x at 576). Far enough ahead to cover several modules' parameters.
+READ_AHEAD_TENSORS = 64
 
 #: Modules wrapped so far (a module may be wrapped once).
 _WRAPPED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
@@ -143,13 +162,18 @@ class OffloadedModel(nn.Module):
         self._check_modules(module)
         self._manager = TierManager(config.manager)
         self._originals: list[tuple[nn.Parameter, torch.Tensor]] = []  # until placed
+        self._weights: WeightHooks | None = None
         try:
             self._place_all(module, materialize)
             self._install_hooks(module)
+            self._weights = WeightHooks(self, list(self._module_slots))
         except BaseException:
             for handle in self._handles:
                 handle.remove()
+            if self._weights is not None:
+                self._weights.remove()
             # Nothing lost: the parameters emptied so far get their own bytes back.
+            unguard(self._by_name.values())
             for param, data in self._originals:
                 param.data = data
             self._manager.close(remove=True)
@@ -249,46 +273,56 @@ class OffloadedModel(nn.Module):
             yield slot.name, slot.shape, slot.dtype
 
     def iter_state_dict(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(name, an ordinary CPU copy of the parameter), one parameter at a time; the
-        names are the wrapped model's own (no ``module.`` prefix)."""
+        """(name, an ordinary CPU copy of the parameter), one parameter at a time (only
+        one copy alive if the caller drops each); the names are the wrapped model's own
+        (no ``module.`` prefix). Raises what :func:`~swapper.zero.weights.fetch_copy`
+        raises."""
         for name, slot in self._by_name.items():
-            with self._holding(slot) as tensor:
-                yield name, tensor.detach().to("cpu", copy=True)
+            yield name, fetch_copy(self, slot)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
-        """The wrapped model's state dict with ordinary tensors (parameters fetched and
-        copied one at a time; buffers as they are). Keys are the wrapped model's own."""
-        if args or kwargs:
-            raise TypeError("OffloadedModel.state_dict() takes no arguments")
-        params = dict(self.iter_state_dict())
-        out: dict[str, Any] = {}
-        for name, value in self.module.state_dict(keep_vars=True).items():
-            out[name] = params.get(
-                name, value.detach() if isinstance(value, torch.Tensor) else value
-            )
-        # tied parameters appear under every name that uses them
-        for name, param in self.module.named_parameters(remove_duplicate=False):
-            if name not in params and id(param) in self._slots:
-                out[name] = params[self._slots[id(param)].name]
-        return out
+        """The wrapped model's ``state_dict()`` (keys its own, no ``module.`` prefix):
+        its state-dict hooks put in ordinary CPU copies of the parameters, fetched one
+        at a time (see :mod:`swapper.zero.weights`); the same as
+        ``wrapped.module.state_dict(...)``. Called by a parent module's ``state_dict``
+        (``destination=`` given), it is ``nn.Module``'s, keys under ``module.`` as the
+        parent's ``load_state_dict`` expects them."""
+        if args or "destination" in kwargs:
+            return super().state_dict(*args, **kwargs)
+        return self.module.state_dict(**kwargs)
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:  # type: ignore[override]
+        """The wrapped model's ``load_state_dict`` (keys its own): each offloaded
+        parameter's value is written through to the tiers, one at a time."""
+        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def unwrap(self) -> nn.Module:
+        """Give the model back with real weights, then close (leaving ``with
+        swapper.offload(...)`` calls it); see :func:`swapper.zero.weights.unwrap` for
+        what it does and raises (a failure changes nothing and leaves it open)."""
+        return unwrap(self)
 
     def close(self) -> None:
         """Remove the hooks and drop the tiers (their files deleted); the parameters stay
-        placeholders. Idempotent."""
+        placeholders, and ``state_dict()`` of the model raises ``ManagerClosedError``
+        rather than save them empty (:meth:`unwrap` gives the weights back instead).
+        Idempotent."""
         if self._closed:
             return
         self._closed = True
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        unguard(self._by_name.values())
         self._manager.close(remove=True)
         _WRAPPED.discard(self.module)
 
     def __enter__(self) -> OffloadedModel:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        """:meth:`unwrap` (see :func:`swapper.zero.weights.leave`)."""
+        leave(self, block_raised=exc_type is not None)
 
     # -- set-up ---------------------------------------------------------------------------
 
@@ -376,10 +410,13 @@ class OffloadedModel(nn.Module):
             shape=param.shape,
             dtype=param.dtype,
             placeholder=torch.empty(0, dtype=param.dtype),
+            home=param.device,
         )
         self._manager.register(slot.key, param.detach(), Kind.PARAM16)
         self._originals.append((param, param.data))
         param.data = slot.placeholder  # the tiers hold it now
+        slot.version = param._version  # a write from now on would be lost: noticed
+        guard(slot)  # (and one through .data)
         self._slots[id(param)] = slot
         self._by_name[name] = slot
         return slot
@@ -495,7 +532,7 @@ class OffloadedModel(nn.Module):
                 first = not slot.has_grad
             if first:
                 self._manager.register(slot.grad_key, grad.detach(), Kind.GRAD16)
-                norm = torch.linalg.vector_norm(grad, dtype=torch.float32)
+                norm = grad_norm32([grad])[0]  # as clip_grad_norm_ rounds it
                 with self._lock:
                     slot.has_grad, slot.grad_norm = True, norm
                 return
@@ -503,7 +540,7 @@ class OffloadedModel(nn.Module):
             with signals.held:
                 try:
                     retained.add_(grad.view(slot.shape))
-                    slot.grad_norm = torch.linalg.vector_norm(retained, dtype=torch.float32)
+                    slot.grad_norm = grad_norm32([retained])[0]
                 finally:
                     self._manager.release(slot.grad_key, modified=True)
 
@@ -519,6 +556,7 @@ class OffloadedModel(nn.Module):
                 if slot.users > 1:
                     return
             try:
+                check_unwritten(slot)  # a write to the placeholder: raised, not lost quietly
                 tensor = self._manager.fetch(slot.key, self._use_tier)
             except BaseException:
                 with self._lock:
@@ -526,6 +564,7 @@ class OffloadedModel(nn.Module):
                 raise
             with self._lock:
                 slot.param.data = tensor
+                slot.version = slot.param._version
             self._note_fetch(slot.key)
 
     def _release(self, slot: Slot) -> None:
@@ -534,16 +573,11 @@ class OffloadedModel(nn.Module):
                 slot.users -= 1
                 if slot.users > 0:
                     return
+                # an in-place write while fetched landed in the tiers' bytes: keep it
+                modified = slot.param._version != slot.version
                 slot.param.data = slot.placeholder
-            self._manager.release(slot.key, modified=False)
-
-    @contextlib.contextmanager
-    def _holding(self, slot: Slot) -> Iterator[torch.Tensor]:
-        self._acquire(slot)
-        try:
-            yield slot.param.data
-        finally:
-            self._release(slot)
+                slot.version = slot.param._version
+            self._manager.release(slot.key, modified=modified)
 
     def _note_fetch(self, key: str) -> None:
         """Record the fetch order (first step), or read ahead along it (later steps)."""
@@ -560,14 +594,18 @@ class OffloadedModel(nn.Module):
         self._cursor = after[0] if after else positions[0]
         window = self.config.manager.prefetch_window_nbytes
         ahead: list[str] = []
+        seen = {key}  # a set: a list's `in` made each fetch cost O(tensors²)
         taken = 0
         for i in range(self._cursor + 1, self._cursor + len(order)):
             next_key = order[i % len(order)]
             nbytes = self._by_name[next_key.removeprefix("param/")].nbytes
             if window is not None and taken + nbytes > window:
                 break
-            if next_key != key and next_key not in ahead:
+            if next_key not in seen:
+                seen.add(next_key)
                 ahead.append(next_key)
                 taken += nbytes
+                if len(ahead) >= READ_AHEAD_TENSORS:
+                    break
         if ahead:
             self._manager.prefetch(ahead, self._use_tier)

@@ -41,6 +41,14 @@ class Slot:
     #: fp32 L2 norm of the retained gradient, taken when it is moved in (while it is in
     #: memory anyway), so that the optimizer's global norm reads nothing back from NVMe
     grad_norm: torch.Tensor | None = None
+    #: the device the parameter was on when wrapped (where unwrap() puts it back)
+    home: torch.device = dataclasses.field(default_factory=lambda: torch.device("cpu"))
+    #: ``param._version`` when swapper last set ``.data``: a different value means an
+    #: in-place write on the parameter since (see :mod:`swapper.zero.weights`)
+    version: int = 0
+    #: ``placeholder._version`` then: ``param.data`` of a guarded parameter between uses
+    #: is the placeholder itself, so a write through ``.data`` shows here
+    placeholder_version: int = 0
 
     @property
     def key(self) -> str:
