@@ -428,12 +428,13 @@ def test_second_step_reads_ahead_along_recorded_order(tmp_path: Path) -> None:
 
 
 def test_read_ahead_is_bounded_in_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each fetch requests at most READ_AHEAD_TENSORS parameters, the next ones along the
-    recorded order, however many the model has (before, every fetch re-requested all of
-    them: a hook's cost grew with the model's tensor count)."""
-    from swapper.zero.offload import READ_AHEAD_TENSORS
+    """The first fetch of a step requests at most DEFAULT_MAX_TENSORS parameters, the next
+    ones along the recorded order, and every later fetch only the few entering the window
+    (before, every fetch re-requested all of them: a hook's cost grew with the model's
+    tensor count)."""
+    from swapper.zero.readahead import DEFAULT_MAX_TENSORS, RETRY
 
-    layers = READ_AHEAD_TENSORS  # 2 tensors each: twice the bound
+    layers = DEFAULT_MAX_TENSORS  # 2 tensors each: twice the bound
     model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(layers)]).to(torch.bfloat16)
     x = torch.randn(2, 4).to(torch.bfloat16)
     with swapper.offload(model, _unlimited()) as wrapped:
@@ -445,10 +446,12 @@ def test_read_ahead_is_bounded_in_tensors(monkeypatch: pytest.MonkeyPatch) -> No
         with torch.no_grad():
             wrapped(x)
     assert len(requests) == 2 * layers
-    assert max(len(r) for r in requests) == READ_AHEAD_TENSORS
     first = requests[0]  # after the first fetch (0.weight): the next ones, in order
+    assert len(first) == DEFAULT_MAX_TENSORS
     assert first[:3] == ["param/0.bias", "param/1.weight", "param/1.bias"]
     assert len(set(first)) == len(first)
+    assert max(len(r) for r in requests[1:]) <= RETRY + 1
+    assert sum(len(r) for r in requests) <= (1 + RETRY) * 2 * layers + DEFAULT_MAX_TENSORS
 
 
 # -- 6. a model built on the meta device is materialised into the tiers ----------------------

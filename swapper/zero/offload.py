@@ -60,6 +60,7 @@ from swapper.step.sources import ParamSource
 from swapper.zero.autograd import in_autograd, mark_outputs
 from swapper.zero.config import OffloadConfig
 from swapper.zero.params import Slot, TieredParams
+from swapper.zero.readahead import ReadAhead
 from swapper.zero.settings import tiers_of
 from swapper.zero.weights import (
     WeightHooks,
@@ -80,12 +81,6 @@ log = logging.getLogger(__name__)
 
 #: materialize(model, place): see :class:`OffloadedModel`.
 Materialize = Callable[[nn.Module, Callable[[str, nn.Module], None]], None]
-
-#: At most this many parameters are read ahead of each fetch (besides the byte window):
-#: without it, each fetch walked and re-requested the whole recorded order, so a hook's
-#: cost grew with the model's tensor count (forward+backward 49x plain PyTorch at 288
-#: tensors, 457x at 576). Far enough ahead to cover several modules' parameters.
-READ_AHEAD_TENSORS = 64
 
 #: Modules wrapped so far (a module may be wrapped once).
 _WRAPPED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
@@ -147,12 +142,10 @@ class OffloadedModel(nn.Module):
         self._module_slots: dict[nn.Module, list[Slot]] = {}
         self._lock = threading.RLock()
         self._handles: list[Any] = []
-        self._order: list[str] | None = None  # fetch order, once recorded
+        self._readahead: ReadAhead | None = None  # along the fetch order, once recorded
         self._recording: list[str] | None = []  # being recorded (the first step)
         self._manager_recording: contextlib.AbstractContextManager[None] | None = None
         self._manager_recorded = False
-        self._position: dict[str, list[int]] = {}
-        self._cursor = -1
         #: per module whose forward runs now (outermost first): the slots its pre-hook
         #: fetched, released by its forward hook or, if the forward raised, by forward()
         self._forward_holds: list[list[Slot]] = []
@@ -455,7 +448,7 @@ class OffloadedModel(nn.Module):
             if self._manager_recording is None and not self._manager_recorded:
                 self._manager_recording = self._manager.recording()
                 self._manager_recording.__enter__()
-            elif self._manager_recording is not None and self._order is not None:
+            elif self._manager_recording is not None and self._readahead is not None:
                 recording, self._manager_recording = self._manager_recording, None
                 self._manager_recorded = True
                 recording.__exit__(None, None, None)
@@ -514,12 +507,13 @@ class OffloadedModel(nn.Module):
                 for _ in range(holds):
                     self._release(slot)
         if self._recording is not None and self._recording:
-            self._order = self._recording
-            self._recording = None
-            self._position = {}
-            for i, key in enumerate(self._order):
-                self._position.setdefault(key, []).append(i)
-            log.info("offload: recorded a fetch order of %d parameters", len(self._order))
+            order, self._recording = self._recording, None
+            self._readahead = ReadAhead(
+                order,
+                {key: self._by_name[key.removeprefix("param/")].nbytes for key in set(order)},
+                window_nbytes=self.config.manager.prefetch_window_nbytes,
+            )
+            log.info("offload: recorded a fetch order of %d parameters", len(order))
 
     def _retain_grad(self, slot: Slot, grad: torch.Tensor) -> None:
         """Move ``grad`` into the retained buffer (one copy; added on later micro-steps).
@@ -584,28 +578,11 @@ class OffloadedModel(nn.Module):
         if self._recording is not None:
             self._recording.append(key)
             return
-        order = self._order
-        if not order:
+        if self._readahead is None:
             return
-        positions = self._position.get(key)
-        if not positions:
-            return
-        after = [i for i in positions if i > self._cursor]
-        self._cursor = after[0] if after else positions[0]
-        window = self.config.manager.prefetch_window_nbytes
-        ahead: list[str] = []
-        seen = {key}  # a set: a list's `in` made each fetch cost O(tensors²)
-        taken = 0
-        for i in range(self._cursor + 1, self._cursor + len(order)):
-            next_key = order[i % len(order)]
-            nbytes = self._by_name[next_key.removeprefix("param/")].nbytes
-            if window is not None and taken + nbytes > window:
-                break
-            if next_key not in seen:
-                seen.add(next_key)
-                ahead.append(next_key)
-                taken += nbytes
-                if len(ahead) >= READ_AHEAD_TENSORS:
-                    break
+        # At most a window's bytes and DEFAULT_MAX_TENSORS tensors ahead, each key asked
+        # for once as it enters the window (see swapper.zero.readahead): a hook's cost
+        # does not grow with the model's tensor count.
+        ahead = self._readahead.after(key)
         if ahead:
             self._manager.prefetch(ahead, self._use_tier)
