@@ -34,7 +34,7 @@ if TYPE_CHECKING:
         StepPendingError,
         StepReport,
     )
-    from swapper.zero import OffloadConfig, OffloadedModel, offload
+    from swapper.zero import OffloadConfig, OffloadedModel, load_deepspeed, offload
     from tiers import (
         AioConfig,
         AioEngine,
@@ -64,6 +64,7 @@ _LAZY: dict[str, str] = {
             "SwapEntry",
             "Tier",
             "TierManager",
+            "load_deepspeed",
         ),
         "swapper.manager",
     ),
@@ -79,7 +80,9 @@ _LAZY: dict[str, str] = {
         ),
         "swapper.step",
     ),
-    **dict.fromkeys(("OffloadConfig", "OffloadedModel", "offload"), "swapper.zero"),
+    **dict.fromkeys(
+        ("OffloadConfig", "OffloadedModel", "load_deepspeed", "offload"), "swapper.zero"
+    ),
     **dict.fromkeys(
         (
             "AioConfig",
@@ -130,6 +133,7 @@ __all__ = [
     "TierManager",
     "UnsafeSwapDirError",
     "__version__",
+    "load_deepspeed",
     "offload",
 ]
 
