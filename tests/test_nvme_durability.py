@@ -71,6 +71,7 @@ class _HeldWrites:
     ):
         self.real, self.hold, self.calls = engine.pwrite, hold, 0
         self.gate = threading.Event()
+        self.error: BaseException | None = None
         monkeypatch.setattr(engine, "pwrite", self)
 
     def __call__(
@@ -83,6 +84,9 @@ class _HeldWrites:
 
         def later() -> None:
             self.gate.wait(10)
+            if self.error is not None:
+                proxy.set_exception(self.error)
+                return
             try:
                 proxy.set_result(self.real(buffer, file, offset, nbytes).result())
             except BaseException as exc:
@@ -91,7 +95,9 @@ class _HeldWrites:
         threading.Thread(target=later, daemon=True).start()
         return proxy
 
-    def release(self) -> None:
+    def release(self, error: BaseException | None = None) -> None:
+        """Let the held requests run (or fail with ``error``)."""
+        self.error = error
         self.gate.set()
 
 
@@ -374,38 +380,6 @@ def test_interrupts_leave_a_working_store(
         assert sorted(store.keys()) == ["j", "k"]
 
 
-class _HeldWrite:
-    """engine.pwrite: requests issued while ``hold_next`` is set wait for ``gate``, then
-    run for real or fail with ``error``."""
-
-    def __init__(self, engine: AioEngine, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.real = engine.pwrite
-        self.gate = threading.Event()
-        self.error: BaseException | None = None
-        self.hold_next = False
-        monkeypatch.setattr(engine, "pwrite", self)
-
-    def __call__(
-        self, buffer: Any, file: Any, offset: int = 0, nbytes: int | None = None
-    ) -> IOFuture:
-        if not self.hold_next:
-            return self.real(buffer, file, offset, nbytes)
-        proxy = IOFuture(Op.WRITE, str(file.path), offset, buffer.numel())
-
-        def later() -> None:
-            self.gate.wait(10)
-            if self.error is not None:
-                proxy.set_exception(self.error)
-                return
-            try:
-                proxy.set_result(self.real(buffer, file, offset, nbytes).result())
-            except BaseException as exc:
-                proxy.set_exception(exc)
-
-        threading.Thread(target=later, daemon=True).start()
-        return proxy
-
-
 def _pieces_done(future: Any) -> None:
     deadline = time.monotonic() + 10
     while future._left and time.monotonic() < deadline:
@@ -432,16 +406,14 @@ def test_a_write_in_flight_joins_the_group_waiting_for_it(
             real_append(journal, payloads)
 
         monkeypatch.setattr(Journal, "append", append)
-        held = _HeldWrite(engine, monkeypatch)
-        held.hold_next = True
-        second = store.write("second", torch.full((1000,), 2.0))
-        held.hold_next = False
+        held = _HeldWrites(engine, monkeypatch, hold=lambda call: call == 0)
+        second = store.write("second", torch.full((1000,), 2.0))  # one piece: call 0
         first = store.write("first", torch.ones(1000))
         _pieces_done(first)
         time.sleep(0.2)
         # "first" is written, but its group waits for "second", still in flight.
         assert not first.done() and appends == []
-        held.gate.set()
+        held.release()
         assert first.result(timeout=10) == second.result(timeout=10) == 4000
         assert appends == [2]  # one flush for both
         assert torch.equal(_read(store, "second"), torch.full((1000,), 2.0))
@@ -453,16 +425,14 @@ def test_a_lone_write_and_a_barrier_commit_at_once(
     with NvmeStore([tmp_path / "d"], engine) as store:
         start = time.monotonic()
         store.write("lone", torch.ones(1000)).result(timeout=10)  # nothing else in flight
-        held = _HeldWrite(engine, monkeypatch)
-        held.hold_next = True
+        held = _HeldWrites(engine, monkeypatch, hold=lambda call: call == 0)
         second = store.write("second", torch.ones(1000))
-        held.hold_next = False
         first = store.write("first", torch.ones(1000))
         _pieces_done(first)
         store.sync()  # a barrier: someone waits, so the group commits without "second"
         assert first.done() and not second.done()
         assert time.monotonic() - start < long_gather / 3
-        held.gate.set()
+        held.release()
         second.result(timeout=10)
 
 
@@ -470,17 +440,14 @@ def test_a_failed_write_in_flight_ends_the_wait(
     tmp_path: Path, engine: AioEngine, monkeypatch: pytest.MonkeyPatch, long_gather: float
 ) -> None:
     with NvmeStore([tmp_path / "d"], engine) as store:
-        held = _HeldWrite(engine, monkeypatch)
-        held.hold_next = True
+        held = _HeldWrites(engine, monkeypatch, hold=lambda call: call == 0)
         second = store.write("second", torch.ones(1000))
-        held.hold_next = False
         first = store.write("first", torch.ones(1000))
         _pieces_done(first)
         time.sleep(0.1)
         assert not first.done()  # waiting for "second" to join
-        held.error = OSError(errno.EIO, "injected")
         start = time.monotonic()
-        held.gate.set()
+        held.release(OSError(errno.EIO, "injected"))
         with pytest.raises(SwapIOError):
             second.result(timeout=10)
         assert first.result(timeout=10) == 4000
