@@ -700,3 +700,46 @@ def test_an_optimizer_step_after_a_cut_backward_releases_its_holds(tmp_path: Pat
         optimizer.step()
         assert _held(wrapped) == {}
         assert wrapped.release_stale_holds() == 0
+
+
+def test_meta_init_keeps_no_module_alive_and_refuses_meta_buffers() -> None:
+    """The meta path holds no reference to what it has placed (each module's materialised
+    bytes die once they are in the tiers), and a buffer left on meta is named at wrap time,
+    not met later as a raw NotImplementedError."""
+    import gc
+    import weakref
+
+    with torch.device("meta"):
+        model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(6)])
+    made: list[weakref.ref[torch.Tensor]] = []
+    alive_after_placing: list[int] = []
+
+    def materialize(module: nn.Module, place: Any) -> None:
+        for name, sub in module.named_children():
+            sub.to_empty(device="cpu", recurse=False)
+            sub.to(torch.bfloat16)
+            with torch.no_grad():
+                for p in sub.parameters(recurse=False):
+                    p.normal_()
+                    made.append(weakref.ref(p.data))
+            place(name, sub)
+            gc.collect()
+            alive_after_placing.append(sum(r() is not None for r in made))
+
+    with swapper.offload(model, _unlimited(), materialize=materialize) as wrapped:
+        assert len(list(wrapped.named_offloaded())) == 12
+    assert alive_after_placing == [0] * 6  # before: 2, 4, ..., 12 (all kept until the end)
+
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(8, 8))
+        model.register_buffer("inv_freq", torch.empty(4))
+
+    def params_only(module: nn.Module, place: Any) -> None:
+        lin = module.get_submodule("0")
+        lin.to_empty(device="cpu", recurse=False)
+        lin.to(torch.bfloat16)
+        place("0", lin)
+
+    with pytest.raises(SwapConfigError, match=r"inv_freq.*meta.*buffers"):
+        swapper.offload(model, _unlimited(), materialize=params_only)
+    assert all(p.is_meta for p in model.parameters())  # given back as it was: on meta

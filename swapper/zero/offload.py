@@ -105,6 +105,25 @@ def offload(
     return OffloadedModel(model, config, materialize=materialize)
 
 
+def _back_to_meta(module: nn.Module, placed: list[tuple[nn.Parameter, Slot]]) -> None:
+    """A failed wrap of a meta model: the parameters ``materialize=`` made become meta
+    Parameters of their shapes again (their values only ever lived in the tiers, which
+    the failure closes), one new Parameter per old one, so tied ones stay tied."""
+    if not placed:
+        return
+    new = {
+        id(param): nn.Parameter(
+            torch.empty(slot.shape, dtype=slot.dtype, device="meta"),
+            requires_grad=param.requires_grad,
+        )
+        for param, slot in placed
+    }
+    for sub in module.modules():
+        for name, param in list(sub._parameters.items()):
+            if param is not None and id(param) in new:
+                sub._parameters[name] = new[id(param)]
+
+
 class OffloadedModel(nn.Module):
     """A module whose 16-bit parameters live in a :class:`TierManager`.
 
@@ -154,7 +173,9 @@ class OffloadedModel(nn.Module):
         self._closed = False
         self._check_modules(module)
         self._manager = TierManager(config.manager)
-        self._originals: list[tuple[nn.Parameter, torch.Tensor]] = []  # until placed
+        #: until placed: each parameter emptied, its bytes (None: materialised), its slot
+        self._originals: list[tuple[nn.Parameter, torch.Tensor | None, Slot]] = []
+        self._had_values: dict[int, nn.Parameter] = {}
         self._weights: WeightHooks | None = None
         try:
             self._place_all(module, materialize)
@@ -167,12 +188,14 @@ class OffloadedModel(nn.Module):
                 self._weights.remove()
             # Nothing lost: the parameters emptied so far get their own bytes back.
             unguard(self._by_name.values())
-            for param, data in self._originals:
-                param.data = data
+            for param, data, _ in self._originals:
+                if data is not None:
+                    param.data = data
+            _back_to_meta(module, [(p, slot) for p, d, slot in self._originals if d is None])
             self._manager.close(remove=True)
             raise
         finally:
-            self._originals = []
+            self._originals, self._had_values = [], {}
         _WRAPPED.add(module)
 
     # -- what the optimizer and the user see ----------------------------------------------
@@ -367,8 +390,17 @@ class OffloadedModel(nn.Module):
                 )
 
     def _place_all(self, module: nn.Module, materialize: Materialize | None) -> None:
+        # Parameters with values before the wrap (the objects: their ids stay theirs).
+        self._had_values = {id(p): p for p in module.parameters() if not p.is_meta}
         if materialize is not None:
             materialize(module, self._place_module)
+            on_meta = [name for name, b in module.named_buffers() if b.is_meta]
+            if on_meta:
+                raise SwapConfigError(
+                    f"offload: buffer(s) {on_meta[:5]} still on the meta device after "
+                    "materialize=: it gives parameters values, and must give the "
+                    "module's buffers values too (e.g. recompute them, as RoPE's inv_freq)"
+                )
         for name, sub in module.named_modules():
             if sub not in self._module_slots:
                 self._place_module(name, sub)
@@ -406,7 +438,11 @@ class OffloadedModel(nn.Module):
             home=param.device,
         )
         self._manager.register(slot.key, param.detach(), Kind.PARAM16)
-        self._originals.append((param, param.data))
+        # What a failed wrap gives back. A materialised parameter was on meta before the
+        # wrap: it goes back there, and its bytes are not kept alive meanwhile (keeping
+        # them held every module made so far: the whole model in memory at once).
+        made = id(param) not in self._had_values  # by materialize= (it was on meta)
+        self._originals.append((param, None if made else param.data, slot))
         param.data = slot.placeholder  # the tiers hold it now
         slot.version = param._version  # a write from now on would be lost: noticed
         guard(slot)  # (and one through .data)
