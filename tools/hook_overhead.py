@@ -72,7 +72,7 @@ def _measure(layers: int, args: argparse.Namespace, window: int | None) -> dict[
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--layers", type=int, nargs="+", default=[8, 16, 32, 64])
     parser.add_argument("--d-model", type=int, default=64)
     parser.add_argument("--batch", type=int, default=4)
