@@ -323,7 +323,7 @@ def report(kinds: list[Kind]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--dir", default=".", help="where the temporary directory goes (.)")
     parser.add_argument("--size", type=parse_size, default=1 << 30, help="file size (1GiB)")
     parser.add_argument("--rounds", type=int, default=3, help="rounds over all kinds (3)")

@@ -139,7 +139,7 @@ def hugepages(nbytes: int) -> Iterator[bool]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--dir", default=".", help="directory for the test file (default: .)")
     parser.add_argument("--size", default="2GiB", help="file size (default 2GiB)")
     parser.add_argument("--settings", default="1MiB:32,8MiB:32", help="bs:qd list")
