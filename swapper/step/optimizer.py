@@ -1,4 +1,4 @@
-# Size: one class (~540 lines): torch.optim.Optimizer's surface and the step it runs;
+# Size: one class (~550 lines): torch.optim.Optimizer's surface and the step it runs;
 # the state dict, parameter checks and legacy swap already live elsewhere.
 """``OffloadAdamW``: AdamW over 16-bit parameters with fp32 state streamed from the tiers.
 
