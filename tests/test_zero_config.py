@@ -808,7 +808,7 @@ def test_from_deepspeed_emitted_bench_config_is_not_a_deepspeed_config(tmp_path:
 # -- nested sections and direct construction ---------------------------------------------
 
 
-def test_as_dict_has_two_sections(tmp_path: Path) -> None:
+def test_as_dict_has_three_sections(tmp_path: Path) -> None:
     cfg = OffloadConfig.create(
         device_nbytes=8 * MiB,
         host_nbytes=64 * MiB,
@@ -818,7 +818,7 @@ def test_as_dict_has_two_sections(tmp_path: Path) -> None:
         step=StepConfig(sub_group_numel=4096),
     )
     data = cfg.as_dict()
-    assert set(data) == {"manager", "step"}
+    assert set(data) == {"manager", "step", "distributed"}
     manager = data["manager"]
     assert set(manager) == {f.name for f in dataclasses.fields(ManagerConfig)}
     assert manager["nvme_dirs"] == [str(tmp_path)]

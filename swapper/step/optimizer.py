@@ -1,4 +1,4 @@
-# Size: one class (~520 lines): torch.optim.Optimizer's surface and the step it runs;
+# Size: one class (~550 lines): torch.optim.Optimizer's surface and the step it runs;
 # the state dict, parameter checks and legacy swap already live elsewhere.
 """``OffloadAdamW``: AdamW over 16-bit parameters with fp32 state streamed from the tiers.
 
@@ -18,6 +18,7 @@ gradient accumulators.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import time
@@ -33,7 +34,7 @@ from swapper.step.layout import SubGroup, plan_sub_groups
 from swapper.step.params import check_params, fp32_accumulators
 from swapper.step.pipeline import PipelineClosedError, StepPipeline, StepTraffic
 from swapper.step.scaler import DynamicLossScaler
-from swapper.step.sources import LocalParams, ParamSource, TieredModel
+from swapper.step.sources import LocalParams, ParamSource, SharedStep, TieredModel
 from swapper.step.state import (
     StateDictError,
     SubGroupStates,
@@ -229,6 +230,9 @@ class OffloadAdamW(torch.optim.Optimizer):
             StepFailedError: an I/O error or timeout stopped the step part-way. The
                 sub-groups done are kept; call ``step()`` again (same gradients) to finish
                 the rest, which never applies the step twice to any sub-group.
+            PeerFailedError: over a model sharded across ranks, another rank's step
+                failed; this rank's step stays pending as well: call ``step()`` again on
+                every rank.
         """
         loss = None
         if closure is not None:
@@ -254,7 +258,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             factor = self._grad_factor(grad_norm)
             self._check_open()
             self._pending = target
-            self._run(target, factor)
+            self._run_agreed(target, factor)
             self._pending = None
             self._step_count = target
             for group in self.param_groups:
@@ -437,6 +441,22 @@ class OffloadAdamW(torch.optim.Optimizer):
         if self.max_grad_norm is not None and grad_norm is not None:
             factor *= float(clip_coefficient(grad_norm, self.max_grad_norm))
         return factor
+
+    def _run_agreed(self, target: int, factor: float) -> None:
+        """:meth:`_run`; over a sharded model, then an agreement of every rank: a rank's
+        failure raises on every rank, and every rank keeps the step pending (done
+        sub-groups kept), so ``step()`` again on every rank finishes it everywhere."""
+        source = self._source
+        if not isinstance(source, SharedStep):
+            self._run(target, factor)
+            return
+        try:
+            self._run(target, factor)
+        except BaseException:
+            with contextlib.suppress(Exception):  # (it raises: this rank said it failed)
+                source.agree_step(False)
+            raise
+        source.agree_step(True)
 
     def _run(self, target: int, factor: float) -> None:
         threads = torch.get_num_threads()

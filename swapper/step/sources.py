@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from swapper.manager import TierManager
     from swapper.step.config import StepConfig
 
-__all__ = ["LocalParams", "ParamSource", "TieredModel"]
+__all__ = ["LocalParams", "ParamSource", "SharedStep", "TieredModel"]
 
 
 class ParamSource(Protocol):
@@ -52,7 +52,9 @@ class ParamSource(Protocol):
 
     def grad_norms(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """The fp32 L2 norm of each parameter's gradient that exists, for the global
-        norm, rounded as ``clip_grad_norm_`` rounds it (:func:`swapper.step.clip.grad_norm32`)."""
+        norm, rounded as ``clip_grad_norm_`` rounds it (:func:`swapper.step.clip.grad_norm32`);
+        a source holding one rank's shards returns one norm, the global one, reduced over
+        the ranks (inf when any rank found inf/NaN)."""
         ...
 
     def zero_grad(self, params: Sequence[torch.Tensor]) -> None:
@@ -91,6 +93,22 @@ class LocalParams:
     def zero_grad(self, params: Sequence[torch.Tensor]) -> None:
         for p in params:
             p.grad = None
+
+
+@runtime_checkable
+class SharedStep(Protocol):
+    """A :class:`ParamSource` whose step is shared with other processes (one rank's
+    shards of a model partitioned over a process group)."""
+
+    def agree_step(self, ok: bool) -> None:
+        """Called by the optimizer on every rank after its part of a step, ``ok=False``
+        from a rank whose part failed (which then raises its own error).
+
+        Raises:
+            PeerFailedError: some rank's part failed (on every rank).
+            CollectiveError: the agreement failed or timed out.
+        """
+        ...
 
 
 @runtime_checkable

@@ -2,13 +2,16 @@
 
 from swapper.zero.config import OffloadConfig
 from swapper.zero.deepspeed import load_deepspeed
-from swapper.zero.offload import OffloadedModel, offload
+from swapper.zero.offload import OffloadedModel
+from swapper.zero.sharded import ShardedModel
 from swapper.zero.weights import OffloadedWriteError, WeightsDoNotFitError
+from swapper.zero.wrap import offload
 
 __all__ = [
     "OffloadConfig",
     "OffloadedModel",
     "OffloadedWriteError",
+    "ShardedModel",
     "WeightsDoNotFitError",
     "load_deepspeed",
     "offload",

@@ -2,13 +2,15 @@
 
 ``swapper.offload(model, config)`` keeps a model's 16-bit parameters (and their retained
 16-bit gradients) in the tiers, and :class:`~swapper.step.OffloadAdamW` keeps the fp32
-optimizer state there. An :class:`OffloadConfig` is two sections and nothing else:
+optimizer state there. An :class:`OffloadConfig` is three sections and nothing else:
 
 - ``manager``: the :class:`~swapper.manager.ManagerConfig` of the
   :class:`~swapper.manager.TierManager` that holds it all (budgets, swap directories,
   placement of each kind, read-ahead window, ...), whose ``aio`` is the I/O settings
   (:class:`~tiers.config.AioConfig`);
-- ``step``: the optimizer's :class:`~swapper.step.StepConfig`.
+- ``step``: the optimizer's :class:`~swapper.step.StepConfig`;
+- ``distributed``: how the ranks of a process group share the state
+  (:class:`~swapper.zero.dist_config.DistributedConfig`), used with several ranks only.
 
 No setting is defined twice. :meth:`OffloadConfig.create` takes the flat keywords a
 training script writes (``device_nbytes=``, ``param_tiers=``, ``prefetch_nbytes=``, ...;
@@ -34,6 +36,7 @@ from typing import Any
 from swapper.manager.config import MEMORY_TIERS, Kind, ManagerConfig, Tier
 from swapper.step.config import DEFAULT_SUB_GROUP_NUMEL, StepConfig
 from swapper.zero.deepspeed import deepspeed_settings
+from swapper.zero.dist_config import DistributedConfig
 from swapper.zero.settings import (
     FLAT_KEYS,
     PASSTHROUGH_KEYS,
@@ -83,6 +86,10 @@ class OffloadConfig:
             defaults, 25M and 0, when unset. ``accumulate_fp32`` does not apply (16-bit
             gradients accumulate in their retained buffers) and is refused; ``name`` is
             each optimizer's own.
+        distributed: how the ranks of a process group share the state
+            (:class:`~swapper.zero.dist_config.DistributedConfig`: ``fetch_collective``,
+            ``fetch_ahead``, ``timeout_s``, ``reduce_dtype``); used only when
+            :func:`swapper.offload` is given a group of more than one rank.
 
     Raises:
         SwapConfigError: a section is not of its type, ``manager.placement['param16']``
@@ -92,6 +99,7 @@ class OffloadConfig:
 
     manager: ManagerConfig = dataclasses.field(default_factory=_default_manager)
     step: StepConfig = dataclasses.field(default_factory=StepConfig)
+    distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
 
     def __post_init__(self) -> None:
         if not isinstance(self.manager, ManagerConfig):
@@ -110,6 +118,11 @@ class OffloadConfig:
         if not isinstance(self.step, StepConfig):
             raise SwapConfigError(
                 f"step={self.step!r} must be a StepConfig (from_dict also takes a dict)"
+            )
+        if not isinstance(self.distributed, DistributedConfig):
+            raise SwapConfigError(
+                f"distributed={self.distributed!r} must be a DistributedConfig (from_dict "
+                "also takes a dict)"
             )
         if self.step.accumulate_fp32:
             raise SwapConfigError(
@@ -192,7 +205,8 @@ class OffloadConfig:
         )
 
     def as_dict(self) -> dict[str, Any]:
-        """The config as JSON values, in two sections: ``{"manager": {...}, "step": {...}}``.
+        """The config as JSON values, in three sections: ``{"manager": {...}, "step": {...},
+        "distributed": {...}}``.
 
         Every field of each section appears, normalised (the placement of every kind, the
         step's defaults filled in), except the manager's read-ahead and write-behind
@@ -200,7 +214,11 @@ class OffloadConfig:
         become strings, ``aio`` an object of its fields. :meth:`from_dict` of the result
         gives an equal config.
         """
-        return {"manager": manager_json(self.manager), "step": json_value(self.step)}
+        return {
+            "manager": manager_json(self.manager),
+            "step": json_value(self.step),
+            "distributed": self.distributed.as_dict(),
+        }
 
     # -- loading -------------------------------------------------------------------------
 
@@ -212,10 +230,12 @@ class OffloadConfig:
         ``host_fraction`` for ``step.*`` (winning over a ``step`` object). Nested: a
         ``manager`` section (the :class:`~swapper.manager.ManagerConfig` fields; fields not
         given take :func:`~swapper.zero.settings.manager_section`'s defaults) and a
-        ``step`` section, as :meth:`as_dict` writes them; flat keys that are manager
-        fields of the same name (``device_nbytes``, ``host_nbytes``, ``nvme_dirs``,
-        ``aio``, ``device``, ``store_name``, ...) are applied over the section, and the
-        step keys over ``step``.
+        ``step`` section, and a ``distributed`` section (the
+        :class:`~swapper.zero.dist_config.DistributedConfig` fields), as :meth:`as_dict`
+        writes them; the flat key ``fetch_collective`` wins over ``distributed``'s; flat
+        keys that are manager fields of the same name (``device_nbytes``, ``host_nbytes``,
+        ``nvme_dirs``, ``aio``, ``device``, ``store_name``, ...) are applied over the
+        section, and the step keys over ``step``.
 
         Sizes may be ints or strings such as ``"64MiB"`` (see
         :func:`tiers.units.parse_size`); ``aio`` and ``step`` may be objects of their
@@ -236,13 +256,21 @@ class OffloadConfig:
         unknown = sorted(
             str(key)
             for key in values
-            if key not in flat_known and key not in STEP_ALIASES and key != "manager"
+            if key not in flat_known
+            and key not in STEP_ALIASES
+            and key not in ("manager", "distributed", "fetch_collective")
         )
         if unknown:
             raise SwapConfigError(
                 f"unknown offload setting(s): {', '.join(unknown)} (known: "
-                f"{', '.join(flat_known)}; {', '.join(STEP_ALIASES)} for step.*; or "
-                "sections 'manager' and 'step')"
+                f"{', '.join(flat_known)}; {', '.join(STEP_ALIASES)} for step.*; "
+                "fetch_collective for distributed.*; or sections 'manager', 'step' and "
+                "'distributed')"
+            )
+        distributed = DistributedConfig.from_dict(values.get("distributed", {}))
+        if "fetch_collective" in values:  # the flat key (DeepSpeed's reader) wins
+            distributed = dataclasses.replace(
+                distributed, fetch_collective=values["fetch_collective"]
             )
         step = step_section(values.get("step", StepConfig()))
         aliases = {name: values[name] for name in STEP_ALIASES if name in values}
@@ -263,13 +291,17 @@ class OffloadConfig:
                 for key, value in values.items()
                 if key in flat_known and key not in ("manager", "step")
             }
-            return cls(manager=manager_section(values["manager"], flat), step=step)
+            return cls(
+                manager=manager_section(values["manager"], flat),
+                step=step,
+                distributed=distributed,
+            )
         settings = {
             name: coerce_flat(name, value)
             for name, value in values.items()
             if name in flat_known and name != "step"
         }
-        return cls.create(step=step, **settings)
+        return dataclasses.replace(cls.create(step=step, **settings), distributed=distributed)
 
     @classmethod
     def from_json(cls, path: str | os.PathLike[str], **overrides: Any) -> OffloadConfig:
@@ -307,6 +339,9 @@ class OffloadConfig:
         to a quarter of it, with one log line.
 
         ``zero_optimization``: ``stage`` must be 3 (parameter offload is ZeRO-3's);
+        ``stage3_use_all_reduce_for_fetch_params`` (or its alias
+        ``use_all_reduce_for_fetch_params``) ``true`` → ``distributed.fetch_collective``
+        ``"all_reduce"`` (absent or ``false``: ``"all_gather"``);
         ``sub_group_size`` → ``sub_group_numel`` (absent: ours, 25M, not DeepSpeed's 1e9);
         the deprecated ``cpu_offload_param: true`` reads as ``offload_param.device: cpu``
         where ``offload_param`` is absent. DeepSpeed's other ZeRO settings (buckets,

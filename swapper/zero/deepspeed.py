@@ -197,9 +197,20 @@ def _names(tiers: Sequence[Tier]) -> list[str]:
 #: Top-level keys we read; any other is named in the warning.
 _DS_TOP_READ = frozenset({"zero_optimization", "aio", *TRAINING_KEYS})
 
+#: DeepSpeed's switch for fetching parameters by all_reduce (PR #5420), and its alias.
+_DS_ALL_REDUCE_FETCH = ("stage3_use_all_reduce_for_fetch_params", "use_all_reduce_for_fetch_params")
+
 #: ``zero_optimization`` keys we read (``aio``: the layout of Hugging Face's guide).
 _DS_ZERO_READ = frozenset(
-    {"stage", "sub_group_size", "offload_param", "offload_optimizer", "cpu_offload_param", "aio"}
+    {
+        "stage",
+        "sub_group_size",
+        "offload_param",
+        "offload_optimizer",
+        "cpu_offload_param",
+        "aio",
+        *_DS_ALL_REDUCE_FETCH,
+    }
 )
 
 #: ``zero_optimization`` keys DeepSpeed has (with the names its aliases also accept) that
@@ -250,8 +261,6 @@ _DS_ZERO_IGNORED = frozenset(
         "stage3_module_granularity_threshold",
         "stage3_param_persistence_threshold",
         "stage3_prefetch_bucket_size",
-        "stage3_use_all_reduce_for_fetch_params",
-        "use_all_reduce_for_fetch_params",
         "use_multi_rank_bucket_allreduce",
         "zenflow",
         "zero_hpz_partition_size",
@@ -334,6 +343,16 @@ def _read_deepspeed(
         values["sub_group_numel"] = _ds_count(
             zero["sub_group_size"], "zero_optimization.sub_group_size", minimum=1
         )
+    switches = {key: zero[key] for key in _DS_ALL_REDUCE_FETCH if key in zero}
+    for key, value in switches.items():
+        if not isinstance(value, bool):
+            raise SwapConfigError(f"zero_optimization.{key}={value!r} must be true or false")
+    if len(set(switches.values())) > 1:
+        raise SwapConfigError(
+            f"zero_optimization: {' and '.join(switches)} disagree; give one of them"
+        )
+    if any(switches.values()):
+        values["fetch_collective"] = "all_reduce"
     dirs: list[str] = []
 
     sections = (

@@ -1,5 +1,6 @@
 # Size: one state machine (~570 lines): the hooks and the hold counts they share (Layout).
-"""``swapper.offload(model, config)``: a module's 16-bit parameters live in the tiers.
+"""``swapper.offload(model, config)`` in one process: a module's 16-bit parameters live in
+the tiers (:func:`swapper.zero.wrap.offload` builds an :class:`OffloadedModel`).
 
 Every parameter is one tensor of kind ``param16`` in a :class:`~swapper.manager.TierManager`
 (key ``param/<name>``); between uses its ``.data`` is an empty placeholder. Hooks on each
@@ -75,7 +76,7 @@ from tiers import signals
 from tiers.errors import SwapConfigError
 from tiers.units import format_size
 
-__all__ = ["OffloadedModel", "offload"]
+__all__ = ["Materialize", "OffloadedModel", "is_wrapped"]
 
 log = logging.getLogger(__name__)
 
@@ -86,23 +87,9 @@ Materialize = Callable[[nn.Module, Callable[[str, nn.Module], None]], None]
 _WRAPPED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 
-def offload(
-    model: nn.Module, config: OffloadConfig, *, materialize: Materialize | None = None
-) -> OffloadedModel:
-    """Wrap ``model`` so its 16-bit parameters live in the tiers (see the module docstring).
-
-    The parameters must be bf16 or fp16; a model built on the meta device is given values
-    module by module by ``materialize`` (see :class:`OffloadedModel`). Use the result as
-    the model; build the optimizer with
-    ``swapper.OffloadAdamW(wrapped.parameters(), tiers=wrapped)``.
-
-    Raises:
-        SwapConfigError: the model is wrapped already; a parameter is not 16-bit; the
-            device budget cannot hold the largest module's parameters (names the module
-            and the bytes it needs).
-        and what :class:`TierManager` raises.
-    """
-    return OffloadedModel(model, config, materialize=materialize)
+def is_wrapped(module: nn.Module) -> bool:
+    """Whether ``module`` is wrapped by an :class:`OffloadedModel` now."""
+    return module in _WRAPPED
 
 
 def _back_to_meta(module: nn.Module, placed: list[tuple[nn.Parameter, Slot]]) -> None:

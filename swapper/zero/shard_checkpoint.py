@@ -1,0 +1,168 @@
+"""A sharded model's parameters as state dicts: consolidated (one full copy, on rank 0)
+or sharded (each rank its own shards, for checkpoints).
+
+- :func:`iter_full` / :func:`consolidated`: every parameter gathered one at a time (one
+  collective each, on every rank alike), so no rank ever holds more of the model than one
+  parameter beyond what it keeps; rank 0 keeps the copies.
+- :func:`sharded` / :func:`load_sharded`: this rank's shards (1-D, padding included)
+  with the partition plan's digest, rank and world size; loading checks all three and
+  writes the shards back in place. Resharding (N → M) is not done here: it belongs to
+  the checkpoint format (PyTorch Distributed Checkpoint, issue 13). The optimizer's
+  state is per rank already: save and load ``OffloadAdamW.state_dict()`` beside it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from swapper.distributed import agree, module_layout
+from swapper.manager import Tier
+from tiers import signals
+from tiers.errors import SwapConfigError
+
+if TYPE_CHECKING:
+    from swapper.zero.sharded import ShardedModel
+
+__all__ = ["SHARDED_FORMAT", "consolidated", "iter_full", "load_sharded", "sharded"]
+
+#: Version of :func:`sharded`'s dict.
+SHARDED_FORMAT = 1
+
+
+def iter_full(model: ShardedModel) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, full CPU copy) of every parameter, gathered one at a time.
+
+    Raises:
+        CollectiveError: a gather failed or timed out.
+    """
+    model.drain()
+    for slot in model.slots:
+        layout = module_layout(model.plan, [slot.index])
+        pending = model.start_gather(layout, [slot], f"parameter {slot.name!r}")
+        yield slot.name, pending.wait()[slot.index].view(slot.shape).to("cpu", copy=True)
+
+
+def consolidated(model: ShardedModel) -> dict[str, Any]:
+    """The full state dict on rank 0 (tied parameters under every name, buffers as they
+    are), ``{}`` on the others.
+
+    Raises:
+        CollectiveError: a gather failed or timed out.
+    """
+    keep = model.group.rank == 0
+    params: dict[str, torch.Tensor] = {}
+    for name, tensor in iter_full(model):
+        if keep:
+            params[name] = tensor
+    if not keep:
+        return {}
+    out: dict[str, Any] = {}
+    for name, value in model.module.state_dict(keep_vars=True).items():
+        out[name] = params.get(name, value.detach() if isinstance(value, torch.Tensor) else value)
+    for name, param in model.module.named_parameters(remove_duplicate=False):
+        slot = model.slot_of(param)
+        if slot is not None:
+            out[name] = params[slot.name]
+    return out
+
+
+def sharded(model: ShardedModel) -> dict[str, Any]:
+    """This rank's shards: ``{"format", "rank", "world_size", "plan", "params": {name:
+    1-D CPU copy}}`` (parameters this rank stores nothing of are left out). Local: no
+    collective."""
+    model.drain()
+    params: dict[str, torch.Tensor] = {}
+    manager = model.manager
+    for slot in model.slots:
+        if not slot.local_numel:
+            continue
+        with signals.at_waits:
+            tensor = manager.fetch(slot.key, Tier.HOST)
+            try:
+                params[slot.name] = tensor.view(-1).to("cpu", copy=True)
+            finally:
+                manager.release(slot.key, modified=False)
+    return {
+        "format": SHARDED_FORMAT,
+        "rank": model.group.rank,
+        "world_size": model.group.world_size,
+        "plan": model.plan.digest(),
+        "params": params,
+    }
+
+
+def load_sharded(model: ShardedModel, state: Mapping[str, Any]) -> None:
+    """Write what :func:`sharded` returned back into this rank's shards; every rank
+    checks, then all agree before anything is written, so the ranks load all or none.
+
+    Raises:
+        SwapConfigError: it is not such a dict, or of another rank, world size or
+            partition (another model or alignment), or a shard is missing or of the wrong
+            size or dtype (named); PeerFailedError: another rank's check failed.
+        CollectiveError: the agreement failed or timed out.
+    """
+    error: SwapConfigError | None = None
+    try:
+        shards = _checked(model, state)
+    except SwapConfigError as exc:
+        error, shards = exc, {}
+    try:
+        agree(model.group, error is None, "loading a sharded state dict")
+    except BaseException:
+        if error is not None:
+            raise error from None
+        raise
+    manager = model.manager
+    for slot in model.slots:
+        if not slot.local_numel:
+            continue
+        model.before_param_write(slot)
+        with signals.at_waits:
+            tensor = manager.fetch(slot.key, Tier.HOST)
+            try:
+                tensor.view(-1).copy_(shards[slot.name])
+            finally:
+                manager.release(slot.key, modified=True)
+
+
+def _checked(model: ShardedModel, state: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    if not isinstance(state, Mapping) or state.get("format") != SHARDED_FORMAT:
+        raise SwapConfigError(
+            "load_sharded_state_dict: not a sharded state dict of this version (format "
+            f"{SHARDED_FORMAT}); pass what sharded_state_dict() returned"
+        )
+    rank, world = model.group.rank, model.group.world_size
+    if (state.get("rank"), state.get("world_size")) != (rank, world):
+        raise SwapConfigError(
+            f"load_sharded_state_dict: this state dict is rank {state.get('rank')} of "
+            f"{state.get('world_size')}, this process rank {rank} of {world}: load each "
+            "rank's own file (resharding is not supported here)"
+        )
+    if state.get("plan") != model.plan.digest():
+        raise SwapConfigError(
+            "load_sharded_state_dict: the state dict was saved from another partition "
+            "(another model, or other partition settings)"
+        )
+    params = state.get("params")
+    if not isinstance(params, Mapping):
+        raise SwapConfigError("load_sharded_state_dict: 'params' is missing")
+    out: dict[str, torch.Tensor] = {}
+    for slot in model.slots:
+        if not slot.local_numel:
+            continue
+        t = params.get(slot.name)
+        if (
+            not isinstance(t, torch.Tensor)
+            or t.shape != (slot.local_numel,)
+            or t.dtype != slot.dtype
+        ):
+            got = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else repr(t)
+            raise SwapConfigError(
+                f"load_sharded_state_dict: the shard of {slot.name!r} is {got}; need "
+                f"({slot.local_numel},) {slot.dtype}"
+            )
+        out[slot.name] = t
+    return out

@@ -1,0 +1,248 @@
+"""Wrapping a model over N ranks: check, plan, open this rank's store, place its shards.
+
+Job of :func:`place_model`, called by :class:`~swapper.zero.sharded.ShardedModel`:
+
+1. every rank describes its model (modules that own parameters, in ``named_modules``
+   order) and checks that all ranks wrap the same one (one small collective; a mismatch
+   raises :class:`~swapper.distributed.ModelMismatchError` on every rank) before anything
+   else, so that what follows is decided alike everywhere;
+2. the partition plan (:func:`~swapper.distributed.plan_partition`);
+3. this rank's manager, its NVMe directories ``<dir>/rank{r}of{N}`` claimed first
+   (:func:`~swapper.distributed.claim_store_identity`);
+4. each parameter's shard registered (kind ``param16``) and its full copy dropped
+   (``.data`` becomes an empty placeholder); the module layouts and gradient groups.
+
+Steps 3 and 4 are local: a failure on one rank (a store of another rank, an I/O error)
+is announced at one agreement point (:func:`~swapper.distributed.agree`), so every rank
+raises (the failing one its own error, the others
+:class:`~swapper.distributed.PeerFailedError`) and none waits for the others at a later
+collective. A rank that fails gets its parameters' bytes back and its store removed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+
+from swapper.distributed import (
+    DistGroup,
+    PartitionPlan,
+    agree,
+    check_same_model,
+    describe_modules,
+    module_layout,
+    plan_partition,
+    shard_of,
+)
+from swapper.distributed.identity import claim_store_identity
+from swapper.manager import Kind, TierManager
+from swapper.zero.config import OffloadConfig
+from swapper.zero.shard_state import GradGroup, ModuleState, ShardSlot
+from tiers.errors import SwapConfigError
+
+__all__ = ["Materialize", "Placed", "place_model"]
+
+#: materialize(model, place): see :func:`place_model` (the one-process path's contract).
+Materialize = Callable[[nn.Module, Callable[[str, nn.Module], None]], None]
+
+#: The dtype the plan records for a meta parameter (made bf16 or fp16 by materialize).
+_SIXTEEN_BIT = "16-bit"
+
+
+@dataclasses.dataclass
+class Placed:
+    """What :func:`place_model` made.
+
+    Attributes:
+        plan: the partition plan (same on every rank).
+        manager: this rank's manager, holding its parameter shards.
+        slots: every parameter's record, by plan index.
+        by_id: ``id(param)`` → its record (to find a Parameter object; never a stored key).
+        states: every module that owns parameters → its gather state.
+        groups: the gradient groups, in plan (forward) order.
+        group_of: plan index → its gradient group (parameters that require grad).
+    """
+
+    plan: PartitionPlan
+    manager: TierManager
+    slots: list[ShardSlot]
+    by_id: dict[int, ShardSlot]
+    states: dict[nn.Module, ModuleState]
+    groups: list[GradGroup]
+    group_of: dict[int, GradGroup]
+
+
+def place_model(
+    module: nn.Module,
+    config: OffloadConfig,
+    group: DistGroup,
+    materialize: Materialize | None = None,
+) -> Placed:
+    """Check, plan and place ``module`` on this rank (see the module docstring).
+
+    With ``materialize`` (a model built on the meta device), ``materialize(module,
+    place)`` gives the modules' parameters values one module at a time and calls
+    ``place(name, module)`` after each, which keeps this rank's shards and drops the full
+    values before the next module is made: each rank flattens only its own portion, and
+    no rank ever holds the whole model.
+
+    Raises:
+        ModelMismatchError: the ranks wrap different models (on every rank).
+        SwapConfigError: a parameter is not bf16/fp16, or they are of several dtypes (on
+            every rank: the models are the same by then), or a parameter is still on the
+            meta device after ``materialize``.
+        StoreIdentityError, SwapIOError, ...: this rank's own failure to open its store
+            or place its shards; PeerFailedError: another rank's.
+        CollectiveError: a collective failed or timed out.
+    """
+    named = [
+        (n, m)
+        for n, m in module.named_modules()
+        if next(m.parameters(recurse=False), None) is not None
+    ]
+    infos = describe_modules(named)
+    if materialize is not None:
+        # Meta parameters get their dtype when materialised: planned as 16-bit (2 B)
+        # here, checked as each is placed.
+        infos = [dataclasses.replace(i, itemsize=2, dtype=_SIXTEEN_BIT) for i in infos]
+    check_same_model(group, infos)
+    for info in infos:
+        if info.dtype not in ("torch.bfloat16", "torch.float16", _SIXTEEN_BIT):
+            raise SwapConfigError(_not_16_bit(info.name, info.shape, info.dtype))
+    dtypes = sorted({i.dtype for i in infos})
+    if len(dtypes) > 1:
+        raise SwapConfigError(_several_dtypes(dtypes))
+    plan = plan_partition(infos, group.world_size)
+    manager: TierManager | None = None
+    originals: list[tuple[nn.Parameter, torch.Tensor]] = []
+    error: Exception | None = None
+    placed: Placed | None = None
+    try:
+        manager = _open_manager(config, group)
+        placed = _place(module, named, plan, manager, group.rank, originals, materialize)
+    except Exception as exc:  # every rank learns of it at the agreement, then it is raised
+        error = exc
+    try:
+        agree(group, error is None, "wrapping the model (swapper.offload)")
+    except BaseException:
+        # Nothing lost: the parameters emptied so far get their own bytes back.
+        for param, data in originals:
+            param.data = data
+        if manager is not None:
+            manager.close(remove=True)
+        if error is not None:
+            raise error from None
+        raise
+    if placed is None:  # unreachable: agree raised when this rank failed
+        raise SwapConfigError("offload: placing the model failed") from error
+    return placed
+
+
+def _open_manager(config: OffloadConfig, group: DistGroup) -> TierManager:
+    manager_config = config.manager
+    if manager_config.nvme_dirs:
+        dirs = claim_store_identity(
+            manager_config.nvme_dirs, manager_config.store_name, group.rank, group.world_size
+        )
+        manager_config = dataclasses.replace(manager_config, nvme_dirs=dirs)
+    return TierManager(manager_config)
+
+
+def _not_16_bit(name: str, shape: Sequence[int], dtype: object) -> str:
+    return (
+        f"offload: parameter {name!r} (shape {list(shape)}) is "
+        f"{str(dtype).removeprefix('torch.')}; convert the model to bf16 or fp16 first "
+        "(model.to(torch.bfloat16)), or materialise it in one of them"
+    )
+
+
+def _several_dtypes(dtypes: Sequence[str]) -> str:
+    return (
+        f"offload: the parameters are of several dtypes ({', '.join(dtypes)}); with "
+        "several ranks they must share one (a module's gather is one buffer): convert "
+        "the model with .to(torch.bfloat16)"
+    )
+
+
+def _place(
+    module: nn.Module,
+    named: list[tuple[str, nn.Module]],
+    plan: PartitionPlan,
+    manager: TierManager,
+    rank: int,
+    originals: list[tuple[nn.Parameter, torch.Tensor]],
+    materialize: Materialize | None,
+) -> Placed:
+    """Register this rank's shard of every parameter (each full copy dropped once its
+    shard is registered: ``originals`` records what to give back on failure), module by
+    module (as ``materialize`` makes them, if given); build the module layouts and
+    gradient groups."""
+    placements = {p.info.name: p for p in plan.params}
+    by_index: list[ShardSlot | None] = [None] * len(plan.params)
+    by_id: dict[int, ShardSlot] = {}
+
+    def place(name: str, sub: nn.Module) -> None:
+        for pname, param in sub.named_parameters(recurse=False):
+            if id(param) in by_id:
+                continue  # placed with an earlier module (a tied parameter)
+            full_name = f"{name}.{pname}" if name else pname
+            placement = placements.get(full_name)
+            if placement is None:
+                raise SwapConfigError(
+                    f"offload: parameter {full_name!r} appeared while materialising; "
+                    "materialize must keep the model's structure"
+                )
+            if param.is_meta:
+                raise SwapConfigError(
+                    f"offload: parameter {full_name!r} is on the meta device; pass "
+                    "materialize= to give the model's parameters values module by module"
+                )
+            if param.dtype not in (torch.bfloat16, torch.float16):
+                raise SwapConfigError(_not_16_bit(full_name, param.shape, param.dtype))
+            slot = ShardSlot(
+                name=full_name,
+                param=param,
+                placement=placement,
+                shape=param.shape,
+                dtype=param.dtype,
+                placeholder=torch.empty(0, dtype=param.dtype),
+                local_numel=placement.local_numel(rank),
+            )
+            shard = shard_of(placement, param.detach(), rank)
+            if shard is not None:
+                manager.register(slot.key, shard, Kind.PARAM16)
+            originals.append((param, param.data))
+            param.data = slot.placeholder  # the full copy is dropped here
+            by_id[id(param)] = slot
+            by_index[placement.index] = slot
+
+    if materialize is not None:
+        materialize(module, place)
+    for name, sub in named:
+        place(name, sub)  # those materialize did not place (or all, without it)
+    slots = [s for s in by_index if s is not None]
+    dtypes = sorted({str(s.dtype) for s in slots})
+    if len(dtypes) > 1:
+        raise SwapConfigError(_several_dtypes(dtypes))
+    states: dict[nn.Module, ModuleState] = {}
+    for name, sub in named:
+        own = [by_id[id(p)] for p in sub.parameters(recurse=False)]
+        state = ModuleState(name, sub, own, module_layout(plan, [s.index for s in own]))
+        states[sub] = state
+        for slot in own:
+            slot.modules.append(state)
+    by_module: dict[int, list[ShardSlot]] = {}
+    for slot in slots:
+        if slot.param.requires_grad:
+            by_module.setdefault(slot.placement.info.module_index, []).append(slot)
+    groups: list[GradGroup] = []
+    group_of: dict[int, GradGroup] = {}
+    for _, members in sorted(by_module.items()):
+        grad_group = GradGroup(module_layout(plan, [s.index for s in members]), members)
+        groups.append(grad_group)
+        for slot in members:
+            group_of[slot.index] = grad_group
+    return Placed(plan, manager, slots, by_id, states, groups, group_of)

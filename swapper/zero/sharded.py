@@ -1,0 +1,487 @@
+"""``swapper.offload(model, config, process_group)`` over N > 1 ranks: ZeRO-3.
+
+Each rank holds 1/N of every 16-bit parameter (:mod:`swapper.distributed.partition`: flat
+shards padded to the alignment, small tensors owned whole by one rank, balanced over the
+backward order) in its own :class:`~swapper.manager.TierManager`, whose NVMe files live
+in ``<nvme dir>/rank{r}of{N}`` (:func:`~swapper.distributed.claim_store_identity`: a rank
+never opens another's store, nor one made under another world size).
+
+Around each module that owns parameters (``recurse=False``):
+
+- forward pre-hook: the module's gather is waited on (started earlier by read-ahead) or
+  started and waited on now: one collective (``all_gather`` or ``all_reduce``,
+  ``config.distributed.fetch_collective``) from every rank's shards into the module's
+  param-major buffer (:func:`~swapper.distributed.start_fetch`), whose views become the
+  parameters' ``.data``; then the next ``fetch_ahead`` modules along the order recorded
+  in the first step are started (async handles, waited on only when they run). Forward
+  hook: released (the gathered buffer is freed; the shards stay in the tiers), and the
+  outputs pass through :class:`~swapper.zero.autograd.BeforeBackward`, which gathers
+  the module again before its backward;
+- a module's backward holds are released when every one of its parameters that
+  requires grad has had its gradient accumulated (a tied parameter: after its last use);
+- gradients are collected per :class:`~swapper.zero.shard_state.GradGroup` (the
+  parameters whose first use is one module); when a group's are all in, they are
+  reduce-scattered and averaged over the ranks into this rank's retained 16-bit gradient
+  shards (kind ``grad16``; added to on later micro-steps), and the full gradients freed.
+  At the end of a backward, a group with some gradients missing (parameters unused in
+  this pass) is reduced with zeros for them.
+
+Every rank must run the same modules in the same order (same model, same control flow):
+the collectives are paired by the order in which they are issued. A gather started by
+read-ahead is never used after the parameters changed: the optimizer's first write waits
+for (and drops) every gather in flight.
+
+:class:`~swapper.step.OffloadAdamW` steps only this rank's shards
+(:class:`~swapper.zero.shard_state.ShardedParams`); the global gradient norm and the
+fp16 overflow flag are reduced over the ranks, so clipping and skipped steps agree.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import weakref
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from swapper.distributed import (
+    DistGroup,
+    ModuleLayout,
+    PartitionPlan,
+    PendingFetch,
+    start_fetch,
+)
+from swapper.manager import Kind, ManagerStats, TierManager
+from swapper.step.config import StepConfig
+from swapper.step.sources import ParamSource
+from swapper.zero.autograd import in_autograd, mark_outputs
+from swapper.zero.config import OffloadConfig
+from swapper.zero.settings import tiers_of
+from swapper.zero.shard_checkpoint import consolidated, iter_full, load_sharded, sharded
+from swapper.zero.shard_grads import GradReducer
+from swapper.zero.shard_setup import Materialize, place_model
+from swapper.zero.shard_state import ModuleState, ShardedParams, ShardSlot
+from tiers import signals
+from tiers.errors import SwapConfigError
+
+__all__ = ["ShardedModel"]
+
+log = logging.getLogger(__name__)
+
+
+#: Models wrapped by a ShardedModel so far (a module may be wrapped once).
+_WRAPPED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+
+class ShardedModel(nn.Module):
+    """A module whose 16-bit parameters are partitioned over the ranks of ``group``.
+
+    Built by :func:`swapper.offload` when its process group has more than one rank; see
+    the module docstring. Every rank must wrap the same model (checked: names, shapes and
+    dtypes) with the same ``config.distributed``. A model built on the meta device is
+    given values by ``materialize`` one module at a time, each rank keeping only its
+    shards (see :func:`~swapper.zero.shard_setup.place_model`).
+
+    Raises:
+        SwapConfigError: the model is wrapped already, a parameter is not 16-bit, the
+            parameters are of several dtypes, or the model is on the meta device.
+        ModelMismatchError: the ranks wrap different models (on every rank).
+        StoreIdentityError: this rank's NVMe directories hold another rank's store, or
+            one of another world size (on that rank; the others raise PeerFailedError).
+        CollectiveError: a collective of the wrap failed or timed out.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        config: OffloadConfig,
+        group: DistGroup,
+        *,
+        materialize: Materialize | None = None,
+    ) -> None:
+        super().__init__()
+        if not isinstance(module, nn.Module):
+            raise SwapConfigError(f"offload: expected an nn.Module, got {type(module).__name__}")
+        if isinstance(module, ShardedModel) or module in _WRAPPED:
+            raise SwapConfigError(
+                f"offload: this {type(module).__name__} is already wrapped; wrap a model once"
+            )
+        self.module = module
+        self.config = config
+        self.group = group
+        self._dist = config.distributed
+        self._use_tier = tiers_of(config.manager, Kind.PARAM16)[0]
+        self._device = group.control_device
+        self._lock = threading.RLock()
+        self._handles: list[Any] = []
+        self._order: list[ModuleState] | None = None
+        self._recording: list[ModuleState] | None = []
+        self._position: dict[ModuleState, list[int]] = {}
+        self._cursor = -1
+        self._forward_holds: list[ModuleState | None] = []
+        self._forward_depth = 0
+        self._in_backward = False
+        self._manager_recording: contextlib.AbstractContextManager[None] | None = None
+        self._manager_recorded = False
+        self._closed = False
+
+        placed = place_model(module, config, group, materialize)
+        self.plan: PartitionPlan = placed.plan
+        self._manager = placed.manager
+        self._by_index = placed.slots
+        self._slots = placed.by_id
+        self._states = placed.states
+        reduce_dtype = torch.float32 if self._dist.reduce_dtype == "float32" else None
+        self._grads = GradReducer(
+            group, placed.manager, placed.slots, placed.groups, placed.group_of,
+            self._device, reduce_dtype,
+        )  # fmt: skip
+        self._install_hooks()
+        _WRAPPED.add(module)
+
+    def _install_hooks(self) -> None:
+        for sub, state in self._states.items():
+            self._handles.append(sub.register_forward_pre_hook(self._pre_forward_hook(state)))
+            self._handles.append(sub.register_forward_hook(self._post_forward_hook(state)))
+        for slot in self._by_index:
+            if slot.param.requires_grad:
+                self._handles.append(
+                    slot.param.register_post_accumulate_grad_hook(self._grad_hook(slot))
+                )
+
+    # -- what the optimizer and the user see ----------------------------------------------
+
+    @property
+    def manager(self) -> TierManager:
+        """This rank's tier manager (its shards, and the optimizer's state)."""
+        return self._manager
+
+    def param_source(self) -> ParamSource:
+        """This rank's shards and their retained gradients, for the optimizer."""
+        return ShardedParams(self)
+
+    def step_config(self) -> StepConfig:
+        """The optimizer settings ``config`` gives (``config.step``)."""
+        return self.config.step
+
+    def slot_of(self, param: torch.Tensor) -> ShardSlot | None:
+        """The record of one of the model's parameters (None for another tensor)."""
+        return self._slots.get(id(param))
+
+    def stats(self) -> ManagerStats:
+        """This rank's manager's counters."""
+        return self._manager.stats()
+
+    def local_nbytes(self) -> dict[str, int]:
+        """Bytes this rank stores of the 16-bit parameters and gradients (padding
+        included): ``{"param16": ..., "grad16": ...}``."""
+        param = sum(s.local_numel * s.dtype.itemsize for s in self._by_index)
+        grad = sum(s.local_numel * s.dtype.itemsize for s in self._by_index if s.has_grad)
+        return {"param16": param, "grad16": grad}
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The wrapped model's forward (every rank must call it alike). If it raises,
+        the modules it gathered are released before the exception propagates."""
+        if self._forward_depth == 0:
+            self.release_stale_holds()
+        depth = len(self._forward_holds)
+        self._forward_depth += 1
+        try:
+            return self.module(*args, **kwargs)
+        except BaseException:
+            with signals.held:
+                self._drop_forward_holds(depth)
+            raise
+        finally:
+            self._forward_depth -= 1
+
+    def release_stale_holds(self) -> int:
+        """Release what a forward or backward that raised left gathered; returns how many
+        holds that was (0 while a forward or backward runs)."""
+        if self._forward_depth or in_autograd():
+            return 0
+        if not self._forward_holds and not self._in_backward:
+            return 0
+        with signals.held:
+            dropped = self._drop_forward_holds(0)
+            self._in_backward = False
+            for state in self._states.values():
+                holds, state.backward_holds = state.backward_holds, 0
+                state.waiting.clear()
+                for _ in range(holds):
+                    self._release(state)
+                dropped += holds
+            self._grads.discard()
+        if dropped:
+            log.warning("offload: released %d module hold(s) left by a failed pass", dropped)
+        return dropped
+
+    def _drop_forward_holds(self, depth: int) -> int:
+        dropped = 0
+        while len(self._forward_holds) > depth:
+            state = self._forward_holds.pop()
+            if state is not None:
+                self._release(state)
+                dropped += 1
+        return dropped
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop the retained gradient shards: the next backward starts them afresh."""
+        super().zero_grad(set_to_none=set_to_none)
+        self.drop_grads(self._by_index)
+
+    def drop_grads(self, slots: Iterable[ShardSlot]) -> None:
+        """Unregister the retained gradient shards of ``slots``."""
+        self._grads.drop(slots)
+
+    def before_param_write(self, slot: ShardSlot) -> None:
+        """Called before the optimizer writes a shard: no gather in flight may deliver
+        the old values later, and no module may be using the parameter.
+
+        Raises:
+            SwapConfigError: the parameter is in use (a step inside a forward/backward).
+        """
+        self.drain()
+        if any(m.users for m in slot.modules):
+            self.release_stale_holds()
+        busy = [m.name for m in slot.modules if m.users]
+        if busy:
+            raise SwapConfigError(
+                f"optimizer step while parameter {slot.name!r} is in use by module(s) {busy} "
+                "(inside a forward or backward?)"
+            )
+
+    def drain(self) -> None:
+        """Wait for every gather started ahead of use and drop it (the collectives were
+        issued on every rank, so waiting pairs them; the buffers are freed)."""
+        for state in self._states.values():
+            pending, state.pending = state.pending, None
+            if pending is not None:
+                pending.wait()
+
+    @property
+    def slots(self) -> tuple[ShardSlot, ...]:
+        """Every parameter's record, in plan (forward) order."""
+        return tuple(self._by_index)
+
+    def iter_state_dict(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, full CPU copy) of every parameter, gathered one at a time (a collective
+        each: call it on every rank alike).
+
+        Raises:
+            CollectiveError: a gather failed or timed out.
+        """
+        return iter_full(self)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
+        """The consolidated state dict on rank 0 (parameters gathered one at a time; tied
+        parameters under every name; buffers as they are); ``{}`` on the other ranks.
+        Call it on every rank alike.
+
+        Raises:
+            CollectiveError: a gather failed or timed out.
+        """
+        if args or kwargs:
+            raise TypeError("state_dict() of a sharded model takes no arguments")
+        return consolidated(self)
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """This rank's shards, for a per-rank checkpoint (see
+        :func:`swapper.zero.shard_checkpoint.sharded`)."""
+        return sharded(self)
+
+    def load_sharded_state_dict(self, state: dict[str, Any]) -> None:
+        """Load what :meth:`sharded_state_dict` returned on this rank (on every rank
+        alike; see :func:`swapper.zero.shard_checkpoint.load_sharded`).
+
+        Raises:
+            SwapConfigError: another rank's, world size's or partition's, or malformed;
+            PeerFailedError: another rank's check failed.
+        """
+        load_sharded(self, state)
+
+    def close(self) -> None:
+        """Remove the hooks and drop this rank's tiers (its files deleted). Idempotent;
+        waits for gathers in flight first."""
+        if self._closed:
+            return
+        self._closed = True
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        with contextlib.suppress(Exception):  # a broken group: nothing left to pair with
+            self.drain()
+        self._manager.close(remove=True)
+        _WRAPPED.discard(self.module)
+
+    def __enter__(self) -> ShardedModel:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- hooks ----------------------------------------------------------------------------
+
+    def _pre_forward_hook(self, state: ModuleState) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any) -> None:
+            self._step_boundary()
+            self._forward_holds.append(None)
+            with signals.at_waits:
+                self._acquire(state)
+                self._forward_holds[-1] = state
+
+        return hook
+
+    def _post_forward_hook(self, state: ModuleState) -> Callable[..., Any]:
+        def before_backward() -> None:
+            self._backward_started()
+            with signals.at_waits:
+                self._acquire(state)
+                with self._lock:
+                    if not state.backward_holds:
+                        state.waiting = {s.index for s in state.slots if s.param.requires_grad}
+                    state.backward_holds += 1
+
+        def hook(module: nn.Module, args: Any, output: Any) -> Any:
+            with signals.held:
+                taken = self._forward_holds.pop() if self._forward_holds else None
+                if taken is not None:
+                    self._release(taken)
+            if not torch.is_grad_enabled():
+                return output
+            return mark_outputs(output, before_backward)
+
+        return hook
+
+    def _grad_hook(self, slot: ShardSlot) -> Callable[[torch.Tensor], None]:
+        def hook(param: torch.Tensor) -> None:
+            grad = param.grad
+            param.grad = None  # moved: the group holds it until reduced
+            with signals.held:
+                for state in slot.modules:
+                    if slot.index in state.waiting:
+                        state.waiting.discard(slot.index)
+                        if not state.waiting:
+                            holds, state.backward_holds = state.backward_holds, 0
+                            for _ in range(holds):
+                                self._release(state)
+            self._grads.add(slot, grad)
+
+        return hook
+
+    def _step_boundary(self) -> None:
+        """Record the manager's accesses over the first whole step (as the one-rank path
+        does), so its eviction order covers forward, backward and the optimizer."""
+        if self._manager_recording is None and not self._manager_recorded:
+            self._manager_recording = self._manager.recording()
+            self._manager_recording.__enter__()
+        elif self._manager_recording is not None and self._order is not None:
+            recording, self._manager_recording = self._manager_recording, None
+            self._manager_recorded = True
+            recording.__exit__(None, None, None)
+
+    def _backward_started(self) -> None:
+        if self._in_backward:
+            return
+        self._in_backward = True
+        torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
+
+    def _backward_ended(self) -> None:
+        with signals.held:
+            self._in_backward = False
+            for state in self._states.values():
+                holds, state.backward_holds = state.backward_holds, 0
+                state.waiting.clear()
+                for _ in range(holds):
+                    self._release(state)
+        self._grads.flush()  # parameters unused in this pass: zeros
+        if self._recording is not None and self._recording:
+            self._order, self._recording = self._recording, None
+            for i, state in enumerate(self._order):
+                self._position.setdefault(state, []).append(i)
+            log.info("offload: recorded a gather order of %d modules", len(self._order))
+
+    # -- gathering and releasing ----------------------------------------------------------
+
+    def start_gather(self, layout: ModuleLayout, slots: list[ShardSlot], what: str) -> PendingFetch:
+        """Start the gather of ``slots`` (their layout): this rank's shards are read from
+        the tiers, copied into the collective's buffer, and released."""
+        shards: dict[int, torch.Tensor] = {}
+        held: list[str] = []
+        try:
+            for piece in layout.rank_pieces(self.group.rank):
+                slot = self._by_index[piece.index]
+                tensor = self._manager.fetch(slot.key, self._use_tier)
+                held.append(slot.key)
+                shards[piece.index] = tensor.view(-1).to(self._device)
+            return start_fetch(
+                layout,
+                shards,
+                self.group,
+                dtype=slots[0].dtype,
+                device=self._device,
+                method=self._dist.fetch_collective,
+                what=what,
+            )
+        finally:
+            for key in held:
+                self._manager.release(key, modified=False)
+
+    def _acquire(self, state: ModuleState) -> None:
+        with signals.at_waits:
+            with self._lock:
+                state.users += 1
+                if state.users > 1:
+                    return
+            try:
+                pending, state.pending = state.pending, None
+                if pending is None:
+                    pending = self.start_gather(state.layout, state.slots, f"module {state.name!r}")
+                pending.wait()
+            except BaseException:
+                with self._lock:
+                    state.users -= 1
+                raise
+            with self._lock:
+                state.gathered = pending
+                for slot in state.slots:
+                    slot.param.data = state.view(slot)
+            self._note_fetch(state)
+
+    def _release(self, state: ModuleState) -> None:
+        with signals.held, self._lock:
+            state.users -= 1
+            if state.users > 0:
+                return
+            state.gathered = None  # the buffer is freed once no view is left
+            for slot in state.slots:
+                self._point(slot)
+
+    def _point(self, slot: ShardSlot) -> None:
+        """``.data`` of a parameter: a view of a module's gathered buffer that holds it
+        (a tied parameter may be held by another), else the empty placeholder."""
+        for other in slot.modules:
+            if other.gathered is not None:
+                slot.param.data = other.view(slot)
+                return
+        slot.param.data = slot.placeholder
+
+    def _note_fetch(self, state: ModuleState) -> None:
+        """Record the gather order (first step), or start the next gathers along it."""
+        if self._recording is not None:
+            self._recording.append(state)
+            return
+        order = self._order
+        positions = self._position.get(state)
+        if not order or not positions:
+            return
+        after = [i for i in positions if i > self._cursor]
+        self._cursor = after[0] if after else positions[0]
+        # Not past the end of the step: the optimizer changes the parameters after it.
+        for nxt in order[self._cursor + 1 : self._cursor + 1 + self._dist.fetch_ahead]:
+            if nxt.pending is None and nxt.gathered is None:
+                nxt.pending = self.start_gather(nxt.layout, nxt.slots, f"module {nxt.name!r}")

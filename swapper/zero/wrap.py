@@ -1,0 +1,84 @@
+"""``swapper.offload``: wrap a model so its training state lives in the tiers.
+
+One process (no process group, or a group of one rank): an
+:class:`~swapper.zero.offload.OffloadedModel`, exactly as before multi-rank support.
+A group of N > 1 ranks: a :class:`~swapper.zero.sharded.ShardedModel` (ZeRO-3: each
+rank keeps 1/N of the parameters, gradients and optimizer state).
+"""
+
+from __future__ import annotations
+
+from typing import Any, overload
+
+from torch import nn
+
+from swapper.distributed import DistGroup
+from swapper.zero.config import OffloadConfig
+from swapper.zero.offload import Materialize, OffloadedModel, is_wrapped
+from swapper.zero.sharded import ShardedModel
+from tiers.errors import SwapConfigError
+
+__all__ = ["offload"]
+
+
+@overload
+def offload(
+    model: nn.Module,
+    config: OffloadConfig,
+    process_group: None = None,
+    *,
+    materialize: Materialize | None = None,
+) -> OffloadedModel: ...
+
+
+@overload
+def offload(
+    model: nn.Module,
+    config: OffloadConfig,
+    process_group: Any,
+    *,
+    materialize: Materialize | None = None,
+) -> OffloadedModel | ShardedModel: ...
+
+
+def offload(
+    model: nn.Module,
+    config: OffloadConfig,
+    process_group: Any = None,
+    *,
+    materialize: Materialize | None = None,
+) -> OffloadedModel | ShardedModel:
+    """Wrap ``model`` so its 16-bit parameters live in the tiers (see
+    :mod:`swapper.zero.offload`).
+
+    The parameters must be bf16 or fp16; a model built on the meta device is given values
+    module by module by ``materialize`` (see :class:`OffloadedModel`). Use the result as
+    the model; build the optimizer with
+    ``swapper.OffloadAdamW(wrapped.parameters(), tiers=wrapped)``.
+
+    With ``process_group`` (a ``torch.distributed`` group, e.g. ``dist.group.WORLD``) of
+    N > 1 ranks, every rank keeps only its 1/N of the parameters, gradients and optimizer
+    state (:class:`~swapper.zero.sharded.ShardedModel`): call it on every rank with the
+    same model and ``config.distributed``. ``None``, or a group of one rank, is the
+    single-process path, bit for bit.
+
+    Raises:
+        SwapConfigError: the model is wrapped already; a parameter is not 16-bit; the
+            device budget cannot hold the largest module's parameters (names the module
+            and the bytes it needs); torch.distributed not initialised while a group is
+            given.
+        ModelMismatchError, StoreIdentityError, CollectiveError: with several ranks, see
+            :class:`~swapper.zero.sharded.ShardedModel`.
+        and what :class:`TierManager` raises.
+    """
+    if process_group is not None:
+        if not isinstance(config, OffloadConfig):
+            raise SwapConfigError(f"offload: config must be an OffloadConfig, got {config!r}")
+        group = DistGroup.of(process_group, timeout=config.distributed.timeout_s)
+        if group.world_size > 1:
+            if isinstance(model, nn.Module) and is_wrapped(model):
+                raise SwapConfigError(
+                    f"offload: this {type(model).__name__} is already wrapped; wrap a model once"
+                )
+            return ShardedModel(model, config, group, materialize=materialize)
+    return OffloadedModel(model, config, materialize=materialize)
