@@ -20,9 +20,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import swapper
-from swapper import OffloadAdamW, OffloadConfig, StepConfig, Tier
+from swapper import DistributedConfig, OffloadAdamW, OffloadConfig, StepConfig, Tier
 from swapper.pressure.model import GPT, GPTConfig, batches, init_weights_
-from swapper.zero.dist_config import DistributedConfig
 
 
 def main() -> None:
@@ -48,14 +47,12 @@ def main() -> None:
     model = model.to(torch.bfloat16)
 
     os.makedirs(args.swap, exist_ok=True)
-    config = OffloadConfig(
-        # per-rank budgets, small enough that every rank spills to NVMe
-        manager=OffloadConfig.create(
-            device_nbytes=1 << 20,
-            host_nbytes=4 << 20,
-            nvme_dirs=[args.swap],
-            device="cuda" if args.backend == "nccl" else "cpu",
-        ).manager,
+    # Per-rank budgets, small enough that every rank spills to NVMe.
+    config = OffloadConfig.create(
+        device_nbytes=1 << 20,
+        host_nbytes=4 << 20,
+        nvme_dirs=[args.swap],
+        device="cuda" if args.backend == "nccl" else "cpu",
         step=StepConfig(sub_group_numel=65_536, max_grad_norm=1.0),
         distributed=DistributedConfig(
             fetch_collective=args.fetch, timeout_s=timeout.total_seconds()

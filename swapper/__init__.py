@@ -34,7 +34,13 @@ if TYPE_CHECKING:
         StepPendingError,
         StepReport,
     )
-    from swapper.zero import OffloadConfig, OffloadedModel, load_deepspeed, offload
+    from swapper.zero import (
+        DistributedConfig,
+        OffloadConfig,
+        OffloadedModel,
+        load_deepspeed,
+        offload,
+    )
     from tiers import (
         AioConfig,
         AioEngine,
@@ -81,7 +87,8 @@ _LAZY: dict[str, str] = {
         "swapper.step",
     ),
     **dict.fromkeys(
-        ("OffloadConfig", "OffloadedModel", "load_deepspeed", "offload"), "swapper.zero"
+        ("DistributedConfig", "OffloadConfig", "OffloadedModel", "load_deepspeed", "offload"),
+        "swapper.zero",
     ),
     **dict.fromkeys(
         (
@@ -106,6 +113,7 @@ __all__ = [
     "AioConfig",
     "AioEngine",
     "Backend",
+    "DistributedConfig",
     "DynamicLossScaler",
     "EntryState",
     "InvalidArgumentError",

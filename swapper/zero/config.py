@@ -151,6 +151,7 @@ class OffloadConfig:
         optimizer_tiers: Sequence[Tier | str] | None = None,
         prefetch_nbytes: int | None = None,
         step: StepConfig | None = None,
+        distributed: DistributedConfig | None = None,
         device: str | None = None,
         store_name: str = "swapper-offload",
         **manager: Any,
@@ -177,6 +178,8 @@ class OffloadConfig:
                 default, half the host budget, when the device budget is unlimited).
                 Clamped to ``host_nbytes``: bytes read ahead sit in host memory.
             step: the optimizer's settings (``None``: ``StepConfig()``).
+            distributed: how several ranks share the state (``None``:
+                ``DistributedConfig()``; unused in one process).
             device: ``None`` (CUDA if available, else the CPU stand-in), ``"cpu"``,
                 ``"cuda"``, ``"cuda:N"``.
             store_name: base name of the swap files.
@@ -202,6 +205,7 @@ class OffloadConfig:
                 other=manager,
             ),
             step=StepConfig() if step is None else step,
+            distributed=DistributedConfig() if distributed is None else distributed,
         )
 
     def as_dict(self) -> dict[str, Any]:
