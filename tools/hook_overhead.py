@@ -2,8 +2,10 @@
 narrow GPT through ``swapper.offload`` with unlimited budgets, against the same model in
 plain PyTorch, as the number of parameter tensors grows.
 
-Little compute per module (``--d-model 64``) so that the per-module cost of the hooks
-(fetch, release, read-ahead, moving each gradient into its retained 16-bit buffer) shows.
+``--model llama`` builds a Hugging Face ``LlamaForCausalLM`` instead (hidden 64: 291 and
+579 parameter tensors at 32 and 64 layers; needs ``transformers``). Little compute per
+module (``--d-model 64``) so that the per-module cost of the hooks (fetch, release, read-
+ahead, moving each gradient into its retained 16-bit buffer) shows.
 For each depth the plain and the offloaded model (same weights, same batch) alternate
 ``--iters`` times after ``--warmup`` untimed iterations; the figure is the ratio of the
 medians. ``--window`` also runs the offloaded model with that read-ahead window
@@ -11,6 +13,7 @@ medians. ``--window`` also runs the offloaded model with that read-ahead window
 
     python tools/hook_overhead.py --layers 8 16 32 64 --iters 10
     python tools/hook_overhead.py --layers 32 64 --window 1MiB
+    python tools/hook_overhead.py --model llama --layers 32 64 --window 1MiB   # 291, 579 tensors
 
 No optimizer step is timed (the hooks are the subject); the gradients the offloaded run
 keeps accumulate in their retained buffers, as they do over micro-steps.
@@ -39,25 +42,50 @@ def _timed(run: Callable[[], None]) -> float:
     return time.perf_counter() - start
 
 
+def _llama(layers: int, args: argparse.Namespace) -> torch.nn.Module:
+    """A deep narrow Hugging Face Llama (9 tensors per layer + 3), random weights."""
+    from transformers import LlamaConfig, LlamaForCausalLM  # the optional hf extra
+
+    config = LlamaConfig(
+        vocab_size=256,
+        hidden_size=args.d_model,
+        intermediate_size=2 * args.d_model,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=args.seq + 1,
+    )
+    return LlamaForCausalLM(config)
+
+
+def _loss(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    if isinstance(model, GPT):
+        return model.loss(tokens)
+    return model(input_ids=tokens, labels=tokens).loss
+
+
 def _measure(layers: int, args: argparse.Namespace, window: int | None) -> dict[str, float]:
     torch.manual_seed(0)
-    config = GPTConfig(
-        vocab_size=256, context=args.seq, d_model=args.d_model, n_layers=layers, n_heads=4
-    )
-    plain = GPT(config).to(torch.bfloat16)
+    if args.model == "llama":
+        plain = _llama(layers, args).to(torch.bfloat16)
+    else:
+        config = GPTConfig(
+            vocab_size=256, context=args.seq, d_model=args.d_model, n_layers=layers, n_heads=4
+        )
+        plain = GPT(config).to(torch.bfloat16)
     offloaded_model = copy.deepcopy(plain)
     tensors = sum(1 for _ in plain.parameters())
     tokens = torch.randint(0, 256, (args.batch, args.seq + 1))
 
     def plain_step() -> None:
-        plain.loss(tokens).backward()
+        _loss(plain, tokens).backward()
         plain.zero_grad(set_to_none=True)
 
     settings = OffloadConfig.create(prefetch_nbytes=window, device="cpu")
     with swapper.offload(offloaded_model, settings):
 
         def offloaded_step() -> None:
-            offloaded_model.loss(tokens).backward()  # the hooks are on its modules
+            _loss(offloaded_model, tokens).backward()  # the hooks are on its modules
 
         for _ in range(args.warmup):
             plain_step()
@@ -74,6 +102,9 @@ def _measure(layers: int, args: argparse.Namespace, window: int | None) -> dict[
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--layers", type=int, nargs="+", default=[8, 16, 32, 64])
+    parser.add_argument(
+        "--model", choices=["gpt", "llama"], default="gpt", help="llama needs transformers"
+    )
     parser.add_argument("--d-model", type=int, default=64)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=64)
