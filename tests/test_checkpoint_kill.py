@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 _WORKER = Path(__file__).with_name("ckpt_train.py")
-STEPS, EVERY = 10, 2
+STEPS, EVERY = 8, 2
 
 
 def _run(swap: Path, kill: str | None = None) -> tuple[int, list[str], str]:
@@ -49,9 +49,8 @@ def test_sigkilled_and_resumed_run_ends_with_the_uninterrupted_digest(tmp_path: 
         f"backward:3:{rng.uniform(0, 10):.1f}",
         "snapshot-file:4:0",  # tensors durable, no file: resumes from step 2
         f"step:5:{rng.uniform(0, 10):.1f}",
-        "snapshot-done:6:0",  # file written: resumes from step 6
-        f"snapshot:8:{rng.uniform(0, 3):.1f}",  # somewhere in or after the snapshot
-        f"forward:9:{rng.uniform(0, 10):.1f}",
+        "snapshot-done:6:0",  # file written, retention not run: resumes from step 6
+        f"snapshot:8:{rng.uniform(0, 3):.1f}",  # in the last snapshot, or just after
     ]
     swap = tmp_path / "swap"
     resumed_at: list[int] = []
@@ -63,7 +62,6 @@ def test_sigkilled_and_resumed_run_ends_with_the_uninterrupted_digest(tmp_path: 
     rc, lines, err = _run(swap)
     assert rc == 0, err
     resumed_at.append(int(_value(lines, "resumed")))
-    # 0, 0 (no snapshot yet), 2, 2, 4, 6, 6 or 8, then 8
-    assert resumed_at[0] == 0 and resumed_at[2] == 2 and resumed_at[5] == 6, resumed_at
-    assert resumed_at == sorted(resumed_at), resumed_at
+    # 0, 0 (no snapshot yet), 2, 2, 4, 6, then 6 or 8
+    assert resumed_at[:6] == [0, 0, 2, 2, 4, 6] and resumed_at[6] in (6, 8), resumed_at
     assert _value(lines, "digest") == reference
