@@ -21,7 +21,9 @@ from swapper import OffloadAdamW, StateDictError, StepConfig
 from swapper.manager import EntryInUseError
 from swapper.step.resume import _decode_value, _encode_value
 from swapper.zero.checkpoint import final_digest, save_snapshot
-from tiers.nvme import SnapshotDamagedError, SnapshotNotFoundError
+from tiers.aio import AioEngine
+from tiers.config import AioConfig
+from tiers.nvme import NvmeStore, SnapshotDamagedError, SnapshotNotFoundError
 
 STORE = "swapper-offload"
 
@@ -166,3 +168,35 @@ _SCALARS = st.one_of(
 def test_param_group_settings_round_trip(value: object) -> None:
     back = _decode_value(json.loads(json.dumps(_encode_value("k", value))), "here")
     assert back == value and type(back) is type(value)
+
+
+def test_a_newest_snapshot_with_corrupt_data_is_passed_over(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    whole = train(tmp_path / "a", steps=6, every=2)
+    swap = tmp_path / "b"
+    train(swap, steps=6, every=2, stop_after=4)
+    engine = AioEngine(AioConfig())
+    try:
+        with NvmeStore.open([swap], engine, name=STORE) as store:
+            newest, older = "step-000000004", "step-000000002"
+            key = next(
+                k
+                for k in store.snapshots()[-1].keys
+                if k.startswith("optim_state/")
+                and store.snapshot_tensor(newest, k).extents[0].offset
+                != store.snapshot_tensor(older, k).extents[0].offset
+            )
+            extent = store.snapshot_tensor(newest, key).extents[0]
+    finally:
+        engine.close()
+    data = swap / f"{STORE}.bin"
+    with open(data, "r+b") as f:  # one bit flipped in a tensor only the newest names
+        f.seek(extent.offset + 100)
+        byte = f.read(1)
+        f.seek(extent.offset + 100)
+        f.write(bytes([byte[0] ^ 0x10]))
+    capsys.readouterr()
+    assert train(swap, steps=6, every=2) == whole
+    assert _resumed_step(capsys.readouterr().out) == 2
+    assert any(newest in r.getMessage() and "unusable" in r.getMessage() for r in caplog.records)

@@ -1,5 +1,6 @@
 """Training integration: ZeRO-3-style parameter offload through the tiers."""
 
+from swapper.zero.checkpoint import SnapshotReport, final_digest, save_snapshot
 from swapper.zero.config import OffloadConfig
 from swapper.zero.deepspeed import load_deepspeed
 from swapper.zero.offload import OffloadedModel
@@ -12,7 +13,10 @@ __all__ = [
     "OffloadedModel",
     "OffloadedWriteError",
     "ShardedModel",
+    "SnapshotReport",
     "WeightsDoNotFitError",
+    "final_digest",
     "load_deepspeed",
     "offload",
+    "save_snapshot",
 ]
