@@ -3,6 +3,7 @@
 from swapper.zero.checkpoint import SnapshotReport, final_digest, save_snapshot
 from swapper.zero.config import OffloadConfig
 from swapper.zero.deepspeed import load_deepspeed
+from swapper.zero.export import export_safetensors
 from swapper.zero.offload import OffloadedModel
 from swapper.zero.sharded import ShardedModel
 from swapper.zero.weights import OffloadedWriteError, WeightsDoNotFitError
@@ -15,6 +16,7 @@ __all__ = [
     "ShardedModel",
     "SnapshotReport",
     "WeightsDoNotFitError",
+    "export_safetensors",
     "final_digest",
     "load_deepspeed",
     "offload",
