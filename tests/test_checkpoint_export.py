@@ -93,3 +93,50 @@ def test_safetensors_library_reads_the_export(tmp_path: Path) -> None:
     assert json.loads(index_path.read_text())["weight_map"].keys() == loaded.keys()
     for name, tensor in loaded.items():
         assert torch.equal(tensor, expected[name]), name
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_dcp_export_loads_per_parameter_into_plain_tensors(tmp_path: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    from swapper.step.layout import STATE_ROWS
+    from swapper.zero.dcp_export import export_dcp
+
+    wrapped, _, optimizer = _trained(tmp_path)
+    with wrapped, optimizer:
+        export_dcp(wrapped, tmp_path / "dcp", optimizer)
+        tokens = torch.randint(0, 64, (2, 9))
+        with torch.no_grad():
+            logits = wrapped(tokens)
+        expected = wrapped.state_dict()
+        # the optimizer's rows, flat in parameter order (one param group)
+        rows = [
+            torch.cat(
+                [optimizer.state_dict()["state"][sg.index][row] for sg in optimizer.sub_groups]
+            )
+            for row in STATE_ROWS
+        ]
+        names = [wrapped._slots[id(p)].name for p in optimizer.param_groups[0]["params"]]
+        with pytest.raises(SwapConfigError, match="exists"):
+            export_dcp(wrapped, tmp_path / "dcp")
+    plain = GPT(CONFIG).to(torch.bfloat16)
+    target: dict[str, object] = {f"model.{n}": torch.empty_like(t) for n, t in expected.items()}
+    target = {k: v for k, v in target.items() if k != "model.head.weight"}  # tied: written once
+    for row in STATE_ROWS:
+        for name in names:
+            target[f"optim.{row}.{name}"] = torch.empty(expected[name].shape)
+    target["optim.step"] = 0
+    dcp.load(target, checkpoint_id=tmp_path / "dcp")
+    assert target["optim.step"] == 2
+    weights = {k.removeprefix("model."): v for k, v in target.items() if k.startswith("model.")}
+    missing, unexpected = plain.load_state_dict(weights, strict=False)  # type: ignore[arg-type]
+    assert unexpected == [] and set(missing) <= {"head.weight"}
+    with torch.no_grad():
+        assert torch.equal(plain(tokens), logits)
+    for r, row in enumerate(STATE_ROWS):
+        flat = torch.cat([target[f"optim.{row}.{n}"].reshape(-1) for n in names])  # type: ignore[union-attr]
+        assert torch.equal(flat, rows[r]), row
+    # the 16-bit parameters are the master weights rounded
+    for name in names:
+        master = target[f"optim.master.{name}"]
+        assert torch.equal(master.to(torch.bfloat16), weights[name]), name  # type: ignore[union-attr]

@@ -2,6 +2,7 @@
 
 from swapper.zero.checkpoint import SnapshotReport, final_digest, save_snapshot
 from swapper.zero.config import OffloadConfig
+from swapper.zero.dcp_export import export_dcp
 from swapper.zero.deepspeed import load_deepspeed
 from swapper.zero.export import export_safetensors
 from swapper.zero.offload import OffloadedModel
@@ -16,6 +17,7 @@ __all__ = [
     "ShardedModel",
     "SnapshotReport",
     "WeightsDoNotFitError",
+    "export_dcp",
     "export_safetensors",
     "final_digest",
     "load_deepspeed",
