@@ -6,6 +6,7 @@ logits with, bitwise; read by our own parser, and by ``safetensors`` where insta
 from __future__ import annotations
 
 import json
+import re
 import struct
 from pathlib import Path
 
@@ -14,7 +15,7 @@ import torch
 from ckpt_train import CONFIG, config, model
 
 import swapper
-from swapper import OffloadAdamW, SwapConfigError
+from swapper import OffloadAdamW, StateDictError, SwapConfigError
 from swapper.pressure.model import GPT
 from swapper.zero.export import export_safetensors
 
@@ -140,3 +141,37 @@ def test_dcp_export_loads_per_parameter_into_plain_tensors(tmp_path: Path) -> No
     for name in names:
         master = target[f"optim.master.{name}"]
         assert torch.equal(master.to(torch.bfloat16), weights[name]), name  # type: ignore[union-attr]
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_dcp_import_into_another_sub_group_size_continues_identically(tmp_path: Path) -> None:
+    from swapper.zero.checkpoint import final_digest
+    from swapper.zero.dcp_export import export_dcp, import_dcp
+
+    def one_step(gpt: GPT, optimizer: OffloadAdamW) -> None:
+        gpt.loss(
+            torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(7))
+        ).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    wrapped, gpt, optimizer = _trained(tmp_path)
+    with wrapped, optimizer:
+        export_dcp(wrapped, tmp_path / "dcp", optimizer)
+        one_step(gpt, optimizer)
+        expected = final_digest(wrapped, optimizer)
+    other = model()  # the same initial weights; the import must overwrite the trained ones
+    with (
+        swapper.offload(other, config(tmp_path / "swap2", sub_group_numel=4096)) as wrapped2,
+        OffloadAdamW(wrapped2.parameters(), lr=1e-2, tiers=wrapped2) as optimizer2,
+    ):
+        import_dcp(wrapped2, tmp_path / "dcp", optimizer2)
+        assert optimizer2.step_count == 2
+        one_step(other, optimizer2)
+        assert final_digest(wrapped2, optimizer2) == expected
+    # another model's shapes: refused, naming the checkpoint
+    with (
+        swapper.offload(model(d_model=48), config(tmp_path / "swap3")) as wrapped3,
+        pytest.raises(StateDictError, match=re.escape(str(tmp_path / "dcp"))),
+    ):
+        import_dcp(wrapped3, tmp_path / "dcp")

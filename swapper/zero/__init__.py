@@ -2,7 +2,7 @@
 
 from swapper.zero.checkpoint import SnapshotReport, final_digest, save_snapshot
 from swapper.zero.config import OffloadConfig
-from swapper.zero.dcp_export import export_dcp
+from swapper.zero.dcp_export import export_dcp, import_dcp
 from swapper.zero.deepspeed import load_deepspeed
 from swapper.zero.export import export_safetensors
 from swapper.zero.offload import OffloadedModel
@@ -20,6 +20,7 @@ __all__ = [
     "export_dcp",
     "export_safetensors",
     "final_digest",
+    "import_dcp",
     "load_deepspeed",
     "offload",
     "save_snapshot",

@@ -1,4 +1,4 @@
-"""Export the training state in PyTorch Distributed Checkpoint format, one tensor at a time.
+"""The training state in PyTorch Distributed Checkpoint format, one tensor at a time.
 
 Job: :func:`export_dcp`, the portable form of an offloaded model and its
 :class:`~swapper.step.OffloadAdamW` that ``torch.distributed.checkpoint.load`` reads
@@ -15,6 +15,9 @@ of storage each, expanded), and each tensor is fetched from the tiers only when 
 writer asks for it (``resolve_data``), written to a file of its own and dropped; a
 sub-group's state is read once for all the parameters in it that come in a row. Single
 process here (DCP's no-process-group mode); several ranks are a later step.
+
+:func:`import_dcp` reads such a checkpoint back into an offloaded model and optimizer of
+the same parameters, whatever their sub-group size, a tensor at a time.
 """
 
 from __future__ import annotations
@@ -28,14 +31,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from swapper.step.layout import STATE_ROWS
-from swapper.zero.weights import fetch_copy
+from swapper.step.state import StateDictError
+from swapper.zero.weights import fetch_copy, write_through
 from tiers.errors import SwapConfigError
 
 if TYPE_CHECKING:
     from swapper.step.optimizer import OffloadAdamW
     from swapper.zero.offload import OffloadedModel
 
-__all__ = ["export_dcp"]
+__all__ = ["export_dcp", "import_dcp"]
 
 
 class _SubGroupCache:
@@ -150,3 +154,92 @@ def export_dcp(
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         save(state_dict, storage_writer=writer, planner=_Streaming())
     return out
+
+
+def import_dcp(
+    model: OffloadedModel, directory: str | os.PathLike[str], optimizer: OffloadAdamW | None = None
+) -> None:
+    """Load what :func:`export_dcp` wrote into ``model``'s parameters (and ``optimizer``'s
+    state, step and hyper-parameters), one tensor at a time; the optimizer may cut its
+    state into sub-groups of another size than the exporter's.
+
+    A parameter's three state rows are read once and kept while the sub-groups it spans
+    are written; each sub-group is durable before the next is filled. Until the whole
+    optimizer state is in, ``step()`` refuses (as after a failed ``load_state_dict``).
+
+    Raises:
+        StateDictError: a tensor is missing from the checkpoint or of another shape or
+            dtype (names the directory and the tensor).
+        SwapConfigError: a parameter is in use (inside a forward or backward).
+        and what the tiers raise.
+    """
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import load
+
+    where = Path(directory)
+
+    def read(target: dict[str, Any]) -> dict[str, Any]:
+        try:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                load(
+                    target,
+                    checkpoint_id=where,
+                    planner=DefaultLoadPlanner(allow_partial_load=False),
+                )
+        except (CheckpointException, RuntimeError, ValueError, KeyError) as exc:
+            names = ", ".join(sorted(target))[:200]
+            raise StateDictError(f"DCP checkpoint {where}: cannot load {names}: {exc}") from None
+        return target
+
+    for name, shape, dtype in model.named_offloaded():
+        tensor = read({f"model.{name}": torch.empty(shape, dtype=dtype)})[f"model.{name}"]
+        write_through(model, model._by_name[name], tensor)
+    if optimizer is None:
+        return
+    meta = read(
+        {
+            "optim.step": 0,
+            "optim.param_groups": [
+                {k: v for k, v in g.items() if k not in ("params", "param_names")}
+                for g in optimizer.param_groups
+            ],
+        }
+    )
+    step = meta["optim.step"]
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise StateDictError(f"DCP checkpoint {where}: optim.step={step!r} is not an int >= 0")
+    names = {
+        (g, i): model._slots[id(p)].name
+        for g, group in enumerate(optimizer.param_groups)
+        for i, p in enumerate(group["params"])
+    }
+    rows: dict[tuple[int, int], list[torch.Tensor]] = {}  # the parameters being spread
+    optimizer._load_incomplete = True
+    for sg in optimizer.sub_groups:
+        needed = {(sg.group_index, piece.param_index) for piece in sg.pieces}
+        for gone in set(rows) - needed:  # done with: dropped before more are read
+            del rows[gone]
+        for key in sorted(needed - set(rows)):
+            name = names[key]
+            shape = model._by_name[name].shape
+            target = {f"optim.{r}.{name}": torch.empty(shape) for r in STATE_ROWS}
+            got = read(target)
+            rows[key] = [got[f"optim.{r}.{name}"].reshape(-1) for r in STATE_ROWS]
+
+        def fill(state: torch.Tensor, sg: Any = sg) -> None:
+            state.zero_()
+            for piece in sg.pieces:
+                flat = rows[(sg.group_index, piece.param_index)]
+                for r in range(len(STATE_ROWS)):
+                    state[r, piece.offset : piece.offset + piece.numel] = flat[r][
+                        piece.param_offset : piece.param_offset + piece.numel
+                    ]
+
+        optimizer._pipeline.write(sg.index, fill, step)
+    for group, saved in zip(optimizer.param_groups, meta["optim.param_groups"], strict=True):
+        group.update(saved)
+    optimizer._step_count = step
+    optimizer._pending = None
+    optimizer._load_incomplete = False
