@@ -17,7 +17,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import swapper
-from swapper import OffloadAdamW, StateDictError, StepConfig
+from swapper import OffloadAdamW, OffloadConfig, StateDictError, StepConfig, SwapConfigError
 from swapper.manager import EntryInUseError
 from swapper.step.resume import _decode_value, _encode_value
 from swapper.zero.checkpoint import final_digest, save_snapshot
@@ -200,3 +200,15 @@ def test_a_newest_snapshot_with_corrupt_data_is_passed_over(
     assert train(swap, steps=6, every=2) == whole
     assert _resumed_step(capsys.readouterr().out) == 2
     assert any(newest in r.getMessage() and "unusable" in r.getMessage() for r in caplog.records)
+
+
+def test_resume_needs_an_nvme_tier_and_a_bool_or_name(tmp_path: Path) -> None:
+    with pytest.raises(SwapConfigError, match="NVMe tier"):
+        swapper.offload(model(), OffloadConfig.create(device="cpu"), resume=True)
+    with pytest.raises(SwapConfigError, match="resume=5"):
+        swapper.offload(model(), config(tmp_path / "swap"), resume=5)  # type: ignore[arg-type]
+    with (
+        swapper.offload(model(), OffloadConfig.create(device="cpu")) as wrapped,
+        pytest.raises(SwapConfigError, match="NVMe tier"),  # nothing to snapshot into
+    ):
+        save_snapshot(wrapped)
