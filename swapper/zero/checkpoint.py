@@ -119,6 +119,7 @@ def save_snapshot(
         SwapConfigError: the model has no NVMe tier, or the optimizer is not the model's;
             ``name`` or ``keep_last`` is unusable.
         StepPendingError: a step failed part-way (finish it with ``step()`` first).
+        StateDictError: a load of the optimizer's state stopped part-way.
         TypeError, ValueError: ``extra`` or a param group setting cannot be kept as JSON.
         and what :func:`~swapper.manager.snapshot.snapshot_manager` raises (no snapshot).
     """
@@ -127,6 +128,11 @@ def save_snapshot(
             raise SwapConfigError(
                 "save_snapshot: the optimizer keeps its state in another manager than the "
                 "model's; build it with OffloadAdamW(model.parameters(), tiers=model)"
+            )
+        if optimizer._load_incomplete:
+            raise StateDictError(
+                "a load_state_dict() or import_dcp() stopped part-way: the optimizer's state "
+                "is partly old, partly loaded; load it again before taking a snapshot"
             )
         if optimizer._pending is not None:
             raise StepPendingError(
