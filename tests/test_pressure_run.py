@@ -164,3 +164,39 @@ def test_cli_bad_arguments_exit_2_before_any_work(
     assert message in err
     assert "Traceback" not in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]  # nothing made
+
+
+def test_cli_checkpoint_every_and_resume(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    swap = tmp_path / "swap"
+    swap.mkdir()
+    first, second = tmp_path / "first.json", tmp_path / "second.json"
+    base = ["--params", "300k", "--steps", "3", "--dir", str(swap), "--checkpoint-every", "2"]
+    assert main([*base, "--json", str(first)]) == 0, capsys.readouterr().err
+    data = json.loads(first.read_text(encoding="utf-8"))
+    assert data["identical"] is True
+    assert data["final_digest"].startswith("xxh3-128:")
+    assert data["final_digest"] == data["reference_final_digest"]
+    assert data["resumed_from_step"] == 0
+    [snap] = data["snapshots"]
+    assert snap["step"] == 2 and snap["name"] == "step-000000002"
+    # right after a step only the 16-bit params can be dirty: <= 2/14 of the state
+    assert 0 < snap["written_bytes"] <= snap["state_bytes"] // 5
+    # the checkpoint store outlives the run; --resume continues from step 2
+    assert (swap / "swapper-pressure-checkpoint").is_dir()
+    export = tmp_path / "export"
+    argv = [*base, "--resume", "--json", str(second), "--export", str(export)]
+    assert main(argv) == 0, capsys.readouterr().err
+    again = json.loads(second.read_text(encoding="utf-8"))
+    assert again["resumed_from_step"] == 2
+    assert len(again["losses"]) == 1 and again["losses"] == data["losses"][2:]
+    assert again["final_digest"] == data["final_digest"]
+    assert "resumed from step 2" in capsys.readouterr().out
+    assert again["export_seconds"] > 0
+    assert (export / "model.safetensors.index.json").exists()
+
+
+def test_cli_resume_needs_a_dir(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--resume"]) == 2
+    assert "--dir" in capsys.readouterr().err

@@ -94,6 +94,31 @@ def build_parser() -> argparse.ArgumentParser:
         help="optimizer sub-group elements (default: a quarter of the host budget)",
     )
     p.add_argument("--lr", type=finite_arg, default=1e-3, help="AdamW learning rate (default 1e-3)")
+    p.add_argument(
+        "--checkpoint-every",
+        type=at_least_arg(1),
+        metavar="K",
+        help="take a training snapshot every K steps in DIR/swapper-pressure-checkpoint "
+        "(kept after the run; needs --dir)",
+    )
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the newest usable snapshot there (or start afresh)",
+    )
+    p.add_argument(
+        "--keep-last",
+        type=at_least_arg(1),
+        default=2,
+        metavar="N",
+        help="snapshots kept (default 2)",
+    )
+    p.add_argument(
+        "--export",
+        type=Path,
+        metavar="DIR",
+        help="after the run, write its weights to DIR as safetensors shards + index",
+    )
     p.add_argument("--json", type=Path, metavar="FILE", help="write the results as JSON")
     return p
 
@@ -105,9 +130,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run(argv: list[str]) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     # Every argument (and SWAPPER_AIO_*) is checked before torch loads or a file is made.
     check_output_path("--json", args.json)
+    if (args.checkpoint_every is not None or args.resume) and not args.dirs:
+        parser.error("--checkpoint-every and --resume need --dir (the snapshots outlive the run)")
     dirs = tuple(check_dirs(args.dirs)) if args.dirs else ()
     aio = aio_environment()
     from swapper.pressure.runner import PressureSettings, run_pressure  # torch loads now
@@ -125,6 +153,10 @@ def _run(argv: list[str]) -> int:
         sub_group_numel=args.sub_group,
         lr=args.lr,
         aio=AioConfig(**aio),
+        checkpoint_every=args.checkpoint_every,
+        resume=args.resume,
+        keep_last=args.keep_last,
+        export_dir=args.export,
     )
     result = run_pressure(settings, say=lambda line: print(line, flush=True))
     print(_summary(result))
@@ -158,6 +190,18 @@ def _summary(res: PressureResult) -> str:
         f"({100 * res.stall_fraction:.1f}% of the budgeted run); "
         f"{res.seconds:.2f} s budgeted vs {res.reference_seconds:.2f} s unlimited"
     )
+    if res.resumed_from_step:
+        lines.append(f"resumed from step {res.resumed_from_step}")
+    for snap in res.snapshots:
+        lines.append(
+            f"snapshot {snap.name}: {show_nbytes(snap.written_nbytes)} written of "
+            f"{show_nbytes(snap.nbytes)} of state in {snap.seconds:.3f} s"
+        )
+    if res.export_seconds is not None:
+        lines.append(
+            f"export: {show_nbytes(2 * res.num_params)} of weights in {res.export_seconds:.2f} s"
+        )
+    lines.append(f"final digest {res.final_digest}")
     lines.append(
         "result: "
         + ("bit-identical to the unlimited run" if res.identical else "DIFFERENT")

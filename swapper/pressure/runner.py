@@ -13,15 +13,21 @@ One run (:func:`run_pressure`):
 3. the **reference run**: the same seed, model, data and code with unlimited budgets
    (everything in memory);
 
-and reports per-step losses of both, whether losses and final parameters are
-bit-identical, peak bytes per tier against the budgets, the pressure run's peak RSS,
-bytes moved and stall fraction (time ``fetch`` waited for bytes / training time).
+and reports per-step losses of both, whether losses, final parameters and the
+``final_digest`` of parameters and optimizer state are bit-identical, peak bytes per
+tier against the budgets, the pressure run's peak RSS, bytes moved and stall fraction
+(time ``fetch`` waited for bytes / training time).
+
+With ``checkpoint_every`` the pressure run takes a training snapshot every that many steps
+(:func:`swapper.zero.checkpoint.save_snapshot`, the ``keep_last`` newest kept) in a store
+that outlives the process (``<dir>/swapper-pressure-checkpoint``, not removed); with
+``resume`` it continues from the newest usable snapshot there (or starts afresh), and the
+comparison covers the steps it ran and the final state.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import dataclasses
 import shutil
 import tempfile
@@ -35,9 +41,12 @@ import torch
 from swapper.cli_args import show_nbytes
 from swapper.interrupts import critical
 from swapper.manager import ManagerStats, Tier
+from swapper.pressure.memory import SavedBytes, peak_rss, reset_peak_rss, return_freed_memory
 from swapper.pressure.model import GPT, GPTConfig, batches, materialize_
 from swapper.step import DynamicLossScaler, OffloadAdamW, StepConfig
+from swapper.zero.checkpoint import SnapshotReport, final_digest, save_snapshot
 from swapper.zero.config import OffloadConfig
+from swapper.zero.export import export_safetensors
 from swapper.zero.offload import OffloadedModel
 from tiers.config import AioConfig
 from tiers.errors import SwapConfigError
@@ -67,6 +76,10 @@ class PressureSettings:
         lr: AdamW learning rate.
         aio: the I/O settings of the NVMe tier (the command line's come from
             ``SWAPPER_AIO_*``).
+        checkpoint_every: take a training snapshot every this many steps (None: never).
+        resume: continue from the newest usable snapshot in the checkpoint store.
+        keep_last: snapshots kept.
+        export_dir: after the pressure run, export its weights there as safetensors.
     """
 
     params: int = 2_000_000
@@ -81,16 +94,32 @@ class PressureSettings:
     sub_group_numel: int | None = None
     lr: float = 1e-3
     aio: AioConfig = dataclasses.field(default_factory=AioConfig)
+    checkpoint_every: int | None = None
+    resume: bool = False
+    keep_last: int = 2
+    export_dir: Path | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.aio, AioConfig):
             raise SwapConfigError(f"aio={self.aio!r} must be an AioConfig")
         if self.dtype not in DTYPES:
             raise SwapConfigError(f"dtype={self.dtype!r} must be one of {sorted(DTYPES)}")
-        for name in ("params", "steps", "batch", "seq"):
+        for name in ("params", "steps", "batch", "seq", "checkpoint_every", "keep_last"):
             value = getattr(self, name)
+            if value is None and name == "checkpoint_every":
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise SwapConfigError(f"{name}={value!r} must be an int >= 1")
+        if self.checkpointing and not self.dirs:
+            raise SwapConfigError(
+                "checkpoint_every and resume need swap directories (--dir): the snapshots "
+                "must outlive the process"
+            )
+
+    @property
+    def checkpointing(self) -> bool:
+        """Snapshots are taken or resumed: the store outlives the run."""
+        return self.checkpoint_every is not None or self.resume
 
 
 @dataclasses.dataclass
@@ -102,6 +131,10 @@ class _Run:
     peak_rss_bytes: int
     activation_bytes: int
     phases: _Phases
+    digest: str = ""
+    resumed_from: int = 0
+    snapshots: list[SnapshotReport] = dataclasses.field(default_factory=list)
+    export_seconds: float | None = None
 
 
 @dataclasses.dataclass
@@ -137,32 +170,6 @@ def _nvme(stats: ManagerStats) -> int:
     return stats.moved(Tier.NVME, Tier.HOST).nbytes + stats.moved(Tier.HOST, Tier.NVME).nbytes
 
 
-class _SavedBytes:
-    """Bytes of the tensors autograd saves for backward in one forward (activations;
-    parameters excluded: they are the tiers'), the most over all forwards."""
-
-    def __init__(self) -> None:
-        self.peak_nbytes = 0
-        self._storages: set[int] = set()
-        self._nbytes = 0
-
-    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        if not isinstance(tensor, torch.nn.Parameter):
-            storage = tensor.untyped_storage()
-            if storage.data_ptr() not in self._storages:
-                self._storages.add(storage.data_ptr())
-                self._nbytes += storage.nbytes()
-        return tensor
-
-    @contextlib.contextmanager
-    def counting(self) -> Iterator[None]:
-        self._storages.clear()
-        self._nbytes = 0
-        with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda tensor: tensor):
-            yield
-        self.peak_nbytes = max(self.peak_nbytes, self._nbytes)
-
-
 @dataclasses.dataclass(frozen=True)
 class PressureResult:
     """What :func:`run_pressure` found; :meth:`to_json` is ``swapper-pressure --json``."""
@@ -185,6 +192,11 @@ class PressureResult:
     stall_fraction: float
     seconds: float
     reference_seconds: float
+    final_digest: str = ""
+    reference_final_digest: str = ""
+    resumed_from_step: int = 0
+    snapshots: tuple[SnapshotReport, ...] = ()
+    export_seconds: float | None = None  # (of 2 B x num_params)
 
     @property
     def within_budgets(self) -> bool:
@@ -245,6 +257,20 @@ class PressureResult:
             },
             "seconds": self.seconds,
             "reference_seconds": self.reference_seconds,
+            "final_digest": self.final_digest,
+            "reference_final_digest": self.reference_final_digest,
+            "resumed_from_step": self.resumed_from_step,
+            "export_seconds": self.export_seconds,
+            "snapshots": [
+                {
+                    "name": s.name,
+                    "step": s.step,
+                    "seconds": s.seconds,
+                    "written_bytes": s.written_nbytes,
+                    "state_bytes": s.nbytes,
+                }
+                for s in self.snapshots
+            ],
         }
 
 
@@ -273,8 +299,8 @@ def run_pressure(
         steps=settings.steps,
         seed=settings.seed,
     )
-    _return_freed_memory()
-    _reset_peak_rss()
+    return_freed_memory()
+    reset_peak_rss()
     baseline = _baseline_rss(settings, dtype)
     say(
         f"swapper-pressure: GPT of {num_params:,} params ({model_config.n_layers} layers, "
@@ -282,7 +308,10 @@ def run_pressure(
         f"device budget {show_nbytes(device)} (16-bit params {show_nbytes(param_nbytes)}), "
         f"host budget {show_nbytes(host)} (optimizer state {show_nbytes(state_nbytes)})"
     )
-    with _swap_dirs(settings.dirs) as dirs:
+    # checkpointed: the store lives in DIR/swapper-pressure-checkpoint, kept for --resume
+    kept = [d / "swapper-pressure-checkpoint" for d in settings.dirs]
+    swap_dirs = contextlib.nullcontext(kept) if settings.checkpointing else None
+    with swap_dirs or _swap_dirs(settings.dirs) as dirs:
         config = OffloadConfig.create(
             device_nbytes=device,
             host_nbytes=host,
@@ -291,8 +320,10 @@ def run_pressure(
             step=StepConfig(sub_group_numel=sub_group),
             device="cpu",
         )
-        _reset_peak_rss()
-        pressure = _train(model_config, config, data, settings, dtype, say, "pressure")
+        reset_peak_rss()
+        pressure = _train(
+            model_config, config, data, settings, dtype, say, "pressure", checkpoint=True
+        )
     reference_config = OffloadConfig.create(
         device_nbytes=None,
         host_nbytes=None,
@@ -301,8 +332,9 @@ def run_pressure(
     )
     reference = _train(model_config, reference_config, data, settings, dtype, say, "reference")
     identical = (
-        _same_floats(pressure.losses, reference.losses)
+        _same_floats(pressure.losses, reference.losses[pressure.resumed_from :])
         and pressure.param_hashes == reference.param_hashes
+        and pressure.digest == reference.digest
     )
     stats = pressure.stats
     peaks = {tier.value: stats.tiers[tier].peak_nbytes or 0 for tier in (Tier.DEVICE, Tier.HOST)}
@@ -312,7 +344,7 @@ def run_pressure(
         model=model_config,
         num_params=num_params,
         losses=pressure.losses,
-        reference_losses=reference.losses,
+        reference_losses=reference.losses[pressure.resumed_from :],
         identical=identical,
         peak_bytes=peaks,
         budget_bytes={"device": device, "host": host},
@@ -326,6 +358,11 @@ def run_pressure(
         stall_fraction=stats.stall_s / pressure.seconds if pressure.seconds > 0 else 0.0,
         seconds=pressure.seconds,
         reference_seconds=reference.seconds,
+        final_digest=pressure.digest,
+        reference_final_digest=reference.digest,
+        resumed_from_step=pressure.resumed_from,
+        snapshots=tuple(pressure.snapshots),
+        export_seconds=pressure.export_seconds,
     )
 
 
@@ -337,6 +374,8 @@ def _train(
     dtype: torch.dtype,
     say: Callable[[str], None],
     label: str,
+    *,
+    checkpoint: bool = False,
 ) -> _Run:
     with torch.device("meta"):
         model = GPT(model_config)
@@ -347,7 +386,10 @@ def _train(
     losses: list[float] = []
     scaler = DynamicLossScaler(2.0**12) if dtype == torch.float16 else None
     with contextlib.ExitStack() as stack:
-        wrapped = stack.enter_context(OffloadedModel(model, config, materialize=materialize))
+        resume = checkpoint and settings.resume
+        wrapped = stack.enter_context(
+            OffloadedModel(model, config, materialize=materialize, resume=resume)
+        )
         optimizer = stack.enter_context(
             OffloadAdamW(
                 wrapped.parameters(),
@@ -359,9 +401,16 @@ def _train(
             )
         )
         start = time.perf_counter()
-        activations = _SavedBytes()
+        activations = SavedBytes()
         phases = _Phases()
+        resumed_from = optimizer.step_count
+        if resumed_from:
+            say(f"  {label}: resumed from step {resumed_from}")
+        every = settings.checkpoint_every if checkpoint else None
+        snapshots: list[SnapshotReport] = []
         for step, tokens in enumerate(data, 1):
+            if step <= resumed_from:
+                continue
             phases.begin(wrapped.stats())
             with activations.counting():
                 loss = model.loss(tokens)
@@ -377,15 +426,39 @@ def _train(
                 f"{phases.model_stall_s[-1]:.2f} s; optimizer {phases.optimizer_s[-1]:.2f} s, "
                 f"stalled {phases.optimizer_stall_s[-1]:.2f} s)"
             )
+            if every is not None and step % every == 0:
+                report = save_snapshot(wrapped, optimizer, keep_last=settings.keep_last)
+                snapshots.append(report)
+                say(
+                    f"  {label} snapshot {report.name}: {report.written_nbytes:,} B written "
+                    f"of {report.nbytes:,} B of state, {report.seconds:.3f} s"
+                )
         seconds = time.perf_counter() - start
-        peak_rss = _peak_rss()
+        peak = peak_rss()
         stats = wrapped.stats()
         hashes = {name: content_hash(t) for name, t in wrapped.iter_state_dict()}
-        # hashed one at a time: close rather than give the whole model back into memory
-        # (what leaving the block would do), which could exceed a run's memory
+        digest = final_digest(wrapped, optimizer)
+        export_s = None
+        if checkpoint and settings.export_dir is not None:
+            export_s = time.perf_counter()
+            export_safetensors(wrapped, settings.export_dir)
+            export_s = time.perf_counter() - export_s
+        # close rather than give the whole model back into memory (leaving the block would)
         optimizer.close()
         wrapped.close()
-    return _Run(losses, hashes, stats, seconds, peak_rss, activations.peak_nbytes, phases)
+    return _Run(
+        losses,
+        hashes,
+        stats,
+        seconds,
+        peak,
+        activations.peak_nbytes,
+        phases,
+        digest,
+        resumed_from,
+        snapshots,
+        export_s,
+    )
 
 
 def _baseline_rss(settings: PressureSettings, dtype: torch.dtype) -> int:
@@ -398,25 +471,7 @@ def _baseline_rss(settings: PressureSettings, dtype: torch.dtype) -> int:
     with _swap_dirs(settings.dirs) as dirs:
         config = OffloadConfig.create(nvme_dirs=dirs, aio=settings.aio, device="cpu")
         _train(model_config, config, data, tiny, dtype, lambda line: None, "baseline")
-    return _peak_rss()
-
-
-def _return_freed_memory() -> None:
-    """Make glibc give freed tensors back to the OS at once.
-
-    glibc raises its mmap threshold each time a large mmapped block is freed (up to 32
-    MiB), after which large tensors come from the heap and stay resident once freed:
-    the peak RSS would then measure the allocator's cache, not what the run holds. Fixed
-    thresholds (as ``MALLOC_MMAP_THRESHOLD_`` would set) keep every block of 64 KiB or
-    more in its own mapping. A no-op where glibc is not the C library.
-    """
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return
-    m_trim_threshold, m_mmap_threshold = -1, -3
-    libc.mallopt(m_mmap_threshold, 64 << 10)
-    libc.mallopt(m_trim_threshold, 1 << 20)
+    return peak_rss()
 
 
 @contextlib.contextmanager
@@ -443,22 +498,3 @@ def _same_floats(a: list[float], b: list[float]) -> bool:
     return len(a) == len(b) and all(
         x == y or (x != x and y != y) for x, y in zip(a, b, strict=True)
     )
-
-
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status", encoding="ascii") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-def _peak_rss() -> int:
-    """The process's peak resident memory since the last reset, in bytes (VmHWM)."""
-    return _status_kib("VmHWM")
-
-
-def _reset_peak_rss() -> None:
-    """Reset VmHWM to the current RSS (Linux ≥ 4.0: ``5`` into clear_refs)."""
-    with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w", encoding="ascii") as f:
-        f.write("5")

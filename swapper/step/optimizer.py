@@ -33,6 +33,7 @@ from swapper.step.config import DEFAULT_SUB_GROUP_NUMEL, StepConfig, check_hyper
 from swapper.step.layout import SubGroup, plan_sub_groups
 from swapper.step.params import check_params, fp32_accumulators
 from swapper.step.pipeline import PipelineClosedError, StepPipeline, StepTraffic
+from swapper.step.resume import adopt, resumed_of
 from swapper.step.scaler import DynamicLossScaler
 from swapper.step.sources import LocalParams, ParamSource, SharedStep, TieredModel
 from swapper.step.state import (
@@ -196,7 +197,11 @@ class OffloadAdamW(torch.optim.Optimizer):
             self._check_budget()
             if config.accumulate_fp32:
                 self._accumulators = fp32_accumulators(self.param_groups, self._hooks)
-            pipeline.initialize(self._initial_state)
+            resumed = resumed_of(tiers)
+            if resumed is None:
+                pipeline.initialize(self._initial_state)
+            else:  # the state is in the manager already (swapper.offload(resume=...))
+                adopt(self, pipeline, resumed)
         except BaseException:
             for hook in self._hooks:
                 hook.remove()

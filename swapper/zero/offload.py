@@ -58,6 +58,7 @@ from swapper.manager import Kind, ManagerStats, Tier, TierManager
 from swapper.step.clip import grad_norm32
 from swapper.step.config import StepConfig
 from swapper.step.sources import ParamSource
+from swapper.zero import checkpoint
 from swapper.zero.autograd import in_autograd, mark_outputs
 from swapper.zero.config import OffloadConfig
 from swapper.zero.params import Slot, TieredParams
@@ -122,6 +123,10 @@ class OffloadedModel(nn.Module):
             ``place(name, module)`` after each, which moves that module's own parameters
             into the tiers before the next module is made (so the whole model is never in
             memory at once). A tied parameter must stay one Parameter object.
+        resume: continue from a training snapshot (``True``: the newest usable one, or
+            start afresh when there is none; a name: that one; see
+            :mod:`swapper.zero.checkpoint`); what was resumed is then in ``resumed``
+            (None otherwise), e.g. ``resumed.step``, ``resumed.extra``.
     """
 
     def __init__(
@@ -130,6 +135,7 @@ class OffloadedModel(nn.Module):
         config: OffloadConfig,
         *,
         materialize: Materialize | None = None,
+        resume: bool | str = False,
     ) -> None:
         super().__init__()
         if not isinstance(module, nn.Module):
@@ -159,13 +165,15 @@ class OffloadedModel(nn.Module):
         self._in_backward = False
         self._closed = False
         self._check_modules(module)
-        self._manager = TierManager(config.manager)
+        self._manager, self.resumed = checkpoint.open_manager(config.manager, resume)
         #: until placed: each parameter emptied, its bytes (None: materialised), its slot
         self._originals: list[tuple[nn.Parameter, torch.Tensor | None, Slot]] = []
         self._had_values: dict[int, nn.Parameter] = {}
         self._weights: WeightHooks | None = None
         try:
             self._place_all(module, materialize)
+            if self.resumed is not None:
+                checkpoint.finish_resume(self, self.resumed)
             self._install_hooks(module)
             self._weights = WeightHooks(self, list(self._module_slots))
         except BaseException:
@@ -179,7 +187,7 @@ class OffloadedModel(nn.Module):
                 if data is not None:
                     param.data = data
             _back_to_meta(module, [(p, slot) for p, d, slot in self._originals if d is None])
-            self._manager.close(remove=True)
+            self._manager.close(remove=self.resumed is None)  # snapshots are kept
             raise
         finally:
             self._originals, self._had_values = [], {}
@@ -306,10 +314,11 @@ class OffloadedModel(nn.Module):
         return unwrap(self)
 
     def close(self) -> None:
-        """Remove the hooks and drop the tiers (their files deleted); the parameters stay
-        placeholders, and ``state_dict()`` of the model raises ``ManagerClosedError``
-        rather than save them empty (:meth:`unwrap` gives the weights back instead).
-        Idempotent."""
+        """Remove the hooks and drop the tiers (their files deleted, unless the store holds
+        training snapshots: then everything is made durable and kept, for a later
+        ``resume``); the parameters stay placeholders, and ``state_dict()`` of the model
+        raises ``ManagerClosedError`` rather than save them empty (:meth:`unwrap` gives the
+        weights back instead). Idempotent."""
         if self._closed:
             return
         self._closed = True
@@ -317,7 +326,7 @@ class OffloadedModel(nn.Module):
             handle.remove()
         self._handles.clear()
         unguard(self._by_name.values())
-        self._manager.close(remove=True)
+        self._manager.close(remove=not checkpoint.keeps_store(self._manager))
         _WRAPPED.discard(self.module)
 
     def __enter__(self) -> OffloadedModel:
@@ -424,7 +433,10 @@ class OffloadedModel(nn.Module):
             placeholder=torch.empty(0, dtype=param.dtype),
             home=param.device,
         )
-        self._manager.register(slot.key, param.detach(), Kind.PARAM16)
+        if self.resumed is not None:  # its bytes are the snapshot's
+            checkpoint.adopt_param(self._manager, self.resumed, slot.key, param)
+        else:
+            self._manager.register(slot.key, param.detach(), Kind.PARAM16)
         # What a failed wrap gives back. A materialised parameter was on meta before the
         # wrap: it goes back there, and its bytes are not kept alive meanwhile (keeping
         # them held every module made so far: the whole model in memory at once).

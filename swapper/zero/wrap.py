@@ -28,6 +28,7 @@ def offload(
     process_group: None = None,
     *,
     materialize: Materialize | None = None,
+    resume: bool | str = False,
 ) -> OffloadedModel: ...
 
 
@@ -38,6 +39,7 @@ def offload(
     process_group: Any,
     *,
     materialize: Materialize | None = None,
+    resume: bool | str = False,
 ) -> OffloadedModel | ShardedModel: ...
 
 
@@ -47,6 +49,7 @@ def offload(
     process_group: Any = None,
     *,
     materialize: Materialize | None = None,
+    resume: bool | str = False,
 ) -> OffloadedModel | ShardedModel:
     """Wrap ``model`` so its 16-bit parameters live in the tiers (see
     :mod:`swapper.zero.offload`).
@@ -62,11 +65,15 @@ def offload(
     same model and ``config.distributed``. ``None``, or a group of one rank, is the
     single-process path, bit for bit.
 
+    ``resume=True`` continues from the newest usable training snapshot in the store
+    (:func:`swapper.zero.checkpoint.save_snapshot`), or starts afresh when there is none;
+    ``resume="name"`` from that snapshot (one process only, for now).
+
     Raises:
         SwapConfigError: the model is wrapped already; a parameter is not 16-bit; the
             device budget cannot hold the largest module's parameters (names the module
             and the bytes it needs); torch.distributed not initialised while a group is
-            given.
+            given; ``resume`` with several ranks.
         ModelMismatchError, StoreIdentityError, CollectiveError: with several ranks, see
             :class:`~swapper.zero.sharded.ShardedModel`.
         and what :class:`TierManager` raises.
@@ -80,5 +87,10 @@ def offload(
                 raise SwapConfigError(
                     f"offload: this {type(model).__name__} is already wrapped; wrap a model once"
                 )
+            if resume is not False:
+                raise SwapConfigError(
+                    "offload: resume= is single-process for now; with several ranks use "
+                    "swapper.zero.shard_checkpoint"
+                )
             return ShardedModel(model, config, group, materialize=materialize)
-    return OffloadedModel(model, config, materialize=materialize)
+    return OffloadedModel(model, config, materialize=materialize, resume=resume)

@@ -1,0 +1,201 @@
+"""A manager's tensors as one retained store snapshot, and a manager opened at one.
+
+Job: the two manager-level halves of a checkpoint. :func:`snapshot_manager` makes every
+tensor's NVMe copy current (the dirty ones written, memory kept; the clean ones only
+named) and then has the store retain them under a name
+(:meth:`tiers.nvme.NvmeStore.snapshot`: a manifest switch, nothing copied).
+:func:`open_at_snapshot` switches a store left by an earlier run (closed or killed) back
+to a chosen snapshot and reopens a :class:`~swapper.manager.TierManager` on it.
+
+What a training snapshot adds on top (step counters, RNG, the optimizer's layout) is
+:mod:`swapper.zero.checkpoint`'s; this module knows only tensors and keys.
+
+Both are for a quiet manager: nothing fetched, nothing else calling it meanwhile (a
+training loop between steps). :func:`snapshot_manager` checks that and refuses otherwise,
+because a tensor in use may change after its bytes were named.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from swapper.manager.config import ManagerConfig
+from swapper.manager.core import TierManager
+from swapper.manager.errors import EntryInUseError, NotDurableError
+from tiers.aio import AioEngine
+from tiers.errors import SwapConfigError
+from tiers.nvme import NvmeStore, remove_store
+from tiers.nvme.metafiles import StoreFiles
+from tiers.nvme.records import ManifestError
+from tiers.nvme.snapshots import SnapshotInfo
+from tiers.signals import at_waits
+
+__all__ = ["ManagerSnapshot", "open_at_snapshot", "snapshot_manager"]
+
+log = logging.getLogger("swapper.manager")
+
+
+@dataclasses.dataclass(frozen=True)
+class ManagerSnapshot:
+    """What :func:`snapshot_manager` did.
+
+    Attributes:
+        info: the store's record of the snapshot (name, keys, bytes named, its file).
+        written_nbytes: tensor bytes written to make the NVMe copies current (the dirty
+            ones); the snapshot's file (``info.file_nbytes``) comes on top.
+        seconds: wall time of the whole call.
+        dropped: snapshots removed by ``keep_last`` (and a same-named one replaced).
+    """
+
+    info: SnapshotInfo
+    written_nbytes: int
+    seconds: float
+    dropped: tuple[str, ...]
+
+
+def snapshot_manager(
+    manager: TierManager,
+    name: str,
+    *,
+    extra: Mapping[str, Any] | None = None,
+    keep_last: int | None = None,
+    replace: bool = False,
+    timeout_s: float | None = None,
+) -> ManagerSnapshot:
+    """Retain every tensor of ``manager`` as it is now under snapshot ``name`` of its store.
+
+    Waits for transfers under way, writes each tensor whose NVMe copy is stale (memory
+    kept, as :meth:`TierManager.flush`), then takes the store snapshot; tensors already
+    current on NVMe cost nothing but their line in the snapshot file.
+
+    Args:
+        name: the store snapshot's name (1 to 64 letters, digits, '_' or '-').
+        extra: JSON-able metadata kept with it (see :meth:`NvmeStore.snapshot`).
+        keep_last: then keep only this many newest snapshots.
+        replace: a snapshot of that name (or a damaged file of that name, logged) is
+            dropped first; else it is an error.
+        timeout_s: for the transfers and writes (default ``config.close_timeout_s``).
+
+    Raises:
+        SwapConfigError: the manager has no NVMe tier.
+        EntryInUseError: a tensor is fetched (in use); release it first (named).
+        NotDurableError: some writes failed or did not end in time (named); no snapshot.
+        SnapshotExistsError: ``name`` is taken and not ``replace``.
+        SwapIOError, TypeError, ValueError: as :meth:`NvmeStore.snapshot`.
+        ManagerClosedError: the manager is closed.
+    """
+    started = time.perf_counter()
+    ctx = manager._ctx
+    store = ctx.nvme()
+    timeout = manager.config.close_timeout_s if timeout_s is None else timeout_s
+    deadline = time.monotonic() + timeout
+    with at_waits:
+        with ctx.cond:
+            ctx.check_open()
+            ctx.wait_for_transfers(deadline)
+            busy = sorted(e.key for e in ctx.entries.values() if e.users)
+            dirty_nbytes = sum(e.nbytes for e in ctx.entries.values() if not e.clean)
+        if busy:
+            raise EntryInUseError(
+                f"snapshot {name!r}: {len(busy)} tensor(s) are in use (fetched, not released): "
+                f"{', '.join(map(repr, busy[:5]))}; take snapshots between steps"
+            )
+        manager._jobs.flush(deadline, final=False)
+        with ctx.cond:
+            ctx.wait_for_transfers(deadline)
+            stale = sorted(e.key for e in ctx.entries.values() if not e.clean or e.state.transient)
+        if stale:
+            # Another thread used the manager meanwhile: the copies would not be one moment.
+            raise NotDurableError(
+                f"snapshot {name!r}: {len(stale)} tensor(s) changed or moved while it was "
+                f"being taken ({', '.join(map(repr, stale[:5]))}); take it while nothing "
+                "else uses the manager",
+                keys=stale,
+                errors={},
+            )
+        dropped: list[str] = []
+        if replace and any(s.name == name for s in store.snapshots()):
+            store.drop_snapshot(name)
+            dropped.append(name)
+        elif replace and name in store.damaged_snapshots():
+            # (found damaged at open, logged, and never used since: this one replaces it)
+            log.warning(
+                "snapshot %r replaces a damaged file of that name: %s",
+                name,
+                store.damaged_snapshots()[name],
+            )
+            store.drop_snapshot(name)
+            dropped.append(name)
+        info = store.snapshot(name, extra=extra)
+        if keep_last is not None:
+            dropped.extend(store.prune_snapshots(keep_last=keep_last))
+    return ManagerSnapshot(info, dirty_nbytes, time.perf_counter() - started, tuple(dropped))
+
+
+#: choose(store) → the name of the snapshot to open at, or None: there is nothing to
+#: resume (the store is then removed and a new one made). Raises to refuse.
+Choose = Callable[[NvmeStore], "str | None"]
+
+
+def open_at_snapshot(config: ManagerConfig, choose: Choose) -> TierManager | None:
+    """A manager on the store in ``config.nvme_dirs`` switched to the snapshot ``choose``
+    picks, or None when there is nothing to resume from.
+
+    Nothing to resume: no store there; leftovers of a store whose creation was cut off
+    (no manifest, no snapshot file: deleted); or a store with no snapshot at all, for
+    which ``choose`` returns None (deleted: it holds no state a run can continue from).
+    Otherwise the store is opened, ``choose(store)`` names a snapshot, every key is
+    switched to it durably (:meth:`NvmeStore.restore_snapshot`: what the killed run did
+    after it is dropped; the snapshots are kept), and a manager reopens the store with
+    every tensor ON_NVME.
+
+    Raises:
+        SwapConfigError: ``config.nvme_dirs`` is empty.
+        ManifestError: snapshot files lie there without the store's manifest (nothing is
+            deleted: restore the manifest, or ``remove_store``).
+        what ``choose`` raises (the store is closed, nothing changed), and what
+        :meth:`NvmeStore.open` and :meth:`TierManager.open` raise.
+    """
+    if not config.nvme_dirs:
+        raise SwapConfigError("resume needs an NVMe tier: nvme_dirs is empty")
+    files = StoreFiles(tuple(Path(d) for d in config.nvme_dirs), config.store_name)
+    if not os.path.lexists(files.manifest):
+        if files.snapshots():
+            raise ManifestError(
+                f"{files.manifest} is missing but snapshot files of store "
+                f"{config.store_name!r} are there ({files.snapshots()[0][1]}, ...): restore "
+                "the manifest, or delete the store with tiers.nvme.remove_store"
+            )
+        # A run killed while its store was being created: nothing was ever retained.
+        removed = remove_store(config.nvme_dirs, name=config.store_name)
+        if removed:
+            log.warning("resume: removed %d file(s) of a store never completed", len(removed))
+        return None
+    engine = AioEngine(config.aio)
+    try:
+        store = NvmeStore.open(
+            config.nvme_dirs, engine, name=config.store_name, verify=config.verify
+        )
+        remove = False
+        try:
+            chosen = choose(store)
+            if chosen is None:
+                remove = True
+                log.warning(
+                    "resume: store %r holds no snapshot; starting afresh", config.store_name
+                )
+            else:
+                store.restore_snapshot(chosen)
+        finally:
+            store.close(remove=remove)
+    finally:
+        engine.close()
+    if remove:
+        return None
+    return TierManager.open(config)

@@ -1,0 +1,209 @@
+"""An :class:`~swapper.step.OffloadAdamW` in a training snapshot, and picked up from one.
+
+Job: the optimizer's part of a checkpoint. :func:`optimizer_meta` is what a snapshot
+records of the optimizer besides its state tensors (step counters, hyper-parameters,
+layout, loss scaler), as plain JSON. :func:`adopt` makes a new optimizer take over the
+state tensors a resumed manager already holds (instead of building them from the
+parameters) and the counters from the record. :func:`kept_released` lets the sub-groups
+kept in memory be written into a snapshot like the others.
+
+The snapshot itself (which tensors, the file, RNG) is :mod:`swapper.zero.checkpoint`'s;
+the optimizer finds what it resumes from in its model's ``resumed`` attribute
+(:func:`resumed_of`), a :class:`ResumedState`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from swapper.manager import Kind, UnknownKeyError
+from swapper.step.config import check_hyper
+from swapper.step.pipeline import StepPipeline
+from swapper.step.scaler import DynamicLossScaler
+from swapper.step.state import StateDictError, check_same_layout
+from tiers import signals
+from tiers.errors import SwapConfigError
+
+if TYPE_CHECKING:
+    from swapper.step.optimizer import OffloadAdamW
+
+__all__ = ["ResumedState", "adopt", "kept_released", "optimizer_meta", "resumed_of"]
+
+
+@dataclasses.dataclass
+class ResumedState:
+    """What a resumed model carries for its optimizer (set by ``swapper.offload(...,
+    resume=...)``).
+
+    Attributes:
+        name: the snapshot resumed from.
+        path: its file (named in every error about it).
+        step: the optimizer steps taken when it was taken.
+        optimizer: what :func:`optimizer_meta` recorded, or None (no optimizer then).
+        extra: the user's ``extra`` given to the snapshot.
+        rng: the RNG states it recorded (restored by the model at resume).
+        taken: an optimizer has adopted the state (a second one starts afresh).
+    """
+
+    name: str
+    path: Path
+    step: int
+    optimizer: dict[str, Any] | None
+    extra: Any = None
+    rng: Any = None
+    taken: bool = False
+
+
+def resumed_of(tiers: object) -> ResumedState | None:
+    """The resume state a model passed as ``tiers=`` carries and no optimizer took yet."""
+    resumed = getattr(tiers, "resumed", None)
+    if isinstance(resumed, ResumedState) and not resumed.taken:
+        return resumed
+    return None
+
+
+def _encode_value(key: str, value: object) -> dict[str, Any]:
+    if isinstance(value, tuple) and all(
+        isinstance(v, (bool, int, float, str)) or v is None for v in value
+    ):
+        return {"tuple": list(value)}
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return {"value": value}
+    raise TypeError(
+        f"param group setting {key}={value!r} cannot go into a snapshot: only numbers, "
+        "str, None and tuples of them are kept"
+    )
+
+
+def _decode_value(raw: object, where: str) -> Any:
+    if isinstance(raw, dict) and raw.keys() == {"tuple"} and isinstance(raw["tuple"], list):
+        return tuple(raw["tuple"])
+    if isinstance(raw, dict) and raw.keys() == {"value"}:
+        return raw["value"]
+    raise StateDictError(f"{where}: {raw!r} is not a recorded param group setting")
+
+
+def optimizer_meta(optimizer: OffloadAdamW) -> dict[str, Any]:
+    """What a snapshot records of ``optimizer`` besides its state tensors (JSON-able).
+
+    Raises:
+        TypeError: a param group setting is not a number, str, None or tuple of them
+            (named).
+    """
+    scaler = optimizer.loss_scaler
+    return {
+        "name": optimizer._pipeline.name,
+        "step": optimizer.step_count,
+        "sub_group_numel": optimizer.sub_group_numel,
+        "numels": optimizer._numels(),
+        "groups": [
+            {k: _encode_value(k, v) for k, v in g.items() if k not in ("params", "param_names")}
+            for g in optimizer.param_groups
+        ],
+        "loss_scaler": None if scaler is None else scaler.state_dict(),
+    }
+
+
+def adopt(optimizer: OffloadAdamW, pipeline: StepPipeline, resumed: ResumedState) -> None:
+    """Make ``optimizer`` take over the state tensors its manager holds under
+    ``pipeline``'s keys and the counters ``resumed`` recorded.
+
+    Everything is checked before anything changes.
+
+    Raises:
+        StateDictError: the snapshot (named by its file) holds no optimizer, or one of
+            other parameters, layout, sub-group size or name, or lacks a state tensor or
+            holds one of the wrong shape (the first difference named).
+    """
+    where = f"snapshot file {resumed.path}"
+    meta = resumed.optimizer
+    if meta is None:
+        raise StateDictError(
+            f"{where} was taken without an optimizer: resume the model alone, or take "
+            "snapshots with the optimizer"
+        )
+    try:
+        check_same_layout(meta, optimizer._numels(), optimizer.sub_group_numel)
+    except StateDictError as exc:
+        raise StateDictError(f"{where}: {exc}") from None
+    if meta.get("name") != pipeline.name:
+        raise StateDictError(
+            f"{where}: its optimizer state is named {meta.get('name')!r}, this optimizer's "
+            f"{pipeline.name!r}: give StepConfig(name=...) as when it was taken"
+        )
+    step = meta.get("step")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise StateDictError(f"{where}: optimizer step={step!r} is not an int >= 0")
+    raw_groups = meta.get("groups")
+    if not isinstance(raw_groups, list) or len(raw_groups) != len(optimizer.param_groups):
+        raise StateDictError(f"{where}: param groups do not match this optimizer's")
+    groups: list[dict[str, Any]] = []
+    for g, raw in enumerate(raw_groups):
+        at = f"{where}: param group {g}"
+        if not isinstance(raw, dict):
+            raise StateDictError(f"{at} is not an object")
+        group = {k: _decode_value(v, f"{at}.{k}") for k, v in raw.items()}
+        try:
+            check_hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+        except (KeyError, TypeError, SwapConfigError) as exc:
+            raise StateDictError(f"{at}: {exc}") from None
+        groups.append(group)
+    scaler = meta.get("loss_scaler")
+    if optimizer.loss_scaler is not None and scaler is not None:
+        try:
+            DynamicLossScaler().load_state_dict(scaler)  # validates, changes nothing
+        except (SwapConfigError, TypeError) as exc:
+            raise StateDictError(f"{where}: loss scaler: {exc}") from None
+    manager = pipeline.manager
+    for sg in pipeline.sub_groups:
+        key = pipeline.key(sg.index)
+        try:
+            info = manager.info(key)
+        except UnknownKeyError:
+            raise StateDictError(f"{where} holds no optimizer state {key!r}") from None
+        if (
+            info.kind is not Kind.OPTIM_STATE
+            or info.dtype != torch.float32
+            or tuple(info.shape) != (3, sg.padded_numel)
+        ):
+            raise StateDictError(
+                f"{where}: {key!r} is {info.kind.value} {info.dtype} {list(info.shape)}; "
+                f"expected optim_state torch.float32 [3, {sg.padded_numel}]"
+            )
+    with signals.at_waits:  # each fetch and its record go together
+        pipeline._registered = len(pipeline.sub_groups)
+        for sg in pipeline.sub_groups[: pipeline.kept]:
+            pipeline._held[sg.index] = manager.fetch(pipeline.key(sg.index))
+    for progress in pipeline.progress:
+        progress.applied = progress.published = progress.durable = step
+    for group, saved in zip(optimizer.param_groups, groups, strict=True):
+        group.update(saved)
+    optimizer._step_count = step
+    if optimizer.loss_scaler is not None and scaler is not None:
+        optimizer.loss_scaler.load_state_dict(scaler)
+    resumed.taken = True
+
+
+@contextlib.contextmanager
+def kept_released(pipeline: StepPipeline) -> Iterator[None]:
+    """Inside the block, the sub-groups kept in memory are released (as modified: a step
+    changed them in place), so that a manager snapshot writes and names them like any
+    other; they are fetched again at the end."""
+    manager = pipeline.manager
+    released: list[int] = []
+    with signals.at_waits:
+        try:
+            for index in list(pipeline._held):
+                manager.release(pipeline.key(index), modified=True)
+                del pipeline._held[index]
+                released.append(index)
+            yield
+        finally:
+            for index in released:
+                pipeline._held[index] = manager.fetch(pipeline.key(index))

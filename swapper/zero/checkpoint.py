@@ -1,0 +1,435 @@
+"""Training snapshots of an offloaded model and its optimizer, resume, and ``final_digest``.
+
+Job: everything a run needs to continue bit-exactly after a stop or a crash, as one
+retained snapshot of the store the model's manager already writes to:
+
+* the tensors: the 16-bit parameters (``param16/param/<name>``), the optimizer's state
+  sub-groups (``optim_state/<name>/state/<i>``: fp32 master, exp_avg, exp_avg_sq), and
+  retained 16-bit gradients if any (dropped at resume); those dirty in memory are
+  written first, those already current on NVMe are only named (:mod:`swapper.manager.snapshot`);
+* the rest, as the snapshot's JSON ``extra`` (one file with the tensors' extents, written
+  atomically after they are durable, so a snapshot exists whole or not at all)::
+
+      {"format": "swapper-training-snapshot", "version": 1, "step": 12,
+       "optimizer": <swapper.step.resume.optimizer_meta> | null,
+       "rng": {"cpu": "<base64 of torch.get_rng_state()>", "cuda": ["<base64>", ...]},
+       "extra": <the user's JSON object> | null}
+
+Resume (``swapper.offload(..., resume=True | "name")``): the store is reopened, the newest
+snapshot that reads whole (its file decodes, every tensor's bytes match their checksums;
+a damaged one is logged and the one before it used) or the named one is chosen, every
+key is switched back to it, and the model adopts the parameters it names (same names,
+shapes and dtypes, or :class:`~swapper.step.StateDictError` naming the file); the RNG
+states are restored; ``OffloadAdamW(..., tiers=model)`` then adopts the optimizer state
+and counters (:mod:`swapper.step.resume`).
+
+Crash safety comes from the store: a snapshot's file appears (rename) only once every
+extent it names is durable, and those extents are never reused while it exists; a kill
+at any moment leaves the previous snapshots whole, and what the killed run did after its
+last snapshot is discarded at resume.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import dataclasses
+import json
+import logging
+from collections.abc import Mapping
+from contextlib import nullcontext
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import xxhash
+
+from swapper.manager import Kind, ManagerConfig, TierManager, UnknownKeyError
+from swapper.manager.snapshot import open_at_snapshot, snapshot_manager
+from swapper.step.optimizer import OffloadAdamW, StepPendingError
+from swapper.step.resume import ResumedState, kept_released, optimizer_meta
+from swapper.step.state import StateDictError
+from tiers.errors import SwapConfigError, SwapCorruptionError, SwapIOError
+from tiers.nvme import NvmeStore
+from tiers.nvme.snapshots import SnapshotDamagedError, SnapshotInfo, SnapshotNotFoundError
+
+if TYPE_CHECKING:
+    from swapper.zero.offload import OffloadedModel
+
+__all__ = [
+    "SnapshotReport",
+    "adopt_param",
+    "final_digest",
+    "finish_resume",
+    "keeps_store",
+    "open_manager",
+    "save_snapshot",
+]
+
+log = logging.getLogger(__name__)
+
+FORMAT = "swapper-training-snapshot"
+VERSION = 1
+_FIELDS = frozenset({"format", "version", "step", "optimizer", "rng", "extra"})
+
+
+@dataclasses.dataclass(frozen=True)
+class SnapshotReport:
+    """What :func:`save_snapshot` did.
+
+    Attributes:
+        name: the snapshot's name.
+        step: the optimizer's step count it holds.
+        seconds: wall time.
+        written_nbytes: tensor bytes written (those dirty in memory), plus the file.
+        nbytes: tensor bytes it names (the state's size).
+        path: its file.
+        dropped: snapshots removed (``keep_last``, or one of the same name replaced).
+    """
+
+    name: str
+    step: int
+    seconds: float
+    written_nbytes: int
+    nbytes: int
+    path: Path
+    dropped: tuple[str, ...]
+
+
+def save_snapshot(
+    model: OffloadedModel,
+    optimizer: OffloadAdamW | None = None,
+    *,
+    name: str | None = None,
+    extra: Mapping[str, Any] | None = None,
+    keep_last: int | None = None,
+) -> SnapshotReport:
+    """Retain everything needed to continue training bit-exactly as one snapshot of the
+    model's store (module docstring). Call it between steps (after ``zero_grad``: retained
+    gradients would be written too, and are not resumed).
+
+    Args:
+        optimizer: the model's :class:`OffloadAdamW` (its state and counters are saved).
+        name: default ``step-<step, 9 digits>``; a snapshot of that name is replaced.
+        extra: the caller's JSON-able metadata (str keys; lists, not tuples), returned at
+            resume as ``model.resumed.extra``.
+        keep_last: keep only this many newest snapshots.
+
+    Raises:
+        SwapConfigError: the model has no NVMe tier, or the optimizer is not the model's;
+            ``name`` or ``keep_last`` is unusable.
+        StepPendingError: a step failed part-way (finish it with ``step()`` first).
+        StateDictError: a load of the optimizer's state stopped part-way.
+        TypeError, ValueError: ``extra`` or a param group setting cannot be kept as JSON.
+        and what :func:`~swapper.manager.snapshot.snapshot_manager` raises (no snapshot).
+    """
+    if optimizer is not None:
+        if optimizer.manager is not model.manager:
+            raise SwapConfigError(
+                "save_snapshot: the optimizer keeps its state in another manager than the "
+                "model's; build it with OffloadAdamW(model.parameters(), tiers=model)"
+            )
+        if optimizer._load_incomplete:
+            raise StateDictError(
+                "a load_state_dict() or import_dcp() stopped part-way: the optimizer's state "
+                "is partly old, partly loaded; load it again before taking a snapshot"
+            )
+        if optimizer._pending is not None:
+            raise StepPendingError(
+                f"step {optimizer._pending} failed part-way; call step() again to finish it "
+                "before taking a snapshot"
+            )
+    step = optimizer.step_count if optimizer is not None else 0
+    if name is None:
+        name = f"step-{step:09d}"
+    model.release_stale_holds()  # a forward or backward that raised
+    meta = {
+        "format": FORMAT,
+        "version": VERSION,
+        "step": step,
+        "optimizer": None if optimizer is None else optimizer_meta(optimizer),
+        "rng": _rng_state(),
+        "extra": None if extra is None else dict(extra),
+    }
+    kept = kept_released(optimizer._pipeline) if optimizer is not None else nullcontext()
+    with kept:
+        done = snapshot_manager(model.manager, name, extra=meta, keep_last=keep_last, replace=True)
+    info = done.info
+    log.info(
+        "snapshot %s: step %d, %d bytes written of %d named, %.3f s",
+        name,
+        step,
+        done.written_nbytes + info.file_nbytes,
+        info.nbytes,
+        done.seconds,
+    )
+    return SnapshotReport(
+        name=info.name,
+        step=step,
+        seconds=done.seconds,
+        written_nbytes=done.written_nbytes + info.file_nbytes,
+        nbytes=info.nbytes,
+        path=info.path,
+        dropped=done.dropped,
+    )
+
+
+# -- resume --------------------------------------------------------------------------------
+
+
+def open_manager(
+    config: ManagerConfig, resume: bool | str
+) -> tuple[TierManager, ResumedState | None]:
+    """The manager for :class:`OffloadedModel`: a new one, or (``resume``) one opened at a
+    snapshot with what the model and optimizer adopt.
+
+    ``resume=True``: the newest usable snapshot; a new store when there is none (no store,
+    or one without any snapshot). ``resume="name"``: that snapshot, or an error.
+
+    Raises:
+        SwapConfigError: ``resume`` is not a bool or str, or there is no NVMe tier.
+        SnapshotDamagedError: the named snapshot, or every snapshot there, is damaged
+            (torn, corrupt, or its tensors' bytes fail their checksums); names the file.
+        SnapshotNotFoundError: no snapshot of that name (the message lists them).
+        and what :class:`TierManager` and :meth:`TierManager.open` raise.
+    """
+    if resume is False:
+        return TierManager(config), None
+    if not isinstance(resume, (bool, str)):
+        raise SwapConfigError(f"resume={resume!r} must be True, False or a snapshot name")
+    chosen: list[ResumedState] = []
+
+    def choose(store: NvmeStore) -> str | None:
+        resumed = _choose(store, resume)
+        if resumed is not None:
+            chosen.append(resumed)
+        return None if resumed is None else resumed.name
+
+    manager = open_at_snapshot(config, choose)
+    if manager is None:
+        if isinstance(resume, str):
+            raise SnapshotNotFoundError(
+                f"resume={resume!r}: there is no store {config.store_name!r} in "
+                f"{[str(d) for d in config.nvme_dirs]} to resume from"
+            )
+        return TierManager(config), None
+    return manager, chosen[0]
+
+
+def _choose(store: NvmeStore, resume: bool | str) -> ResumedState | None:
+    infos = store.snapshots()  # oldest first
+    damaged = store.damaged_snapshots()
+    for why in damaged.values():
+        log.warning("resume: ignoring a damaged snapshot: %s", why)
+    if isinstance(resume, str):
+        if resume in damaged:
+            raise SnapshotDamagedError(damaged[resume])
+        candidates = [i for i in infos if i.name == resume]
+        if not candidates:
+            raise SnapshotNotFoundError(
+                f"resume={resume!r}: store {store.name!r} has no snapshot of that name (it "
+                f"has {[i.name for i in infos]})"
+            )
+    else:
+        if not infos and not damaged:
+            return None
+        if not infos:
+            raise SnapshotDamagedError(
+                f"resume: every snapshot of store {store.name!r} is damaged: "
+                + "; ".join(damaged.values())
+            )
+        candidates = list(reversed(infos))
+    failures: list[BaseException] = []
+    for info in candidates:
+        try:
+            return _check(store, info)
+        except (SnapshotDamagedError, SwapCorruptionError, SwapIOError) as exc:
+            if isinstance(resume, str):
+                raise
+            log.warning("resume: snapshot %r is unusable, trying an older one: %s", info.name, exc)
+            failures.append(exc)
+    raise failures[0]  # (the newest's; the others are logged)
+
+
+def _check(store: NvmeStore, info: SnapshotInfo) -> ResumedState:
+    """The training metadata of ``info``, once its tensors read back whole.
+
+    Raises:
+        SnapshotDamagedError: its metadata is not a training snapshot's (names the file).
+        SwapCorruptionError, SwapIOError: a tensor's bytes fail their checksum or cannot
+            be read (named).
+    """
+    where = f"snapshot file {info.path}"
+    meta = info.extra
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise SnapshotDamagedError(
+            f"{where} is not a training snapshot (taken by NvmeStore.snapshot directly?)"
+        )
+    if meta.keys() != _FIELDS or meta["version"] != VERSION:
+        raise SnapshotDamagedError(
+            f"{where}: training snapshot fields {sorted(meta)} of version "
+            f"{meta.get('version')!r}; this swapper reads version {VERSION}"
+        )
+    step, optimizer = meta["step"], meta["optimizer"]
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise SnapshotDamagedError(f"{where}: step={step!r} is not an int >= 0")
+    if optimizer is not None and not isinstance(optimizer, dict):
+        raise SnapshotDamagedError(f"{where}: optimizer is not an object")
+    _decode_rng(meta["rng"], where)  # checked now: a bad one is a damaged snapshot
+    largest = max((store.snapshot_tensor(info.name, k).nbytes for k in info.keys), default=0)
+    scratch = torch.empty(largest, dtype=torch.uint8)
+    for key in info.keys:
+        nbytes = store.snapshot_tensor(info.name, key).nbytes
+        store.read_snapshot(info.name, key, scratch[:nbytes]).result()
+    return ResumedState(
+        name=info.name,
+        path=info.path,
+        step=step,
+        optimizer=optimizer,
+        extra=meta["extra"],
+        rng=meta["rng"],
+    )
+
+
+def adopt_param(manager: TierManager, resumed: ResumedState, key: str, param: torch.Tensor) -> None:
+    """Check that the resumed manager holds parameter ``key`` as ``param`` is shaped.
+
+    Raises:
+        StateDictError: it holds no such parameter, or one of another shape or dtype: the
+            snapshot is of another model (names the file).
+    """
+    where = f"snapshot file {resumed.path}"
+    try:
+        info = manager.info(key)
+    except UnknownKeyError:
+        raise StateDictError(
+            f"{where} holds no parameter {key.removeprefix('param/')!r}: it is of another model"
+        ) from None
+    if info.kind is not Kind.PARAM16 or tuple(info.shape) != tuple(param.shape):
+        raise StateDictError(
+            f"{where}: parameter {key.removeprefix('param/')!r} is {list(info.shape)} "
+            f"there, {list(param.shape)} here: the snapshot is of another model"
+        )
+    if not param.is_meta and info.dtype != param.dtype:
+        raise StateDictError(
+            f"{where}: parameter {key.removeprefix('param/')!r} is {info.dtype} there, "
+            f"{param.dtype} here"
+        )
+
+
+def finish_resume(model: OffloadedModel, resumed: ResumedState) -> None:
+    """After every parameter is adopted: refuse parameters the model lacks, drop the
+    retained gradients (a resumed run starts its step afresh), restore the RNG states,
+    and leave the user's ``extra`` in ``resumed.extra``.
+
+    Raises:
+        StateDictError: the snapshot holds a parameter this model lacks (names the file).
+    """
+    manager = model.manager
+    own = {slot.key for slot in model._by_name.values()}
+    keys = manager.keys()
+    for key in keys:
+        if key.startswith("param/") and key not in own:
+            raise StateDictError(
+                f"snapshot file {resumed.path} holds parameter {key.removeprefix('param/')!r}, "
+                "which this model lacks: it is of another model"
+            )
+    for key in keys:
+        if manager.info(key).kind is Kind.GRAD16:
+            manager.unregister(key)
+    _set_rng_state(_decode_rng(resumed.rng, str(resumed.path)))
+    log.info("resumed from snapshot %r (step %d, %s)", resumed.name, resumed.step, resumed.path)
+
+
+def keeps_store(manager: TierManager) -> bool:
+    """Whether the manager's store holds snapshots (then closing must keep its files)."""
+    store = manager._ctx.store
+    return store is not None and bool(store.snapshots() or store.damaged_snapshots())
+
+
+# -- RNG -------------------------------------------------------------------------------------
+
+
+def _rng_state() -> dict[str, Any]:
+    cuda: list[str] = []
+    if torch.cuda.is_available():
+        cuda = [_b64(s) for s in torch.cuda.get_rng_state_all()]
+    return {"cpu": _b64(torch.get_rng_state()), "cuda": cuda}
+
+
+def _b64(state: torch.Tensor) -> str:
+    return base64.b64encode(state.numpy().tobytes()).decode("ascii")
+
+
+def _decode_rng(raw: object, where: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    if (
+        not isinstance(raw, dict)
+        or raw.keys() != {"cpu", "cuda"}
+        or not isinstance(raw["cuda"], list)
+    ):
+        raise SnapshotDamagedError(f"{where}: rng is not {{'cpu': ..., 'cuda': [...]}}")
+
+    def one(text: object) -> torch.Tensor:
+        if not isinstance(text, str):
+            raise SnapshotDamagedError(f"{where}: an RNG state is not a string")
+        try:
+            data = base64.b64decode(text.encode("ascii"), validate=True)
+        except (binascii.Error, UnicodeEncodeError):
+            raise SnapshotDamagedError(f"{where}: an RNG state is not base64") from None
+        return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+    return one(raw["cpu"]), [one(t) for t in raw["cuda"]]
+
+
+def _set_rng_state(states: tuple[torch.Tensor, list[torch.Tensor]]) -> None:
+    cpu, cuda = states
+    torch.set_rng_state(cpu)
+    if cuda and torch.cuda.is_available():
+        if len(cuda) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(cuda)
+        else:
+            log.warning(
+                "resume: the snapshot has %d CUDA RNG states, this machine %d devices: "
+                "CUDA RNG not restored",
+                len(cuda),
+                torch.cuda.device_count(),
+            )
+
+
+# -- final_digest ------------------------------------------------------------------------
+
+
+def final_digest(model: OffloadedModel, optimizer: OffloadAdamW | None = None) -> str:
+    """A hash over the 16-bit parameters and the optimizer's state, to compare two runs.
+
+    In a fixed order: each parameter by name (sorted), its name, shape, dtype and bytes;
+    then the optimizer's step count, loss scaler state and param group settings, and its
+    fp32 master weights, exp_avg and exp_avg_sq, each over all parameters in their flat
+    order (one streaming hash per row, so the sub-group size does not change it). Reads
+    one parameter or sub-group at a time. Returns ``"xxh3-128:<32 hex digits>"``.
+    """
+    per_param: dict[str, int] = {}
+    for name, tensor in model.iter_state_dict():
+        h = xxhash.xxh3_64()
+        h.update(f"{name}|{list(tensor.shape)}|{tensor.dtype}|".encode())
+        h.update(_bytes(tensor))
+        per_param[name] = h.intdigest()
+    total = xxhash.xxh3_128()
+    for name in sorted(per_param):
+        total.update(b"%s=%016x;" % (name.encode(), per_param[name]))
+    if optimizer is not None:
+        meta = optimizer_meta(optimizer)
+        counters = {k: meta[k] for k in ("step", "groups", "loss_scaler")}
+        total.update(json.dumps(counters, sort_keys=True).encode())
+        rows = [xxhash.xxh3_64() for _ in range(3)]
+        for sg, state in optimizer._pipeline.iter_states():
+            for row, h in enumerate(rows):
+                h.update(_bytes(state[row, : sg.numel]))
+        for h in rows:
+            total.update(b"%016x;" % h.intdigest())
+    return f"xxh3-128:{total.hexdigest()}"
+
+
+def _bytes(tensor: torch.Tensor) -> bytes:
+    flat = tensor.detach().reshape(-1).contiguous().cpu()
+    return flat.view(torch.uint8).numpy().tobytes()

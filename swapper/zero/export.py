@@ -1,0 +1,154 @@
+"""Export an offloaded model's 16-bit weights as safetensors shards with an index.
+
+Job: :func:`export_safetensors`, the portable form of the weights that Hugging Face
+``from_pretrained`` and ``safetensors.torch.load_file`` read. Streamed: the shards are
+planned from the parameters' shapes first (a safetensors header must name every tensor's
+offsets before its data), then each parameter is fetched from the tiers, written and
+dropped, one at a time; the model is never whole in memory.
+
+Layout (Hugging Face's sharded form)::
+
+    DIR/model-00001-of-00003.safetensors   8-byte little-endian header length, the JSON
+    ...                                    header {name: {dtype, shape, data_offsets},
+                                           "__metadata__": {"format": "pt"}} padded with
+                                           spaces to 8 bytes, then the tensors' bytes
+    DIR/model.safetensors.index.json       {"metadata": {"total_size": N},
+                                            "weight_map": {name: shard file}}
+
+A tied parameter is written once, under the name the model registered it by (safetensors
+refuses shared tensors; ``from_pretrained`` re-ties from the model's config). Each file is
+written to a temporary name, fsync'd and renamed, the index last: an export cut off
+leaves no index, never a partial shard under its final name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, BinaryIO
+
+import torch
+
+from tiers.errors import SwapConfigError, SwapIOError
+
+if TYPE_CHECKING:
+    from swapper.zero.offload import OffloadedModel
+
+__all__ = ["INDEX_NAME", "export_safetensors"]
+
+INDEX_NAME = "model.safetensors.index.json"
+_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
+
+
+def _plan(
+    params: list[tuple[str, torch.Size, torch.dtype]], max_shard_nbytes: int
+) -> list[list[tuple[str, torch.Size, torch.dtype]]]:
+    shards: list[list[tuple[str, torch.Size, torch.dtype]]] = [[]]
+    used = 0
+    for name, shape, dtype in params:
+        nbytes = shape.numel() * dtype.itemsize
+        if shards[-1] and used + nbytes > max_shard_nbytes:
+            shards.append([])
+            used = 0
+        shards[-1].append((name, shape, dtype))
+        used += nbytes
+    return shards
+
+
+def _header(shard: list[tuple[str, torch.Size, torch.dtype]]) -> bytes:
+    entries: dict[str, object] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, shape, dtype in shard:
+        nbytes = shape.numel() * dtype.itemsize
+        entries[name] = {
+            "dtype": _DTYPES[dtype],
+            "shape": list(shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
+        offset += nbytes
+    text = json.dumps(entries, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
+    return struct.pack("<Q", len(text)) + text
+
+
+def _write_atomic(path: Path, write: Callable[[BinaryIO], object]) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise SwapIOError(exc.errno, f"cannot write {path}: {exc.strerror}", str(path)) from exc
+
+
+def export_safetensors(
+    model: OffloadedModel,
+    directory: str | os.PathLike[str],
+    *,
+    max_shard_nbytes: int = 5 << 30,
+    progress: Callable[[int, int], None] | None = None,
+) -> Path:
+    """Write the model's 16-bit parameters as safetensors shards and an index in
+    ``directory`` (made if missing), one parameter in memory at a time.
+
+    Args:
+        max_shard_nbytes: tensor bytes per shard at most (a larger parameter gets a shard
+            of its own).
+        progress: called as ``progress(bytes_written, total_bytes)`` after each parameter.
+
+    Returns:
+        The index file's path.
+
+    Raises:
+        SwapConfigError: ``max_shard_nbytes`` is not a positive int, or ``directory``
+            already holds an index (choose another, or delete it).
+        SwapIOError: a file could not be written (named); the index is not written.
+        and what fetching a parameter from the tiers raises.
+    """
+    if isinstance(max_shard_nbytes, bool) or not isinstance(max_shard_nbytes, int):
+        raise SwapConfigError(f"max_shard_nbytes={max_shard_nbytes!r} must be an int > 0")
+    if max_shard_nbytes <= 0:
+        raise SwapConfigError(f"max_shard_nbytes={max_shard_nbytes!r} must be an int > 0")
+    out = Path(directory)
+    index_path = out / INDEX_NAME
+    if index_path.exists():
+        raise SwapConfigError(
+            f"{index_path} exists: export into an empty directory (or delete that export)"
+        )
+    out.mkdir(parents=True, exist_ok=True)
+    params = list(model.named_offloaded())
+    shards = _plan(params, max_shard_nbytes)
+    total = sum(shape.numel() * dtype.itemsize for _, shape, dtype in params)
+    names = [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
+    if len(shards) == 1:
+        names = ["model.safetensors"]
+    stream = model.iter_state_dict()  # the parameters in the same order, one at a time
+    written = 0
+    weight_map: dict[str, str] = {}
+    for shard, file_name in zip(shards, names, strict=True):
+
+        def write(f: BinaryIO, shard: list[tuple[str, torch.Size, torch.dtype]] = shard) -> None:
+            nonlocal written
+            f.write(_header(shard))
+            for name, shape, dtype in shard:
+                got, tensor = next(stream)
+                if got != name or tensor.shape != shape or tensor.dtype != dtype:
+                    raise SwapConfigError(f"export: {got!r} changed while being exported")
+                data = tensor.contiguous().reshape(-1).view(torch.uint8).numpy()
+                f.write(data.tobytes())
+                written += data.nbytes
+                if progress is not None:
+                    progress(written, total)
+
+        _write_atomic(out / file_name, write)
+        weight_map.update({name: file_name for name, _, _ in shard})
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    text = json.dumps(index, indent=2).encode()
+    _write_atomic(index_path, lambda f: f.write(text))
+    return index_path
