@@ -32,6 +32,9 @@ larger than host memory can be initialised.
 
 Weights outside the step (``state_dict``/``load_state_dict`` of the model, ``unwrap()`` when
 the block is left, in-place writes outside the hooks) are in :mod:`swapper.zero.weights`.
+Activation checkpointing runs the hooks again inside the backward (a recompute); what it
+holds is checked in :mod:`swapper.zero.recompute`, and the forward hooks run when a forward
+raises (``always_call``), so a recompute stopped early releases what it fetched.
 
 Layout: the parameter records and the optimizer's view of them are in
 :mod:`swapper.zero.params`, the autograd plumbing in :mod:`swapper.zero.autograd`. What
@@ -60,6 +63,7 @@ from swapper.step.sources import ParamSource
 from swapper.zero.autograd import in_autograd, mark_outputs
 from swapper.zero.config import OffloadConfig
 from swapper.zero.params import Slot, TieredParams
+from swapper.zero.recompute import checkpointed_need, no_room
 from swapper.zero.settings import tiers_of
 from swapper.zero.weights import (
     WeightHooks,
@@ -142,6 +146,12 @@ class OffloadedModel(nn.Module):
         self.module = module
         self.config = config
         self._use_tier = tiers_of(config.manager, Kind.PARAM16)[0]  # where params are used
+        manager_config = config.manager
+        self._room_limit = (  # of the use tier: see _check_room
+            manager_config.host_nbytes
+            if self._use_tier is Tier.HOST
+            else manager_config.device_nbytes
+        )
         self._slots: dict[int, Slot] = {}  # id(param) → slot
         self._by_name: dict[str, Slot] = {}
         self._module_slots: dict[nn.Module, list[Slot]] = {}
@@ -153,9 +163,11 @@ class OffloadedModel(nn.Module):
         self._manager_recorded = False
         self._position: dict[str, list[int]] = {}
         self._cursor = -1
-        #: per module whose forward runs now (outermost first): the slots its pre-hook
-        #: fetched, released by its forward hook or, if the forward raised, by forward()
-        self._forward_holds: list[list[Slot]] = []
+        #: per module whose forward runs now (outermost first): the module and the slots
+        #: its pre-hook fetched, released by its forward hook (which runs when the forward
+        #: raises an Exception too) or, for a KeyboardInterrupt, by forward()
+        self._forward_holds: list[tuple[nn.Module, list[Slot]]] = []
+        self._held_nbytes = 0  # parameters with users, in the use tier
         self._forward_depth = 0  # calls of forward() running
         self._in_backward = False
         self._closed = False
@@ -242,7 +254,7 @@ class OffloadedModel(nn.Module):
         and never finished."""
         dropped = 0
         while len(self._forward_holds) > depth:
-            for slot in self._forward_holds.pop():
+            for slot in self._forward_holds.pop()[1]:
                 self._release(slot)
                 dropped += 1
         return dropped
@@ -358,6 +370,16 @@ class OffloadedModel(nn.Module):
                 seen.add(id(p))
         if limit is None:
             return
+        recompute = checkpointed_need(module, nbytes_of)
+        if recompute is not None and recompute[0] + shared > limit:
+            need = recompute[0] + shared
+            raise SwapConfigError(
+                f"offload: {recompute[1]} needs {need} bytes ({format_size(need)}) of "
+                f"{first.value} memory at once"
+                + (" (with tied parameters held through the backward)" if shared else "")
+                + f", more than the {first.value} budget of {limit} bytes: raise it to at "
+                f"least {need}"
+            )
         for name, sub in module.named_modules():
             own = [p for p in sub.parameters(recurse=False)]
             nbytes = sum(nbytes_of(p) for p in own)
@@ -424,7 +446,11 @@ class OffloadedModel(nn.Module):
     def _install_hooks(self, module: nn.Module) -> None:
         for sub, slots in self._module_slots.items():
             self._handles.append(sub.register_forward_pre_hook(self._pre_forward_hook(slots)))
-            self._handles.append(sub.register_forward_hook(self._post_forward_hook(slots)))
+            # always_call: a forward that raises (the early stop of a non-reentrant
+            # checkpoint's recompute raises on purpose) still releases what it fetched
+            self._handles.append(
+                sub.register_forward_hook(self._post_forward_hook(slots), always_call=True)
+            )
         for slot in self._by_name.values():
             if slot.param.requires_grad:
                 self._handles.append(
@@ -436,8 +462,9 @@ class OffloadedModel(nn.Module):
     def _pre_forward_hook(self, slots: list[Slot]) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any) -> None:
             self._step_boundary()
+            self._check_room(slots)
             taken: list[Slot] = []
-            self._forward_holds.append(taken)
+            self._forward_holds.append((module, taken))
             for slot in slots:
                 with signals.at_waits:  # fetched and recorded, or neither
                     self._acquire(slot)
@@ -463,6 +490,7 @@ class OffloadedModel(nn.Module):
     def _post_forward_hook(self, slots: list[Slot]) -> Callable[..., Any]:
         def before_backward() -> None:
             self._backward_started()
+            self._check_room(slots)
             for slot in slots:
                 with signals.at_waits:  # fetched and recorded, or neither
                     self._acquire(slot)
@@ -471,10 +499,14 @@ class OffloadedModel(nn.Module):
 
         def hook(module: nn.Module, args: Any, output: Any) -> Any:
             with signals.held:
-                taken = self._forward_holds.pop() if self._forward_holds else []
-                for slot in taken:
-                    self._release(slot)
-            if not torch.is_grad_enabled():
+                # This module's entry, and above it those of forwards that began inside
+                # it and never finished (abandoned: nothing else will release them).
+                at = len(self._forward_holds) - 1
+                while at >= 0 and self._forward_holds[at][0] is not module:
+                    at -= 1
+                if at >= 0:
+                    self._drop_forward_holds(at)
+            if output is None or not torch.is_grad_enabled():
                 return output
             return mark_outputs(output, before_backward)
 
@@ -565,6 +597,7 @@ class OffloadedModel(nn.Module):
             with self._lock:
                 slot.param.data = tensor
                 slot.version = slot.param._version
+                self._held_nbytes += slot.nbytes
             self._note_fetch(slot.key)
 
     def _release(self, slot: Slot) -> None:
@@ -577,7 +610,26 @@ class OffloadedModel(nn.Module):
                 modified = slot.param._version != slot.version
                 slot.param.data = slot.placeholder
                 slot.version = slot.param._version
+                self._held_nbytes -= slot.nbytes
             self._manager.release(slot.key, modified=modified)
+
+    def _check_room(self, slots: list[Slot]) -> None:
+        """Raise at once if the use tier cannot hold what is held now and the slots'
+        parameters: held parameters are released only by the work that waits for this
+        fetch, so it would wait for the budget's timeout and fail anyway.
+
+        Raises:
+            SwapConfigError: from :func:`~swapper.zero.recompute.no_room`.
+        """
+        limit = self._room_limit
+        if limit is None:
+            return
+        need = sum(slot.nbytes for slot in slots if not slot.users)
+        if need and self._held_nbytes + need > limit:
+            with self._lock:
+                held = [(s.name, s.nbytes) for s in self._by_name.values() if s.users]
+            module_name = slots[0].name.rpartition(".")[0] or "(the model)"
+            raise no_room(module_name, need, held, limit, self._use_tier.value)
 
     def _note_fetch(self, key: str) -> None:
         """Record the fetch order (first step), or read ahead along it (later steps)."""
