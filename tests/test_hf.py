@@ -362,3 +362,32 @@ def test_hf_trainer_example_runs(tmp_path: Path) -> None:
     assert sum(p.numel() for p in loaded.parameters()) > 0
     for name, value in loaded.state_dict().items():
         assert value.numel() > 0, name
+
+
+class _ScaledHead(nn.Module):
+    """Owns a parameter itself (as CLIPModel's logit_scale) and returns a ModelOutput."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+        self.scale = nn.Parameter(torch.ones(()))
+
+    def forward(self, x: torch.Tensor) -> object:
+        logits = self.proj(x) * self.scale
+        loss = logits.float().pow(2).mean()
+        return transformers.modeling_outputs.CausalLMOutput(loss=loss, logits=logits)
+
+
+def test_model_output_of_a_module_owning_parameters_keeps_its_type(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = _ScaledHead().to(torch.bfloat16)
+    reference = _ScaledHead().to(torch.bfloat16)
+    reference.load_state_dict(model.state_dict())
+    x = torch.randn(4, 8).bfloat16()
+    with swapper.offload(model, _config(tmp_path, 1024, None)) as wrapped:
+        out = wrapped(x)
+        assert isinstance(out, transformers.modeling_outputs.CausalLMOutput)
+        out.loss.backward()  # attribute access, as the Trainer and users write it
+        assert all(slot.has_grad for slot in wrapped._by_name.values())
+    expected = reference(x)
+    assert torch.equal(out.logits, expected.logits)
