@@ -6,7 +6,10 @@ run with it. While module A's backward runs, A's parameters are held (fetched by
 ``BeforeBackward`` of A's outputs); its backward needs the block's saved activations, so
 the block is recomputed, fetching each of its modules B in turn. The use tier must then
 hold A's and B's parameters at once: up to the two largest modules of a checkpointed
-block, where a model without checkpointing needs only the largest.
+block, where a model without checkpointing needs only the largest. (Reentrant
+checkpointing recomputes the whole block before the backward of any of its modules, so
+one module at a time is enough there; the wrap-time check cannot tell which kind a model
+will use and counts two.)
 
 Two checks keep that from becoming a 60 s :class:`~tiers.budget.BudgetTimeout`:
 
