@@ -113,12 +113,13 @@ def _build(kind: str, checkpointing: str | None) -> nn.Module:
 def _enable_checkpointing(model: nn.Module, *, reentrant: bool = False) -> None:
     """HF's ``gradient_checkpointing_enable()`` (renamed in transformers 5.x); its default
     is non-reentrant."""
-    kwargs = {"use_reentrant": reentrant}
     enable = getattr(model, "activation_checkpointing_enable", None)
-    if enable is not None:
-        enable(activation_checkpointing_kwargs=kwargs)
+    if not reentrant:  # the default as users call it (non-reentrant in transformers 5.x)
+        (enable or model.gradient_checkpointing_enable)()
+    elif enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": True})
     else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
 
 
 def _disable_checkpointing(model: nn.Module) -> None:
