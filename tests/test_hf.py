@@ -111,15 +111,15 @@ def _build(kind: str, checkpointing: str | None) -> nn.Module:
 
 
 def _enable_checkpointing(model: nn.Module, *, reentrant: bool = False) -> None:
-    """HF's ``gradient_checkpointing_enable()`` (renamed in transformers 5.x); its default
-    is non-reentrant."""
+    """HF's ``gradient_checkpointing_enable()`` (``activation_checkpointing_enable`` in
+    transformers 5.x), the kind named: its default is non-reentrant in 5.x, reentrant in
+    4.x, so both are named here and each is tested with either version."""
+    kwargs = {"use_reentrant": reentrant}
     enable = getattr(model, "activation_checkpointing_enable", None)
-    if not reentrant:  # the default as users call it (non-reentrant in transformers 5.x)
-        (enable or model.gradient_checkpointing_enable)()
-    elif enable is not None:
-        enable(activation_checkpointing_kwargs={"use_reentrant": True})
+    if enable is not None:
+        enable(activation_checkpointing_kwargs=kwargs)
     else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
 def _disable_checkpointing(model: nn.Module) -> None:
