@@ -1,4 +1,4 @@
-# Size: one state machine (~570 lines): the hooks and the hold counts they share (Layout).
+# Size: one state machine (~660 lines): the hooks and the hold counts they share (Layout).
 """``swapper.offload(model, config)``: a module's 16-bit parameters live in the tiers.
 
 Every parameter is one tensor of kind ``param16`` in a :class:`~swapper.manager.TierManager`
@@ -38,7 +38,7 @@ raises (``always_call``), so a recompute stopped early releases what it fetched.
 
 Layout: the parameter records and the optimizer's view of them are in
 :mod:`swapper.zero.params`, the autograd plumbing in :mod:`swapper.zero.autograd`. What
-stays here (~560 lines) is one state machine: the hooks, the hold counts they share
+stays here (~660 lines) is one state machine: the hooks, the hold counts they share
 (``users``, ``backward_holds``, the forward depth, the recorded order) and the placement
 that registers the slots the hooks then move; split further, each part would have to
 reach into the others' counters, which is what a reader must follow in one place.
