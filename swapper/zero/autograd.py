@@ -53,5 +53,13 @@ def mark_outputs(output: Any, hook: Callable[[], None]) -> Any:
             return output
         marked = BeforeBackward.apply(hook, *(output[k] for k in keys))
         marked = marked if isinstance(marked, tuple) else (marked,)
-        return {**output, **dict(zip(keys, marked, strict=True))}
+        merged = {**output, **dict(zip(keys, marked, strict=True))}
+        if type(output) is dict:
+            return merged
+        # Keep the container's type: Hugging Face's ModelOutput (outputs.loss) from a
+        # module that owns parameters itself (CLIPModel's logit_scale, say).
+        try:
+            return type(output)(**merged)
+        except TypeError:
+            return merged
     return output

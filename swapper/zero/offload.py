@@ -1,4 +1,4 @@
-# Size: one state machine (~570 lines): the hooks and the hold counts they share (Layout).
+# Size: one state machine (~660 lines): the hooks and the hold counts they share (Layout).
 """``swapper.offload(model, config)`` in one process: a module's 16-bit parameters live in
 the tiers (:func:`swapper.zero.wrap.offload` builds an :class:`OffloadedModel`).
 
@@ -33,10 +33,13 @@ larger than host memory can be initialised.
 
 Weights outside the step (``state_dict``/``load_state_dict`` of the model, ``unwrap()`` when
 the block is left, in-place writes outside the hooks) are in :mod:`swapper.zero.weights`.
+Activation checkpointing runs the hooks again inside the backward (a recompute); what it
+holds is checked in :mod:`swapper.zero.recompute`, and the forward hooks run when a forward
+raises (``always_call``), so a recompute stopped early releases what it fetched.
 
 Layout: the parameter records and the optimizer's view of them are in
 :mod:`swapper.zero.params`, the autograd plumbing in :mod:`swapper.zero.autograd`. What
-stays here (~560 lines) is one state machine: the hooks, the hold counts they share
+stays here (~660 lines) is one state machine: the hooks, the hold counts they share
 (``users``, ``backward_holds``, the forward depth, the recorded order) and the placement
 that registers the slots the hooks then move; split further, each part would have to
 reach into the others' counters, which is what a reader must follow in one place.
@@ -63,6 +66,7 @@ from swapper.zero.autograd import in_autograd, mark_outputs
 from swapper.zero.config import OffloadConfig
 from swapper.zero.params import Slot, TieredParams
 from swapper.zero.readahead import ReadAhead
+from swapper.zero.recompute import checkpointed_need, no_room
 from swapper.zero.settings import tiers_of
 from swapper.zero.weights import (
     WeightHooks,
@@ -149,6 +153,12 @@ class OffloadedModel(nn.Module):
         self.module = module
         self.config = config
         self._use_tier = tiers_of(config.manager, Kind.PARAM16)[0]  # where params are used
+        manager_config = config.manager
+        self._room_limit = (  # of the use tier: see _check_room
+            manager_config.host_nbytes
+            if self._use_tier is Tier.HOST
+            else manager_config.device_nbytes
+        )
         self._slots: dict[int, Slot] = {}  # id(param) → slot
         self._by_name: dict[str, Slot] = {}
         self._module_slots: dict[nn.Module, list[Slot]] = {}
@@ -158,9 +168,11 @@ class OffloadedModel(nn.Module):
         self._recording: list[str] | None = []  # being recorded (the first step)
         self._manager_recording: contextlib.AbstractContextManager[None] | None = None
         self._manager_recorded = False
-        #: per module whose forward runs now (outermost first): the slots its pre-hook
-        #: fetched, released by its forward hook or, if the forward raised, by forward()
-        self._forward_holds: list[list[Slot]] = []
+        #: per module whose forward runs now (outermost first): the module and the slots
+        #: its pre-hook fetched, released by its forward hook (which runs when the forward
+        #: raises an Exception too) or, for a KeyboardInterrupt, by forward()
+        self._forward_holds: list[tuple[nn.Module, list[Slot]]] = []
+        self._held_nbytes = 0  # parameters with users, in the use tier
         self._forward_depth = 0  # calls of forward() running
         self._in_backward = False
         self._closed = False
@@ -253,7 +265,7 @@ class OffloadedModel(nn.Module):
         and never finished."""
         dropped = 0
         while len(self._forward_holds) > depth:
-            for slot in self._forward_holds.pop():
+            for slot in self._forward_holds.pop()[1]:
                 self._release(slot)
                 dropped += 1
         return dropped
@@ -370,6 +382,16 @@ class OffloadedModel(nn.Module):
                 seen.add(id(p))
         if limit is None:
             return
+        recompute = checkpointed_need(module, nbytes_of)
+        if recompute is not None and recompute[0] + shared > limit:
+            need = recompute[0] + shared
+            raise SwapConfigError(
+                f"offload: {recompute[1]} needs {need} bytes ({format_size(need)}) of "
+                f"{first.value} memory at once"
+                + (" (with tied parameters held through the backward)" if shared else "")
+                + f", more than the {first.value} budget of {limit} bytes: raise it to at "
+                f"least {need}"
+            )
         for name, sub in module.named_modules():
             own = [p for p in sub.parameters(recurse=False)]
             nbytes = sum(nbytes_of(p) for p in own)
@@ -452,7 +474,11 @@ class OffloadedModel(nn.Module):
     def _install_hooks(self, module: nn.Module) -> None:
         for sub, slots in self._module_slots.items():
             self._handles.append(sub.register_forward_pre_hook(self._pre_forward_hook(slots)))
-            self._handles.append(sub.register_forward_hook(self._post_forward_hook(slots)))
+            # always_call: a forward that raises (the early stop of a non-reentrant
+            # checkpoint's recompute raises on purpose) still releases what it fetched
+            self._handles.append(
+                sub.register_forward_hook(self._post_forward_hook(slots), always_call=True)
+            )
         for slot in self._by_name.values():
             if slot.param.requires_grad:
                 self._handles.append(
@@ -464,8 +490,9 @@ class OffloadedModel(nn.Module):
     def _pre_forward_hook(self, slots: list[Slot]) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any) -> None:
             self._step_boundary()
+            self._check_room(slots)
             taken: list[Slot] = []
-            self._forward_holds.append(taken)
+            self._forward_holds.append((module, taken))
             for slot in slots:
                 with signals.at_waits:  # fetched and recorded, or neither
                     self._acquire(slot)
@@ -491,6 +518,7 @@ class OffloadedModel(nn.Module):
     def _post_forward_hook(self, slots: list[Slot]) -> Callable[..., Any]:
         def before_backward() -> None:
             self._backward_started()
+            self._check_room(slots)
             for slot in slots:
                 with signals.at_waits:  # fetched and recorded, or neither
                     self._acquire(slot)
@@ -499,10 +527,14 @@ class OffloadedModel(nn.Module):
 
         def hook(module: nn.Module, args: Any, output: Any) -> Any:
             with signals.held:
-                taken = self._forward_holds.pop() if self._forward_holds else []
-                for slot in taken:
-                    self._release(slot)
-            if not torch.is_grad_enabled():
+                # This module's entry, and above it those of forwards that began inside
+                # it and never finished (abandoned: nothing else will release them).
+                at = len(self._forward_holds) - 1
+                while at >= 0 and self._forward_holds[at][0] is not module:
+                    at -= 1
+                if at >= 0:
+                    self._drop_forward_holds(at)
+            if output is None or not torch.is_grad_enabled():
                 return output
             return mark_outputs(output, before_backward)
 
@@ -594,6 +626,7 @@ class OffloadedModel(nn.Module):
             with self._lock:
                 slot.param.data = tensor
                 slot.version = slot.param._version
+                self._held_nbytes += slot.nbytes
             self._note_fetch(slot.key)
 
     def _release(self, slot: Slot) -> None:
@@ -606,7 +639,26 @@ class OffloadedModel(nn.Module):
                 modified = slot.param._version != slot.version
                 slot.param.data = slot.placeholder
                 slot.version = slot.param._version
+                self._held_nbytes -= slot.nbytes
             self._manager.release(slot.key, modified=modified)
+
+    def _check_room(self, slots: list[Slot]) -> None:
+        """Raise at once if the use tier cannot hold what is held now and the slots'
+        parameters: held parameters are released only by the work that waits for this
+        fetch, so it would wait for the budget's timeout and fail anyway.
+
+        Raises:
+            SwapConfigError: from :func:`~swapper.zero.recompute.no_room`.
+        """
+        limit = self._room_limit
+        if limit is None:
+            return
+        need = sum(slot.nbytes for slot in slots if not slot.users)
+        if need and self._held_nbytes + need > limit:
+            with self._lock:
+                held = [(s.name, s.nbytes) for s in self._by_name.values() if s.users]
+            module_name = slots[0].name.rpartition(".")[0] or "(the model)"
+            raise no_room(module_name, need, held, limit, self._use_tier.value)
 
     def _note_fetch(self, key: str) -> None:
         """Record the fetch order (first step), or read ahead along it (later steps)."""
