@@ -1,4 +1,4 @@
-# Size: one state machine (~660 lines): the hooks and the hold counts they share (Layout).
+# Size: one state machine (~610 lines): the hooks and the hold counts they share (Layout).
 """``swapper.offload(model, config)`` in one process: a module's 16-bit parameters live in
 the tiers (:func:`swapper.zero.wrap.offload` builds an :class:`OffloadedModel`).
 
@@ -38,11 +38,14 @@ holds is checked in :mod:`swapper.zero.recompute`, and the forward hooks run whe
 raises (``always_call``), so a recompute stopped early releases what it fetched.
 
 Layout: the parameter records and the optimizer's view of them are in
-:mod:`swapper.zero.params`, the autograd plumbing in :mod:`swapper.zero.autograd`. What
-stays here (~660 lines) is one state machine: the hooks, the hold counts they share
-(``users``, ``backward_holds``, the forward depth, the recorded order) and the placement
-that registers the slots the hooks then move; split further, each part would have to
-reach into the others' counters, which is what a reader must follow in one place.
+:mod:`swapper.zero.params`, the autograd plumbing in :mod:`swapper.zero.autograd`, the
+read-ahead plan in :mod:`swapper.zero.readahead`, the checks before placement and the undo
+of a failed meta wrap in :mod:`swapper.zero.placing`, real weights in
+:mod:`swapper.zero.weights`. What stays here (~610 lines) is one state machine: the hooks,
+the hold counts they share (``users``, ``backward_holds``, the forward depth, the recorded
+order) and the placement that registers the slots the hooks then move; split further, each
+part would have to reach into the others' counters, which is what a reader must follow in
+one place.
 """
 
 from __future__ import annotations
@@ -65,8 +68,9 @@ from swapper.zero import checkpoint
 from swapper.zero.autograd import in_autograd, mark_outputs
 from swapper.zero.config import OffloadConfig
 from swapper.zero.params import Slot, TieredParams
+from swapper.zero.placing import back_to_meta, check_modules
 from swapper.zero.readahead import ReadAhead
-from swapper.zero.recompute import checkpointed_need, no_room
+from swapper.zero.recompute import no_room
 from swapper.zero.settings import tiers_of
 from swapper.zero.weights import (
     WeightHooks,
@@ -79,7 +83,6 @@ from swapper.zero.weights import (
 )
 from tiers import signals
 from tiers.errors import SwapConfigError
-from tiers.units import format_size
 
 __all__ = ["Materialize", "OffloadedModel", "is_wrapped"]
 
@@ -95,25 +98,6 @@ _WRAPPED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 def is_wrapped(module: nn.Module) -> bool:
     """Whether ``module`` is wrapped by an :class:`OffloadedModel` now."""
     return module in _WRAPPED
-
-
-def _back_to_meta(module: nn.Module, placed: list[tuple[nn.Parameter, Slot]]) -> None:
-    """A failed wrap of a meta model: the parameters ``materialize=`` made become meta
-    Parameters of their shapes again (their values only ever lived in the tiers, which
-    the failure closes), one new Parameter per old one, so tied ones stay tied."""
-    if not placed:
-        return
-    new = {
-        id(param): nn.Parameter(
-            torch.empty(slot.shape, dtype=slot.dtype, device="meta"),
-            requires_grad=param.requires_grad,
-        )
-        for param, slot in placed
-    }
-    for sub in module.modules():
-        for name, param in list(sub._parameters.items()):
-            if param is not None and id(param) in new:
-                sub._parameters[name] = new[id(param)]
 
 
 class OffloadedModel(nn.Module):
@@ -198,7 +182,7 @@ class OffloadedModel(nn.Module):
             for param, data, _ in self._originals:
                 if data is not None:
                     param.data = data
-            _back_to_meta(module, [(p, slot) for p, d, slot in self._originals if d is None])
+            back_to_meta(module, [(p, slot) for p, d, slot in self._originals if d is None])
             self._manager.close(remove=self.resumed is None)  # snapshots are kept
             raise
         finally:
@@ -351,61 +335,13 @@ class OffloadedModel(nn.Module):
     # -- set-up ---------------------------------------------------------------------------
 
     def _check_modules(self, module: nn.Module) -> None:
-        """Refuse parameters that are not 16-bit, and a device budget that cannot hold
-        some module's parameters at once, before anything is moved."""
-        for name, param in module.named_parameters():
-            if not param.is_meta and param.dtype not in (torch.bfloat16, torch.float16):
-                raise SwapConfigError(
-                    f"offload: parameter {name!r} (shape {list(param.shape)}) is "
-                    f"{param.dtype}; convert the model to bf16 or fp16 first "
-                    "(model.to(torch.bfloat16))"
-                )
-        limit = self.config.manager.device_nbytes
         first = self._use_tier
-        if first is Tier.HOST:
-            limit = self.config.manager.host_nbytes
-
-        def nbytes_of(p: torch.Tensor) -> int:
-            # a meta parameter becomes 16-bit when materialised (checked at registration)
-            return p.numel() * (2 if p.is_meta else p.element_size())
-
-        seen: set[int] = set()
-        shared = 0  # tied parameters may be held through a whole backward
-        uses: dict[int, int] = {}
-        for sub in module.modules():
-            for p in sub.parameters(recurse=False):
-                uses[id(p)] = uses.get(id(p), 0) + 1
-        for sub in module.modules():
-            for p in sub.parameters(recurse=False):
-                if uses[id(p)] > 1 and id(p) not in seen:
-                    shared += nbytes_of(p)
-                seen.add(id(p))
-        if limit is None:
-            return
-        recompute = checkpointed_need(module, nbytes_of)
-        if recompute is not None and recompute[0] + shared > limit:
-            need = recompute[0] + shared
-            raise SwapConfigError(
-                f"offload: {recompute[1]} needs {need} bytes ({format_size(need)}) of "
-                f"{first.value} memory at once"
-                + (" (with tied parameters held through the backward)" if shared else "")
-                + f", more than the {first.value} budget of {limit} bytes: raise it to at "
-                f"least {need}"
-            )
-        for name, sub in module.named_modules():
-            own = [p for p in sub.parameters(recurse=False)]
-            nbytes = sum(nbytes_of(p) for p in own)
-            tied_elsewhere = shared - sum(nbytes_of(p) for p in own if uses[id(p)] > 1)
-            need = nbytes + tied_elsewhere
-            if own and need > limit:
-                raise SwapConfigError(
-                    f"offload: module {name or type(sub).__name__!r} "
-                    f"({type(sub).__name__}) needs {need} bytes ({format_size(need)}) of "
-                    f"{first.value} memory at once (its parameters"
-                    + (", and tied parameters held through the backward" if tied_elsewhere else "")
-                    + f"), more than the {first.value} budget of {limit} bytes: raise it to "
-                    f"at least {need}"
-                )
+        limit = (
+            self.config.manager.host_nbytes
+            if first is Tier.HOST
+            else (self.config.manager.device_nbytes)
+        )
+        check_modules(module, first, limit)
 
     def _place_all(self, module: nn.Module, materialize: Materialize | None) -> None:
         # Parameters with values before the wrap (the objects: their ids stay theirs).

@@ -1,0 +1,95 @@
+"""Checks and undo of the wrap's placement: what must hold before any parameter moves
+(:func:`check_modules`), and what a failed wrap of a meta model gives back
+(:func:`back_to_meta`). Used by :class:`~swapper.zero.offload.OffloadedModel`."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from swapper.manager import Tier
+from swapper.zero.params import Slot
+from swapper.zero.recompute import checkpointed_need
+from tiers.errors import SwapConfigError
+from tiers.units import format_size
+
+__all__ = ["back_to_meta", "check_modules"]
+
+
+def check_modules(module: nn.Module, first: Tier, limit: int | None) -> None:
+    """Refuse parameters that are not 16-bit, and a budget of ``first`` (the tier where
+    parameters are used; ``limit`` bytes, None: unlimited) that cannot hold some module's
+    parameters at once (or what an activation-checkpointing recompute holds), before
+    anything is moved.
+
+    Raises:
+        SwapConfigError: naming the parameter, or the module and the bytes it needs.
+    """
+    for name, param in module.named_parameters():
+        if not param.is_meta and param.dtype not in (torch.bfloat16, torch.float16):
+            raise SwapConfigError(
+                f"offload: parameter {name!r} (shape {list(param.shape)}) is "
+                f"{param.dtype}; convert the model to bf16 or fp16 first "
+                "(model.to(torch.bfloat16))"
+            )
+
+    def nbytes_of(p: torch.Tensor) -> int:
+        # a meta parameter becomes 16-bit when materialised (checked at registration)
+        return p.numel() * (2 if p.is_meta else p.element_size())
+
+    seen: set[int] = set()
+    shared = 0  # tied parameters may be held through a whole backward
+    uses: dict[int, int] = {}
+    for sub in module.modules():
+        for p in sub.parameters(recurse=False):
+            uses[id(p)] = uses.get(id(p), 0) + 1
+    for sub in module.modules():
+        for p in sub.parameters(recurse=False):
+            if uses[id(p)] > 1 and id(p) not in seen:
+                shared += nbytes_of(p)
+            seen.add(id(p))
+    if limit is None:
+        return
+    recompute = checkpointed_need(module, nbytes_of)
+    if recompute is not None and recompute[0] + shared > limit:
+        need = recompute[0] + shared
+        raise SwapConfigError(
+            f"offload: {recompute[1]} needs {need} bytes ({format_size(need)}) of "
+            f"{first.value} memory at once"
+            + (" (with tied parameters held through the backward)" if shared else "")
+            + f", more than the {first.value} budget of {limit} bytes: raise it to at "
+            f"least {need}"
+        )
+    for name, sub in module.named_modules():
+        own = [p for p in sub.parameters(recurse=False)]
+        nbytes = sum(nbytes_of(p) for p in own)
+        tied_elsewhere = shared - sum(nbytes_of(p) for p in own if uses[id(p)] > 1)
+        need = nbytes + tied_elsewhere
+        if own and need > limit:
+            raise SwapConfigError(
+                f"offload: module {name or type(sub).__name__!r} "
+                f"({type(sub).__name__}) needs {need} bytes ({format_size(need)}) of "
+                f"{first.value} memory at once (its parameters"
+                + (", and tied parameters held through the backward" if tied_elsewhere else "")
+                + f"), more than the {first.value} budget of {limit} bytes: raise it to "
+                f"at least {need}"
+            )
+
+
+def back_to_meta(module: nn.Module, placed: list[tuple[nn.Parameter, Slot]]) -> None:
+    """A failed wrap of a meta model: the parameters ``materialize=`` made become meta
+    Parameters of their shapes again (their values only ever lived in the tiers, which
+    the failure closes), one new Parameter per old one, so tied ones stay tied."""
+    if not placed:
+        return
+    new = {
+        id(param): nn.Parameter(
+            torch.empty(slot.shape, dtype=slot.dtype, device="meta"),
+            requires_grad=param.requires_grad,
+        )
+        for param, slot in placed
+    }
+    for sub in module.modules():
+        for name, param in list(sub._parameters.items()):
+            if param is not None and id(param) in new:
+                sub._parameters[name] = new[id(param)]
