@@ -254,6 +254,9 @@ class _Plan:
     host_nbytes: int
     sub_group_numel: int
     timeout_s: float
+    #: For tests: (rank, "raise" | "exit") makes that rank fail once its budgeted model is
+    #: wrapped, while the others go on into the first step's collectives.
+    fault: tuple[int, str] | None = None
 
     @property
     def distributed(self) -> DistributedConfig:
@@ -337,6 +340,10 @@ def _train(
         state: dict[str, int] = {}
         offloaded = 0
         per = settings.batch // world
+        if dirs is not None and plan.fault is not None and plan.fault[0] == rank:
+            if plan.fault[1] == "exit":
+                os._exit(3)  # dies without a word, as a killed process would
+            raise SwapConfigError(f"injected fault on rank {rank}")
         start = time.perf_counter()
         for tokens in data:
             mine = tokens[rank * per : (rank + 1) * per]
@@ -461,13 +468,13 @@ def _entry(plan: _Plan, rank: int, port: int, dirs: list[str], out: str) -> None
 
 
 def _spawn(
-    plan: _Plan, dirs: list[str], say: Callable[[str], None]
+    plan: _Plan, dirs: list[str], say: Callable[[str], None], *, grace_s: float = GRACE_S
 ) -> tuple[list[_Trained], list[_Trained]]:
     """Start the ranks, wait for all of them (or for a failure), return per rank the
     budgeted and the unlimited run.
 
     Raises:
-        RankFailedError: a rank raised or died; the others are killed after GRACE_S.
+        RankFailedError: a rank raised or died; the others are killed after ``grace_s``.
     """
     import torch.multiprocessing as mp
 
@@ -483,12 +490,12 @@ def _spawn(
             for p in procs:
                 p.start()
             say(f"  started {plan.world} ranks (rendezvous on 127.0.0.1:{port})")
-            results = _wait(procs, outs)
+            results = _wait(procs, outs, grace_s)
         finally:
             for p in procs:  # ours, by handle: killed if still running, always reaped
                 if p.is_alive():
                     p.kill()
-                p.join(GRACE_S)
+                p.join(grace_s)
     failures = [(r, res) for r, res in enumerate(results) if "value" not in res]
     if failures:
         # the rank whose error is its own, rather than a peer's failure seen in a collective
@@ -503,9 +510,9 @@ def _spawn(
     return [v[0] for v in values], [v[1] for v in values]
 
 
-def _wait(procs: list[Any], outs: list[str]) -> list[dict[str, Any]]:
+def _wait(procs: list[Any], outs: list[str], grace_s: float) -> list[dict[str, Any]]:
     """Poll until every rank has reported or exited; once one has failed (an error
-    reported, or an exit without a report), the others get GRACE_S to report."""
+    reported, or an exit without a report), the others get ``grace_s`` to report."""
     failed_at: float | None = None
     while True:
         done = [os.path.exists(o) or not p.is_alive() for p, o in zip(procs, outs, strict=True)]
@@ -515,7 +522,7 @@ def _wait(procs: list[Any], outs: list[str]) -> list[dict[str, Any]]:
             failed_at = time.monotonic()
         if failed_at is None and any(os.path.exists(o + ".failed") for o in outs):
             failed_at = time.monotonic()
-        if all(done) or (failed_at is not None and time.monotonic() - failed_at > GRACE_S):
+        if all(done) or (failed_at is not None and time.monotonic() - failed_at > grace_s):
             break
         time.sleep(0.05)
     results: list[dict[str, Any]] = []

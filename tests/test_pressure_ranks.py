@@ -1,0 +1,109 @@
+"""``swapper-pressure --nproc N`` (:mod:`swapper.pressure.ranks`): N gloo ranks started by
+the command itself, under per-rank budgets, beside N unlimited ranks and one process.
+
+Small on purpose (a tiny GPT, 2 steps, 2 ranks): the parity of multi-rank training is
+tested in ``tests/test_dist_train.py``; this tests the command around it: its JSON, its
+exit codes, and that a failed rank ends the run with that rank's error, never a hang.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from swapper.pressure.cli import main
+from swapper.pressure.model import GPTConfig
+from swapper.pressure.ranks import RankFailedError, _Plan, _spawn
+from swapper.pressure.runner import PressureSettings
+
+pytestmark = pytest.mark.dist
+
+PARAMS = 200_000  # at 100K the default per-rank device budget is below the tied embedding
+NUM_PARAMS = GPTConfig.for_params(PARAMS).num_params()
+
+
+def test_nproc_2_trains_identically_within_budgets(tmp_path: Path) -> None:
+    out = tmp_path / "r.json"
+    swap = tmp_path / "swap"
+    swap.mkdir()
+    argv = ["--nproc", "2", "--params", str(PARAMS), "--steps", "2", "--seq", "16"]
+    argv += ["--json", str(out)]
+    assert main([*argv, "--dir", str(swap)]) == 0
+    res = json.loads(out.read_text())
+    assert res["world_size"] == 2
+    assert res["fetch_collective"] == "all_gather"
+    assert res["identical"] is True and res["within_budgets"] is True
+    assert res["within_tolerance"] is True
+    assert 0 <= res["max_abs_diff_vs_single"] <= res["tolerance"]["abs"] + 0.01
+    assert res["tolerance"]["abs"] == pytest.approx(4e-3)  # 4 * lr
+    assert len(res["losses"]) == len(res["single_losses"]) == 2
+    assert res["losses"][0] == pytest.approx(res["single_losses"][0], abs=0.01)
+    budgets = res["budget_bytes"]
+    # per rank by default: a quarter of the rank's half of the 16-bit params / state
+    assert budgets["device"] == 2 * -(-NUM_PARAMS // 2) // 4
+    assert len(res["per_rank"]) == 2
+    for r, rank in enumerate(res["per_rank"]):
+        assert rank["rank"] == r
+        assert rank["budget_bytes"] == budgets
+        for tier in ("device", "host"):
+            assert 0 < rank["peak_bytes"][tier] <= budgets[tier]
+        assert rank["bytes_moved"] > 0
+        assert rank["offload_nbytes"] > 0  # gradients and evictions went down in backward
+        assert 0 <= rank["stall_fraction"] < 1
+        assert rank["losses"] == rank["reference_losses"]
+        assert rank["final_digest"] == rank["reference_final_digest"]
+        state = rank["state_nbytes"]
+        # each rank stores about half of the 2 B/param (padding and whole small tensors
+        # aside) and the optimizer's 12 B per element it owns
+        assert state["param16"] == state["grad16"]
+        assert abs(state["param16"] - NUM_PARAMS) <= 0.1 * NUM_PARAMS
+        assert 6 * state["param16"] <= state["optim_state"] <= 6 * state["param16"] + 12 * 4096
+    # the ranks trained different halves of the batch
+    assert res["per_rank"][0]["losses"] != res["per_rank"][1]["losses"]
+    assert list(swap.iterdir()) == []  # the swap directories went with the run
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--nproc", "0"],
+        ["--nproc", "65"],
+        ["--nproc", "x"],
+        ["--nproc", "3"],  # the default batch of 4 does not split over 3 ranks
+        ["--nproc", "2", "--export", "somewhere"],
+    ],
+)
+def test_bad_nproc_exits_2_before_any_work(
+    argv: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "r.json"
+    start = time.monotonic()
+    assert main([*argv, "--json", str(out)]) == 2
+    assert time.monotonic() - start < 2  # no rank started, no model built
+    assert not out.exists()
+    assert "--" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("how", ["raise", "exit"])
+def test_a_failed_rank_fails_the_run_without_a_hang(how: str, tmp_path: Path) -> None:
+    settings = PressureSettings(params=PARAMS, steps=2)
+    plan = _Plan(settings, 2, 60_000, 300_000, 1024, timeout_s=60.0, fault=(1, how))
+    swap = tmp_path / "swap"
+    swap.mkdir()
+    lines: list[str] = []
+    start = time.monotonic()
+    with pytest.raises(RankFailedError) as info:
+        _spawn(plan, [str(swap)], lines.append, grace_s=1.0)
+    # rank 0 waits in a collective that rank 1 never joins: killed after the grace, long
+    # before the group's 60 s timeout
+    assert time.monotonic() - start < 30
+    message = str(info.value)
+    assert message.startswith("rank 1 of 2 failed")
+    if how == "raise":
+        assert "injected fault on rank 1" in message
+        assert any("injected fault" in line for line in lines)  # its traceback was said
+    else:
+        assert "exited with code 3" in message
