@@ -38,7 +38,8 @@ def test_nproc_2_trains_identically_within_budgets(tmp_path: Path) -> None:
     assert res["identical"] is True and res["within_budgets"] is True
     assert res["within_tolerance"] is True
     assert 0 <= res["max_abs_diff_vs_single"] <= res["tolerance"]["abs"] + 0.01
-    assert res["tolerance"]["abs"] == pytest.approx(4e-3)  # 4 * lr
+    assert res["tolerance"]["abs"] == pytest.approx(2 * 1e-3 * 2)  # 2 * lr * steps
+    assert 0.5 < res["equal_fraction_vs_single"] <= 1
     assert len(res["losses"]) == len(res["single_losses"]) == 2
     assert res["losses"][0] == pytest.approx(res["single_losses"][0], abs=0.01)
     budgets = res["budget_bytes"]
@@ -107,3 +108,24 @@ def test_a_failed_rank_fails_the_run_without_a_hang(how: str, tmp_path: Path) ->
         assert any("injected fault" in line for line in lines)  # its traceback was said
     else:
         assert "exited with code 3" in message
+
+
+def test_compare_judges_bound_ulp_and_equal_fraction() -> None:
+    import torch
+
+    from swapper.pressure.ranks import _compare
+
+    bf16 = torch.bfloat16
+    a = {"w": torch.zeros(10, dtype=bf16), "n": torch.ones(2, dtype=bf16)}
+    assert _compare(a, a, 0.01, bf16) == (0.0, 1.0, True)
+    near = {"w": a["w"].clone(), "n": torch.tensor([1.0, 1.0078125], dtype=bf16)}
+    near["w"][0] = 0.01  # at the bound; and one ulp at 1.0 on top of a 0.0 bound
+    assert _compare(near, a, 0.01, bf16)[2]
+    assert _compare(near, a, 0.0, bf16)[2] is False  # 0.01 on an element near zero
+    far = {"w": a["w"].clone(), "n": a["n"].clone()}
+    far["w"][3] = 0.05
+    worst, _, ok = _compare(far, a, 0.01, bf16)
+    assert not ok and worst == pytest.approx(0.05, rel=0.01)
+    moved = {"w": torch.full((10,), 0.005, dtype=bf16), "n": a["n"].clone()}
+    assert _compare(moved, a, 0.01, bf16)[1:] == (2 / 12, False)  # most elements differ
+    assert _compare({"x": a["w"]}, a, 1.0, bf16)[2] is False

@@ -235,8 +235,9 @@ def _ranks_summary(res: RanksResult) -> str:
             f"{100 * r.stall_fraction:.1f}% of {r.seconds:.2f} s"
         )
     lines.append(
-        f"max |diff| vs one process {res.max_abs_diff_vs_single:.3g} "
-        f"(tolerance {res.tolerance['rule']}, lr {res.settings.lr:g})"
+        f"vs one process: max |diff| {res.max_abs_diff_vs_single:.3g}, "
+        f"{100 * res.equal_fraction_vs_single:.1f}% of elements equal (tolerance "
+        f"{res.tolerance['rule']}; 2 * lr * steps = {res.tolerance['abs']:g})"
     )
     lines.append(
         f"result ({res.world_size} ranks, {res.fetch_collective}): "

@@ -20,10 +20,17 @@ and how far the N ranks' parameters are from the single process's.
 Why not bitwise against one process: the N ranks' gradients are the average of N
 per-rank means, summed in another order than one process's mean over the whole batch and
 reduced in the 16-bit dtype; AdamW's normalised update can turn an ulp of difference into
-a whole lr-sized step. The tolerance is that of ``tests/test_dist_train.py``: ``4 * lr``
-on every parameter element, plus one ulp of the 16-bit dtype at the element's magnitude
-(the 16-bit copy of an fp32 master weight that differs by less than a step can round to
-neighbouring values).
+a whole lr-sized step, and where an element's gradient is near zero its sign can differ,
+so the two runs step it lr-sized in opposite directions. The tolerance is therefore
+AdamW's bound: ``2 * lr * steps`` on every parameter element (``|m_hat / sqrt(v_hat)|``
+stays near or below 1 per step), plus one ulp of the 16-bit dtype at the element's
+magnitude (the 16-bit copies of fp32 master weights a hair apart can round to
+neighbouring values); and, as in ``tests/test_dist_train.py``, more than half of the
+elements bitwise equal (what catches a run that went somewhere else within the bound).
+``tests/test_dist_train.py`` judges by ``4 * lr``, measured over 10 steps of its tiny
+model at lr 1e-2; on the pressure GPT at 2M parameters, 5 steps at lr 1e-3, a bias element
+near zero was measured 0.0051 apart (5 steps in opposite directions), so ``4 * lr`` is
+not a bound here.
 
 A rank that fails makes the run fail with that rank's error (:class:`RankFailedError`):
 the other ranks are given a few seconds to report, then killed; a rank that stalls
@@ -63,6 +70,8 @@ __all__ = ["MAX_NPROC", "RankFailedError", "RanksResult", "run_ranks"]
 MAX_NPROC = 64
 #: Seconds any collective, and the process group's own operations, may wait.
 DEFAULT_TIMEOUT_S = 120.0
+#: Parameter elements that must be bitwise equal to one process's (see the docstring).
+MIN_EQUAL_FRACTION = 0.5
 #: Seconds the other ranks get to report once one has failed, before they are killed.
 GRACE_S = 5.0
 
@@ -110,6 +119,7 @@ class RanksResult:
     single_losses: list[float]
     identical: bool
     max_abs_diff_vs_single: float
+    equal_fraction_vs_single: float
     tolerance: dict[str, Any]
     within_tolerance: bool
 
@@ -147,6 +157,7 @@ class RanksResult:
             "identical": self.identical,
             "within_budgets": self.within_budgets,
             "max_abs_diff_vs_single": self.max_abs_diff_vs_single,
+            "equal_fraction_vs_single": self.equal_fraction_vs_single,
             "tolerance": self.tolerance,
             "within_tolerance": self.within_tolerance,
             "budget_bytes": self.budget_bytes,
@@ -224,7 +235,8 @@ def run_ranks(
         t.losses == f.losses and t.digest == f.digest and t.param_hashes == f.param_hashes
         for t, f in zip(tight, free, strict=True)
     )
-    diff, within = _compare(free[0].params, single.params, settings.lr, DTYPES[settings.dtype])
+    bound = 2 * settings.lr * settings.steps
+    diff, equal, within = _compare(free[0].params, single.params, bound, DTYPES[settings.dtype])
     return RanksResult(
         settings=settings,
         world_size=nproc,
@@ -237,10 +249,13 @@ def run_ranks(
         single_losses=single.losses,
         identical=identical,
         max_abs_diff_vs_single=diff,
+        equal_fraction_vs_single=equal,
         tolerance={
-            "abs": 4 * settings.lr,
+            "abs": bound,
             "plus_ulps": 1,
-            "rule": "|a - b| <= 4 * lr + ulp(max(|a|, |b|)) on every parameter element",
+            "min_equal_fraction": MIN_EQUAL_FRACTION,
+            "rule": "|a - b| <= 2 * lr * steps + ulp(max(|a|, |b|)) on every parameter "
+            "element, and more than half of the elements equal",
         },
         within_tolerance=within,
     )
@@ -404,20 +419,27 @@ def _down(stats: Any) -> int:
 
 
 def _compare(
-    mine: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], lr: float, dtype: torch.dtype
-) -> tuple[float, bool]:
-    """(max |mine - ref| over all elements, every element within the tolerance)."""
+    mine: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], bound: float, dtype: torch.dtype
+) -> tuple[float, float, bool]:
+    """(max |mine - ref| over all elements, the fraction of elements equal, whether every
+    element is within ``bound`` + one ulp of ``dtype`` and more than MIN_EQUAL_FRACTION
+    are equal)."""
     if mine.keys() != ref.keys():
-        return float("inf"), False
-    worst, ok = 0.0, True
+        return float("inf"), 0.0, False
+    worst, ok, equal, total = 0.0, True, 0, 0
     for name, value in ref.items():
         a, b = mine[name].float(), value.float()
+        if a.shape != b.shape:
+            return float("inf"), 0.0, False
         diff = (a - b).abs()
         if diff.numel():
             worst = max(worst, float(diff.max()))
             ulp = torch.maximum(a.abs(), b.abs()) * torch.finfo(dtype).eps
-            ok = ok and bool((diff <= 4 * lr + ulp).all())
-    return worst, ok
+            ok = ok and bool((diff <= bound + ulp).all())
+            equal += int((diff == 0).sum())
+            total += diff.numel()
+    fraction = equal / total if total else 1.0
+    return worst, fraction, ok and fraction > MIN_EQUAL_FRACTION
 
 
 # -- the ranks ------------------------------------------------------------------------
