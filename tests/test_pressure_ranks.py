@@ -9,6 +9,10 @@ exit codes, and that a failed rank ends the run with that rank's error, never a 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -129,3 +133,46 @@ def test_compare_judges_bound_ulp_and_equal_fraction() -> None:
     moved = {"w": torch.full((10,), 0.005, dtype=bf16), "n": a["n"].clone()}
     assert _compare(moved, a, 0.01, bf16)[1:] == (2 / 12, False)  # most elements differ
     assert _compare({"x": a["w"]}, a, 1.0, bf16)[2] is False
+
+
+def _alive(pid: int) -> bool:
+    """``pid`` runs (a zombie left for a parent to reap does not count)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+def test_sigterm_stops_the_ranks_and_removes_the_files(tmp_path: Path) -> None:
+    swap = tmp_path / "swap"
+    swap.mkdir()
+    argv = ["--nproc", "2", "--params", str(PARAMS), "--steps", "10000", "--seq", "16"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "swapper.pressure", *argv, "--dir", str(swap)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:  # the ranks are started once this is said
+            if "started 2 ranks" in line:
+                break
+        time.sleep(3)  # the ranks import torch, wrap and train
+        children = [
+            int(c)
+            for task in Path(f"/proc/{proc.pid}/task").iterdir()
+            for c in (task / "children").read_text().split()
+        ]
+        ranks = [c for c in children if "spawn_main" in Path(f"/proc/{c}/cmdline").read_text()]
+        assert len(ranks) == 2, children
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 128 + signal.SIGTERM
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert not [r for r in ranks if _alive(r)]  # killed by the parent, not left training
+    assert list(swap.iterdir()) == []
+    assert os.path.isdir(swap)

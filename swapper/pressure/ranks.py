@@ -554,13 +554,11 @@ def _wait(procs: list[Any], outs: list[str], grace_s: float) -> list[dict[str, A
                 results.append(pickle.load(f))
         else:
             code = p.exitcode
-            results.append(
-                {
-                    "error": "RankDied" if code is not None else "RankStopped",
-                    "message": f"rank {r} exited with code {code} without a result"
-                    if code is not None
-                    else f"rank {r} was stopped after another rank failed",
-                    "peer": code is None,
-                }
-            )
+            if code is None:  # still running: stopped below, after another rank failed
+                how, error = "was stopped after another rank failed", "RankStopped"
+            elif code < 0:
+                how, error = f"was killed by signal {-code} without a result", "RankDied"
+            else:
+                how, error = f"exited with code {code} without a result", "RankDied"
+            results.append({"error": error, "message": f"rank {r} {how}", "peer": code is None})
     return results
