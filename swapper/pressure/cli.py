@@ -3,8 +3,14 @@
 Human output uses the units of :mod:`swapper.cli_args` (binary prefixes, labelled; times
 in seconds); ``--json`` keeps its keys (bytes as integers, ``stall_fraction`` a fraction).
 
+With ``--nproc N`` (N > 1) it starts N gloo ranks and trains under per-rank budgets beside
+N unlimited ranks and one process (:mod:`swapper.pressure.ranks`); it also needs the ranks
+within tolerance of the one process, and a rank that fails fails the run (exit 1, that
+rank's error on stderr).
+
 Exit codes: 0 the runs are bit-identical and every tier stayed within its budget; 1 they
-differ, a budget was exceeded, or the tiers failed (one line on stderr); 2 bad arguments;
+differ, a budget was exceeded, or the tiers failed (one line on stderr); 2 bad arguments
+(``--nproc`` outside 1..64, or ``--batch`` not a multiple of it, among others);
 128 + signal number when stopped by SIGINT, SIGTERM or SIGHUP (130, 143, 129), its swap
 directories removed (:func:`swapper.cli_args.run_tool`).
 
