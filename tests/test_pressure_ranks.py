@@ -117,7 +117,7 @@ def test_a_failed_rank_fails_the_run_without_a_hang(how: str, tmp_path: Path) ->
 def test_compare_judges_bound_ulp_and_equal_fraction() -> None:
     import torch
 
-    from swapper.pressure.ranks import _compare
+    from swapper.pressure.ranks_report import compare_params as _compare
 
     bf16 = torch.bfloat16
     a = {"w": torch.zeros(10, dtype=bf16), "n": torch.ones(2, dtype=bf16)}

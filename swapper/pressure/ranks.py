@@ -57,6 +57,12 @@ import torch
 from swapper.manager import Kind, Tier
 from swapper.pressure.memory import peak_rss
 from swapper.pressure.model import GPT, GPTConfig, batches, materialize_
+from swapper.pressure.ranks_report import (
+    MIN_EQUAL_FRACTION,
+    RankReport,
+    RanksResult,
+    compare_params,
+)
 from swapper.pressure.runner import DTYPES, PressureSettings, _swap_dirs
 from swapper.step import DynamicLossScaler, OffloadAdamW, StepConfig
 from swapper.zero.config import OffloadConfig
@@ -64,14 +70,12 @@ from swapper.zero.dist_config import DistributedConfig
 from tiers.errors import SwapConfigError, SwapError
 from tiers.nvme import content_hash
 
-__all__ = ["MAX_NPROC", "RankFailedError", "RanksResult", "run_ranks"]
+__all__ = ["MAX_NPROC", "RankFailedError", "RankReport", "RanksResult", "run_ranks"]
 
 #: The most ranks ``--nproc`` starts (all on this machine).
 MAX_NPROC = 64
 #: Seconds any collective, and the process group's own operations, may wait.
 DEFAULT_TIMEOUT_S = 120.0
-#: Parameter elements that must be bitwise equal to one process's (see the docstring).
-MIN_EQUAL_FRACTION = 0.5
 #: Seconds the other ranks get to report once one has failed, before they are killed.
 GRACE_S = 5.0
 
@@ -80,107 +84,6 @@ class RankFailedError(SwapError, RuntimeError):
     """A rank raised, or died without reporting; the message names the rank and its
     error (the first rank whose error is its own, not a peer's failure seen through a
     collective)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class RankReport:
-    """What one rank of one run measured. Bytes, seconds."""
-
-    rank: int
-    losses: list[float]
-    peak_bytes: dict[str, int]
-    bytes_moved: int
-    state_nbytes: dict[str, int]
-    offload_nbytes: int  # written down a tier (device->host, host->NVMe) during backward
-    stall_s: float
-    seconds: float
-    peak_rss_bytes: int
-    digest: str
-    param_hashes: dict[str, int]
-
-    @property
-    def stall_fraction(self) -> float:
-        """Time ``fetch`` waited for bytes / training time."""
-        return self.stall_s / self.seconds if self.seconds > 0 else 0.0
-
-
-@dataclasses.dataclass(frozen=True)
-class RanksResult:
-    """What :func:`run_ranks` found; :meth:`to_json` is ``swapper-pressure --json``."""
-
-    settings: PressureSettings
-    world_size: int
-    fetch_collective: str
-    model: GPTConfig
-    num_params: int
-    budget_bytes: dict[str, int]
-    per_rank: list[RankReport]  # under the budgets
-    reference_per_rank: list[RankReport]  # unlimited
-    single_losses: list[float]
-    identical: bool
-    max_abs_diff_vs_single: float
-    equal_fraction_vs_single: float
-    tolerance: dict[str, Any]
-    within_tolerance: bool
-
-    @property
-    def losses(self) -> list[float]:
-        """The global batch's mean loss per step: the mean of the ranks' equal shares."""
-        n = self.world_size
-        return [sum(r.losses[i] for r in self.per_rank) / n for i in range(self.settings.steps)]
-
-    @property
-    def within_budgets(self) -> bool:
-        """Every rank's every tier peak is within its (per-rank) budget."""
-        return all(
-            r.peak_bytes[tier] <= limit
-            for r in self.per_rank
-            for tier, limit in self.budget_bytes.items()
-        )
-
-    @property
-    def ok(self) -> bool:
-        """Identical, within budgets, and within tolerance of one process."""
-        return self.identical and self.within_budgets and self.within_tolerance
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "params": self.num_params,
-            "model": dataclasses.asdict(self.model),
-            "steps": self.settings.steps,
-            "seed": self.settings.seed,
-            "dtype": self.settings.dtype,
-            "world_size": self.world_size,
-            "fetch_collective": self.fetch_collective,
-            "losses": self.losses,
-            "single_losses": self.single_losses,
-            "identical": self.identical,
-            "within_budgets": self.within_budgets,
-            "max_abs_diff_vs_single": self.max_abs_diff_vs_single,
-            "equal_fraction_vs_single": self.equal_fraction_vs_single,
-            "tolerance": self.tolerance,
-            "within_tolerance": self.within_tolerance,
-            "budget_bytes": self.budget_bytes,
-            "per_rank": [
-                {
-                    "rank": r.rank,
-                    "losses": r.losses,
-                    "reference_losses": ref.losses,
-                    "peak_bytes": r.peak_bytes,
-                    "budget_bytes": self.budget_bytes,
-                    "bytes_moved": r.bytes_moved,
-                    "state_nbytes": r.state_nbytes,
-                    "offload_nbytes": r.offload_nbytes,
-                    "stall_fraction": r.stall_fraction,
-                    "seconds": r.seconds,
-                    "reference_seconds": ref.seconds,
-                    "peak_rss_bytes": r.peak_rss_bytes,
-                    "final_digest": r.digest,
-                    "reference_final_digest": ref.digest,
-                }
-                for r, ref in zip(self.per_rank, self.reference_per_rank, strict=True)
-            ],
-        }
 
 
 def run_ranks(
@@ -236,7 +139,9 @@ def run_ranks(
         for t, f in zip(tight, free, strict=True)
     )
     bound = 2 * settings.lr * settings.steps
-    diff, equal, within = _compare(free[0].params, single.params, bound, DTYPES[settings.dtype])
+    diff, equal, within = compare_params(
+        free[0].params, single.params, bound, DTYPES[settings.dtype]
+    )
     return RanksResult(
         settings=settings,
         world_size=nproc,
@@ -416,30 +321,6 @@ def _state_nbytes(wrapped: Any, model_config: GPTConfig) -> dict[str, int]:
 def _down(stats: Any) -> int:
     """Bytes written down the tiers so far (device->host, host->NVMe)."""
     return stats.moved(Tier.DEVICE, Tier.HOST).nbytes + stats.moved(Tier.HOST, Tier.NVME).nbytes
-
-
-def _compare(
-    mine: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], bound: float, dtype: torch.dtype
-) -> tuple[float, float, bool]:
-    """(max |mine - ref| over all elements, the fraction of elements equal, whether every
-    element is within ``bound`` + one ulp of ``dtype`` and more than MIN_EQUAL_FRACTION
-    are equal)."""
-    if mine.keys() != ref.keys():
-        return float("inf"), 0.0, False
-    worst, ok, equal, total = 0.0, True, 0, 0
-    for name, value in ref.items():
-        a, b = mine[name].float(), value.float()
-        if a.shape != b.shape:
-            return float("inf"), 0.0, False
-        diff = (a - b).abs()
-        if diff.numel():
-            worst = max(worst, float(diff.max()))
-            ulp = torch.maximum(a.abs(), b.abs()) * torch.finfo(dtype).eps
-            ok = ok and bool((diff <= bound + ulp).all())
-            equal += int((diff == 0).sum())
-            total += diff.numel()
-    fraction = equal / total if total else 1.0
-    return worst, fraction, ok and fraction > MIN_EQUAL_FRACTION
 
 
 # -- the ranks ------------------------------------------------------------------------
