@@ -3,8 +3,14 @@
 Human output uses the units of :mod:`swapper.cli_args` (binary prefixes, labelled; times
 in seconds); ``--json`` keeps its keys (bytes as integers, ``stall_fraction`` a fraction).
 
+With ``--nproc N`` (N > 1) it starts N gloo ranks and trains under per-rank budgets beside
+N unlimited ranks and one process (:mod:`swapper.pressure.ranks`); it also needs the ranks
+within tolerance of the one process, and a rank that fails fails the run (exit 1, that
+rank's error on stderr).
+
 Exit codes: 0 the runs are bit-identical and every tier stayed within its budget; 1 they
-differ, a budget was exceeded, or the tiers failed (one line on stderr); 2 bad arguments;
+differ, a budget was exceeded, or the tiers failed (one line on stderr); 2 bad arguments
+(``--nproc`` outside 1..64, or ``--batch`` not a multiple of it, among others);
 128 + signal number when stopped by SIGINT, SIGTERM or SIGHUP (130, 143, 129), its swap
 directories removed (:func:`swapper.cli_args.run_tool`).
 
@@ -37,9 +43,20 @@ from swapper.cli_args import (
 from tiers.config import AioConfig
 
 if TYPE_CHECKING:
-    from swapper.pressure.runner import PressureResult
+    from swapper.pressure.ranks import RanksResult
+    from swapper.pressure.runner import PressureResult, PressureSettings
 
 PROG = "swapper-pressure"
+#: The most ranks --nproc starts (swapper.pressure.ranks.MAX_NPROC; not imported: no torch).
+MAX_NPROC = 64
+
+
+def nproc_arg(text: str) -> int:
+    """A rank count in 1..MAX_NPROC."""
+    value = int_arg(text)
+    if not 1 <= value <= MAX_NPROC:
+        raise argparse.ArgumentTypeError(f"must be in 1..{MAX_NPROC}, got {value}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -119,6 +136,15 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="after the run, write its weights to DIR as safetensors shards + index",
     )
+    p.add_argument(
+        "--nproc",
+        type=nproc_arg,
+        default=1,
+        metavar="N",
+        help="train on N gloo ranks started here (ZeRO-3; budgets are per rank, by default "
+        "a quarter of the rank's 1/N share; --batch is the global batch, a multiple of N), "
+        "beside N unlimited ranks and one process (default 1: one process, as without it)",
+    )
     p.add_argument("--json", type=Path, metavar="FILE", help="write the results as JSON")
     return p
 
@@ -136,6 +162,14 @@ def _run(argv: list[str]) -> int:
     check_output_path("--json", args.json)
     if (args.checkpoint_every is not None or args.resume) and not args.dirs:
         parser.error("--checkpoint-every and --resume need --dir (the snapshots outlive the run)")
+    if args.nproc > 1:
+        if args.checkpoint_every is not None or args.resume or args.export is not None:
+            parser.error("--checkpoint-every, --resume and --export are single-process (--nproc 1)")
+        if args.batch % args.nproc:
+            parser.error(
+                f"--batch {args.batch} is not a multiple of --nproc {args.nproc} (each rank "
+                "trains batch / nproc sequences of every step)"
+            )
     dirs = tuple(check_dirs(args.dirs)) if args.dirs else ()
     aio = aio_environment()
     from swapper.pressure.runner import PressureSettings, run_pressure  # torch loads now
@@ -158,6 +192,8 @@ def _run(argv: list[str]) -> int:
         keep_last=args.keep_last,
         export_dir=args.export,
     )
+    if args.nproc > 1:
+        return _run_ranks(settings, args.nproc, args.json)
     result = run_pressure(settings, say=lambda line: print(line, flush=True))
     print(_summary(result))
     if args.json is not None:
@@ -168,6 +204,54 @@ def _run(argv: list[str]) -> int:
     if not result.within_budgets:
         print(f"{PROG}: FAILED: a tier went over its budget", file=sys.stderr)
     return 0 if result.ok else 1
+
+
+def _run_ranks(settings: PressureSettings, nproc: int, json_path: Path | None) -> int:
+    from swapper.pressure.ranks import run_ranks
+
+    result = run_ranks(settings, nproc, say=lambda line: print(line, flush=True))
+    print(_ranks_summary(result))
+    if json_path is not None:
+        write_json(json_path, result.to_json())
+        print(f"results written to {json_path}")
+    if not result.identical:
+        print(f"{PROG}: FAILED: the budgeted ranks differ from the unlimited ones", file=sys.stderr)
+    if not result.within_budgets:
+        print(f"{PROG}: FAILED: a rank's tier went over its budget", file=sys.stderr)
+    if not result.within_tolerance:
+        print(
+            f"{PROG}: FAILED: the ranks are further than the tolerance from one process",
+            file=sys.stderr,
+        )
+    return 0 if result.ok else 1
+
+
+def _ranks_summary(res: RanksResult) -> str:
+    lines = ["step  mean loss (N ranks)  loss (one process)"]
+    for i, (a, b) in enumerate(zip(res.losses, res.single_losses, strict=True), 1):
+        lines.append(f"{i:>4}  {a:<19.12g}  {b:<19.12g}")
+    for r in res.per_rank:
+        peaks = ", ".join(
+            f"{tier} peak {show_nbytes(r.peak_bytes[tier])} of {show_nbytes(limit)}"
+            for tier, limit in res.budget_bytes.items()
+        )
+        lines.append(
+            f"rank {r.rank}: {peaks}; moved {show_nbytes(r.bytes_moved)}; offloaded "
+            f"{show_nbytes(r.offload_nbytes)} during backward; stalled "
+            f"{100 * r.stall_fraction:.1f}% of {r.seconds:.2f} s"
+        )
+    lines.append(
+        f"vs one process: max |diff| {res.max_abs_diff_vs_single:.3g}, "
+        f"{100 * res.equal_fraction_vs_single:.1f}% of elements equal (tolerance "
+        f"{res.tolerance['rule']}; 2 * lr * steps = {res.tolerance['abs']:g})"
+    )
+    lines.append(
+        f"result ({res.world_size} ranks, {res.fetch_collective}): "
+        + ("bit-identical to the unlimited ranks" if res.identical else "DIFFERENT")
+        + (", within budgets" if res.within_budgets else ", OVER BUDGET")
+        + (", within tolerance of one process" if res.within_tolerance else ", OUT OF TOLERANCE")
+    )
+    return "\n".join(lines)
 
 
 def _summary(res: PressureResult) -> str:

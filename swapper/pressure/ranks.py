@@ -1,0 +1,445 @@
+"""``swapper-pressure --nproc N``: the pressure run over N gloo ranks it starts itself.
+
+One run (:func:`run_ranks`):
+
+1. starts N ranks (``torch.multiprocessing``, spawn; a ``tcp://127.0.0.1`` rendezvous on
+   a free port; ``timeout_s`` on the process group and on every collective of
+   :class:`~swapper.zero.sharded.ShardedModel`);
+2. in those ranks, trains the model twice, one after the other: under the **per-rank**
+   budgets (each rank spilling to NVMe in its own ``rank{r}of{N}`` directory), then with
+   unlimited budgets; each rank trains its ``batch / N`` sequences of every global batch;
+3. in this process, trains the same model on the whole batch with unlimited budgets
+   (the single-process path);
+
+and reports, per rank of the budgeted run, the tier peaks against the budgets, bytes
+moved, bytes stored by kind, bytes offloaded during backward and the stall fraction;
+whether the budgeted ranks are bit-identical to the unlimited ranks (losses, parameters,
+and each rank's optimizer state through :func:`~swapper.zero.checkpoint.final_digest`),
+and how far the N ranks' parameters are from the single process's.
+
+Why not bitwise against one process: the N ranks' gradients are the average of N
+per-rank means, summed in another order than one process's mean over the whole batch and
+reduced in the 16-bit dtype; AdamW's normalised update can turn an ulp of difference into
+a whole lr-sized step, and where an element's gradient is near zero its sign can differ,
+so the two runs step it lr-sized in opposite directions. The tolerance is therefore
+AdamW's bound: ``2 * lr * steps`` on every parameter element (``|m_hat / sqrt(v_hat)|``
+stays near or below 1 per step), plus one ulp of the 16-bit dtype at the element's
+magnitude (the 16-bit copies of fp32 master weights a hair apart can round to
+neighbouring values); and, as in ``tests/test_dist_train.py``, more than half of the
+elements bitwise equal (what catches a run that went somewhere else within the bound).
+``tests/test_dist_train.py`` judges by ``4 * lr``, measured over 10 steps of its tiny
+model at lr 1e-2; on the pressure GPT at 2M parameters, 5 steps at lr 1e-3, a bias element
+near zero was measured 0.0051 apart (5 steps in opposite directions), so ``4 * lr`` is
+not a bound here.
+
+A rank that fails makes the run fail with that rank's error (:class:`RankFailedError`):
+the other ranks are given a few seconds to report, then killed; a rank that stalls
+inside a collective is undone by the group's timeout. Nothing here waits without a bound
+except on ranks that are still training and still alive.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pickle
+import socket
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from swapper.manager import Kind, Tier
+from swapper.pressure.memory import peak_rss
+from swapper.pressure.model import GPT, GPTConfig, batches, materialize_
+from swapper.pressure.ranks_report import (
+    MIN_EQUAL_FRACTION,
+    RankReport,
+    RanksResult,
+    compare_params,
+)
+from swapper.pressure.runner import DTYPES, PressureSettings, _swap_dirs
+from swapper.step import DynamicLossScaler, OffloadAdamW, StepConfig
+from swapper.zero.config import OffloadConfig
+from swapper.zero.dist_config import DistributedConfig
+from tiers.errors import SwapConfigError, SwapError
+from tiers.nvme import content_hash
+
+__all__ = ["MAX_NPROC", "RankFailedError", "RankReport", "RanksResult", "run_ranks"]
+
+#: The most ranks ``--nproc`` starts (all on this machine).
+MAX_NPROC = 64
+#: Seconds any collective, and the process group's own operations, may wait.
+DEFAULT_TIMEOUT_S = 120.0
+#: Seconds the other ranks get to report once one has failed, before they are killed.
+GRACE_S = 5.0
+
+
+class RankFailedError(SwapError, RuntimeError):
+    """A rank raised, or died without reporting; the message names the rank and its
+    error (the first rank whose error is its own, not a peer's failure seen through a
+    collective)."""
+
+
+def run_ranks(
+    settings: PressureSettings,
+    nproc: int,
+    *,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    say: Callable[[str], None] = lambda line: None,
+) -> RanksResult:
+    """Train under per-rank budgets on ``nproc`` ranks, with unlimited budgets on the same
+    ranks, and in one process; compare (see the module docstring).
+
+    Budgets (``settings.device_nbytes`` / ``host_nbytes``) are per rank; by default a
+    quarter of the rank's share (1/N) of the 16-bit parameters / optimizer state.
+    ``settings.batch`` is the global batch and must be a multiple of ``nproc``.
+    Checkpoints, resume and export are not supported here.
+
+    Raises:
+        SwapConfigError: ``nproc`` out of 2..MAX_NPROC, the batch not a multiple of it,
+            or checkpointing/export asked for.
+        RankFailedError: a rank failed (its error in the message).
+        SwapError, OSError: the single-process run failed.
+    """
+    if isinstance(nproc, bool) or not isinstance(nproc, int) or not 2 <= nproc <= MAX_NPROC:
+        raise SwapConfigError(f"nproc={nproc!r} must be an int in 2..{MAX_NPROC}")
+    if settings.batch % nproc:
+        raise SwapConfigError(
+            f"batch={settings.batch} must be a multiple of nproc={nproc} (each rank trains "
+            "batch / nproc sequences of every step)"
+        )
+    if settings.checkpointing or settings.export_dir is not None:
+        raise SwapConfigError("checkpoints, resume and export are single-process for now")
+    model_config = GPTConfig.for_params(settings.params)
+    num_params = model_config.num_params()
+    share = -(-num_params // nproc)
+    device = settings.device_nbytes if settings.device_nbytes is not None else 2 * share // 4
+    host = settings.host_nbytes if settings.host_nbytes is not None else 12 * share // 4
+    sub_group = settings.sub_group_numel or max(1024, host // 4 // 12)
+    budgets = {"device": device, "host": host}
+    plan = _Plan(settings, nproc, device, host, sub_group, timeout_s)
+    say(
+        f"swapper-pressure: GPT of {num_params:,} params ({model_config.n_layers} layers, "
+        f"d_model {model_config.d_model}), {settings.dtype}, {settings.steps} steps on "
+        f"{nproc} ranks (gloo), {settings.batch // nproc} of {settings.batch} sequences "
+        f"each; per-rank device budget {device:,} B, host budget {host:,} B"
+    )
+    with _swap_dirs(settings.dirs) as dirs:
+        tight, free = _spawn(plan, [str(d) for d in dirs], say)
+    say("  single process, unlimited budgets")
+    single = _train(plan, rank=0, world=1, dirs=None, keep_params=True)
+    identical = all(
+        t.losses == f.losses and t.digest == f.digest and t.param_hashes == f.param_hashes
+        for t, f in zip(tight, free, strict=True)
+    )
+    bound = 2 * settings.lr * settings.steps
+    diff, equal, within = compare_params(
+        free[0].params, single.params, bound, DTYPES[settings.dtype]
+    )
+    return RanksResult(
+        settings=settings,
+        world_size=nproc,
+        fetch_collective=plan.distributed.fetch_collective,
+        model=model_config,
+        num_params=num_params,
+        budget_bytes=budgets,
+        per_rank=[t.report for t in tight],
+        reference_per_rank=[f.report for f in free],
+        single_losses=single.losses,
+        identical=identical,
+        max_abs_diff_vs_single=diff,
+        equal_fraction_vs_single=equal,
+        tolerance={
+            "abs": bound,
+            "plus_ulps": 1,
+            "min_equal_fraction": MIN_EQUAL_FRACTION,
+            "rule": "|a - b| <= 2 * lr * steps + ulp(max(|a|, |b|)) on every parameter "
+            "element, and more than half of the elements equal",
+        },
+        within_tolerance=within,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    settings: PressureSettings
+    world: int
+    device_nbytes: int
+    host_nbytes: int
+    sub_group_numel: int
+    timeout_s: float
+    #: For tests: (rank, "raise" | "exit") makes that rank fail once its budgeted model is
+    #: wrapped, while the others go on into the first step's collectives.
+    fault: tuple[int, str] | None = None
+
+    @property
+    def distributed(self) -> DistributedConfig:
+        return DistributedConfig(timeout_s=self.timeout_s)
+
+    def config(self, dirs: list[str] | None) -> OffloadConfig:
+        """Budgets and NVMe when ``dirs`` is given, else unlimited."""
+        limits: dict[str, Any] = {"device_nbytes": None, "host_nbytes": None}
+        if dirs is not None:
+            limits = {
+                "device_nbytes": self.device_nbytes,
+                "host_nbytes": self.host_nbytes,
+                "nvme_dirs": [Path(d) for d in dirs],
+                "aio": self.settings.aio,
+            }
+        return OffloadConfig.create(
+            **limits,
+            step=StepConfig(sub_group_numel=self.sub_group_numel),
+            device="cpu",
+            distributed=self.distributed,
+        )
+
+
+@dataclasses.dataclass
+class _Trained:
+    report: RankReport
+    params: dict[str, torch.Tensor]  # rank 0 with keep_params only
+
+    @property
+    def losses(self) -> list[float]:
+        return self.report.losses
+
+    @property
+    def digest(self) -> str:
+        return self.report.digest
+
+    @property
+    def param_hashes(self) -> dict[str, int]:
+        return self.report.param_hashes
+
+
+def _train(
+    plan: _Plan, *, rank: int, world: int, dirs: list[str] | None, keep_params: bool = False
+) -> _Trained:
+    """Train ``plan.settings.steps`` steps on this rank's share of every batch (the whole
+    batch when ``world`` is 1, with no process group)."""
+    import torch.distributed as dist
+
+    import swapper
+    from swapper.zero.checkpoint import final_digest
+
+    settings = plan.settings
+    dtype = DTYPES[settings.dtype]
+    model_config = GPTConfig.for_params(settings.params)
+    data = batches(
+        model_config,
+        batch=settings.batch,
+        seq=settings.seq,
+        steps=settings.steps,
+        seed=settings.seed,
+    )
+    with torch.device("meta"):
+        model = GPT(model_config)
+
+    def materialize(module: torch.nn.Module, place: Callable[[str, torch.nn.Module], None]) -> None:
+        materialize_(model, dtype=dtype, seed=settings.seed, on_module=place)
+
+    group = dist.group.WORLD if world > 1 else None
+    wrapped = swapper.offload(model, plan.config(dirs), group, materialize=materialize)
+    scaler = DynamicLossScaler(2.0**12) if dtype == torch.float16 else None
+    optimizer = OffloadAdamW(
+        wrapped.parameters(),
+        lr=settings.lr,
+        weight_decay=0.01,
+        tiers=wrapped,
+        config=StepConfig(max_grad_norm=1.0),
+        loss_scaler=scaler,
+    )
+    try:
+        losses: list[float] = []
+        state: dict[str, int] = {}
+        offloaded = 0
+        per = settings.batch // world
+        if dirs is not None and plan.fault is not None and plan.fault[0] == rank:
+            if plan.fault[1] == "exit":
+                os._exit(3)  # dies without a word, as a killed process would
+            raise SwapConfigError(f"injected fault on rank {rank}")
+        start = time.perf_counter()
+        for tokens in data:
+            mine = tokens[rank * per : (rank + 1) * per]
+            logits = wrapped(mine[:, :-1]).float()
+            loss = torch.nn.functional.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]), mine[:, 1:].reshape(-1)
+            )
+            before = _down(wrapped.stats())
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+            offloaded += _down(wrapped.stats()) - before
+            if not losses:  # gradients are held from backward until zero_grad
+                state = _state_nbytes(wrapped, model_config)
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(float(loss.detach()))
+        seconds = time.perf_counter() - start
+        stats = wrapped.stats()
+        state[Kind.OPTIM_STATE.value] = sum(sg.state_nbytes for sg in optimizer.sub_groups)
+        hashes: dict[str, int] = {}
+        params: dict[str, torch.Tensor] = {}
+        for name, tensor in wrapped.iter_state_dict():  # a collective per parameter
+            if rank == 0:
+                hashes[name] = content_hash(tensor)
+                if keep_params:
+                    params[name] = tensor.clone()
+        digest = final_digest(wrapped, optimizer)  # type: ignore[arg-type]  # duck-typed
+        report = RankReport(
+            rank=rank,
+            losses=losses,
+            peak_bytes={t.value: stats.tiers[t].peak_nbytes or 0 for t in (Tier.DEVICE, Tier.HOST)},
+            bytes_moved=sum(t.nbytes for t in stats.transfers.values()),
+            state_nbytes=state,
+            offload_nbytes=offloaded,
+            stall_s=stats.stall_s,
+            seconds=seconds,
+            peak_rss_bytes=peak_rss(),
+            digest=digest,
+            param_hashes=hashes,
+        )
+        return _Trained(report, params)
+    finally:
+        optimizer.close()
+        wrapped.close()
+
+
+def _state_nbytes(wrapped: Any, model_config: GPTConfig) -> dict[str, int]:
+    """Bytes of 16-bit parameters and gradients this rank stores (padding included)."""
+    local = getattr(wrapped, "local_nbytes", None)
+    if local is not None:
+        return dict(local())
+    n16 = 2 * model_config.num_params()  # one process: all of them
+    return {Kind.PARAM16.value: n16, Kind.GRAD16.value: n16}
+
+
+def _down(stats: Any) -> int:
+    """Bytes written down the tiers so far (device->host, host->NVMe)."""
+    return stats.moved(Tier.DEVICE, Tier.HOST).nbytes + stats.moved(Tier.HOST, Tier.NVME).nbytes
+
+
+# -- the ranks ------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (the OS picks it; the rendezvous binds it next)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _entry(plan: _Plan, rank: int, port: int, dirs: list[str], out: str) -> None:
+    """One rank: join the group, train budgeted then unlimited, write the result (or the
+    error) to ``out``, and exit without tearing the group down (a broken group must not
+    hang the exit)."""
+    import torch.distributed as dist
+
+    result: dict[str, Any]
+    try:
+        # the ranks share this machine's cores: one rank per core share, not all each
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // plan.world))
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=plan.world,
+            timeout=timedelta(seconds=plan.timeout_s),
+        )
+        tight = _train(plan, rank=rank, world=plan.world, dirs=dirs)
+        free = _train(plan, rank=rank, world=plan.world, dirs=None, keep_params=True)
+        result = {"value": (tight, free)}
+    except BaseException as exc:  # reported to the parent, which judges it
+        result = {
+            "error": type(exc).__name__,
+            "message": str(exc),
+            "peer": exc.__class__.__name__ in ("PeerFailedError", "CollectiveError"),
+            "trace": traceback.format_exc(),
+            "at": time.time(),
+        }
+    tmp = out + ".tmp"
+    with open(tmp, "wb") as f:
+        pickle.dump(result, f)
+    os.replace(tmp, out)  # whole or absent: the parent never reads half a result
+    if "error" in result:
+        Path(out + ".failed").touch()  # seen by the parent's poll without unpickling
+    os._exit(0)
+
+
+def _spawn(
+    plan: _Plan, dirs: list[str], say: Callable[[str], None], *, grace_s: float = GRACE_S
+) -> tuple[list[_Trained], list[_Trained]]:
+    """Start the ranks, wait for all of them (or for a failure), return per rank the
+    budgeted and the unlimited run.
+
+    Raises:
+        RankFailedError: a rank raised or died; the others are killed after ``grace_s``.
+    """
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    with tempfile.TemporaryDirectory(prefix="swapper-pressure-ranks-") as tmp:
+        outs = [os.path.join(tmp, f"rank{r}.pkl") for r in range(plan.world)]
+        procs = [
+            ctx.Process(target=_entry, args=(plan, r, port, dirs, outs[r]), daemon=True)
+            for r in range(plan.world)
+        ]
+        try:
+            for p in procs:
+                p.start()
+            say(f"  started {plan.world} ranks (rendezvous on 127.0.0.1:{port})")
+            results = _wait(procs, outs, grace_s)
+        finally:
+            for p in procs:  # ours, by handle: killed if still running, always reaped
+                if p.is_alive():
+                    p.kill()
+                p.join(grace_s)
+    failures = [(r, res) for r, res in enumerate(results) if "value" not in res]
+    if failures:
+        # the rank whose error is its own, rather than a peer's failure seen in a collective
+        own = [f for f in failures if not f[1].get("peer")] or failures
+        rank, res = min(own, key=lambda f: f[1].get("at", float("inf")))
+        for line in res.get("trace", "").rstrip().splitlines():
+            say(f"  rank {rank}: {line}")
+        raise RankFailedError(
+            f"rank {rank} of {plan.world} failed: {res['error']}: {res['message']}"
+        )
+    values = [res["value"] for res in results]
+    return [v[0] for v in values], [v[1] for v in values]
+
+
+def _wait(procs: list[Any], outs: list[str], grace_s: float) -> list[dict[str, Any]]:
+    """Poll until every rank has reported or exited; once one has failed (an error
+    reported, or an exit without a report), the others get ``grace_s`` to report."""
+    failed_at: float | None = None
+    while True:
+        done = [os.path.exists(o) or not p.is_alive() for p, o in zip(procs, outs, strict=True)]
+        if failed_at is None and any(
+            not os.path.exists(o) and not p.is_alive() for p, o in zip(procs, outs, strict=True)
+        ):
+            failed_at = time.monotonic()
+        if failed_at is None and any(os.path.exists(o + ".failed") for o in outs):
+            failed_at = time.monotonic()
+        if all(done) or (failed_at is not None and time.monotonic() - failed_at > grace_s):
+            break
+        time.sleep(0.05)
+    results: list[dict[str, Any]] = []
+    for r, (p, o) in enumerate(zip(procs, outs, strict=True)):
+        if os.path.exists(o):
+            with open(o, "rb") as f:
+                results.append(pickle.load(f))
+        else:
+            code = p.exitcode
+            if code is None:  # still running: stopped below, after another rank failed
+                how, error = "was stopped after another rank failed", "RankStopped"
+            elif code < 0:
+                how, error = f"was killed by signal {-code} without a result", "RankDied"
+            else:
+                how, error = f"exited with code {code} without a result", "RankDied"
+            results.append({"error": error, "message": f"rank {r} {how}", "peer": code is None})
+    return results

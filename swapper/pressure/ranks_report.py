@@ -1,0 +1,145 @@
+"""What ``swapper-pressure --nproc N`` reports (:mod:`swapper.pressure.ranks` runs it):
+per-rank figures, the comparison of the budgeted ranks with the unlimited ranks and with
+one process, and the JSON of ``--json``. Bytes, seconds; fractions in 0..1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from swapper.pressure.model import GPTConfig
+from swapper.pressure.runner import PressureSettings
+
+__all__ = ["MIN_EQUAL_FRACTION", "RankReport", "RanksResult", "compare_params"]
+
+#: Parameter elements that must be bitwise equal to one process's (see the docstring of
+#: :mod:`swapper.pressure.ranks`: why not all, and the tolerance for the rest).
+MIN_EQUAL_FRACTION = 0.5
+
+
+@dataclasses.dataclass(frozen=True)
+class RankReport:
+    """What one rank of one run measured. Bytes, seconds."""
+
+    rank: int
+    losses: list[float]
+    peak_bytes: dict[str, int]
+    bytes_moved: int
+    state_nbytes: dict[str, int]
+    offload_nbytes: int  # written down a tier (device->host, host->NVMe) during backward
+    stall_s: float
+    seconds: float
+    peak_rss_bytes: int
+    digest: str
+    param_hashes: dict[str, int]
+
+    @property
+    def stall_fraction(self) -> float:
+        """Time ``fetch`` waited for bytes / training time."""
+        return self.stall_s / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class RanksResult:
+    """What :func:`run_ranks` found; :meth:`to_json` is ``swapper-pressure --json``."""
+
+    settings: PressureSettings
+    world_size: int
+    fetch_collective: str
+    model: GPTConfig
+    num_params: int
+    budget_bytes: dict[str, int]
+    per_rank: list[RankReport]  # under the budgets
+    reference_per_rank: list[RankReport]  # unlimited
+    single_losses: list[float]
+    identical: bool
+    max_abs_diff_vs_single: float
+    equal_fraction_vs_single: float
+    tolerance: dict[str, Any]
+    within_tolerance: bool
+
+    @property
+    def losses(self) -> list[float]:
+        """The global batch's mean loss per step: the mean of the ranks' equal shares."""
+        n = self.world_size
+        return [sum(r.losses[i] for r in self.per_rank) / n for i in range(self.settings.steps)]
+
+    @property
+    def within_budgets(self) -> bool:
+        """Every rank's every tier peak is within its (per-rank) budget."""
+        return all(
+            r.peak_bytes[tier] <= limit
+            for r in self.per_rank
+            for tier, limit in self.budget_bytes.items()
+        )
+
+    @property
+    def ok(self) -> bool:
+        """Identical, within budgets, and within tolerance of one process."""
+        return self.identical and self.within_budgets and self.within_tolerance
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "params": self.num_params,
+            "model": dataclasses.asdict(self.model),
+            "steps": self.settings.steps,
+            "seed": self.settings.seed,
+            "dtype": self.settings.dtype,
+            "world_size": self.world_size,
+            "fetch_collective": self.fetch_collective,
+            "losses": self.losses,
+            "single_losses": self.single_losses,
+            "identical": self.identical,
+            "within_budgets": self.within_budgets,
+            "max_abs_diff_vs_single": self.max_abs_diff_vs_single,
+            "equal_fraction_vs_single": self.equal_fraction_vs_single,
+            "tolerance": self.tolerance,
+            "within_tolerance": self.within_tolerance,
+            "budget_bytes": self.budget_bytes,
+            "per_rank": [
+                {
+                    "rank": r.rank,
+                    "losses": r.losses,
+                    "reference_losses": ref.losses,
+                    "peak_bytes": r.peak_bytes,
+                    "budget_bytes": self.budget_bytes,
+                    "bytes_moved": r.bytes_moved,
+                    "state_nbytes": r.state_nbytes,
+                    "offload_nbytes": r.offload_nbytes,
+                    "stall_fraction": r.stall_fraction,
+                    "seconds": r.seconds,
+                    "reference_seconds": ref.seconds,
+                    "peak_rss_bytes": r.peak_rss_bytes,
+                    "final_digest": r.digest,
+                    "reference_final_digest": ref.digest,
+                }
+                for r, ref in zip(self.per_rank, self.reference_per_rank, strict=True)
+            ],
+        }
+
+
+def compare_params(
+    mine: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], bound: float, dtype: torch.dtype
+) -> tuple[float, float, bool]:
+    """(max |mine - ref| over all elements, the fraction of elements equal, whether every
+    element is within ``bound`` + one ulp of ``dtype`` and more than MIN_EQUAL_FRACTION
+    are equal)."""
+    if mine.keys() != ref.keys():
+        return float("inf"), 0.0, False
+    worst, ok, equal, total = 0.0, True, 0, 0
+    for name, value in ref.items():
+        a, b = mine[name].float(), value.float()
+        if a.shape != b.shape:
+            return float("inf"), 0.0, False
+        diff = (a - b).abs()
+        if diff.numel():
+            worst = max(worst, float(diff.max()))
+            ulp = torch.maximum(a.abs(), b.abs()) * torch.finfo(dtype).eps
+            ok = ok and bool((diff <= bound + ulp).all())
+            equal += int((diff == 0).sum())
+            total += diff.numel()
+    fraction = equal / total if total else 1.0
+    return worst, fraction, ok and fraction > MIN_EQUAL_FRACTION
