@@ -221,10 +221,12 @@ class OffloadedModel(nn.Module):
         finally:
             self._forward_depth -= 1
 
-    def release_stale_holds(self) -> int:
+    def release_stale_holds(self, *, warn: bool = True) -> int:
         """Release what a forward or backward that raised (an error, Ctrl-C) left fetched;
         returns how many holds that was. Called by :meth:`forward` and before an
-        optimizer step; does nothing while a forward or backward runs."""
+        optimizer step (a warning says so: training goes on after a failed pass), and when
+        unwrapping (``warn=False``: the failure is the exception being handled); does
+        nothing while a forward or backward runs."""
         if self._forward_depth or in_autograd():
             return 0
         if not self._forward_holds and not self._in_backward:
@@ -241,7 +243,9 @@ class OffloadedModel(nn.Module):
                     self._release(slot)
                 dropped += holds
         if dropped:
-            log.warning("offload: released %d parameter hold(s) left by a failed pass", dropped)
+            (log.warning if warn else log.debug)(
+                "offload: released %d parameter hold(s) left by a failed pass", dropped
+            )
         return dropped
 
     def _drop_forward_holds(self, depth: int) -> int:

@@ -308,7 +308,7 @@ def unwrap(model: OffloadedModel) -> nn.Module:
         raise ManagerClosedError(
             "offload: unwrap() after close(): the weights were dropped with the tiers"
         )
-    model.release_stale_holds()
+    model.release_stale_holds(warn=False)
     copies = restore(model)
     with signals.held:  # all parameters real and the wrapper closed, or neither
         with model._lock:
