@@ -21,9 +21,25 @@ from tiers import signals
 from tiers.errors import SwapConfigError
 
 if TYPE_CHECKING:
+    from swapper.manager import TierManager
     from swapper.zero.offload import OffloadedModel
 
-__all__ = ["Slot", "TieredParams"]
+__all__ = ["Slot", "TieredParams", "copy_out"]
+
+
+def copy_out(
+    manager: TierManager, key: str, tier: Tier | None, start: int, out: torch.Tensor
+) -> None:
+    """Copy ``out.numel()`` elements of ``key``'s flattened tensor, from element ``start``,
+    into ``out``: fetched into ``tier`` (None: its home) and released unmodified. The fetch
+    and its release run in one section: no signal lands between the fetch and the ``try``.
+    """
+    with signals.at_waits:
+        tensor = manager.fetch(key, tier)
+        try:
+            out.copy_(tensor.view(-1)[start : start + out.numel()])
+        finally:
+            manager.release(key, modified=False)
 
 
 @dataclasses.dataclass(eq=False)
@@ -94,27 +110,14 @@ class TieredParams:
         self._slot(param)
         return True  # the tiers hold every parameter contiguous
 
-    # Each fetch and its release run in a section: no signal between the fetch and the try.
-
     def read_param(self, param: torch.Tensor, start: int, out: torch.Tensor) -> None:
-        key = self._slot(param).key
-        with signals.at_waits:
-            tensor = self._manager.fetch(key, self._tier)
-            try:
-                out.copy_(tensor.view(-1)[start : start + out.numel()])
-            finally:
-                self._manager.release(key, modified=False)
+        copy_out(self._manager, self._slot(param).key, self._tier, start, out)
 
     def read_grad(self, param: torch.Tensor, start: int, out: torch.Tensor) -> bool:
         slot = self._slot(param)
         if not slot.has_grad:
             return False
-        with signals.at_waits:
-            tensor = self._manager.fetch(slot.grad_key)
-            try:
-                out.copy_(tensor.view(-1)[start : start + out.numel()])
-            finally:
-                self._manager.release(slot.grad_key, modified=False)
+        copy_out(self._manager, slot.grad_key, None, start, out)
         return True
 
     def write_param(self, param: torch.Tensor, start: int, source: torch.Tensor) -> None:

@@ -19,6 +19,7 @@ from torch import nn
 from swapper.distributed import ModuleLayout, ParamPlacement, PendingFetch, agree
 from swapper.distributed.collectives import reduce_norm_and_overflow
 from swapper.manager import Kind, Tier
+from swapper.zero.params import copy_out
 from swapper.zero.settings import tiers_of
 from tiers import signals
 from tiers.errors import SwapConfigError
@@ -139,24 +140,13 @@ class ShardedParams:
         return True
 
     def read_param(self, param: torch.Tensor, start: int, out: torch.Tensor) -> None:
-        key = self._slot(param).key
-        with signals.at_waits:
-            tensor = self._manager.fetch(key, self._tier)
-            try:
-                out.copy_(tensor.view(-1)[start : start + out.numel()])
-            finally:
-                self._manager.release(key, modified=False)
+        copy_out(self._manager, self._slot(param).key, self._tier, start, out)
 
     def read_grad(self, param: torch.Tensor, start: int, out: torch.Tensor) -> bool:
         slot = self._slot(param)
         if not slot.has_grad:
             return False
-        with signals.at_waits:
-            tensor = self._manager.fetch(slot.grad_key)
-            try:
-                out.copy_(tensor.view(-1)[start : start + out.numel()])
-            finally:
-                self._manager.release(slot.grad_key, modified=False)
+        copy_out(self._manager, slot.grad_key, None, start, out)
         return True
 
     def write_param(self, param: torch.Tensor, start: int, source: torch.Tensor) -> None:
