@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from swapper.interrupts import critical
 from swapper.manager import ManagerStats, Tier
 from swapper.pressure.model import GPT, GPTConfig, init_weights_
 from swapper.step import DynamicLossScaler
@@ -161,7 +162,8 @@ def measure_disk(
     made: list[Path] = []
     try:
         for d in dirs:
-            made.append(Path(tempfile.mkdtemp(prefix="swapper-disk-probe-", dir=d)))
+            with critical():  # made and recorded together: a signal never splits them
+                made.append(Path(tempfile.mkdtemp(prefix="swapper-disk-probe-", dir=d)))
         # Order matters: the engine closes (the kernel is done with the buffer) before
         # the buffer is freed, and both before the files are removed.
         with allocate(nbytes * len(made)) as buffer:
@@ -174,7 +176,9 @@ def measure_disk(
                 def one_pass(write: bool) -> float:
                     start = time.perf_counter()
                     op = engine.pwrite if write else engine.pread
-                    for fut in [op(v, f) for f, v in zip(files, views, strict=True)]:
+                    with critical():  # every request handed to the engine, or none
+                        futures = [op(v, f) for f, v in zip(files, views, strict=True)]
+                    for fut in futures:
                         fut.result()
                     if write:
                         for f in files:
@@ -188,8 +192,9 @@ def measure_disk(
         total = nbytes * len(made)
         return DiskRates(total / write_s, total / read_s, total, direct)
     finally:
-        for d in made:
-            shutil.rmtree(d, ignore_errors=True)
+        with critical():  # a signal waits until every probe directory is gone
+            for d in made:
+                shutil.rmtree(d, ignore_errors=True)
 
 
 # ----------------------------------------------------------------------------------------
