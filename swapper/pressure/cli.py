@@ -274,6 +274,8 @@ def _summary(res: PressureResult) -> str:
         f"({100 * res.stall_fraction:.1f}% of the budgeted run); "
         f"{res.seconds:.2f} s budgeted vs {res.reference_seconds:.2f} s unlimited"
     )
+    if res.timing is not None:
+        lines.append(res.timing.summary())
     if res.resumed_from_step:
         lines.append(f"resumed from step {res.resumed_from_step}")
     for snap in res.snapshots:

@@ -16,7 +16,9 @@ One run (:func:`run_pressure`):
 and reports per-step losses of both, whether losses, final parameters and the
 ``final_digest`` of parameters and optimizer state are bit-identical, peak bytes per
 tier against the budgets, the pressure run's peak RSS, bytes moved and stall fraction
-(time ``fetch`` waited for bytes / training time).
+(time ``fetch`` waited for bytes / training time), and the timing figures of
+:mod:`swapper.pressure.timing` (seconds per step beside a plain PyTorch run, the I/O
+floor from the disk's rates measured in the swap directories, the stall split).
 
 With ``checkpoint_every`` the pressure run takes a training snapshot every that many steps
 (:func:`swapper.zero.checkpoint.save_snapshot`, the ``keep_last`` newest kept) in a store
@@ -40,9 +42,10 @@ import torch
 
 from swapper.cli_args import show_nbytes
 from swapper.interrupts import critical
-from swapper.manager import ManagerStats, Tier
+from swapper.manager import Tier
 from swapper.pressure.memory import SavedBytes, peak_rss, reset_peak_rss, return_freed_memory
 from swapper.pressure.model import GPT, GPTConfig, batches, materialize_
+from swapper.pressure.timing import Phases, Timing, measure_disk, plain_run
 from swapper.step import DynamicLossScaler, OffloadAdamW, StepConfig
 from swapper.zero.checkpoint import SnapshotReport, final_digest, save_snapshot
 from swapper.zero.config import OffloadConfig
@@ -130,44 +133,11 @@ class _Run:
     seconds: float
     peak_rss_bytes: int
     activation_bytes: int
-    phases: _Phases
+    phases: Phases
     digest: str = ""
     resumed_from: int = 0
     snapshots: list[SnapshotReport] = dataclasses.field(default_factory=list)
     export_seconds: float | None = None
-
-
-@dataclasses.dataclass
-class _Phases:
-    """Per step: seconds and stall of forward+backward and of the optimizer step, and
-    bytes read from plus written to NVMe."""
-
-    model_s: list[float] = dataclasses.field(default_factory=list)
-    model_stall_s: list[float] = dataclasses.field(default_factory=list)
-    optimizer_s: list[float] = dataclasses.field(default_factory=list)
-    optimizer_stall_s: list[float] = dataclasses.field(default_factory=list)
-    nvme_nbytes: list[int] = dataclasses.field(default_factory=list)
-    _t: float = 0.0
-    _stall: float = 0.0
-    _nvme: int = 0
-
-    def begin(self, stats: ManagerStats) -> None:
-        self._t, self._stall, self._nvme = time.perf_counter(), stats.stall_s, _nvme(stats)
-
-    def backward_done(self, stats: ManagerStats) -> None:
-        now = time.perf_counter()
-        self.model_s.append(now - self._t)
-        self.model_stall_s.append(stats.stall_s - self._stall)
-        self._t, self._stall = now, stats.stall_s
-
-    def step_done(self, stats: ManagerStats) -> None:
-        self.optimizer_s.append(time.perf_counter() - self._t)
-        self.optimizer_stall_s.append(stats.stall_s - self._stall)
-        self.nvme_nbytes.append(_nvme(stats) - self._nvme)
-
-
-def _nvme(stats: ManagerStats) -> int:
-    return stats.moved(Tier.NVME, Tier.HOST).nbytes + stats.moved(Tier.HOST, Tier.NVME).nbytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,8 +157,8 @@ class PressureResult:
     sub_group_numel: int
     activation_bytes: int
     bytes_moved: int
-    phases: _Phases
-    reference_phases: _Phases
+    phases: Phases
+    reference_phases: Phases
     stall_fraction: float
     seconds: float
     reference_seconds: float
@@ -197,6 +167,7 @@ class PressureResult:
     resumed_from_step: int = 0
     snapshots: tuple[SnapshotReport, ...] = ()
     export_seconds: float | None = None  # (of 2 B x num_params)
+    timing: Timing | None = None  # seconds per step, I/O floor, stall split
 
     @property
     def within_budgets(self) -> bool:
@@ -271,6 +242,7 @@ class PressureResult:
                 }
                 for s in self.snapshots
             ],
+            **(self.timing.to_json() if self.timing is not None else {}),
         }
 
 
@@ -324,6 +296,7 @@ def run_pressure(
         pressure = _train(
             model_config, config, data, settings, dtype, say, "pressure", checkpoint=True
         )
+        disk = measure_disk([d.parent for d in dirs], settings.aio)  # the swap dirs' disk
     reference_config = OffloadConfig.create(
         device_nbytes=None,
         host_nbytes=None,
@@ -331,6 +304,7 @@ def run_pressure(
         device="cpu",
     )
     reference = _train(model_config, reference_config, data, settings, dtype, say, "reference")
+    plain = plain_run(model_config, data, dtype=dtype, seed=settings.seed, lr=settings.lr)
     identical = (
         _same_floats(pressure.losses, reference.losses[pressure.resumed_from :])
         and pressure.param_hashes == reference.param_hashes
@@ -363,6 +337,7 @@ def run_pressure(
         resumed_from_step=pressure.resumed_from,
         snapshots=tuple(pressure.snapshots),
         export_seconds=pressure.export_seconds,
+        timing=Timing.of(pressure.phases, reference.phases, plain, disk),
     )
 
 
@@ -402,7 +377,7 @@ def _train(
         )
         start = time.perf_counter()
         activations = SavedBytes()
-        phases = _Phases()
+        phases = Phases()
         resumed_from = optimizer.step_count
         if resumed_from:
             say(f"  {label}: resumed from step {resumed_from}")
@@ -414,6 +389,7 @@ def _train(
             phases.begin(wrapped.stats())
             with activations.counting():
                 loss = model.loss(tokens)
+            phases.forward_done(wrapped.stats())
             (scaler.scale(loss) if scaler is not None else loss).backward()
             phases.backward_done(wrapped.stats())
             optimizer.step()
