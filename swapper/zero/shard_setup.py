@@ -38,8 +38,10 @@ from swapper.distributed import (
     shard_of,
 )
 from swapper.distributed.identity import claim_store_identity
-from swapper.manager import Kind, TierManager
+from swapper.manager import Kind, Tier, TierManager
 from swapper.zero.config import OffloadConfig
+from swapper.zero.gather_budget import GatherNeed, check_device_floor, gather_need, tied_modules
+from swapper.zero.settings import tiers_of
 from swapper.zero.shard_state import GradGroup, ModuleState, ShardSlot
 from tiers.errors import SwapConfigError
 
@@ -64,6 +66,8 @@ class Placed:
         states: every module that owns parameters → its gather state.
         groups: the gradient groups, in plan (forward) order.
         group_of: plan index → its gradient group (parameters that require grad).
+        device_floor: device bytes a step's gathers need at once (0: the device budget
+            is unlimited); see :mod:`swapper.zero.gather_budget`.
     """
 
     plan: PartitionPlan
@@ -73,6 +77,7 @@ class Placed:
     states: dict[nn.Module, ModuleState]
     groups: list[GradGroup]
     group_of: dict[int, GradGroup]
+    device_floor: int = 0
 
 
 def place_model(
@@ -93,7 +98,9 @@ def place_model(
         ModelMismatchError: the ranks wrap different models (on every rank).
         SwapConfigError: a parameter is not bf16/fp16, or they are of several dtypes (on
             every rank: the models are the same by then), or a parameter is still on the
-            meta device after ``materialize``.
+            meta device after ``materialize``, or the device budget cannot hold the
+            gathers of one module at once (:func:`~swapper.zero.gather_budget.
+            check_device_floor`; raised before anything is placed).
         StoreIdentityError, SwapIOError, ...: this rank's own failure to open its store
             or place its shards; PeerFailedError: another rank's.
         CollectiveError: a collective failed or timed out.
@@ -121,8 +128,14 @@ def place_model(
     error: Exception | None = None
     placed: Placed | None = None
     try:
+        floor = check_device_floor(
+            _module_needs(named, plan, config, group.world_size),
+            config.manager.device_nbytes,
+            config.distributed.fetch_collective,
+        )
         manager = _open_manager(config, group)
         placed = _place(module, named, plan, manager, group.rank, originals, materialize)
+        placed.device_floor = floor
     except Exception as exc:  # every rank learns of it at the agreement, then it is raised
         error = exc
     try:
@@ -139,6 +152,33 @@ def place_model(
     if placed is None:  # unreachable: agree raised when this rank failed
         raise SwapConfigError("offload: placing the model failed") from error
     return placed
+
+
+def _module_needs(
+    named: list[tuple[str, nn.Module]],
+    plan: PartitionPlan,
+    config: OffloadConfig,
+    world_size: int,
+) -> list[tuple[str, GatherNeed, bool]]:
+    """(name, device bytes of its gather, holds a tied parameter) of every module that
+    owns parameters, from the plan (before anything is placed)."""
+    placements = {p.info.name: p for p in plan.params}
+    index_of: dict[int, int] = {}
+    for name, sub in named:
+        for pname, param in sub.named_parameters(recurse=False):
+            full_name = f"{name}.{pname}" if name else pname
+            if id(param) not in index_of and full_name in placements:
+                index_of[id(param)] = placements[full_name].index
+    ids = [(name, [id(p) for p in sub.parameters(recurse=False)]) for name, sub in named]
+    tied = tied_modules(ids)
+    on_device = tiers_of(config.manager, Kind.PARAM16)[0] is Tier.DEVICE
+    method = config.distributed.fetch_collective
+    needs: list[tuple[str, GatherNeed, bool]] = []
+    for name, members in ids:
+        indices = [index_of[i] for i in members if i in index_of]
+        layout = module_layout(plan, indices)
+        needs.append((name, gather_need(layout, world_size, method, on_device), name in tied))
+    return needs
 
 
 def _open_manager(config: OffloadConfig, group: DistGroup) -> TierManager:
