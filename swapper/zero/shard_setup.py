@@ -40,12 +40,18 @@ from swapper.distributed import (
 from swapper.distributed.identity import claim_store_identity
 from swapper.manager import Kind, Tier, TierManager
 from swapper.zero.config import OffloadConfig
-from swapper.zero.gather_budget import GatherNeed, check_device_floor, gather_need, tied_modules
+from swapper.zero.gather_budget import (
+    GatherNeed,
+    check_device_floor,
+    device_floor,
+    gather_need,
+    tied_modules,
+)
 from swapper.zero.settings import tiers_of
 from swapper.zero.shard_state import GradGroup, ModuleState, ShardSlot
 from tiers.errors import SwapConfigError
 
-__all__ = ["Materialize", "Placed", "place_model"]
+__all__ = ["Materialize", "Placed", "gather_floor", "place_model"]
 
 #: materialize(model, place): see :func:`place_model` (the one-process path's contract).
 Materialize = Callable[[nn.Module, Callable[[str, nn.Module], None]], None]
@@ -105,11 +111,7 @@ def place_model(
             or place its shards; PeerFailedError: another rank's.
         CollectiveError: a collective failed or timed out.
     """
-    named = [
-        (n, m)
-        for n, m in module.named_modules()
-        if next(m.parameters(recurse=False), None) is not None
-    ]
+    named = _owning(module)
     infos = describe_modules(named)
     if materialize is not None:
         # Meta parameters get their dtype when materialised: planned as 16-bit (2 B)
@@ -152,6 +154,31 @@ def place_model(
     if placed is None:  # unreachable: agree raised when this rank failed
         raise SwapConfigError("offload: placing the model failed") from error
     return placed
+
+
+def gather_floor(module: nn.Module, config: OffloadConfig, world_size: int) -> int:
+    """Device bytes that wrapping ``module`` over ``world_size`` ranks with ``config``
+    needs at least (the floor of :mod:`swapper.zero.gather_budget`; its budgets are not
+    read). A model on the meta device will do: its parameters count as 16-bit.
+
+    Raises:
+        InvalidArgumentError: ``world_size`` < 1 (from the partition plan).
+    """
+    named = _owning(module)
+    infos = [
+        dataclasses.replace(i, itemsize=2, dtype=_SIXTEEN_BIT) for i in describe_modules(named)
+    ]
+    plan = plan_partition(infos, world_size)
+    return device_floor(_module_needs(named, plan, config, world_size))[0]
+
+
+def _owning(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(name, module) of every module that owns parameters, in ``named_modules`` order."""
+    return [
+        (n, m)
+        for n, m in module.named_modules()
+        if next(m.parameters(recurse=False), None) is not None
+    ]
 
 
 def _module_needs(
