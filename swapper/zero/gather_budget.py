@@ -27,6 +27,9 @@ no) gathers ahead. That decision is arithmetic on figures equal on every rank (n
 what this rank's manager happens to hold), so every rank starts the same gathers ahead
 and the collectives stay paired; it assumes ``device_nbytes`` is equal on every rank.
 
+Gathers on another device than the device tier's (gloo gathering on the CPU while the
+tier is a GPU: :func:`charges_device`) are neither charged nor checked.
+
 Not counted: a frozen module (no parameter that requires grad) is held until its
 backward ends; full gradients and the reduce-scatter's input buffer
 (:class:`~swapper.zero.shard_grads.GradReducer`); buffers that autograd keeps alive
@@ -42,12 +45,20 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from swapper.distributed import DistGroup, ModuleLayout, PendingFetch, start_fetch
-from swapper.manager import Tier, TierManager
+from swapper.manager import ManagerConfig, Tier, TierManager
+from tiers.device import resolve_device
 from tiers.errors import SwapConfigError
 from tiers.protocols import MemoryBlock
 from tiers.units import format_size
 
-__all__ = ["GatherBudget", "GatherNeed", "check_device_floor", "device_floor", "gather_need"]
+__all__ = [
+    "GatherBudget",
+    "GatherNeed",
+    "charges_device",
+    "check_device_floor",
+    "device_floor",
+    "gather_need",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +103,16 @@ def device_floor(
     return best
 
 
+def charges_device(manager: ManagerConfig, gather_device: torch.device) -> bool:
+    """Whether gathers on ``gather_device`` use the device tier's memory (and are charged
+    to its budget): not when, e.g., gloo gathers on the CPU while the tier is a GPU.
+
+    Raises:
+        SwapConfigError: ``manager.device`` is not usable.
+    """
+    return resolve_device(manager.device) == torch.device(gather_device)
+
+
 def check_device_floor(
     modules: Sequence[tuple[str, GatherNeed, bool]], limit: int | None, method: str
 ) -> int:
@@ -134,8 +155,11 @@ class GatherBudget:
         floor: int,
         method: str,
         device: torch.device,
+        *,
+        charge: bool = True,
     ) -> None:
         self._manager = manager
+        self._charge = charge  # False: the gathers are not in the device tier's memory
         self._group = group
         self._limit = limit
         self._floor = floor
@@ -155,7 +179,7 @@ class GatherBudget:
 
     def may_start_ahead(self, need: GatherNeed) -> bool:
         """Whether a read-ahead gather of ``need`` leaves room for any module's gather."""
-        if self._limit is None:
+        if self._limit is None or not self._charge:
             return True
         with self._lock:
             return self._charged + need.buffer + need.staging + self._floor <= self._limit
@@ -170,6 +194,11 @@ class GatherBudget:
             BudgetTimeout: no room in time; BudgetExceededError: it can never fit;
             CollectiveError, InvalidArgumentError: as :func:`start_fetch`.
         """
+        if not self._charge:
+            return start_fetch(
+                layout, shards, self._group, dtype=dtype, device=self._device,
+                method=self._method, what=what,
+            )  # fmt: skip
         need = gather_need(layout, self._group.world_size, self._method, False)
         size = layout.itemsize
         blocks: list[MemoryBlock] = []
@@ -230,12 +259,8 @@ class GatherBudget:
     def _view(
         self, block: MemoryBlock | None, dtype: torch.dtype, numel: int
     ) -> torch.Tensor | None:
-        """The block's memory as the buffer, when it is on the gather's device (else the
-        block only charges the budget and the gather allocates its own)."""
-        if block is None:
-            return None
-        tensor = block.view(dtype, (numel,))
-        return tensor if tensor.device == self._device else None
+        """The block's memory as the buffer (on the gather's device: ``charge``)."""
+        return None if block is None else block.view(dtype, (numel,))
 
 
 def tied_modules(named: Iterable[tuple[str, Iterable[int]]]) -> set[str]:

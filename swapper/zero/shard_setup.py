@@ -42,6 +42,7 @@ from swapper.manager import Kind, Tier, TierManager
 from swapper.zero.config import OffloadConfig
 from swapper.zero.gather_budget import (
     GatherNeed,
+    charges_device,
     check_device_floor,
     device_floor,
     gather_need,
@@ -130,9 +131,10 @@ def place_model(
     error: Exception | None = None
     placed: Placed | None = None
     try:
+        charged = charges_device(config.manager, group.control_device)
         floor = check_device_floor(
             _module_needs(named, plan, config, group.world_size),
-            config.manager.device_nbytes,
+            config.manager.device_nbytes if charged else None,
             config.distributed.fetch_collective,
         )
         manager = _open_manager(config, group)

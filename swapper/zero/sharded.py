@@ -59,7 +59,7 @@ from swapper.step.config import StepConfig
 from swapper.step.sources import ParamSource
 from swapper.zero.autograd import in_autograd, mark_outputs
 from swapper.zero.config import OffloadConfig
-from swapper.zero.gather_budget import GatherBudget, gather_need
+from swapper.zero.gather_budget import GatherBudget, charges_device, gather_need
 from swapper.zero.settings import tiers_of
 from swapper.zero.shard_checkpoint import consolidated, iter_full, load_sharded, sharded
 from swapper.zero.shard_grads import GradReducer
@@ -138,6 +138,7 @@ class ShardedModel(nn.Module):
         self._budget = GatherBudget(
             placed.manager, group, config.manager.device_nbytes, placed.device_floor,
             self._dist.fetch_collective, self._device,
+            charge=charges_device(config.manager, self._device),
         )  # fmt: skip
         reduce_dtype = torch.float32 if self._dist.reduce_dtype == "float32" else None
         self._grads = GradReducer(
