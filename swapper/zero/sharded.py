@@ -12,8 +12,9 @@ Around each module that owns parameters (``recurse=False``):
   started and waited on now: one collective (``all_gather`` or ``all_reduce``,
   ``config.distributed.fetch_collective``) from every rank's shards into the module's
   param-major buffer (:func:`~swapper.distributed.start_fetch`; charged to the device
-  budget, :mod:`swapper.zero.gather_budget`), whose views become the parameters' ``.data``; then the next ``fetch_ahead`` modules along the order recorded
-  in the first step are started (async handles, waited on only when they run). Forward
+  budget, :mod:`swapper.zero.gather_budget`), whose views become the parameters'
+  ``.data``; then the next ``fetch_ahead`` modules along the order recorded in the
+  first step are started (async handles, waited on only when they run). Forward
   hook: released (the gathered buffer is freed; the shards stay in the tiers), and the
   outputs pass through :class:`~swapper.zero.autograd.BeforeBackward`, which gathers
   the module again before its backward;
