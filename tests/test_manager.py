@@ -1150,3 +1150,24 @@ def test_a_corrupted_chunk_is_refused_and_the_entry_stays(tmp_path: Path) -> Non
                 assert not torch.equal(got, t)
                 manager.release("w", modified=False)
             manager.close(remove=True)
+
+
+def test_reserve_room_evicts_counts_in_the_peak_and_waits_bounded() -> None:
+    with TierManager(_config(None, timeout_s=0.3)) as m:
+        for i in range(4):  # 16 KiB each: the 64 KiB device is full
+            m.register(f"t{i}", torch.full((4 * KiB,), float(i)), "param16")
+        assert m.stats().tiers[Tier.DEVICE].used_nbytes == 64 * KiB
+        block = m.reserve_room("device", 40 * KiB, what="a gathered buffer")
+        device = m.stats().tiers[Tier.DEVICE]
+        assert device.used_nbytes <= 64 * KiB and device.peak_nbytes == 64 * KiB
+        assert sum(m.info(f"t{i}").tier is Tier.DEVICE for i in range(4)) <= 1  # evicted
+        for i in range(4):  # the evicted data is intact
+            assert torch.equal(m.fetch(f"t{i}", "host"), torch.full((4 * KiB,), float(i)))
+            m.release(f"t{i}", modified=False)
+        with pytest.raises(BudgetTimeout, match="another buffer"):  # bounded, typed
+            m.reserve_room("device", 40 * KiB, what="another buffer")
+        with pytest.raises(BudgetExceededError):
+            m.reserve_room("device", 65 * KiB, what="too big")
+        block.release()
+        assert m.stats().tiers[Tier.DEVICE].used_nbytes <= 24 * KiB
+        m.reserve_room("device", 40 * KiB, what="again").release()

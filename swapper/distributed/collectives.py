@@ -197,6 +197,8 @@ def start_fetch(
     method: str = "all_gather",
     what: str = "a module",
     async_op: bool = True,
+    out: torch.Tensor | None = None,
+    staging_out: torch.Tensor | None = None,
 ) -> PendingFetch:
     """Start gathering the parameters of ``layout`` from every rank's shards.
 
@@ -209,9 +211,15 @@ def start_fetch(
         method: ``"all_gather"`` or ``"all_reduce"`` (see the module docstring).
         what: the module's name, for errors.
         async_op: False waits before returning.
+        out: memory for the param-major buffer (``layout.buffer_numel`` elements of
+            ``dtype`` on ``device``, e.g. a view of a block charged to a budget); None
+            allocates it.
+        staging_out: likewise for the rank-major staging buffer of ``"all_gather"``
+            (``segment_numel * world_size`` elements; unused otherwise).
 
     Raises:
-        InvalidArgumentError: an unknown method, or a shard missing or of the wrong
+        InvalidArgumentError: an unknown method, ``out`` or ``staging_out`` of the wrong
+            size, dtype or device, or a shard missing or of the wrong
             size, dtype or device (raised before any collective starts).
         CollectiveError: the collective failed to start (or, with ``async_op=False``,
             failed or timed out).
@@ -222,12 +230,14 @@ def start_fetch(
         )
     device = torch.device(device)
     _check_shards(layout, shards, dg.rank, dtype, device, what)
+    _check_out(out, layout.buffer_numel, dtype, device, f"{what}: out")
+    _check_out(staging_out, layout.segment_numel * dg.world_size, dtype, device, f"{what}: staging")
     views: dict[int, torch.Tensor] = {}
     staging: torch.Tensor | None = None
     if dg.world_size == 1:
         # One rank holds every piece: no collective, no staging buffer, one copy per
         # parameter (bit for bit the shards), whatever the method.
-        buffer = torch.full((layout.buffer_numel,), -0.0, dtype=dtype, device=device)
+        buffer = _filled(out, layout.buffer_numel, dtype, device)
         for piece in layout.rank_pieces(0):
             n = piece.real_numel
             buffer[piece.buffer_offset : piece.buffer_offset + n].copy_(shards[piece.index][:n])
@@ -237,7 +247,7 @@ def start_fetch(
         pending.wait()
         return pending
     if method == "all_reduce":
-        buffer = torch.full((layout.buffer_numel,), -0.0, dtype=dtype, device=device)
+        buffer = _filled(out, layout.buffer_numel, dtype, device)
         for piece in layout.rank_pieces(dg.rank):
             n = piece.real_numel
             buffer[piece.buffer_offset : piece.buffer_offset + n].copy_(shards[piece.index][:n])
@@ -245,9 +255,15 @@ def start_fetch(
             buffer, op=dist.ReduceOp.SUM, group=dg.group, async_op=True
         )
     else:
-        buffer = torch.empty(layout.buffer_numel, dtype=dtype, device=device)
+        buffer = (
+            torch.empty(layout.buffer_numel, dtype=dtype, device=device) if out is None else out
+        )
         seg = layout.segment_numel
-        staging = gathered = torch.empty(seg * dg.world_size, dtype=dtype, device=device)
+        staging = gathered = (
+            torch.empty(seg * dg.world_size, dtype=dtype, device=device)
+            if staging_out is None
+            else staging_out
+        )
         # In place: this rank's segment of the output is the input (NCCL and gloo allow it).
         mine = gathered[dg.rank * seg : (dg.rank + 1) * seg]
         for piece in layout.rank_pieces(dg.rank):
@@ -261,6 +277,27 @@ def start_fetch(
     if not async_op:
         pending.wait()
     return pending
+
+
+def _check_out(
+    out: torch.Tensor | None, numel: int, dtype: torch.dtype, device: torch.device, what: str
+) -> None:
+    if out is None:
+        return
+    if out.dim() != 1 or out.numel() != numel or out.dtype != dtype or out.device != device:
+        raise InvalidArgumentError(
+            f"{what} buffer is {tuple(out.shape)} {out.dtype} on {out.device}; need "
+            f"({numel},) {dtype} on {device}"
+        )
+
+
+def _filled(
+    out: torch.Tensor | None, numel: int, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """The param-major buffer filled with ``-0.0`` (see the module docstring)."""
+    if out is None:
+        return torch.full((numel,), -0.0, dtype=dtype, device=device)
+    return out.fill_(-0.0)
 
 
 @dataclass(frozen=True)

@@ -74,6 +74,7 @@ from swapper.manager.placement import Placement
 from swapper.manager.policy import AccessOrder
 from swapper.manager.stats import ManagerStats
 from tiers.errors import SwapConfigError
+from tiers.protocols import MemoryBlock
 from tiers.signals import at_waits, deliver_pending, held
 
 __all__ = ["TierManager"]
@@ -345,6 +346,36 @@ class TierManager:
             future.set_running_or_notify_cancel()
             self._jobs.submit(self._jobs.evict, entry, to, deadline, future)
         return future
+
+    def reserve_room(
+        self,
+        tier: Tier | str,
+        nbytes: int,
+        *,
+        what: str,
+        timeout_s: float | None = None,
+    ) -> MemoryBlock:
+        """A block of ``nbytes`` bytes of memory tier ``tier`` for a caller's working
+        buffer (not an entry): charged to the tier's budget, so :meth:`stats` peaks count
+        it, until the caller calls ``block.release()``. Room is made as a fetch makes it,
+        by evicting entries (never one in use), waiting up to ``timeout_s`` (default
+        ``config.timeout_s``) seconds for bytes being moved out or released.
+
+        Raises:
+            ValueError: ``tier`` is not a memory tier.
+            BudgetExceededError: ``nbytes`` exceeds the tier's whole budget.
+            BudgetTimeout: no room came free in time (names what is in use there).
+            SwapIOError: writing a victim out failed.
+            ManagerClosedError: the manager is closed.
+        """
+        target = to_tier(tier)
+        if target not in self._ctx.memory:
+            raise ValueError(f"reserve_room: {target.value} is not a memory tier")
+        deadline = time.monotonic() + self._ctx.timeout(timeout_s)
+        with at_waits:
+            with self._ctx.cond:
+                self._ctx.check_open()
+            return self._placement.obtain_now(target, nbytes, what=what, deadline=deadline)
 
     def unregister(self, key: str, *, timeout_s: float | None = None) -> None:
         """Forget ``key``: its memory is freed and its NVMe copy deleted.

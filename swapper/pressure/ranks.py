@@ -97,7 +97,9 @@ def run_ranks(
     ranks, and in one process; compare (see the module docstring).
 
     Budgets (``settings.device_nbytes`` / ``host_nbytes``) are per rank; by default a
-    quarter of the rank's share (1/N) of the 16-bit parameters / optimizer state.
+    quarter of the rank's share (1/N) of the 16-bit parameters / optimizer state (the
+    device budget at least the floor of the gathered buffers that the wrap refuses to go
+    below: :func:`~swapper.zero.shard_setup.gather_floor`).
     ``settings.batch`` is the global batch and must be a multiple of ``nproc``.
     Checkpoints, resume and export are not supported here.
 
@@ -119,7 +121,9 @@ def run_ranks(
     model_config = GPTConfig.for_params(settings.params)
     num_params = model_config.num_params()
     share = -(-num_params // nproc)
-    device = settings.device_nbytes if settings.device_nbytes is not None else 2 * share // 4
+    device = settings.device_nbytes
+    if device is None:
+        device = max(2 * share // 4, _gather_floor(model_config, nproc, timeout_s))
     host = settings.host_nbytes if settings.host_nbytes is not None else 12 * share // 4
     sub_group = settings.sub_group_numel or max(1024, host // 4 // 12)
     budgets = {"device": device, "host": host}
@@ -164,6 +168,16 @@ def run_ranks(
         },
         within_tolerance=within,
     )
+
+
+def _gather_floor(model_config: GPTConfig, nproc: int, timeout_s: float) -> int:
+    """Device bytes the wrap needs at least on each of ``nproc`` ranks (a meta model)."""
+    from swapper.zero.shard_setup import gather_floor
+
+    with torch.device("meta"):
+        model = GPT(model_config)
+    config = OffloadConfig.create(device="cpu", distributed=DistributedConfig(timeout_s=timeout_s))
+    return gather_floor(model, config, nproc)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -42,7 +42,11 @@ def iter_full(model: ShardedModel) -> Iterator[tuple[str, torch.Tensor]]:
     for slot in model.slots:
         layout = module_layout(model.plan, [slot.index])
         pending = model.start_gather(layout, [slot], f"parameter {slot.name!r}")
-        yield slot.name, pending.wait()[slot.index].view(slot.shape).to("cpu", copy=True)
+        try:
+            full = pending.wait()[slot.index].view(slot.shape).to("cpu", copy=True)
+        finally:
+            model.end_gather(pending)  # its device bytes go back before the next one
+        yield slot.name, full
 
 
 def consolidated(model: ShardedModel) -> dict[str, Any]:

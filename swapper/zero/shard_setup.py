@@ -38,12 +38,21 @@ from swapper.distributed import (
     shard_of,
 )
 from swapper.distributed.identity import claim_store_identity
-from swapper.manager import Kind, TierManager
+from swapper.manager import Kind, Tier, TierManager
 from swapper.zero.config import OffloadConfig
+from swapper.zero.gather_budget import (
+    GatherNeed,
+    charges_device,
+    check_device_floor,
+    device_floor,
+    gather_need,
+    tied_modules,
+)
+from swapper.zero.settings import tiers_of
 from swapper.zero.shard_state import GradGroup, ModuleState, ShardSlot
 from tiers.errors import SwapConfigError
 
-__all__ = ["Materialize", "Placed", "place_model"]
+__all__ = ["Materialize", "Placed", "gather_floor", "place_model"]
 
 #: materialize(model, place): see :func:`place_model` (the one-process path's contract).
 Materialize = Callable[[nn.Module, Callable[[str, nn.Module], None]], None]
@@ -64,6 +73,8 @@ class Placed:
         states: every module that owns parameters → its gather state.
         groups: the gradient groups, in plan (forward) order.
         group_of: plan index → its gradient group (parameters that require grad).
+        device_floor: device bytes a step's gathers need at once (0: the device budget
+            is unlimited); see :mod:`swapper.zero.gather_budget`.
     """
 
     plan: PartitionPlan
@@ -73,6 +84,7 @@ class Placed:
     states: dict[nn.Module, ModuleState]
     groups: list[GradGroup]
     group_of: dict[int, GradGroup]
+    device_floor: int = 0
 
 
 def place_model(
@@ -93,16 +105,14 @@ def place_model(
         ModelMismatchError: the ranks wrap different models (on every rank).
         SwapConfigError: a parameter is not bf16/fp16, or they are of several dtypes (on
             every rank: the models are the same by then), or a parameter is still on the
-            meta device after ``materialize``.
+            meta device after ``materialize``, or the device budget cannot hold the
+            gathers of one module at once (:func:`~swapper.zero.gather_budget.
+            check_device_floor`; raised before anything is placed).
         StoreIdentityError, SwapIOError, ...: this rank's own failure to open its store
             or place its shards; PeerFailedError: another rank's.
         CollectiveError: a collective failed or timed out.
     """
-    named = [
-        (n, m)
-        for n, m in module.named_modules()
-        if next(m.parameters(recurse=False), None) is not None
-    ]
+    named = _owning(module)
     infos = describe_modules(named)
     if materialize is not None:
         # Meta parameters get their dtype when materialised: planned as 16-bit (2 B)
@@ -121,8 +131,15 @@ def place_model(
     error: Exception | None = None
     placed: Placed | None = None
     try:
+        charged = charges_device(config.manager, group.control_device)
+        floor = check_device_floor(
+            _module_needs(named, plan, config, group.world_size),
+            config.manager.device_nbytes if charged else None,
+            config.distributed.fetch_collective,
+        )
         manager = _open_manager(config, group)
         placed = _place(module, named, plan, manager, group.rank, originals, materialize)
+        placed.device_floor = floor
     except Exception as exc:  # every rank learns of it at the agreement, then it is raised
         error = exc
     try:
@@ -139,6 +156,58 @@ def place_model(
     if placed is None:  # unreachable: agree raised when this rank failed
         raise SwapConfigError("offload: placing the model failed") from error
     return placed
+
+
+def gather_floor(module: nn.Module, config: OffloadConfig, world_size: int) -> int:
+    """Device bytes that wrapping ``module`` over ``world_size`` ranks with ``config``
+    needs at least (the floor of :mod:`swapper.zero.gather_budget`; its budgets are not
+    read). A model on the meta device will do: its parameters count as 16-bit.
+
+    Raises:
+        InvalidArgumentError: ``world_size`` < 1 (from the partition plan).
+    """
+    named = _owning(module)
+    infos = [
+        dataclasses.replace(i, itemsize=2, dtype=_SIXTEEN_BIT) for i in describe_modules(named)
+    ]
+    plan = plan_partition(infos, world_size)
+    return device_floor(_module_needs(named, plan, config, world_size))[0]
+
+
+def _owning(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(name, module) of every module that owns parameters, in ``named_modules`` order."""
+    return [
+        (n, m)
+        for n, m in module.named_modules()
+        if next(m.parameters(recurse=False), None) is not None
+    ]
+
+
+def _module_needs(
+    named: list[tuple[str, nn.Module]],
+    plan: PartitionPlan,
+    config: OffloadConfig,
+    world_size: int,
+) -> list[tuple[str, GatherNeed, bool]]:
+    """(name, device bytes of its gather, holds a tied parameter) of every module that
+    owns parameters, from the plan (before anything is placed)."""
+    placements = {p.info.name: p for p in plan.params}
+    index_of: dict[int, int] = {}
+    for name, sub in named:
+        for pname, param in sub.named_parameters(recurse=False):
+            full_name = f"{name}.{pname}" if name else pname
+            if id(param) not in index_of and full_name in placements:
+                index_of[id(param)] = placements[full_name].index
+    ids = [(name, [id(p) for p in sub.parameters(recurse=False)]) for name, sub in named]
+    tied = tied_modules(ids)
+    on_device = tiers_of(config.manager, Kind.PARAM16)[0] is Tier.DEVICE
+    method = config.distributed.fetch_collective
+    needs: list[tuple[str, GatherNeed, bool]] = []
+    for name, members in ids:
+        indices = [index_of[i] for i in members if i in index_of]
+        layout = module_layout(plan, indices)
+        needs.append((name, gather_need(layout, world_size, method, on_device), name in tied))
+    return needs
 
 
 def _open_manager(config: OffloadConfig, group: DistGroup) -> TierManager:

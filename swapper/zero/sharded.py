@@ -11,9 +11,10 @@ Around each module that owns parameters (``recurse=False``):
 - forward pre-hook: the module's gather is waited on (started earlier by read-ahead) or
   started and waited on now: one collective (``all_gather`` or ``all_reduce``,
   ``config.distributed.fetch_collective``) from every rank's shards into the module's
-  param-major buffer (:func:`~swapper.distributed.start_fetch`), whose views become the
-  parameters' ``.data``; then the next ``fetch_ahead`` modules along the order recorded
-  in the first step are started (async handles, waited on only when they run). Forward
+  param-major buffer (:func:`~swapper.distributed.start_fetch`; charged to the device
+  budget, :mod:`swapper.zero.gather_budget`), whose views become the parameters'
+  ``.data``; then the next ``fetch_ahead`` modules along the order recorded in the
+  first step are started (async handles, waited on only when they run). Forward
   hook: released (the gathered buffer is freed; the shards stay in the tiers), and the
   outputs pass through :class:`~swapper.zero.autograd.BeforeBackward`, which gathers
   the module again before its backward;
@@ -53,13 +54,13 @@ from swapper.distributed import (
     ModuleLayout,
     PartitionPlan,
     PendingFetch,
-    start_fetch,
 )
 from swapper.manager import Kind, ManagerStats, TierManager
 from swapper.step.config import StepConfig
 from swapper.step.sources import ParamSource
 from swapper.zero.autograd import in_autograd, mark_outputs
 from swapper.zero.config import OffloadConfig
+from swapper.zero.gather_budget import GatherBudget, charges_device, gather_need
 from swapper.zero.settings import tiers_of
 from swapper.zero.shard_checkpoint import consolidated, iter_full, load_sharded, sharded
 from swapper.zero.shard_grads import GradReducer
@@ -135,6 +136,11 @@ class ShardedModel(nn.Module):
         self._by_index = placed.slots
         self._slots = placed.by_id
         self._states = placed.states
+        self._budget = GatherBudget(
+            placed.manager, group, config.manager.device_nbytes, placed.device_floor,
+            self._dist.fetch_collective, self._device,
+            charge=charges_device(config.manager, self._device),
+        )  # fmt: skip
         reduce_dtype = torch.float32 if self._dist.reduce_dtype == "float32" else None
         self._grads = GradReducer(
             group, placed.manager, placed.slots, placed.groups, placed.group_of,
@@ -261,7 +267,10 @@ class ShardedModel(nn.Module):
         for state in self._states.values():
             pending, state.pending = state.pending, None
             if pending is not None:
-                pending.wait()
+                try:
+                    pending.wait()
+                finally:
+                    self._budget.release(pending)
 
     @property
     def slots(self) -> tuple[ShardSlot, ...]:
@@ -409,7 +418,14 @@ class ShardedModel(nn.Module):
 
     def start_gather(self, layout: ModuleLayout, slots: list[ShardSlot], what: str) -> PendingFetch:
         """Start the gather of ``slots`` (their layout): this rank's shards are read from
-        the tiers, copied into the collective's buffer, and released."""
+        the tiers, copied into the collective's buffer (charged to the device budget
+        until :meth:`_release`: :class:`~swapper.zero.gather_budget.GatherBudget`), and
+        released.
+
+        Raises:
+            BudgetTimeout: no device room for the buffers within the manager's timeout.
+            CollectiveError: the collective failed to start.
+        """
         shards: dict[int, torch.Tensor] = {}
         held: list[str] = []
         try:
@@ -418,18 +434,15 @@ class ShardedModel(nn.Module):
                 tensor = self._manager.fetch(slot.key, self._use_tier)
                 held.append(slot.key)
                 shards[piece.index] = tensor.view(-1).to(self._device)
-            return start_fetch(
-                layout,
-                shards,
-                self.group,
-                dtype=slots[0].dtype,
-                device=self._device,
-                method=self._dist.fetch_collective,
-                what=what,
-            )
+            return self._budget.start(layout, shards, slots[0].dtype, what)
         finally:
             for key in held:
                 self._manager.release(key, modified=False)
+
+    def end_gather(self, pending: PendingFetch) -> None:
+        """A gather from :meth:`start_gather` is no longer used: its buffers' device
+        bytes go back to the budget (the memory itself once no view is left)."""
+        self._budget.release(pending)
 
     def _acquire(self, state: ModuleState) -> None:
         with signals.at_waits:
@@ -441,10 +454,14 @@ class ShardedModel(nn.Module):
                 pending, state.pending = state.pending, None
                 if pending is None:
                     pending = self.start_gather(state.layout, state.slots, f"module {state.name!r}")
-                pending.wait()
+                try:
+                    pending.wait()
+                finally:
+                    self._budget.waited(pending)  # the staging buffer is gone either way
             except BaseException:
                 with self._lock:
                     state.users -= 1
+                self._budget.release(pending)
                 raise
             with self._lock:
                 state.gathered = pending
@@ -457,6 +474,7 @@ class ShardedModel(nn.Module):
             state.users -= 1
             if state.users > 0:
                 return
+            self._budget.release(state.gathered)  # charged no more: nothing reads it now
             state.gathered = None  # the buffer is freed once no view is left
             for slot in state.slots:
                 self._point(slot)
@@ -482,6 +500,9 @@ class ShardedModel(nn.Module):
         after = [i for i in positions if i > self._cursor]
         self._cursor = after[0] if after else positions[0]
         # Not past the end of the step: the optimizer changes the parameters after it.
+        world, method = self.group.world_size, self._dist.fetch_collective
         for nxt in order[self._cursor + 1 : self._cursor + 1 + self._dist.fetch_ahead]:
             if nxt.pending is None and nxt.gathered is None:
+                if not self._budget.may_start_ahead(gather_need(nxt.layout, world, method, False)):
+                    break  # fewer ahead: the gather needed next must always find room
                 nxt.pending = self.start_gather(nxt.layout, nxt.slots, f"module {nxt.name!r}")
