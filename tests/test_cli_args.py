@@ -282,7 +282,8 @@ def test_show_nbytes(nbytes: int, text: str) -> None:
 
 def _pressure_result() -> Any:
     from swapper.pressure.model import GPTConfig
-    from swapper.pressure.runner import PressureResult, PressureSettings, _Phases
+    from swapper.pressure.runner import PressureResult, PressureSettings
+    from swapper.pressure.timing import Phases
 
     return PressureResult(
         settings=PressureSettings(steps=1),
@@ -298,8 +299,8 @@ def _pressure_result() -> Any:
         sub_group_numel=1 << 16,
         activation_bytes=3 << 20,
         bytes_moved=5 << 30,
-        phases=_Phases(),
-        reference_phases=_Phases(),
+        phases=Phases(),
+        reference_phases=Phases(),
         stall_fraction=0.25,
         seconds=2.0,
         reference_seconds=1.0,
