@@ -631,22 +631,25 @@ def test_io_error_on_one_rank_raises_on_every_rank(tmp_path: Path) -> None:
 def faults(rank: int, world: int, tmp: str) -> dict[str, str]:
     """Three wraps that must fail on every rank; the error type each rank saw."""
     seen: dict[str, str] = {}
-    cases: list[tuple[str, Callable[[], nn.Module], str]] = [
-        ("mismatch", lambda: _model(HIDDEN + 8 * rank), ""),
-        ("world_changed", _model, "world_changed"),
-        ("other_rank", _model, "other_rank"),
+    cases: list[tuple[str, Callable[[], nn.Module], str, int]] = [
+        ("mismatch", lambda: _model(HIDDEN + 8 * rank), "", 2),
+        ("world_changed", _model, "world_changed", 2),
+        ("other_rank", _model, "other_rank", 2),
+        ("settings", _model, "", 1 + rank),  # read-ahead depth differs: refused
     ]
-    for name, build, nvme in cases:
+    for name, build, nvme, ahead in cases:
         settings: dict[str, Any] = {"nvme_dirs": [os.path.join(tmp, nvme)]} if nvme else {}
         config = OffloadConfig(
             manager=OffloadConfig.create(device="cpu", **settings).manager,
-            distributed=DistributedConfig(timeout_s=PG_TIMEOUT_S),
+            distributed=DistributedConfig(timeout_s=PG_TIMEOUT_S, fetch_ahead=ahead),
         )
         try:
             swapper.offload(build(), config, dist.group.WORLD).close()
             seen[name] = "no error"
         except Exception as exc:
             seen[name] = type(exc).__name__
+            if name == "settings":
+                seen["settings_message"] = str(exc)
     return seen
 
 
@@ -659,6 +662,9 @@ def test_faults_raise_on_every_rank(tmp_path: Path) -> None:
     (tmp_path / "other_rank" / "rank1of2").rename(tmp_path / "other_rank" / "rank0of2")
     seen = _spawn(faults, 2, tmp_path)
     assert [s["mismatch"] for s in seen] == [ModelMismatchError.__name__] * 2
+    assert [s["settings"] for s in seen] == ["SwapConfigError"] * 2
+    for s in seen:
+        assert "distributed.fetch_ahead is 1 on rank 0 but 2 on rank 1" in s["settings_message"]
     assert [s["world_changed"] for s in seen] == [StoreIdentityError.__name__] * 2
     assert [s["other_rank"] for s in seen] == [
         StoreIdentityError.__name__,

@@ -29,7 +29,13 @@ from swapper.distributed.errors import (
     PeerFailedError,
     StoreIdentityError,
 )
-from swapper.distributed.groups import DEFAULT_TIMEOUT, DistGroup, agree, check_same_model
+from swapper.distributed.groups import (
+    DEFAULT_TIMEOUT,
+    DistGroup,
+    agree,
+    check_same_model,
+    check_same_settings,
+)
 from swapper.distributed.identity import claim_store_identity, identity_path, rank_dirs
 from swapper.distributed.layout import ModuleLayout, Piece, module_layout
 from swapper.distributed.partition import (
@@ -62,6 +68,7 @@ __all__ = [
     "agree",
     "balance_report",
     "check_same_model",
+    "check_same_settings",
     "claim_store_identity",
     "contiguous_windows",
     "describe_modules",

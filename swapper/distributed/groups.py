@@ -35,7 +35,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -233,6 +233,47 @@ def model_digest(params: Sequence[ParamInfo]) -> bytes:
         h.update(repr((p.name, tuple(p.shape), p.dtype)).encode())
         h.update(b"\0")
     return h.digest()
+
+
+def check_same_settings(dg: DistGroup, settings: Mapping[str, object]) -> None:
+    """Check that every rank wraps with the same values of the settings that decide which
+    collectives run, in which order (read-ahead depth, fetch method, whether the step
+    reduces a norm, the device budget that bounds read-ahead): one all_gather of an 8-byte
+    digest; ranks that differed would pair different collectives and hang until the
+    timeout, or worse, pair them wrongly.
+
+    Raises:
+        SwapConfigError: on every rank, naming the first differing setting (by name) and
+            its value on rank 0 and on the first rank that differs.
+        CollectiveError: a collective failed or timed out.
+    """
+    what = "the settings every rank must share"
+    shown = {key: repr(settings[key]) for key in sorted(settings)}
+    (value,) = struct.unpack("<q", hashlib.sha256(repr(shown).encode()).digest()[:8])
+    mine = torch.tensor([value], dtype=torch.int64, device=dg.control_device)
+    gathered = torch.empty(dg.world_size, dtype=torch.int64, device=dg.control_device)
+    _gather(dg, gathered, mine, what)
+    if all(int(v) == value for v in gathered.tolist()):
+        return
+    everyone: list[object] = [None] * dg.world_size
+    try:
+        dist.all_gather_object(everyone, shown, group=dg.group)
+    except (RuntimeError, ValueError) as exc:
+        raise dg.error("all_gather_object", what, str(exc), timed_out=False) from exc
+    tables = [x if isinstance(x, dict) else {} for x in everyone]
+    for key in sorted(set().union(*tables)):
+        values = [t.get(key, "(not set)") for t in tables]
+        differing = [r for r in range(dg.world_size) if values[r] != values[0]]
+        if differing:
+            other = differing[0]
+            raise SwapConfigError(
+                f"the ranks wrap with different settings: {key} is {values[0]} on rank 0 "
+                f"but {values[other]} on rank {other} (this is rank {dg.rank}); every rank "
+                f"must pass the same {key}"
+            )
+    raise SwapConfigError(  # digests differ, tables equal: a repr that is not stable
+        f"the ranks' settings differ in a way their values do not show (this is rank {dg.rank})"
+    )
 
 
 def check_same_model(dg: DistGroup, params: Sequence[ParamInfo]) -> None:

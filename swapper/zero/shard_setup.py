@@ -32,6 +32,7 @@ from swapper.distributed import (
     PartitionPlan,
     agree,
     check_same_model,
+    check_same_settings,
     describe_modules,
     module_layout,
     plan_partition,
@@ -87,6 +88,20 @@ class Placed:
     device_floor: int = 0
 
 
+def _shared_settings(config: OffloadConfig) -> dict[str, object]:
+    """The settings every rank must pass alike (they decide which collectives run, in
+    which order; see :func:`~swapper.distributed.groups.check_same_settings`)."""
+    d = config.distributed
+    return {
+        "distributed.fetch_collective": d.fetch_collective,
+        "distributed.fetch_ahead": d.fetch_ahead,
+        "distributed.reduce_dtype": d.reduce_dtype,
+        "distributed.timeout_s": d.timeout_s,
+        "manager.device_nbytes": config.manager.device_nbytes,  # bounds the gathers ahead
+        "step.max_grad_norm": config.step.max_grad_norm,  # a norm all_reduce or none
+    }
+
+
 def place_model(
     module: nn.Module,
     config: OffloadConfig,
@@ -119,6 +134,7 @@ def place_model(
         # here, checked as each is placed.
         infos = [dataclasses.replace(i, itemsize=2, dtype=_SIXTEEN_BIT) for i in infos]
     check_same_model(group, infos)
+    check_same_settings(group, _shared_settings(config))
     for info in infos:
         if info.dtype not in ("torch.bfloat16", "torch.float16", _SIXTEEN_BIT):
             raise SwapConfigError(_not_16_bit(info.name, info.shape, info.dtype))
