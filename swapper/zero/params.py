@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from swapper.manager import TierManager
     from swapper.zero.offload import OffloadedModel
 
-__all__ = ["Slot", "TieredParams", "copy_out"]
+__all__ = ["Slot", "TieredParams", "copy_in", "copy_out"]
 
 
 def copy_out(
@@ -40,6 +40,19 @@ def copy_out(
             out.copy_(tensor.view(-1)[start : start + out.numel()])
         finally:
             manager.release(key, modified=False)
+
+
+def copy_in(
+    manager: TierManager, key: str, tier: Tier | None, start: int, source: torch.Tensor
+) -> None:
+    """Write ``source`` into ``key``'s flattened tensor from element ``start``: fetched into
+    ``tier`` (None: its home) and released modified, in one section as :func:`copy_out`."""
+    with signals.at_waits:
+        tensor = manager.fetch(key, tier)
+        try:
+            tensor.view(-1)[start : start + source.numel()].copy_(source)
+        finally:
+            manager.release(key, modified=True)
 
 
 @dataclasses.dataclass(eq=False)
@@ -129,12 +142,7 @@ class TieredParams:
                 f"optimizer step while parameter {slot.name!r} is in use (inside a forward "
                 "or backward?)"
             )
-        with signals.at_waits:
-            tensor = self._manager.fetch(slot.key, self._tier)
-            try:
-                tensor.view(-1)[start : start + source.numel()].copy_(source)
-            finally:
-                self._manager.release(slot.key, modified=True)
+        copy_in(self._manager, slot.key, self._tier, start, source)
 
     def grad_norms(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         norms = []

@@ -19,9 +19,8 @@ from torch import nn
 from swapper.distributed import ModuleLayout, ParamPlacement, PendingFetch, agree
 from swapper.distributed.collectives import reduce_norm_and_overflow
 from swapper.manager import Kind, Tier
-from swapper.zero.params import copy_out
+from swapper.zero.params import copy_in, copy_out
 from swapper.zero.settings import tiers_of
-from tiers import signals
 from tiers.errors import SwapConfigError
 
 if TYPE_CHECKING:
@@ -152,12 +151,7 @@ class ShardedParams:
     def write_param(self, param: torch.Tensor, start: int, source: torch.Tensor) -> None:
         slot = self._slot(param)
         self._model.before_param_write(slot)
-        with signals.at_waits:
-            tensor = self._manager.fetch(slot.key, self._tier)
-            try:
-                tensor.view(-1)[start : start + source.numel()].copy_(source)
-            finally:
-                self._manager.release(slot.key, modified=True)
+        copy_in(self._manager, slot.key, self._tier, start, source)
 
     def grad_norms(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """``[global norm]`` (fp32): every rank's sum of squares of its gradient shards
