@@ -34,6 +34,7 @@ from typing import NoReturn
 import torch
 
 from tiers.aio.engine import AioEngine, Op
+from tiers.config import DIRECT_ALIGNMENT
 from tiers.errors import SwapIOError
 from tiers.nvme import opening
 from tiers.nvme.committer import CommitItem, GroupCommitter
@@ -213,7 +214,16 @@ class StoreCore:
         if future._parts == 0:
             future._complete()  # nothing to transfer: settle now (outside the lock)
             return
-        submit = self._engine.pwrite if future.op is Op.WRITE else self._engine.pread
+        if future.op is Op.WRITE:
+            # A write needs no per-extent check, so extents that lie back to back in one
+            # file go out as one engine request, which the engine cuts at block_size
+            # boundaries of file space: kernel requests of block_size, not of the 4 MiB
+            # chunk size.
+            for dir_index, offset, start, nbytes in write_runs(extents):
+                piece = data[start : start + nbytes]
+                future._attach(self._engine.pwrite(piece, self._data[dir_index], offset), None)
+            return
+        submit = self._engine.pread
         start = 0
         for e in extents:
             piece = data[start : start + e.nbytes]
@@ -326,3 +336,25 @@ class StoreCore:
             self._table.unpin(version)
             self._op_done()
         future._resolve(error)
+
+
+def write_runs(extents: tuple[Extent, ...]) -> list[tuple[int, int, int, int]]:
+    """``extents`` merged into runs that one write request can cover:
+    ``(dir_index, file offset, start in the tensor's bytes, nbytes)``.
+
+    Two neighbours merge when the second starts in the same file where the first's bytes
+    end, with no padding between them (the first's ``nbytes`` is a multiple of 4 KiB), so
+    a run's bytes are contiguous both in the tensor and in the file.
+    """
+    runs: list[tuple[int, int, int, int]] = []
+    start = 0
+    for e in extents:
+        if runs:
+            d, offset, run_start, nbytes = runs[-1]
+            if d == e.dir_index and offset + nbytes == e.offset and nbytes % DIRECT_ALIGNMENT == 0:
+                runs[-1] = (d, offset, run_start, nbytes + e.nbytes)
+                start += e.nbytes
+                continue
+        runs.append((e.dir_index, e.offset, start, e.nbytes))
+        start += e.nbytes
+    return runs

@@ -68,6 +68,7 @@ from tiers.config import DIRECT_ALIGNMENT
 from tiers.errors import SwapConfigError
 from tiers.nvme import opening
 from tiers.nvme.committer import CommitItem
+from tiers.nvme.core import write_runs
 from tiers.nvme.futures import StoreFuture, digest
 from tiers.nvme.journal import encode_delete
 from tiers.nvme.lock import StoreLock
@@ -288,7 +289,7 @@ class NvmeStore(SnapshotStore):
             digests = [None] * len(extents)
             hashing = self._checksum and bool(extents)
             future._expect(
-                len(extents) + int(hashing),
+                len(write_runs(extents)) + int(hashing),
                 lambda error: self._finish_write(version, digests, future, error),
             )
         try:
