@@ -500,6 +500,9 @@ def test_stats_and_periodic_log(dirs: list[Path], caplog: pytest.LogCaptureFixtu
         assert stats.tiers[Tier.NVME].used_nbytes >= 64 * KiB
         assert any("fetches=1" in r.getMessage() for r in caplog.records)
         assert "host->nvme=64KiB" in stats.summary()
+        # one unit family on the line: binary sizes, binary rates
+        assert f"@{write.gib_per_s:.2f}GiB/s" in stats.summary() and "GB/s" not in stats.summary()
+        assert write.gib_per_s == pytest.approx(write.gbps * 1e9 / 2**30)
 
 
 # -- close and reopen -----------------------------------------------------------------------

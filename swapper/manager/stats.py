@@ -35,6 +35,12 @@ class TransferStats:
         """Achieved throughput in GB/s (10^9 bytes per second) while busy; 0 when idle."""
         return self.nbytes / self.busy_s / 1e9 if self.busy_s > 0 else 0.0
 
+    @property
+    def gib_per_s(self) -> float:
+        """The same in GiB/s (2^30 bytes per second): the unit the summary line and the
+        command-line tools print, beside sizes in KiB/MiB/GiB."""
+        return self.nbytes / self.busy_s / 2**30 if self.busy_s > 0 else 0.0
+
 
 @dataclass(frozen=True)
 class TierStats:
@@ -91,7 +97,7 @@ class ManagerStats:
     def summary(self) -> str:
         """One line for logs."""
         moved = " ".join(
-            f"{s.value}->{d.value}={format_size(t.nbytes)}@{t.gbps:.2f}GB/s"
+            f"{s.value}->{d.value}={format_size(t.nbytes)}@{t.gib_per_s:.2f}GiB/s"
             for (s, d), t in sorted(self.transfers.items(), key=lambda kv: kv[0])
             if t.count
         )
