@@ -49,12 +49,15 @@ from swapper.manager.snapshot import open_at_snapshot, snapshot_manager
 from swapper.step.optimizer import OffloadAdamW, StepPendingError
 from swapper.step.resume import ResumedState, kept_released, optimizer_meta
 from swapper.step.state import StateDictError
+from swapper.zero.snapshot_commit import WorldSizeMismatchError, read_commits, reshard_advice
 from tiers.errors import SwapConfigError, SwapCorruptionError, SwapIOError
 from tiers.nvme import NvmeStore
+from tiers.nvme.metafiles import StoreFiles
 from tiers.nvme.snapshots import SnapshotDamagedError, SnapshotInfo, SnapshotNotFoundError
 
 if TYPE_CHECKING:
     from swapper.zero.offload import OffloadedModel
+    from swapper.zero.sharded import ShardedModel
 
 __all__ = [
     "SnapshotReport",
@@ -83,8 +86,9 @@ class SnapshotReport:
         seconds: wall time.
         written_nbytes: tensor bytes written (those dirty in memory), plus the file.
         nbytes: tensor bytes it names (the state's size).
-        path: its file.
+        path: its file (with several ranks: this rank's part).
         dropped: snapshots removed (``keep_last``, or one of the same name replaced).
+        commit: with several ranks, the commit record (rank 0's directory); else None.
     """
 
     name: str
@@ -94,10 +98,11 @@ class SnapshotReport:
     nbytes: int
     path: Path
     dropped: tuple[str, ...]
+    commit: Path | None = None
 
 
 def save_snapshot(
-    model: OffloadedModel,
+    model: OffloadedModel | ShardedModel,
     optimizer: OffloadAdamW | None = None,
     *,
     name: str | None = None,
@@ -106,7 +111,9 @@ def save_snapshot(
 ) -> SnapshotReport:
     """Retain everything needed to continue training bit-exactly as one snapshot of the
     model's store (module docstring). Call it between steps (after ``zero_grad``: retained
-    gradients would be written too, and are not resumed).
+    gradients would be written too, and are not resumed). With several ranks, call it on
+    every rank alike: each rank's store snapshot is its part, and rank 0 writes one commit
+    record once every part is durable (:mod:`swapper.zero.shard_snapshot`).
 
     Args:
         optimizer: the model's :class:`OffloadAdamW` (its state and counters are saved).
@@ -123,34 +130,17 @@ def save_snapshot(
         TypeError, ValueError: ``extra`` or a param group setting cannot be kept as JSON.
         and what :func:`~swapper.manager.snapshot.snapshot_manager` raises (no snapshot).
     """
-    if optimizer is not None:
-        if optimizer.manager is not model.manager:
-            raise SwapConfigError(
-                "save_snapshot: the optimizer keeps its state in another manager than the "
-                "model's; build it with OffloadAdamW(model.parameters(), tiers=model)"
-            )
-        if optimizer._load_incomplete:
-            raise StateDictError(
-                "a load_state_dict() or import_dcp() stopped part-way: the optimizer's state "
-                "is partly old, partly loaded; load it again before taking a snapshot"
-            )
-        if optimizer._pending is not None:
-            raise StepPendingError(
-                f"step {optimizer._pending} failed part-way; call step() again to finish it "
-                "before taking a snapshot"
-            )
+    group = getattr(model, "group", None)
+    if group is not None and group.world_size > 1:
+        from swapper.zero.shard_snapshot import save_sharded  # (it imports this module)
+
+        return save_sharded(model, optimizer, name=name, extra=extra, keep_last=keep_last)
+    check_saveable(model, optimizer)
     step = optimizer.step_count if optimizer is not None else 0
     if name is None:
         name = f"step-{step:09d}"
     model.release_stale_holds()  # a forward or backward that raised
-    meta = {
-        "format": FORMAT,
-        "version": VERSION,
-        "step": step,
-        "optimizer": None if optimizer is None else optimizer_meta(optimizer),
-        "rng": _rng_state(),
-        "extra": None if extra is None else dict(extra),
-    }
+    meta = training_meta(optimizer, extra)
     kept = kept_released(optimizer._pipeline) if optimizer is not None else nullcontext()
     with kept:
         done = snapshot_manager(model.manager, name, extra=meta, keep_last=keep_last, replace=True)
@@ -174,6 +164,50 @@ def save_snapshot(
     )
 
 
+def check_saveable(model: OffloadedModel | ShardedModel, optimizer: OffloadAdamW | None) -> None:
+    """Refuse a snapshot of ``optimizer`` that would not resume (see :func:`save_snapshot`).
+
+    Raises:
+        SwapConfigError, StateDictError, StepPendingError: as :func:`save_snapshot`.
+    """
+    if optimizer is not None:
+        if optimizer.manager is not model.manager:
+            raise SwapConfigError(
+                "save_snapshot: the optimizer keeps its state in another manager than the "
+                "model's; build it with OffloadAdamW(model.parameters(), tiers=model)"
+            )
+        if optimizer._load_incomplete:
+            raise StateDictError(
+                "a load_state_dict() or import_dcp() stopped part-way: the optimizer's state "
+                "is partly old, partly loaded; load it again before taking a snapshot"
+            )
+        if optimizer._pending is not None:
+            raise StepPendingError(
+                f"step {optimizer._pending} failed part-way; call step() again to finish it "
+                "before taking a snapshot"
+            )
+
+
+def training_meta(
+    optimizer: OffloadAdamW | None, extra: Mapping[str, Any] | None, **more: Any
+) -> dict[str, Any]:
+    """The training fields of a snapshot (module docstring), plus ``more`` (a sharded
+    snapshot's ``shard``).
+
+    Raises:
+        TypeError: a param group setting cannot be kept as JSON.
+    """
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "step": optimizer.step_count if optimizer is not None else 0,
+        "optimizer": None if optimizer is None else optimizer_meta(optimizer),
+        "rng": _rng_state(),
+        "extra": None if extra is None else dict(extra),
+        **more,
+    }
+
+
 # -- resume --------------------------------------------------------------------------------
 
 
@@ -191,12 +225,15 @@ def open_manager(
         SnapshotDamagedError: the named snapshot, or every snapshot there, is damaged
             (torn, corrupt, or its tensors' bytes fail their checksums); names the file.
         SnapshotNotFoundError: no snapshot of that name (the message lists them).
+        WorldSizeMismatchError: the store holds snapshots of several ranks (their commit
+            records), none of one process.
         and what :class:`TierManager` and :meth:`TierManager.open` raise.
     """
     if resume is False:
         return TierManager(config), None
     if not isinstance(resume, (bool, str)):
         raise SwapConfigError(f"resume={resume!r} must be True, False or a snapshot name")
+    _refuse_other_world_size(config)
     chosen: list[ResumedState] = []
 
     def choose(store: NvmeStore) -> str | None:
@@ -214,6 +251,28 @@ def open_manager(
             )
         return TierManager(config), None
     return manager, chosen[0]
+
+
+def _refuse_other_world_size(config: ManagerConfig) -> None:
+    """One process resuming where several ranks left commit records and no snapshot of
+    one process's is there: the run changed its world size.
+
+    Raises:
+        WorldSizeMismatchError: naming the newest record (what to do: reshard via DCP).
+    """
+    if not config.nvme_dirs:
+        return  # (open_at_snapshot says what is wrong)
+    base = Path(config.nvme_dirs[0])
+    records, _ = read_commits(base, config.store_name)
+    if records and not StoreFiles((base,), config.store_name).snapshots():
+        newest = records[0]
+        raise WorldSizeMismatchError(
+            f"commit record {newest.path}: snapshot {newest.name!r}: "
+            + reshard_advice(newest.world_size, 1),
+            path=str(newest.path),
+            found=newest.world_size,
+            expected=1,
+        )
 
 
 def _choose(store: NvmeStore, resume: bool | str) -> ResumedState | None:
@@ -242,7 +301,7 @@ def _choose(store: NvmeStore, resume: bool | str) -> ResumedState | None:
     failures: list[BaseException] = []
     for info in candidates:
         try:
-            return _check(store, info)
+            return verify_snapshot(store, info)
         except (SnapshotDamagedError, SwapCorruptionError, SwapIOError) as exc:
             if isinstance(resume, str):
                 raise
@@ -251,7 +310,7 @@ def _choose(store: NvmeStore, resume: bool | str) -> ResumedState | None:
     raise failures[0]  # (the newest's; the others are logged)
 
 
-def _check(store: NvmeStore, info: SnapshotInfo) -> ResumedState:
+def verify_snapshot(store: NvmeStore, info: SnapshotInfo) -> ResumedState:
     """The training metadata of ``info``, once its tensors read back whole.
 
     Raises:
@@ -265,7 +324,7 @@ def _check(store: NvmeStore, info: SnapshotInfo) -> ResumedState:
         raise SnapshotDamagedError(
             f"{where} is not a training snapshot (taken by NvmeStore.snapshot directly?)"
         )
-    if meta.keys() != _FIELDS or meta["version"] != VERSION:
+    if meta.keys() - {"shard"} != _FIELDS or meta["version"] != VERSION:
         raise SnapshotDamagedError(
             f"{where}: training snapshot fields {sorted(meta)} of version "
             f"{meta.get('version')!r}; this swapper reads version {VERSION}"
@@ -337,8 +396,17 @@ def finish_resume(model: OffloadedModel, resumed: ResumedState) -> None:
     for key in keys:
         if manager.info(key).kind is Kind.GRAD16:
             manager.unregister(key)
-    _set_rng_state(_decode_rng(resumed.rng, str(resumed.path)))
+    restore_rng(resumed)
     log.info("resumed from snapshot %r (step %d, %s)", resumed.name, resumed.step, resumed.path)
+
+
+def restore_rng(resumed: ResumedState) -> None:
+    """Set this process's RNG states to those the snapshot recorded.
+
+    Raises:
+        SnapshotDamagedError: they do not decode (names the file).
+    """
+    _set_rng_state(_decode_rng(resumed.rng, str(resumed.path)))
 
 
 def keeps_store(manager: TierManager) -> bool:
@@ -399,7 +467,9 @@ def _set_rng_state(states: tuple[torch.Tensor, list[torch.Tensor]]) -> None:
 # -- final_digest ------------------------------------------------------------------------
 
 
-def final_digest(model: OffloadedModel, optimizer: OffloadAdamW | None = None) -> str:
+def final_digest(
+    model: OffloadedModel | ShardedModel, optimizer: OffloadAdamW | None = None
+) -> str:
     """A hash over the 16-bit parameters and the optimizer's state, to compare two runs.
 
     In a fixed order: each parameter by name (sorted), its name, shape, dtype and bytes;
@@ -407,6 +477,11 @@ def final_digest(model: OffloadedModel, optimizer: OffloadAdamW | None = None) -
     fp32 master weights, exp_avg and exp_avg_sq, each over all parameters in their flat
     order (one streaming hash per row, so the sub-group size does not change it). Reads
     one parameter or sub-group at a time. Returns ``"xxh3-128:<32 hex digits>"``.
+
+    With several ranks (call it on every rank alike; every rank gets the digest), each
+    parameter and its optimizer state are gathered whole, one parameter at a time, and
+    hashed in the same order: the digest of the same state is the same at every world
+    size (:func:`~swapper.zero.shard_checkpoint.iter_full_state`).
     """
     per_param: dict[str, int] = {}
     for name, tensor in model.iter_state_dict():
@@ -422,9 +497,17 @@ def final_digest(model: OffloadedModel, optimizer: OffloadAdamW | None = None) -
         counters = {k: meta[k] for k in ("step", "groups", "loss_scaler")}
         total.update(json.dumps(counters, sort_keys=True).encode())
         rows = [xxhash.xxh3_64() for _ in range(3)]
-        for sg, state in optimizer._pipeline.iter_states():
-            for row, h in enumerate(rows):
-                h.update(_bytes(state[row, : sg.numel]))
+        group = getattr(model, "group", None)
+        if group is not None and group.world_size > 1:
+            from swapper.zero.shard_checkpoint import iter_full_state
+
+            for state in iter_full_state(model, optimizer):  # type: ignore[arg-type]
+                for row, h in enumerate(rows):
+                    h.update(_bytes(state[row]))
+        else:
+            for sg, state in optimizer._pipeline.iter_states():
+                for row, h in enumerate(rows):
+                    h.update(_bytes(state[row, : sg.numel]))
         for h in rows:
             total.update(b"%016x;" % h.intdigest())
     return f"xxh3-128:{total.hexdigest()}"
