@@ -52,7 +52,7 @@ from swapper.zero.snapshot_commit import (
     reshard_advice,
 )
 from tiers.aio import AioEngine
-from tiers.errors import SwapConfigError, SwapCorruptionError, SwapIOError
+from tiers.errors import SwapConfigError
 from tiers.nvme import NvmeStore, remove_store
 from tiers.nvme.metafiles import StoreFiles, read_metadata
 from tiers.nvme.records import ManifestError
@@ -220,7 +220,10 @@ def _decide(
         return ResumeChoice(local.config, None)
     reasons: list[str] = []
     for c in named:
-        why = _parts_missing(c, everyone)
+        if c["world_size"] != world:  # an older record of another run: not this one's
+            why = f"commit record {c['path']}: " + reshard_advice(c["world_size"], world)
+        else:
+            why = _parts_missing(c, everyone)
         if why is None:
             resumed, why = _verify_everywhere(local, group, c, plan, fatal=isinstance(resume, str))
             if resumed is not None:
@@ -293,9 +296,7 @@ def _verify_everywhere(
                 f"snapshot file {info.path} is of another partition (another model, or other "
                 "partition settings) than this model's"
             )
-    except (SnapshotDamagedError, SnapshotNotFoundError, StateDictError, StopIteration) as exc:
-        error = exc
-    except (SwapCorruptionError, SwapIOError) as exc:
+    except Exception as exc:  # (damaged, corrupt, unreadable: said at the agreement below)
         error = exc
     mine = {"error": None if error is None else f"{type(error).__name__}: {error}",
             "other_model": other_model}  # fmt: skip
