@@ -49,10 +49,9 @@ from swapper.manager.snapshot import open_at_snapshot, snapshot_manager
 from swapper.step.optimizer import OffloadAdamW, StepPendingError
 from swapper.step.resume import ResumedState, kept_released, optimizer_meta
 from swapper.step.state import StateDictError
-from swapper.zero.snapshot_commit import WorldSizeMismatchError, read_commits, reshard_advice
+from swapper.zero.snapshot_commit import refuse_other_world_size
 from tiers.errors import SwapConfigError, SwapCorruptionError, SwapIOError
 from tiers.nvme import NvmeStore
-from tiers.nvme.metafiles import StoreFiles
 from tiers.nvme.snapshots import SnapshotDamagedError, SnapshotInfo, SnapshotNotFoundError
 
 if TYPE_CHECKING:
@@ -120,7 +119,9 @@ def save_snapshot(
         name: default ``step-<step, 9 digits>``; a snapshot of that name is replaced.
         extra: the caller's JSON-able metadata (str keys; lists, not tuples), returned at
             resume as ``model.resumed.extra``.
-        keep_last: keep only this many newest snapshots.
+        keep_last: keep only this many newest snapshots (several ranks: at least 1;
+            applied to the commit records and every rank's parts once the new record is
+            durable).
 
     Raises:
         SwapConfigError: the model has no NVMe tier, or the optimizer is not the model's;
@@ -129,6 +130,8 @@ def save_snapshot(
         StateDictError: a load of the optimizer's state stopped part-way.
         TypeError, ValueError: ``extra`` or a param group setting cannot be kept as JSON.
         and what :func:`~swapper.manager.snapshot.snapshot_manager` raises (no snapshot).
+        PeerFailedError, CollectiveError: several ranks, another rank failed (quoted) or
+            a collective failed or timed out (no commit record: no snapshot).
     """
     group = getattr(model, "group", None)
     if group is not None and group.world_size > 1:
@@ -233,7 +236,7 @@ def open_manager(
         return TierManager(config), None
     if not isinstance(resume, (bool, str)):
         raise SwapConfigError(f"resume={resume!r} must be True, False or a snapshot name")
-    _refuse_other_world_size(config)
+    refuse_other_world_size(config.nvme_dirs, config.store_name)  # several ranks' store?
     chosen: list[ResumedState] = []
 
     def choose(store: NvmeStore) -> str | None:
@@ -251,28 +254,6 @@ def open_manager(
             )
         return TierManager(config), None
     return manager, chosen[0]
-
-
-def _refuse_other_world_size(config: ManagerConfig) -> None:
-    """One process resuming where several ranks left commit records and no snapshot of
-    one process's is there: the run changed its world size.
-
-    Raises:
-        WorldSizeMismatchError: naming the newest record (what to do: reshard via DCP).
-    """
-    if not config.nvme_dirs:
-        return  # (open_at_snapshot says what is wrong)
-    base = Path(config.nvme_dirs[0])
-    records, _ = read_commits(base, config.store_name)
-    if records and not StoreFiles((base,), config.store_name).snapshots():
-        newest = records[0]
-        raise WorldSizeMismatchError(
-            f"commit record {newest.path}: snapshot {newest.name!r}: "
-            + reshard_advice(newest.world_size, 1),
-            path=str(newest.path),
-            found=newest.world_size,
-            expected=1,
-        )
 
 
 def _choose(store: NvmeStore, resume: bool | str) -> ResumedState | None:

@@ -96,6 +96,9 @@ class ShardedModel(nn.Module):
         StoreIdentityError: this rank's NVMe directories hold another rank's store, or
             one of another world size (on that rank; the others raise PeerFailedError).
         CollectiveError: a collective of the wrap failed or timed out.
+        WorldSizeMismatchError, SnapshotNotFoundError, CommitRecordError,
+            SnapshotDamagedError: ``resume`` could not be honoured (on every rank; see
+            :func:`~swapper.zero.shard_resume.choose_sharded`).
     """
 
     def __init__(

@@ -32,12 +32,13 @@ import json
 import math
 import os
 import re
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from tiers.errors import SwapConfigError, SwapIOError
 from tiers.nvme.manifest import loads_strict
-from tiers.nvme.metafiles import fsync_dir, read_metadata, replace_file
+from tiers.nvme.metafiles import StoreFiles, fsync_dir, read_metadata, replace_file
 from tiers.nvme.records import ManifestError
 from tiers.nvme.snapshots import SnapshotDamagedError
 
@@ -52,7 +53,9 @@ __all__ = [
     "parse_commit",
     "part_digest",
     "read_commits",
+    "refuse_other_world_size",
     "remove_commit",
+    "reshard_advice",
     "write_commit",
 ]
 
@@ -85,6 +88,29 @@ class WorldSizeMismatchError(SwapConfigError):
         self.path = path
         self.found = found
         self.expected = expected
+
+
+def refuse_other_world_size(nvme_dirs: Sequence[str | os.PathLike[str]], store: str) -> None:
+    """One process resuming where several ranks left commit records, and no snapshot of
+    one process's is there: the run changed its world size.
+
+    Raises:
+        WorldSizeMismatchError: naming the newest record (and what to do: reshard).
+        SwapIOError: the directory cannot be listed.
+    """
+    if not nvme_dirs:
+        return  # (the caller says what is wrong)
+    base = Path(nvme_dirs[0])
+    records, _ = read_commits(base, store)
+    if records and not StoreFiles((base,), store).snapshots():
+        newest = records[0]
+        raise WorldSizeMismatchError(
+            f"commit record {newest.path}: snapshot {newest.name!r}: "
+            + reshard_advice(newest.world_size, 1),
+            path=str(newest.path),
+            found=newest.world_size,
+            expected=1,
+        )
 
 
 def reshard_advice(found: int, expected: int) -> str:
