@@ -215,7 +215,7 @@ def save_sharded(
         except Exception as exc:
             error = exc
     agree_or_raise(group, error, f"{what}: writing the commit record {record}")
-    dropped = _retain(model, base, keep_last) if keep_last is not None else []
+    dropped = _retain(model, base, name, keep_last) if keep_last is not None else []
     if done is None:  # unreachable: a failed part raised above
         raise SwapConfigError(f"{what}: no part was written")
     info = done.info
@@ -237,11 +237,12 @@ def save_sharded(
     )
 
 
-def _retain(model: ShardedModel, base: Path, keep_last: int) -> list[str]:
+def _retain(model: ShardedModel, base: Path, newest: str, keep_last: int) -> list[str]:
     """keep_last over the ranks: rank 0 removes the records beyond the newest
     ``keep_last`` (each durably, before any part), all ranks learn which are kept, and
     each drops its parts of every other snapshot (older ones, and parts that never got
-    a record). Returns the names this rank dropped."""
+    a record). ``newest`` (just committed) is kept whatever the listing says. Returns
+    the names this rank dropped."""
     group = model.group
     store = model.config.manager.store_name
     keep: list[str] = []
@@ -249,11 +250,13 @@ def _retain(model: ShardedModel, base: Path, keep_last: int) -> list[str]:
     if group.rank == 0:
         try:
             records, damaged = read_commits(base, store)
-            keep = [r.name for r in records[:keep_last]]
-            for old in records[keep_last:]:
+            others = [r for r in records if r.name != newest]
+            keep = [newest] + [r.name for r in others[: keep_last - 1]]
+            for old in others[keep_last - 1 :]:
                 remove_commit(old.path)
-            for why in damaged.values():
+            for bad, why in damaged.items():  # never deleted unread: record and parts stay
                 log.warning("snapshot retention: leaving a damaged commit record: %s", why)
+                keep.append(bad)
         except Exception as exc:
             error = exc
     decided = all_gather_json(
