@@ -77,12 +77,52 @@ def _resume(rank: int, world: int, swap: Path, resume: bool | str) -> dict[str, 
 # -- save and resume ------------------------------------------------------------------------
 
 
+def _one_rank_fails(rank: int, world: int, swap: str) -> dict[str, Any]:
+    """A snapshot that fails on rank 1 only (a tensor in use there): an error on every
+    rank, no commit record, no part left; then one that succeeds."""
+    import torch
+    import torch.distributed as dist
+
+    from swapper import OffloadAdamW
+    from swapper.zero import save_snapshot
+
+    gpt = model()
+    wrapped = swapper.offload(gpt, config(swap), dist.group.WORLD)
+    optimizer = OffloadAdamW(wrapped.parameters(), lr=1e-2, tiers=wrapped)
+    out: dict[str, Any] = {}
+    try:
+        tokens = torch.randint(0, 64, (2, 9))
+        wrapped(tokens[:, :-1]).float().sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        key = next(s.key for s in wrapped.slots if s.local_numel)  # type: ignore[union-attr]
+        if rank == 1:
+            wrapped.manager.fetch(key)
+        try:
+            save_snapshot(wrapped, optimizer, name="busy")
+        except Exception as exc:
+            out["error"] = type(exc).__name__
+            out["message"] = str(exc)
+        if rank == 1:
+            wrapped.manager.release(key, modified=False)
+        dist.barrier()  # (rank 0 drops its part before it raises)
+        out["parts_after_failure"] = sorted(p.name for p in Path(swap).rglob("*.snap"))
+        out["records_after_failure"] = [r.name for r in read_commits(Path(swap), STORE)[0]]
+        save_snapshot(wrapped, optimizer, name="busy")
+        out["records"] = [r.name for r in read_commits(Path(swap), STORE)[0]]
+    finally:
+        optimizer.close()
+        wrapped.close()
+    return out
+
+
 def _stop_and_resume(rank: int, world: int, tmp: str) -> dict[str, Any]:
     whole = train(rank, world, f"{tmp}/a", steps=6, every=2)
     stopped = train(rank, world, f"{tmp}/b", steps=6, every=2, stop_after=3)
     again = train(rank, world, f"{tmp}/b", steps=6, every=2)
     fewer = train(rank, world, f"{tmp}/c", steps=5, every=2)
-    return {"whole": whole, "stopped": stopped, "again": again, "fewer": fewer}
+    fails = _one_rank_fails(rank, world, f"{tmp}/d")
+    return {"whole": whole, "stopped": stopped, "again": again, "fewer": fewer, "fails": fails}
 
 
 def test_stop_and_resume_over_two_ranks_ends_bit_identical(tmp_path: Path) -> None:
@@ -108,6 +148,13 @@ def test_stop_and_resume_over_two_ranks_ends_bit_identical(tmp_path: Path) -> No
             f"{STORE}.{_name(4)}.snap",
             f"{STORE}.{_name(6)}.snap",
         ]
+    # a snapshot that fails on one rank: an error on both, nothing committed or left
+    fails = [run["fails"] for run in runs]
+    assert fails[1]["error"] == "EntryInUseError", fails[1]
+    assert fails[0]["error"] == "PeerFailedError" and "EntryInUseError" in fails[0]["message"]
+    for f in fails:
+        assert f["parts_after_failure"] == [] and f["records_after_failure"] == []
+        assert f["records"] == ["busy"]
     report = runs[1]["whole"]["reports"][-1]
     assert report.commit == commit_path(swap, STORE, _name(6))
     assert report.path == _part(swap, 1, 6) and report.written_nbytes > 0
