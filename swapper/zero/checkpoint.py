@@ -119,9 +119,8 @@ def save_snapshot(
         name: default ``step-<step, 9 digits>``; a snapshot of that name is replaced.
         extra: the caller's JSON-able metadata (str keys; lists, not tuples), returned at
             resume as ``model.resumed.extra``.
-        keep_last: keep only this many newest snapshots (several ranks: at least 1;
-            applied to the commit records and every rank's parts once the new record is
-            durable).
+        keep_last: keep only this many newest snapshots (several ranks: >= 1, applied to
+            the records and every rank's parts once the new record is durable).
 
     Raises:
         SwapConfigError: the model has no NVMe tier, or the optimizer is not the model's;
@@ -133,9 +132,10 @@ def save_snapshot(
         PeerFailedError, CollectiveError: several ranks, another rank failed (quoted) or
             a collective failed or timed out (no commit record: no snapshot).
     """
-    group = getattr(model, "group", None)
-    if group is not None and group.world_size > 1:
-        from swapper.zero.shard_snapshot import save_sharded  # (it imports this module)
+    from swapper.zero.sharded import ShardedModel  # (both import this module)
+
+    if isinstance(model, ShardedModel):  # several ranks
+        from swapper.zero.shard_snapshot import save_sharded
 
         return save_sharded(model, optimizer, name=name, extra=extra, keep_last=keep_last)
     check_saveable(model, optimizer)
@@ -478,11 +478,12 @@ def final_digest(
         counters = {k: meta[k] for k in ("step", "groups", "loss_scaler")}
         total.update(json.dumps(counters, sort_keys=True).encode())
         rows = [xxhash.xxh3_64() for _ in range(3)]
-        group = getattr(model, "group", None)
-        if group is not None and group.world_size > 1:
+        from swapper.zero.sharded import ShardedModel  # (it imports this module)
+
+        if isinstance(model, ShardedModel):  # several ranks: gathered whole
             from swapper.zero.shard_checkpoint import iter_full_state
 
-            for state in iter_full_state(model, optimizer):  # type: ignore[arg-type]
+            for state in iter_full_state(model, optimizer):
                 for row, h in enumerate(rows):
                     h.update(_bytes(state[row]))
         else:
