@@ -120,8 +120,10 @@ def train(
     reports: list[Any] = []
     try:
         for step in range(optimizer.step_count + 1, steps + 1):
-            tokens = torch.randint(0, CONFIG.vocab_size, (PER_RANK * world, 9))
-            share = tokens[:PER_RANK] if same_data else tokens[rank * PER_RANK :][:PER_RANK]
+            # (same_data: one share's draw, so that every world size draws alike)
+            rows = PER_RANK * (1 if same_data else world)
+            tokens = torch.randint(0, CONFIG.vocab_size, (rows, 9))
+            share = tokens if same_data else tokens[rank * PER_RANK :][:PER_RANK]
             phase("forward", step)
             logits = wrapped(share[:, :-1])
             loss = F.cross_entropy(
