@@ -1,15 +1,14 @@
 """A tiny multi-rank offloaded training run with snapshots, for tests/test_dist_checkpoint*.py.
 
-Imported by the tests (:func:`train`, :func:`spawn`) and run as a launcher by the kill
-test::
+Imported by the tests (:func:`train`, :func:`spawn`), and run as one rank of a job by
+tests/dist_ckpt_launch.py for the kill test::
 
-    python tests/dist_ckpt_train.py SWAP_DIR --world 2 --steps 8 --every 2 \
-        [--kill PHASE:STEP:DELAY_MS]
+    python tests/dist_ckpt_train.py SWAP_DIR --world 2 --rank R --rdv DIR --steps 8 \
+        --every 2 [--kill PHASE:STEP:DELAY_MS]
 
-The launcher makes itself a process group leader and spawns ``--world`` gloo ranks
-(rendezvous through a file in a fresh directory beside ``SWAP_DIR``); rank 0 prints
-``resumed <step>`` and, at the end, ``digest <final_digest>``. ``--kill`` SIGKILLs the
-whole process group (launcher and every rank) ``DELAY_MS`` after phase ``PHASE``
+Rank 0 prints ``resumed <step>`` and, at the end, ``digest <final_digest>`` (the same on
+every rank). ``--kill`` SIGKILLs the whole process group (the launcher and every rank)
+``DELAY_MS`` after phase ``PHASE``
 (``forward``, ``backward``, ``step``, ``snapshot``) of step ``STEP`` begins on rank 0,
 or for ``snapshot-commit`` / ``snapshot-done`` just before / just after rank 0 writes
 the commit record (every part is durable by then).
@@ -27,7 +26,6 @@ import os
 import pickle
 import signal
 import sys
-import tempfile
 import threading
 import time
 import traceback
@@ -229,30 +227,35 @@ def values(results: list[dict[str, Any]]) -> list[Any]:
     return [res["value"] for res in results]
 
 
-def _launched(rank: int, world: int, tmp: str, swap: str, steps: int, every: int, kill: Any) -> Any:
-    return train(rank, world, swap, steps=steps, every=every, kill=kill)["digest"]
-
-
 def main() -> None:
+    """One rank of a job started by tests/dist_ckpt_launch.py."""
     parser = argparse.ArgumentParser()
     parser.add_argument("swap", type=Path)
-    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--world", type=int, required=True)
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--rdv", required=True)
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--every", type=int, required=True)
     parser.add_argument("--kill", default=None, help="PHASE:STEP:DELAY_MS")
     args = parser.parse_args()
-    if os.getpgrp() != os.getpid():  # the kill takes this group: the launcher and its ranks
-        os.setpgid(0, 0)
     kill = None
     if args.kill:
         name, step, delay = args.kill.split(":")
         kill = (name, int(step), float(delay))
-    rdv = Path(tempfile.mkdtemp(prefix="rdv-", dir=args.swap.parent))
-    results = spawn(_launched, args.world, rdv, str(args.swap), args.steps, args.every, kill)
-    digests = values(results)
-    if len(set(digests)) != 1:
-        raise SystemExit(f"the ranks' digests differ: {digests}")
-    print("digest", digests[0], flush=True)
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{args.rdv}/rendezvous",
+        rank=args.rank,
+        world_size=args.world,
+        timeout=timedelta(seconds=PG_TIMEOUT_S),
+    )
+    run = train(
+        args.rank, args.world, str(args.swap), steps=args.steps, every=args.every, kill=kill
+    )
+    _say(args.rank, "digest", run["digest"])
+    sys.stdout.flush()
+    os._exit(0)  # no teardown: the peers may be gone already
 
 
 if __name__ == "__main__":

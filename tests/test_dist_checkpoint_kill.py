@@ -1,13 +1,14 @@
 """A 2-rank run with snapshots, SIGKILLed at random moments and resumed each time, ends
 bit-identical to an uninterrupted run (issue 13, several ranks).
 
-The child is ``tests/dist_ckpt_train.py`` as a launcher: its own process group, 2 gloo
-ranks (a tiny GPT whose optimizer state spills to NVMe, a snapshot every 2 steps,
-keep_last=2, a 20 s timeout on every collective). A kill takes the whole job (launcher
-and both ranks, one ``killpg``) at a seeded random delay after a phase begins on rank 0
-(forward, backward, optimizer step, snapshot), or inside a snapshot: every part durable
-but no commit record yet (the snapshot never happened: the run resumes from the one
-before), and right after the record is written (before retention ran). Every child but
+The child is ``tests/dist_ckpt_launch.py``: its own process group, 2 gloo ranks
+(``tests/dist_ckpt_train.py``: a tiny GPT whose optimizer state spills to NVMe, a
+snapshot every 2 steps, keep_last=2, a 20 s timeout on every collective). A kill takes
+the whole job (launcher and both ranks, one ``killpg``) at a seeded random delay after
+a phase begins on rank 0 (forward, backward, optimizer step, snapshot), or inside a
+snapshot: every part durable but no commit record yet (the snapshot never happened: the
+run resumes from the one before), and right after the record is written (before
+retention ran). Every child but
 the last must die by SIGKILL; each resume starts at or before the step it was killed at;
 the last child's ``final_digest`` (the same on both ranks) must equal the uninterrupted
 run's.
@@ -25,7 +26,7 @@ import pytest
 
 pytestmark = pytest.mark.dist
 
-_LAUNCHER = Path(__file__).with_name("dist_ckpt_train.py")
+_LAUNCHER = Path(__file__).with_name("dist_ckpt_launch.py")
 STEPS, EVERY = 8, 2
 
 

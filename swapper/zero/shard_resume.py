@@ -166,6 +166,7 @@ def _open_local(
         data = read_metadata(info.path, "snapshot file")
         view["parts"][info.name] = part_digest(data)
     view["damaged"] = local.store.damaged_snapshots()
+    view["store"] = True
 
 
 def _decide(
@@ -209,7 +210,8 @@ def _decide(
         orphans = sorted({n for v in everyone for n in v["parts"]})
         if orphans:
             log.warning("resume: parts %s have no commit record (never completed)", orphans)
-        log.warning("resume: no committed snapshot; starting afresh")
+        if any(v.get("store") for v in everyone):  # (else a first run: nothing to say)
+            log.warning("resume: no committed snapshot; starting afresh")
         error: Exception | None = None
         try:
             local.close(remove=True)
