@@ -32,9 +32,9 @@ from swapper.zero.snapshot_commit import (
     parse_commit,
     part_digest,
     read_commits,
+    remove_orphan_commits,
+    write_commit,
 )
-
-pytestmark = pytest.mark.dist
 
 STORE = "swapper-offload"
 WORLD = 2
@@ -125,6 +125,7 @@ def _stop_and_resume(rank: int, world: int, tmp: str) -> dict[str, Any]:
     return {"whole": whole, "stopped": stopped, "again": again, "fewer": fewer, "fails": fails}
 
 
+@pytest.mark.dist
 def test_stop_and_resume_over_two_ranks_ends_bit_identical(tmp_path: Path) -> None:
     runs = values(spawn(_stop_and_resume, WORLD, tmp_path))
     for r, run in enumerate(runs):
@@ -254,6 +255,7 @@ def _bad_inputs(rank: int, world: int, tmp: str) -> dict[str, Any]:
     return out
 
 
+@pytest.mark.dist
 def test_bad_inputs_are_named_or_passed_over(tmp_path: Path) -> None:
     runs = values(spawn(_bad_inputs, WORLD, tmp_path))
     swap = tmp_path / "swap"
@@ -301,6 +303,7 @@ def _digests(rank: int, world: int, tmp: str, steps: int) -> str:
     return run["digest"]
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("steps", [0, 2])
 def test_final_digest_is_the_same_at_every_world_size(tmp_path: Path, steps: int) -> None:
     one = values(spawn(_digests, 1, tmp_path / "one", steps))
@@ -353,3 +356,24 @@ def test_a_record_of_another_snapshot_or_store_is_refused() -> None:
     )
     with pytest.raises(CommitRecordError, match="rank"):
         parse_commit(data, Path("r"), store=STORE, name="s")
+
+
+def test_records_on_disk_listed_newest_first_damaged_named_orphans_removed(
+    tmp_path: Path,
+) -> None:
+    part = RankPart(0, "rank0of1/a.snap", "sha256:" + "a" * 64, 3)
+    for seq, name in [(0, "old"), (5, "new"), (2, "mid")]:
+        data = encode_commit(
+            store=STORE, name=name, seq=seq, step=seq, world_size=1, created=0.0, parts=[part]
+        )
+        write_commit(tmp_path, data, STORE, name)
+    torn = commit_path(tmp_path, STORE, "torn")
+    torn.write_bytes(commit_path(tmp_path, STORE, "old").read_bytes()[:-20])
+    orphan = tmp_path / f".{STORE}.x.commit.0123abcd.tmp"
+    orphan.write_bytes(b"half")
+    records, damaged = read_commits(tmp_path, STORE)
+    assert [r.name for r in records] == ["new", "mid", "old"]
+    assert list(damaged) == ["torn"] and str(torn) in damaged["torn"]
+    assert remove_orphan_commits(tmp_path, STORE) == [orphan]
+    assert not orphan.exists() and torn.exists()
+    assert read_commits(tmp_path / "absent", STORE) == ([], {})

@@ -47,6 +47,7 @@ from swapper.zero.snapshot_commit import (
     part_digest,
     read_commits,
     remove_commit,
+    remove_orphan_commits,
     write_commit,
 )
 from tiers.errors import SwapConfigError
@@ -252,6 +253,7 @@ def _retain(model: ShardedModel, base: Path, newest: str, keep_last: int) -> lis
             records, damaged = read_commits(base, store)
             others = [r for r in records if r.name != newest]
             keep = [newest] + [r.name for r in others[: keep_last - 1]]
+            remove_orphan_commits(base, store)  # (a record's write cut off by a crash)
             for old in others[keep_last - 1 :]:
                 remove_commit(old.path)
             for bad, why in damaged.items():  # never deleted unread: record and parts stay

@@ -55,6 +55,7 @@ __all__ = [
     "read_commits",
     "refuse_other_world_size",
     "remove_commit",
+    "remove_orphan_commits",
     "reshard_advice",
     "write_commit",
 ]
@@ -192,6 +193,33 @@ def write_commit(base: Path, record_bytes: bytes, store: str, name: str) -> Path
     path = commit_path(base, store, name)
     replace_file(path, record_bytes, "snapshot commit record")
     return path
+
+
+def remove_orphan_commits(base: Path, store: str) -> list[Path]:
+    """Delete the temporary files of commit records whose write a crash cut off (never
+    renamed in: no snapshot ever named them). Returns what was deleted.
+
+    Raises:
+        SwapIOError: ``base`` cannot be listed, or a file cannot be deleted.
+    """
+    pattern = re.compile(
+        rf"^\.{re.escape(store)}\.[A-Za-z0-9_][A-Za-z0-9_-]*\.commit\.[A-Za-z0-9_]{{8}}\.tmp$"
+    )
+    try:
+        names = os.listdir(base)
+    except OSError as exc:
+        raise SwapIOError(exc.errno, f"cannot list: {exc.strerror}", str(base)) from exc
+    removed: list[Path] = []
+    for file_name in sorted(n for n in names if pattern.match(n)):
+        path = Path(base) / file_name
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            raise SwapIOError(exc.errno, f"cannot delete: {exc.strerror}", str(path)) from exc
+        removed.append(path)
+    return removed
 
 
 def remove_commit(path: Path) -> None:
