@@ -154,13 +154,13 @@ def place_model(
     if len(dtypes) > 1:
         raise SwapConfigError(_several_dtypes(dtypes))
     plan = plan_partition(infos, group.world_size)
-    # Collectives on every rank alike, before anything is placed (raises alike everywhere).
-    chosen = None if resume is False else choose_sharded(config, group, resume, plan.digest())
-    resumed = None if chosen is None else chosen.resumed
     manager: TierManager | None = None
     originals: list[tuple[nn.Parameter, torch.Tensor]] = []
     error: Exception | None = None
     placed: Placed | None = None
+    # Collectives on every rank alike, before anything is placed (raises alike everywhere).
+    chosen = None if resume is False else choose_sharded(config, group, resume, plan.digest())
+    resumed = None if chosen is None else chosen.resumed
     try:
         charged = charges_device(config.manager, group.control_device)
         floor = check_device_floor(
