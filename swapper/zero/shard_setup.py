@@ -127,9 +127,6 @@ def place_model(
 
     Raises:
         ModelMismatchError: the ranks wrap different models (on every rank).
-        WorldSizeMismatchError, SnapshotNotFoundError, CommitRecordError,
-            SnapshotDamagedError, StateDictError: ``resume`` could not be honoured (see
-            :func:`~swapper.zero.shard_resume.choose_sharded`).
         SwapConfigError: a parameter is not bf16/fp16, or they are of several dtypes (on
             every rank: the models are the same by then), or a parameter is still on the
             meta device after ``materialize``, or the device budget cannot hold the
@@ -138,6 +135,9 @@ def place_model(
         StoreIdentityError, SwapIOError, ...: this rank's own failure to open its store
             or place its shards; PeerFailedError: another rank's.
         CollectiveError: a collective failed or timed out.
+        WorldSizeMismatchError, SnapshotNotFoundError, CommitRecordError,
+            SnapshotDamagedError, StateDictError: ``resume`` could not be honoured (see
+            :func:`~swapper.zero.shard_resume.choose_sharded`).
     """
     named = _owning(module)
     infos = describe_modules(named)
