@@ -49,7 +49,6 @@ from swapper.manager.snapshot import open_at_snapshot, snapshot_manager
 from swapper.step.optimizer import OffloadAdamW, StepPendingError
 from swapper.step.resume import ResumedState, kept_released, optimizer_meta
 from swapper.step.state import StateDictError
-from swapper.zero.snapshot_commit import refuse_other_world_size
 from tiers.errors import SwapConfigError, SwapCorruptionError, SwapIOError
 from tiers.nvme import NvmeStore
 from tiers.nvme.snapshots import SnapshotDamagedError, SnapshotInfo, SnapshotNotFoundError
@@ -85,9 +84,8 @@ class SnapshotReport:
         seconds: wall time.
         written_nbytes: tensor bytes written (those dirty in memory), plus the file.
         nbytes: tensor bytes it names (the state's size).
-        path: its file (with several ranks: this rank's part).
+        path: its file.
         dropped: snapshots removed (``keep_last``, or one of the same name replaced).
-        commit: with several ranks, the commit record (rank 0's directory); else None.
     """
 
     name: str
@@ -97,7 +95,6 @@ class SnapshotReport:
     nbytes: int
     path: Path
     dropped: tuple[str, ...]
-    commit: Path | None = None
 
 
 def save_snapshot(
@@ -112,7 +109,8 @@ def save_snapshot(
     model's store (module docstring). Call it between steps (after ``zero_grad``: retained
     gradients would be written too, and are not resumed). With several ranks, call it on
     every rank alike: each rank's store snapshot is its part, and rank 0 writes one commit
-    record once every part is durable (:mod:`swapper.zero.shard_snapshot`).
+    record once every part is durable (:mod:`swapper.zero.shard_snapshot`; the report is
+    then a ``ShardedSnapshotReport``, with the record's path).
 
     Args:
         optimizer: the model's :class:`OffloadAdamW` (its state and counters are saved).
@@ -143,7 +141,14 @@ def save_snapshot(
     if name is None:
         name = f"step-{step:09d}"
     model.release_stale_holds()  # a forward or backward that raised
-    meta = training_meta(optimizer, extra)
+    meta = {
+        "format": FORMAT,
+        "version": VERSION,
+        "step": step,
+        "optimizer": None if optimizer is None else optimizer_meta(optimizer),
+        "rng": _rng_state(),
+        "extra": None if extra is None else dict(extra),
+    }
     kept = kept_released(optimizer._pipeline) if optimizer is not None else nullcontext()
     with kept:
         done = snapshot_manager(model.manager, name, extra=meta, keep_last=keep_last, replace=True)
@@ -191,26 +196,6 @@ def check_saveable(model: OffloadedModel | ShardedModel, optimizer: OffloadAdamW
             )
 
 
-def training_meta(
-    optimizer: OffloadAdamW | None, extra: Mapping[str, Any] | None, **more: Any
-) -> dict[str, Any]:
-    """The training fields of a snapshot (module docstring), plus ``more`` (a sharded
-    snapshot's ``shard``).
-
-    Raises:
-        TypeError: a param group setting cannot be kept as JSON.
-    """
-    return {
-        "format": FORMAT,
-        "version": VERSION,
-        "step": optimizer.step_count if optimizer is not None else 0,
-        "optimizer": None if optimizer is None else optimizer_meta(optimizer),
-        "rng": _rng_state(),
-        "extra": None if extra is None else dict(extra),
-        **more,
-    }
-
-
 # -- resume --------------------------------------------------------------------------------
 
 
@@ -236,6 +221,8 @@ def open_manager(
         return TierManager(config), None
     if not isinstance(resume, (bool, str)):
         raise SwapConfigError(f"resume={resume!r} must be True, False or a snapshot name")
+    from swapper.zero.snapshot_commit import refuse_other_world_size
+
     refuse_other_world_size(config.nvme_dirs, config.store_name)  # several ranks' store?
     chosen: list[ResumedState] = []
 
@@ -282,7 +269,7 @@ def _choose(store: NvmeStore, resume: bool | str) -> ResumedState | None:
     failures: list[BaseException] = []
     for info in candidates:
         try:
-            return verify_snapshot(store, info)
+            return _check(store, info)
         except (SnapshotDamagedError, SwapCorruptionError, SwapIOError) as exc:
             if isinstance(resume, str):
                 raise
@@ -291,7 +278,7 @@ def _choose(store: NvmeStore, resume: bool | str) -> ResumedState | None:
     raise failures[0]  # (the newest's; the others are logged)
 
 
-def verify_snapshot(store: NvmeStore, info: SnapshotInfo) -> ResumedState:
+def _check(store: NvmeStore, info: SnapshotInfo) -> ResumedState:
     """The training metadata of ``info``, once its tensors read back whole.
 
     Raises:
@@ -305,7 +292,7 @@ def verify_snapshot(store: NvmeStore, info: SnapshotInfo) -> ResumedState:
         raise SnapshotDamagedError(
             f"{where} is not a training snapshot (taken by NvmeStore.snapshot directly?)"
         )
-    if meta.keys() - {"shard"} != _FIELDS or meta["version"] != VERSION:
+    if meta.keys() != _FIELDS or meta["version"] != VERSION:
         raise SnapshotDamagedError(
             f"{where}: training snapshot fields {sorted(meta)} of version "
             f"{meta.get('version')!r}; this swapper reads version {VERSION}"
@@ -377,8 +364,18 @@ def finish_resume(model: OffloadedModel, resumed: ResumedState) -> None:
     for key in keys:
         if manager.info(key).kind is Kind.GRAD16:
             manager.unregister(key)
-    restore_rng(resumed)
+    _set_rng_state(_decode_rng(resumed.rng, str(resumed.path)))
     log.info("resumed from snapshot %r (step %d, %s)", resumed.name, resumed.step, resumed.path)
+
+
+def verify_snapshot(store: NvmeStore, info: SnapshotInfo) -> ResumedState:
+    """The training metadata of ``info`` once its tensors read back whole (what resume
+    checks of each candidate; several ranks check each part with it).
+
+    Raises:
+        as ``_check``: SnapshotDamagedError, SwapCorruptionError, SwapIOError.
+    """
+    return _check(store, info)
 
 
 def restore_rng(resumed: ResumedState) -> None:

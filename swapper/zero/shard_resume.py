@@ -282,8 +282,11 @@ def _verify_everywhere(
         if local.store is None:
             raise SnapshotNotFoundError(f"snapshot {name!r}: this rank has no store")
         info = next(i for i in local.store.snapshots() if i.name == name)
-        resumed = verify_snapshot(local.store, info)
         shard = info.extra.get("shard") if isinstance(info.extra, dict) else None
+        if isinstance(info.extra, dict):  # checked as one process's, less the shard
+            rest = {k: v for k, v in info.extra.items() if k != "shard"}
+            info = dataclasses.replace(info, extra=rest)
+        resumed = verify_snapshot(local.store, info)
         expected = {"rank": group.rank, "world_size": group.world_size, "plan": plan}
         if not isinstance(shard, dict) or shard.keys() != expected.keys():
             raise SnapshotDamagedError(f"snapshot file {info.path}: no shard record")

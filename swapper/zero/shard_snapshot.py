@@ -25,6 +25,7 @@ then the bytes), also by :mod:`swapper.zero.shard_resume`.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -38,8 +39,8 @@ import torch
 from swapper.distributed import DistGroup, PeerFailedError
 from swapper.distributed.groups import all_gather_single, start_collective, wait_work
 from swapper.manager.snapshot import snapshot_manager
-from swapper.step.resume import kept_released
-from swapper.zero.checkpoint import SnapshotReport, check_saveable, training_meta
+from swapper.step.resume import kept_released, optimizer_meta
+from swapper.zero.checkpoint import FORMAT, VERSION, SnapshotReport, _rng_state, check_saveable
 from swapper.zero.snapshot_commit import (
     RankPart,
     commit_path,
@@ -59,9 +60,23 @@ if TYPE_CHECKING:
     from swapper.step.optimizer import OffloadAdamW
     from swapper.zero.sharded import ShardedModel
 
-__all__ = ["agree_or_raise", "all_gather_json", "raise_failed", "save_sharded"]
+__all__ = [
+    "ShardedSnapshotReport",
+    "agree_or_raise",
+    "all_gather_json",
+    "raise_failed",
+    "save_sharded",
+]
 
 log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardedSnapshotReport(SnapshotReport):
+    """:class:`~swapper.zero.checkpoint.SnapshotReport` of one rank (its part: ``path``,
+    bytes written and named), with ``commit``: the commit record in rank 0's directory."""
+
+    commit: Path | None = None
 
 
 def all_gather_json(group: DistGroup, value: Any, what: str) -> list[Any]:
@@ -136,7 +151,7 @@ def save_sharded(
     name: str | None,
     extra: Mapping[str, Any] | None,
     keep_last: int | None,
-) -> SnapshotReport:
+) -> ShardedSnapshotReport:
     """:func:`swapper.zero.checkpoint.save_snapshot` over several ranks (module
     docstring); call it on every rank alike. Its report is this rank's (its part's bytes
     and file) with ``commit`` the record's path in rank 0's directory.
@@ -165,7 +180,15 @@ def save_sharded(
             raise SwapConfigError(f"keep_last={keep_last!r} must be None or an int >= 1")
         check_saveable(model, optimizer)
         shard = {"rank": group.rank, "world_size": group.world_size, "plan": model.plan.digest()}
-        meta = training_meta(optimizer, extra, shard=shard)
+        meta = {  # the fields of swapper.zero.checkpoint's snapshots, and the shard
+            "format": FORMAT,
+            "version": VERSION,
+            "step": step,
+            "optimizer": None if optimizer is None else optimizer_meta(optimizer),
+            "rng": _rng_state(),
+            "extra": None if extra is None else dict(extra),
+            "shard": shard,
+        }
     except Exception as exc:
         error = exc
     agree_or_raise(group, error, f"{what}: checks")
@@ -226,7 +249,7 @@ def save_sharded(
         name, group.rank, group.world_size, step, done.written_nbytes + info.file_nbytes,
         info.nbytes, seconds,
     )  # fmt: skip
-    return SnapshotReport(
+    return ShardedSnapshotReport(
         name=name,
         step=step,
         seconds=seconds,
