@@ -165,6 +165,38 @@ def test_stop_and_resume_over_two_ranks_ends_bit_identical(tmp_path: Path) -> No
 # -- bad input ---------------------------------------------------------------------------
 
 
+def _flip(path: Path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0x10]))
+
+
+def _flip_a_bit_only_4_names(rank_dir: Path) -> tuple[Path, int]:
+    """Flip one bit in an optimizer state extent that snapshot 4 names and 2 does not."""
+    from tiers.aio import AioEngine
+    from tiers.config import AioConfig
+    from tiers.nvme import NvmeStore
+
+    engine = AioEngine(AioConfig())
+    try:
+        with NvmeStore.open([rank_dir], engine, name=STORE) as store:
+            key = next(
+                k
+                for k in store.snapshots()[-1].keys
+                if k.startswith("optim_state/")
+                and store.snapshot_tensor(_name(4), k).extents[0].offset
+                != store.snapshot_tensor(_name(2), k).extents[0].offset
+            )
+            extent = store.snapshot_tensor(_name(4), key).extents[0]
+    finally:
+        engine.close()
+    where = (rank_dir / f"{STORE}.bin", extent.offset + 100)
+    _flip(*where)
+    return where
+
+
 def _bad_inputs(rank: int, world: int, tmp: str) -> dict[str, Any]:
     import torch.distributed as dist
 
@@ -214,6 +246,15 @@ def _bad_inputs(rank: int, world: int, tmp: str) -> dict[str, Any]:
     barrier()
     if rank == 0:
         _part(swap, 0, 4).write_bytes(data)
+    if rank == 1:  # one bit flipped in a tensor only rank 1's part of 4 names
+        where = _flip_a_bit_only_4_names(swap / "rank1of2")
+    barrier()
+    step("corrupt_tensor")
+    step("corrupt_tensor_named", n4)
+    barrier()
+    if rank == 1:
+        _flip(*where)  # back
+    if rank == 0:
         # a commit record without its parts, newer than every other
         record = read_commits(swap, STORE)[0][0]
         fake = encode_commit(
@@ -277,6 +318,13 @@ def test_bad_inputs_are_named_or_passed_over(tmp_path: Path) -> None:
             assert got.get("error") == "CommitRecordError", (r, label, got)
             assert record4 in got["message"], (r, label, got)
             assert f"rank{part_rank}of2/{STORE}.{_name(4)}.snap" in got["message"], (r, label)
+        # a tensor of rank 1's part fails its checksum: passed over on both ranks
+        got = out["corrupt_tensor"]
+        assert got.get("step") == 2, (r, got)
+        assert any("rank 1:" in w and _name(4) in w for w in got["warnings"]), (r, got)
+        got = out["corrupt_tensor_named"]
+        expected = "SwapCorruptionError" if r == 1 else "PeerFailedError"
+        assert got.get("error") == expected, (r, got)
         got = out["no_parts_named"]
         assert got.get("error") == "CommitRecordError" and "step-000000009.commit" in got["message"]
         # a damaged record: ignored with a warning (4's is the damaged one: 2 is used)
