@@ -293,6 +293,7 @@ def _bad_inputs(rank: int, world: int, tmp: str) -> dict[str, Any]:
     barrier()
     step("nope", "nope")
     step("good")  # everything put back: the newest again
+    step("named_older", _name(2))  # a named one, older than the newest
     return out
 
 
@@ -338,6 +339,7 @@ def test_bad_inputs_are_named_or_passed_over(tmp_path: Path) -> None:
         assert "step-000000010.commit" in got["message"] and "import_dcp" in got["message"]
         assert out["nope"].get("error") == "SnapshotNotFoundError"
         assert out["good"].get("step") == 4, (r, out["good"])
+        assert out["named_older"].get("step") == 2, (r, out["named_older"])
     # one process resuming what two ranks left: refused, with the resharding advice
     with pytest.raises(WorldSizeMismatchError, match=r"taken by 2 rank\(s\).*export_dcp"):
         swapper.offload(model(), config(swap), resume=True)
