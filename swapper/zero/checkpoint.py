@@ -55,6 +55,7 @@ from tiers.nvme.snapshots import SnapshotDamagedError, SnapshotInfo, SnapshotNot
 
 if TYPE_CHECKING:
     from swapper.zero.offload import OffloadedModel
+    from swapper.zero.sharded import ShardedModel
 
 __all__ = [
     "SnapshotReport",
@@ -97,7 +98,7 @@ class SnapshotReport:
 
 
 def save_snapshot(
-    model: OffloadedModel,
+    model: OffloadedModel | ShardedModel,
     optimizer: OffloadAdamW | None = None,
     *,
     name: str | None = None,
@@ -106,14 +107,18 @@ def save_snapshot(
 ) -> SnapshotReport:
     """Retain everything needed to continue training bit-exactly as one snapshot of the
     model's store (module docstring). Call it between steps (after ``zero_grad``: retained
-    gradients would be written too, and are not resumed).
+    gradients would be written too, and are not resumed). With several ranks, call it on
+    every rank alike: each rank's store snapshot is its part, and rank 0 writes one commit
+    record once every part is durable (:mod:`swapper.zero.shard_snapshot`; the report is
+    then a ``ShardedSnapshotReport``, with the record's path).
 
     Args:
         optimizer: the model's :class:`OffloadAdamW` (its state and counters are saved).
         name: default ``step-<step, 9 digits>``; a snapshot of that name is replaced.
         extra: the caller's JSON-able metadata (str keys; lists, not tuples), returned at
             resume as ``model.resumed.extra``.
-        keep_last: keep only this many newest snapshots.
+        keep_last: keep only this many newest snapshots (several ranks: >= 1, applied to
+            the records and every rank's parts once the new record is durable).
 
     Raises:
         SwapConfigError: the model has no NVMe tier, or the optimizer is not the model's;
@@ -122,23 +127,16 @@ def save_snapshot(
         StateDictError: a load of the optimizer's state stopped part-way.
         TypeError, ValueError: ``extra`` or a param group setting cannot be kept as JSON.
         and what :func:`~swapper.manager.snapshot.snapshot_manager` raises (no snapshot).
+        PeerFailedError, CollectiveError: several ranks, another rank failed (quoted) or
+            a collective failed or timed out (no commit record: no snapshot).
     """
-    if optimizer is not None:
-        if optimizer.manager is not model.manager:
-            raise SwapConfigError(
-                "save_snapshot: the optimizer keeps its state in another manager than the "
-                "model's; build it with OffloadAdamW(model.parameters(), tiers=model)"
-            )
-        if optimizer._load_incomplete:
-            raise StateDictError(
-                "a load_state_dict() or import_dcp() stopped part-way: the optimizer's state "
-                "is partly old, partly loaded; load it again before taking a snapshot"
-            )
-        if optimizer._pending is not None:
-            raise StepPendingError(
-                f"step {optimizer._pending} failed part-way; call step() again to finish it "
-                "before taking a snapshot"
-            )
+    from swapper.zero.sharded import ShardedModel  # (both import this module)
+
+    if isinstance(model, ShardedModel):  # several ranks
+        from swapper.zero.shard_snapshot import save_sharded
+
+        return save_sharded(model, optimizer, name=name, extra=extra, keep_last=keep_last)
+    check_saveable(model, optimizer)
     step = optimizer.step_count if optimizer is not None else 0
     if name is None:
         name = f"step-{step:09d}"
@@ -174,6 +172,30 @@ def save_snapshot(
     )
 
 
+def check_saveable(model: OffloadedModel | ShardedModel, optimizer: OffloadAdamW | None) -> None:
+    """Refuse a snapshot of ``optimizer`` that would not resume (see :func:`save_snapshot`).
+
+    Raises:
+        SwapConfigError, StateDictError, StepPendingError: as :func:`save_snapshot`.
+    """
+    if optimizer is not None:
+        if optimizer.manager is not model.manager:
+            raise SwapConfigError(
+                "save_snapshot: the optimizer keeps its state in another manager than the "
+                "model's; build it with OffloadAdamW(model.parameters(), tiers=model)"
+            )
+        if optimizer._load_incomplete:
+            raise StateDictError(
+                "a load_state_dict() or import_dcp() stopped part-way: the optimizer's state "
+                "is partly old, partly loaded; load it again before taking a snapshot"
+            )
+        if optimizer._pending is not None:
+            raise StepPendingError(
+                f"step {optimizer._pending} failed part-way; call step() again to finish it "
+                "before taking a snapshot"
+            )
+
+
 # -- resume --------------------------------------------------------------------------------
 
 
@@ -191,12 +213,17 @@ def open_manager(
         SnapshotDamagedError: the named snapshot, or every snapshot there, is damaged
             (torn, corrupt, or its tensors' bytes fail their checksums); names the file.
         SnapshotNotFoundError: no snapshot of that name (the message lists them).
+        WorldSizeMismatchError: the store holds snapshots of several ranks (their commit
+            records), none of one process.
         and what :class:`TierManager` and :meth:`TierManager.open` raise.
     """
     if resume is False:
         return TierManager(config), None
     if not isinstance(resume, (bool, str)):
         raise SwapConfigError(f"resume={resume!r} must be True, False or a snapshot name")
+    from swapper.zero.snapshot_commit import refuse_other_world_size
+
+    refuse_other_world_size(config.nvme_dirs, config.store_name)  # several ranks' store?
     chosen: list[ResumedState] = []
 
     def choose(store: NvmeStore) -> str | None:
@@ -341,6 +368,25 @@ def finish_resume(model: OffloadedModel, resumed: ResumedState) -> None:
     log.info("resumed from snapshot %r (step %d, %s)", resumed.name, resumed.step, resumed.path)
 
 
+def verify_snapshot(store: NvmeStore, info: SnapshotInfo) -> ResumedState:
+    """The training metadata of ``info`` once its tensors read back whole (what resume
+    checks of each candidate; several ranks check each part with it).
+
+    Raises:
+        as ``_check``: SnapshotDamagedError, SwapCorruptionError, SwapIOError.
+    """
+    return _check(store, info)
+
+
+def restore_rng(resumed: ResumedState) -> None:
+    """Set this process's RNG states to those the snapshot recorded.
+
+    Raises:
+        SnapshotDamagedError: they do not decode (names the file).
+    """
+    _set_rng_state(_decode_rng(resumed.rng, str(resumed.path)))
+
+
 def keeps_store(manager: TierManager) -> bool:
     """Whether the manager's store holds snapshots (then closing must keep its files)."""
     store = manager._ctx.store
@@ -399,7 +445,9 @@ def _set_rng_state(states: tuple[torch.Tensor, list[torch.Tensor]]) -> None:
 # -- final_digest ------------------------------------------------------------------------
 
 
-def final_digest(model: OffloadedModel, optimizer: OffloadAdamW | None = None) -> str:
+def final_digest(
+    model: OffloadedModel | ShardedModel, optimizer: OffloadAdamW | None = None
+) -> str:
     """A hash over the 16-bit parameters and the optimizer's state, to compare two runs.
 
     In a fixed order: each parameter by name (sorted), its name, shape, dtype and bytes;
@@ -407,6 +455,11 @@ def final_digest(model: OffloadedModel, optimizer: OffloadAdamW | None = None) -
     fp32 master weights, exp_avg and exp_avg_sq, each over all parameters in their flat
     order (one streaming hash per row, so the sub-group size does not change it). Reads
     one parameter or sub-group at a time. Returns ``"xxh3-128:<32 hex digits>"``.
+
+    With several ranks (call it on every rank alike; every rank gets the digest), each
+    parameter and its optimizer state are gathered whole, one parameter at a time, and
+    hashed in the same order: the digest of the same state is the same at every world
+    size (:func:`~swapper.zero.shard_checkpoint.iter_full_state`).
     """
     per_param: dict[str, int] = {}
     for name, tensor in model.iter_state_dict():
@@ -422,9 +475,18 @@ def final_digest(model: OffloadedModel, optimizer: OffloadAdamW | None = None) -
         counters = {k: meta[k] for k in ("step", "groups", "loss_scaler")}
         total.update(json.dumps(counters, sort_keys=True).encode())
         rows = [xxhash.xxh3_64() for _ in range(3)]
-        for sg, state in optimizer._pipeline.iter_states():
-            for row, h in enumerate(rows):
-                h.update(_bytes(state[row, : sg.numel]))
+        from swapper.zero.sharded import ShardedModel  # (it imports this module)
+
+        if isinstance(model, ShardedModel):  # several ranks: gathered whole
+            from swapper.zero.shard_checkpoint import iter_full_state
+
+            for state in iter_full_state(model, optimizer):
+                for row, h in enumerate(rows):
+                    h.update(_bytes(state[row]))
+        else:
+            for sg, state in optimizer._pipeline.iter_states():
+                for row, h in enumerate(rows):
+                    h.update(_bytes(state[row, : sg.numel]))
         for h in rows:
             total.update(b"%016x;" % h.intdigest())
     return f"xxh3-128:{total.hexdigest()}"

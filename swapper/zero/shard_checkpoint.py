@@ -4,6 +4,9 @@ or sharded (each rank its own shards, for checkpoints).
 - :func:`iter_full` / :func:`consolidated`: every parameter gathered one at a time (one
   collective each, on every rank alike), so no rank ever holds more of the model than one
   parameter beyond what it keeps; rank 0 keeps the copies.
+- :func:`iter_full_state`: the optimizer's fp32 state of every parameter, whole, one
+  parameter at a time (one all_gather each), in the optimizer's flat order: what
+  ``final_digest`` hashes, so that it is the same at every world size;
 - :func:`sharded` / :func:`load_sharded`: this rank's shards (1-D, padding included)
   with the partition plan's digest, rank and world size; loading checks all three and
   writes the shards back in place. Resharding (N → M) is not done here: it belongs to
@@ -19,14 +22,24 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from swapper.distributed import agree, module_layout
+from swapper.distributed.groups import all_gather_single, start_collective, wait_work
 from swapper.manager import Tier
+from swapper.step.layout import STATE_ROWS
 from tiers import signals
 from tiers.errors import SwapConfigError
 
 if TYPE_CHECKING:
+    from swapper.step.optimizer import OffloadAdamW
     from swapper.zero.sharded import ShardedModel
 
-__all__ = ["SHARDED_FORMAT", "consolidated", "iter_full", "load_sharded", "sharded"]
+__all__ = [
+    "SHARDED_FORMAT",
+    "consolidated",
+    "iter_full",
+    "iter_full_state",
+    "load_sharded",
+    "sharded",
+]
 
 #: Version of :func:`sharded`'s dict.
 SHARDED_FORMAT = 1
@@ -47,6 +60,56 @@ def iter_full(model: ShardedModel) -> Iterator[tuple[str, torch.Tensor]]:
         finally:
             model.end_gather(pending)  # its device bytes go back before the next one
         yield slot.name, full
+
+
+def iter_full_state(model: ShardedModel, optimizer: OffloadAdamW) -> Iterator[torch.Tensor]:
+    """Each parameter's whole fp32 state ``(3, numel)`` (master, exp_avg, exp_avg_sq;
+    no padding), param group by param group, parameter by parameter as the optimizer
+    lists them: the order of one process's flat state. Every rank gets every tensor
+    (one all_gather each, of the largest rank's shard), and holds one sub-group's state
+    and one parameter's at a time. Call it on every rank alike.
+
+    Raises:
+        CollectiveError: a gather failed or timed out.
+    """
+    group = model.group
+    device = group.control_device
+    pipeline = optimizer._pipeline
+    pieces: dict[tuple[int, int], list[tuple[int, int, int, int]]] = {}
+    for sg in pipeline.sub_groups:
+        for p in sg.pieces:
+            where = (sg.group_index, p.param_index)
+            pieces.setdefault(where, []).append((sg.index, p.param_offset, p.offset, p.numel))
+    cached: tuple[int, torch.Tensor] | None = None
+    rows = len(STATE_ROWS)
+    for g, param_group in enumerate(optimizer.param_groups):
+        for i, param in enumerate(param_group["params"]):
+            slot = model.slot_of(param)
+            if slot is None:  # the optimizer refuses such parameters when built
+                continue
+            placement = slot.placement
+            width = max(placement.local_numel(r) for r in range(group.world_size))
+            mine = torch.zeros(rows, width, dtype=torch.float32)
+            for index, param_offset, offset, numel in pieces.get((g, i), []):
+                if cached is None or cached[0] != index:
+                    cached = (index, pipeline.read(index))
+                mine[:, param_offset : param_offset + numel] = cached[1][:, offset : offset + numel]
+            out = torch.empty(group.world_size * rows * width, dtype=torch.float32, device=device)
+            what = f"the optimizer state of {slot.name!r}"
+            send = mine.reshape(-1).to(device)
+            work = start_collective(
+                group, "all_gather", what,
+                lambda out=out, send=send: all_gather_single(
+                    out, send, group=group.group, async_op=True
+                ),
+            )  # fmt: skip
+            wait_work(group, work, "all_gather", what)
+            gathered = out.cpu().view(group.world_size, rows, width)
+            full = torch.empty(rows, placement.numel, dtype=torch.float32)
+            for r in range(group.world_size):
+                start, end = placement.real_range(r)
+                full[:, start:end] = gathered[r, :, : end - start]
+            yield full
 
 
 def consolidated(model: ShardedModel) -> dict[str, Any]:

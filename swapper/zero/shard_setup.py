@@ -40,6 +40,7 @@ from swapper.distributed import (
 )
 from swapper.distributed.identity import claim_store_identity
 from swapper.manager import Kind, Tier, TierManager
+from swapper.step.resume import ResumedState
 from swapper.zero.config import OffloadConfig
 from swapper.zero.gather_budget import (
     GatherNeed,
@@ -50,6 +51,7 @@ from swapper.zero.gather_budget import (
     tied_modules,
 )
 from swapper.zero.settings import tiers_of
+from swapper.zero.shard_resume import adopt_shard, choose_sharded, finish_sharded_resume
 from swapper.zero.shard_state import GradGroup, ModuleState, ShardSlot
 from tiers.errors import SwapConfigError
 
@@ -86,6 +88,7 @@ class Placed:
     groups: list[GradGroup]
     group_of: dict[int, GradGroup]
     device_floor: int = 0
+    resumed: ResumedState | None = None
 
 
 def _shared_settings(config: OffloadConfig) -> dict[str, object]:
@@ -107,6 +110,7 @@ def place_model(
     config: OffloadConfig,
     group: DistGroup,
     materialize: Materialize | None = None,
+    resume: bool | str = False,
 ) -> Placed:
     """Check, plan and place ``module`` on this rank (see the module docstring).
 
@@ -115,6 +119,11 @@ def place_model(
     ``place(name, module)`` after each, which keeps this rank's shards and drops the full
     values before the next module is made: each rank flattens only its own portion, and
     no rank ever holds the whole model.
+
+    With ``resume`` (True or a snapshot name), the ranks first agree on a committed
+    snapshot and switch their stores to it (:func:`~swapper.zero.shard_resume.
+    choose_sharded`); each shard is then the snapshot's (its shape checked, the model's
+    values unused), and ``Placed.resumed`` says what was resumed.
 
     Raises:
         ModelMismatchError: the ranks wrap different models (on every rank).
@@ -126,6 +135,9 @@ def place_model(
         StoreIdentityError, SwapIOError, ...: this rank's own failure to open its store
             or place its shards; PeerFailedError: another rank's.
         CollectiveError: a collective failed or timed out.
+        WorldSizeMismatchError, SnapshotNotFoundError, CommitRecordError,
+            SnapshotDamagedError, StateDictError: ``resume`` could not be honoured (see
+            :func:`~swapper.zero.shard_resume.choose_sharded`).
     """
     named = _owning(module)
     infos = describe_modules(named)
@@ -146,6 +158,9 @@ def place_model(
     originals: list[tuple[nn.Parameter, torch.Tensor]] = []
     error: Exception | None = None
     placed: Placed | None = None
+    # Collectives on every rank alike, before anything is placed (raises alike everywhere).
+    chosen = None if resume is False else choose_sharded(config, group, resume, plan.digest())
+    resumed = None if chosen is None else chosen.resumed
     try:
         charged = charges_device(config.manager, group.control_device)
         floor = check_device_floor(
@@ -153,8 +168,16 @@ def place_model(
             config.manager.device_nbytes if charged else None,
             config.distributed.fetch_collective,
         )
-        manager = _open_manager(config, group)
-        placed = _place(module, named, plan, manager, group.rank, originals, materialize)
+        if chosen is None:
+            manager = _open_manager(config, group)
+        elif resumed is None:  # nothing to resume: a new store in this rank's directories
+            manager = TierManager(chosen.config)
+        else:  # the store stands at the chosen snapshot: its shards are adopted
+            manager = TierManager.open(chosen.config)
+        placed = _place(module, named, plan, manager, group.rank, originals, materialize, resumed)
+        if resumed is not None:
+            finish_sharded_resume(manager, placed.slots, resumed)
+            placed.resumed = resumed
         placed.device_floor = floor
     except Exception as exc:  # every rank learns of it at the agreement, then it is raised
         error = exc
@@ -165,7 +188,7 @@ def place_model(
         for param, data in originals:
             param.data = data
         if manager is not None:
-            manager.close(remove=True)
+            manager.close(remove=resumed is None)  # a resumed store keeps its snapshots
         if error is not None:
             raise error from None
         raise
@@ -260,11 +283,13 @@ def _place(
     rank: int,
     originals: list[tuple[nn.Parameter, torch.Tensor]],
     materialize: Materialize | None,
+    resumed: ResumedState | None = None,
 ) -> Placed:
     """Register this rank's shard of every parameter (each full copy dropped once its
     shard is registered: ``originals`` records what to give back on failure), module by
     module (as ``materialize`` makes them, if given); build the module layouts and
-    gradient groups."""
+    gradient groups. With ``resume``, the shards are the snapshot's (checked, not
+    registered)."""
     placements = {p.info.name: p for p in plan.params}
     by_index: list[ShardSlot | None] = [None] * len(plan.params)
     by_id: dict[int, ShardSlot] = {}
@@ -296,8 +321,9 @@ def _place(
                 placeholder=torch.empty(0, dtype=param.dtype),
                 local_numel=placement.local_numel(rank),
             )
-            shard = shard_of(placement, param.detach(), rank)
-            if shard is not None:
+            if resumed is not None:  # its bytes are the snapshot's
+                adopt_shard(manager, resumed, slot)
+            elif (shard := shard_of(placement, param.detach(), rank)) is not None:
                 manager.register(slot.key, shard, Kind.PARAM16)
             originals.append((param, param.data))
             param.data = slot.placeholder  # the full copy is dropped here

@@ -60,6 +60,7 @@ from swapper.manager import Kind, ManagerStats, TierManager
 from swapper.step.config import StepConfig
 from swapper.step.sources import ParamSource
 from swapper.zero.autograd import in_autograd, mark_outputs
+from swapper.zero.checkpoint import keeps_store
 from swapper.zero.config import OffloadConfig
 from swapper.zero.gather_budget import GatherBudget, charges_device, gather_need
 from swapper.zero.settings import tiers_of
@@ -95,6 +96,9 @@ class ShardedModel(nn.Module):
         StoreIdentityError: this rank's NVMe directories hold another rank's store, or
             one of another world size (on that rank; the others raise PeerFailedError).
         CollectiveError: a collective of the wrap failed or timed out.
+        WorldSizeMismatchError, SnapshotNotFoundError, CommitRecordError,
+            SnapshotDamagedError: ``resume`` could not be honoured (on every rank; see
+            :func:`~swapper.zero.shard_resume.choose_sharded`).
     """
 
     def __init__(
@@ -104,6 +108,7 @@ class ShardedModel(nn.Module):
         group: DistGroup,
         *,
         materialize: Materialize | None = None,
+        resume: bool | str = False,
     ) -> None:
         super().__init__()
         if not isinstance(module, nn.Module):
@@ -131,7 +136,9 @@ class ShardedModel(nn.Module):
         self._manager_recorded = False
         self._closed = False
 
-        placed = place_model(module, config, group, materialize)
+        placed = place_model(module, config, group, materialize, resume)
+        #: the snapshot resumed from (``resume=``; the optimizer adopts its state), or None
+        self.resumed = placed.resumed
         self.plan: PartitionPlan = placed.plan
         self._manager = placed.manager
         self._by_index = placed.slots
@@ -315,8 +322,9 @@ class ShardedModel(nn.Module):
         load_sharded(self, state)
 
     def close(self) -> None:
-        """Remove the hooks and drop this rank's tiers (its files deleted). Idempotent;
-        waits for gathers in flight first."""
+        """Remove the hooks and drop this rank's tiers (its files deleted, unless its
+        store holds snapshots: kept for ``resume``). Idempotent; waits for gathers in
+        flight first."""
         if self._closed:
             return
         self._closed = True
@@ -325,7 +333,7 @@ class ShardedModel(nn.Module):
         self._handles.clear()
         with contextlib.suppress(Exception):  # a broken group: nothing left to pair with
             self.drain()
-        self._manager.close(remove=True)
+        self._manager.close(remove=not keeps_store(self._manager))  # snapshots are kept
         _WRAPPED.discard(self.module)
 
     def __enter__(self) -> ShardedModel:

@@ -67,13 +67,17 @@ def offload(
 
     ``resume=True`` continues from the newest usable training snapshot in the store
     (:func:`swapper.zero.checkpoint.save_snapshot`), or starts afresh when there is none;
-    ``resume="name"`` from that snapshot (one process only, for now).
+    ``resume="name"`` from that snapshot. With several ranks, every rank must pass the
+    same ``resume``; they agree on the newest snapshot whose commit record is valid and
+    whose parts every rank reads back whole, at the same world size
+    (:mod:`swapper.zero.shard_resume`).
 
     Raises:
         SwapConfigError: the model is wrapped already; a parameter is not 16-bit; the
             device budget cannot hold the largest module's parameters (names the module
             and the bytes it needs); torch.distributed not initialised while a group is
-            given; ``resume`` with several ranks.
+            given.
+        WorldSizeMismatchError: ``resume`` finds snapshots of another world size.
         ModelMismatchError, StoreIdentityError, CollectiveError: with several ranks, see
             :class:`~swapper.zero.sharded.ShardedModel`.
         and what :class:`TierManager` raises.
@@ -87,10 +91,5 @@ def offload(
                 raise SwapConfigError(
                     f"offload: this {type(model).__name__} is already wrapped; wrap a model once"
                 )
-            if resume is not False:
-                raise SwapConfigError(
-                    "offload: resume= is single-process for now; with several ranks use "
-                    "swapper.zero.shard_checkpoint"
-                )
-            return ShardedModel(model, config, group, materialize=materialize)
+            return ShardedModel(model, config, group, materialize=materialize, resume=resume)
     return OffloadedModel(model, config, materialize=materialize, resume=resume)
