@@ -49,6 +49,7 @@ class RanksResult:
     settings: PressureSettings
     world_size: int
     fetch_collective: str
+    reduce_dtype: str  # the dtype gradients are summed in: "float32", or the model's
     model: GPTConfig
     num_params: int
     budget_bytes: dict[str, int]
@@ -90,6 +91,7 @@ class RanksResult:
             "dtype": self.settings.dtype,
             "world_size": self.world_size,
             "fetch_collective": self.fetch_collective,
+            "reduce_dtype": self.reduce_dtype,
             "losses": self.losses,
             "single_losses": self.single_losses,
             "identical": self.identical,
