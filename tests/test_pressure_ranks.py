@@ -70,6 +70,11 @@ def test_nproc_2_trains_identically_within_budgets(tmp_path: Path) -> None:
         assert state["param16"] == state["grad16"]
         assert abs(state["param16"] - NUM_PARAMS) <= 0.1 * NUM_PARAMS
         assert 6 * state["param16"] <= state["optim_state"] <= 6 * state["param16"] + 12 * 4096
+    # the last backward's gradient offload, measured per module window: spread evenly
+    windows = [dict(map(tuple, r["offload_windows"])) for r in res["per_rank"]]
+    assert windows[0].keys() == windows[1].keys() and len(windows[0]) > 10
+    assert sum(sum(w.values()) for w in windows) > 0
+    assert 1.0 <= res["offload_balance"]["max_over_mean"] <= 1.25
     # the ranks trained different halves of the batch
     assert res["per_rank"][0]["losses"] != res["per_rank"][1]["losses"]
     assert list(swap.iterdir()) == []  # the swap directories went with the run

@@ -273,6 +273,11 @@ def _ranks_summary(res: RanksResult) -> str:
             f"{show_nbytes(r.offload_nbytes)} during backward; stalled "
             f"{100 * r.stall_fraction:.1f}% of {r.seconds:.2f} s"
         )
+    balance = res.offload_balance
+    lines.append(
+        f"last backward's gradient offload over the ranks: max/mean {balance.max_over_mean:.2f} "
+        f"over module windows (1.00 even; worst window {balance.worst_window:.2f})"
+    )
     lines.append(
         f"vs one process: max |diff| {res.max_abs_diff_vs_single:.3g}, "
         f"{100 * res.equal_fraction_vs_single:.1f}% of elements equal (tolerance "

@@ -295,6 +295,9 @@ def _train(
         state: dict[str, int] = {}
         offloaded = 0
         per = settings.batch // world
+        # the last backward's gradient offload, module window by window (several ranks)
+        reducer = getattr(wrapped, "_grads", None)
+        windows: list[Any] = []
         if dirs is not None and plan.fault is not None and plan.fault[0] == rank:
             if plan.fault[1] == "exit":
                 os._exit(3)  # dies without a word, as a killed process would
@@ -307,7 +310,11 @@ def _train(
                 logits.reshape(-1, logits.shape[-1]), mine[:, 1:].reshape(-1)
             )
             before = _down(wrapped.stats())
+            if reducer is not None and len(losses) == len(data) - 1:
+                reducer.trace = windows
             (scaler.scale(loss) if scaler is not None else loss).backward()
+            if reducer is not None:
+                reducer.trace = None
             offloaded += _down(wrapped.stats()) - before
             if not losses:  # gradients are held from backward until zero_grad
                 state = _state_nbytes(wrapped, model_config)
@@ -337,6 +344,7 @@ def _train(
             peak_rss_bytes=peak_rss(),
             digest=digest,
             param_hashes=hashes,
+            offload_windows=[(w.module_index, w.retained_nbytes) for w in windows],
         )
         return _Trained(report, params)
     finally:

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from swapper.distributed.balance import BalanceReport, balance_report
 from swapper.pressure.model import GPTConfig
 from swapper.pressure.runner import PressureSettings
 
@@ -35,6 +36,9 @@ class RankReport:
     peak_rss_bytes: int
     digest: str
     param_hashes: dict[str, int]
+    #: (module index, gradient shard bytes this rank handed to its tiers) per module
+    #: window of the last step's backward, in the order they came
+    offload_windows: list[tuple[int, int]] = dataclasses.field(default_factory=list)
 
     @property
     def stall_fraction(self) -> float:
@@ -69,6 +73,16 @@ class RanksResult:
         return [sum(r.losses[i] for r in self.per_rank) / n for i in range(self.settings.steps)]
 
     @property
+    def offload_balance(self) -> BalanceReport:
+        """How evenly the ranks shared the last backward's gradient offload, measured
+        (:func:`~swapper.distributed.balance_report` of the ranks' windows)."""
+        rows: dict[int, list[int]] = {}
+        for r, report in enumerate(self.per_rank):
+            for module, nbytes in report.offload_windows:
+                rows.setdefault(module, [0] * self.world_size)[r] += nbytes
+        return balance_report(list(rows.items()))
+
+    @property
     def within_budgets(self) -> bool:
         """Every rank's every tier peak is within its (per-rank) budget."""
         return all(
@@ -101,6 +115,11 @@ class RanksResult:
             "tolerance": self.tolerance,
             "within_tolerance": self.within_tolerance,
             "budget_bytes": self.budget_bytes,
+            "offload_balance": {
+                "max_over_mean": self.offload_balance.max_over_mean,
+                "worst_window": self.offload_balance.worst_window,
+                "cumulative_worst": self.offload_balance.cumulative_worst,
+            },
             "per_rank": [
                 {
                     "rank": r.rank,
@@ -111,6 +130,7 @@ class RanksResult:
                     "bytes_moved": r.bytes_moved,
                     "state_nbytes": r.state_nbytes,
                     "offload_nbytes": r.offload_nbytes,
+                    "offload_windows": [list(w) for w in r.offload_windows],
                     "stall_fraction": r.stall_fraction,
                     "seconds": r.seconds,
                     "reference_seconds": ref.seconds,
