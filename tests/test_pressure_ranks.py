@@ -39,6 +39,7 @@ def test_nproc_2_trains_identically_within_budgets(tmp_path: Path) -> None:
     res = json.loads(out.read_text())
     assert res["world_size"] == 2
     assert res["fetch_collective"] == "all_gather"
+    assert res["reduce_dtype"] == "bf16"  # the default: the gradients' own dtype
     assert res["identical"] is True and res["within_budgets"] is True
     assert res["within_tolerance"] is True
     assert 0 <= res["max_abs_diff_vs_single"] <= res["tolerance"]["abs"] + 0.01
@@ -69,9 +70,30 @@ def test_nproc_2_trains_identically_within_budgets(tmp_path: Path) -> None:
         assert state["param16"] == state["grad16"]
         assert abs(state["param16"] - NUM_PARAMS) <= 0.1 * NUM_PARAMS
         assert 6 * state["param16"] <= state["optim_state"] <= 6 * state["param16"] + 12 * 4096
+    # the last backward's gradient offload, measured per module window: spread evenly
+    windows = [dict(map(tuple, r["offload_windows"])) for r in res["per_rank"]]
+    assert windows[0].keys() == windows[1].keys() and len(windows[0]) > 10
+    assert sum(sum(w.values()) for w in windows) > 0
+    assert 1.0 <= res["offload_balance"]["max_over_mean"] <= 1.25
     # the ranks trained different halves of the batch
     assert res["per_rank"][0]["losses"] != res["per_rank"][1]["losses"]
     assert list(swap.iterdir()) == []  # the swap directories went with the run
+
+
+def test_fetch_collective_and_reduce_dtype_are_chosen_and_reported(tmp_path: Path) -> None:
+    out = tmp_path / "r.json"
+    argv = ["--nproc", "2", "--params", str(PARAMS), "--steps", "1", "--seq", "16"]
+    argv += ["--fetch-collective", "all_reduce", "--reduce-dtype", "float32"]
+    assert main([*argv, "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["fetch_collective"] == "all_reduce" and res["reduce_dtype"] == "float32"
+    assert res["identical"] is True and res["within_budgets"] is True
+    assert res["within_tolerance"] is True
+    floor = _gather_floor(GPTConfig.for_params(PARAMS), 2, 30.0, fetch_collective="all_reduce")
+    # the default device budget is raised to the floor of the all_reduce buffers (no
+    # rank-major staging: a lower floor than all_gather's)
+    assert res["budget_bytes"]["device"] == max(2 * -(-NUM_PARAMS // 2) // 4, floor)
+    assert floor < _gather_floor(GPTConfig.for_params(PARAMS), 2, 30.0)
 
 
 @pytest.mark.parametrize(
@@ -82,6 +104,10 @@ def test_nproc_2_trains_identically_within_budgets(tmp_path: Path) -> None:
         ["--nproc", "x"],
         ["--nproc", "3"],  # the default batch of 4 does not split over 3 ranks
         ["--nproc", "2", "--export", "somewhere"],
+        ["--fetch-collective", "all_reduce"],  # one process: no collectives
+        ["--reduce-dtype", "float32"],
+        ["--nproc", "2", "--reduce-dtype", "float64"],
+        ["--nproc", "2", "--fetch-collective", "broadcast"],
     ],
 )
 def test_bad_nproc_exits_2_before_any_work(

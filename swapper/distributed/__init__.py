@@ -44,6 +44,7 @@ from swapper.distributed.partition import (
     ParamPlacement,
     PartitionPlan,
     describe_modules,
+    plan_contiguous,
     plan_partition,
 )
 from swapper.distributed.shards import local_sq_sum, shard_of
@@ -75,6 +76,7 @@ __all__ = [
     "identity_path",
     "local_sq_sum",
     "module_layout",
+    "plan_contiguous",
     "plan_partition",
     "plan_windows",
     "rank_dirs",

@@ -50,6 +50,7 @@ __all__ = [
     "ParamPlacement",
     "PartitionPlan",
     "describe_modules",
+    "plan_contiguous",
     "plan_partition",
     "round_up",
 ]
@@ -267,6 +268,32 @@ def plan_partition(
             ParamPlacement(index=i, info=p, owner=owner, shard_numel=shard, world_size=world_size)
         )
     return PartitionPlan(world_size, align_numel, whole_below_numel, tuple(placements))
+
+
+def plan_contiguous(params: Sequence[ParamInfo], world_size: int) -> PartitionPlan:
+    """The contiguous layout, for comparison with :func:`plan_partition` (never better):
+    the parameters laid end to end in forward order, the flat vector cut into N equal
+    ranges, and each parameter owned whole by the rank whose range holds its middle
+    element. It is the flat partitioning of ZeRO-1/2 at the granularity of whole
+    parameters: during backward the gradients arriving belong to one rank at a time.
+
+    Raises:
+        SwapConfigError: as :func:`plan_partition`.
+    """
+    _check(params, world_size, 1)
+    total = sum(p.numel for p in params)
+    part = max(1, -(-total // world_size))
+    placements = []
+    offset = 0
+    for i, p in enumerate(params):
+        owner = min(world_size - 1, (offset + p.numel // 2) // part)
+        offset += p.numel
+        placements.append(
+            ParamPlacement(index=i, info=p, owner=owner, shard_numel=p.numel, world_size=world_size)
+        )
+    # every parameter is owned whole: the threshold is above the largest
+    whole_below = max((p.numel for p in params), default=0) + 1
+    return PartitionPlan(world_size, ALIGN_NUMEL, whole_below, tuple(placements))
 
 
 def _nbytes(p: ParamInfo) -> int:

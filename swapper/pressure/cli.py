@@ -145,6 +145,18 @@ def build_parser() -> argparse.ArgumentParser:
         "a quarter of the rank's 1/N share; --batch is the global batch, a multiple of N), "
         "beside N unlimited ranks and one process (default 1: one process, as without it)",
     )
+    p.add_argument(
+        "--fetch-collective",
+        choices=("all_gather", "all_reduce"),
+        help="with --nproc N > 1: how a module's parameters are gathered from the ranks' "
+        "shards (default all_gather; all_reduce copies nothing after the collective)",
+    )
+    p.add_argument(
+        "--reduce-dtype",
+        choices=("param", "float32"),
+        help="with --nproc N > 1: the dtype gradients are summed in over the ranks: param "
+        "(the default: the parameters' 16-bit dtype) or float32 (twice the bytes)",
+    )
     p.add_argument("--json", type=Path, metavar="FILE", help="write the results as JSON")
     return p
 
@@ -162,6 +174,8 @@ def _run(argv: list[str]) -> int:
     check_output_path("--json", args.json)
     if (args.checkpoint_every is not None or args.resume) and not args.dirs:
         parser.error("--checkpoint-every and --resume need --dir (the snapshots outlive the run)")
+    if args.nproc == 1 and (args.fetch_collective or args.reduce_dtype):
+        parser.error("--fetch-collective and --reduce-dtype need --nproc N > 1 (collectives)")
     if args.nproc > 1:
         if args.checkpoint_every is not None or args.resume or args.export is not None:
             parser.error("--checkpoint-every, --resume and --export are single-process (--nproc 1)")
@@ -193,7 +207,13 @@ def _run(argv: list[str]) -> int:
         export_dir=args.export,
     )
     if args.nproc > 1:
-        return _run_ranks(settings, args.nproc, args.json)
+        return _run_ranks(
+            settings,
+            args.nproc,
+            args.json,
+            fetch_collective=args.fetch_collective or "all_gather",
+            reduce_dtype="float32" if args.reduce_dtype == "float32" else None,
+        )
     result = run_pressure(settings, say=lambda line: print(line, flush=True))
     print(_summary(result))
     if args.json is not None:
@@ -206,10 +226,23 @@ def _run(argv: list[str]) -> int:
     return 0 if result.ok else 1
 
 
-def _run_ranks(settings: PressureSettings, nproc: int, json_path: Path | None) -> int:
+def _run_ranks(
+    settings: PressureSettings,
+    nproc: int,
+    json_path: Path | None,
+    *,
+    fetch_collective: str,
+    reduce_dtype: str | None,
+) -> int:
     from swapper.pressure.ranks import run_ranks
 
-    result = run_ranks(settings, nproc, say=lambda line: print(line, flush=True))
+    result = run_ranks(
+        settings,
+        nproc,
+        fetch_collective=fetch_collective,
+        reduce_dtype=reduce_dtype,
+        say=lambda line: print(line, flush=True),
+    )
     print(_ranks_summary(result))
     if json_path is not None:
         write_json(json_path, result.to_json())
@@ -240,13 +273,19 @@ def _ranks_summary(res: RanksResult) -> str:
             f"{show_nbytes(r.offload_nbytes)} during backward; stalled "
             f"{100 * r.stall_fraction:.1f}% of {r.seconds:.2f} s"
         )
+    balance = res.offload_balance
+    lines.append(
+        f"last backward's gradient offload over the ranks: max/mean {balance.max_over_mean:.2f} "
+        f"over module windows (1.00 even; worst window {balance.worst_window:.2f})"
+    )
     lines.append(
         f"vs one process: max |diff| {res.max_abs_diff_vs_single:.3g}, "
         f"{100 * res.equal_fraction_vs_single:.1f}% of elements equal (tolerance "
         f"{res.tolerance['rule']}; 2 * lr * steps = {res.tolerance['abs']:g})"
     )
     lines.append(
-        f"result ({res.world_size} ranks, {res.fetch_collective}): "
+        f"result ({res.world_size} ranks, {res.fetch_collective}, gradients summed in "
+        f"{res.reduce_dtype}): "
         + ("bit-identical to the unlimited ranks" if res.identical else "DIFFERENT")
         + (", within budgets" if res.within_budgets else ", OVER BUDGET")
         + (", within tolerance of one process" if res.within_tolerance else ", OUT OF TOLERANCE")

@@ -91,6 +91,8 @@ def run_ranks(
     nproc: int,
     *,
     timeout_s: float = DEFAULT_TIMEOUT_S,
+    fetch_collective: str = "all_gather",
+    reduce_dtype: str | None = None,
     say: Callable[[str], None] = lambda line: None,
 ) -> RanksResult:
     """Train under per-rank budgets on ``nproc`` ranks, with unlimited budgets on the same
@@ -101,11 +103,15 @@ def run_ranks(
     device budget at least the floor of the gathered buffers that the wrap refuses to go
     below: :func:`~swapper.zero.shard_setup.gather_floor`).
     ``settings.batch`` is the global batch and must be a multiple of ``nproc``.
-    Checkpoints, resume and export are not supported here.
+    ``fetch_collective`` and ``reduce_dtype`` are those of
+    :class:`~swapper.zero.dist_config.DistributedConfig` (the unlimited ranks use the
+    same; the one process has no collectives). Checkpoints, resume and export are not
+    supported here.
 
     Raises:
         SwapConfigError: ``nproc`` out of 2..MAX_NPROC, the batch not a multiple of it,
-            or checkpointing/export asked for.
+            checkpointing/export asked for, or a bad ``fetch_collective`` /
+            ``reduce_dtype``.
         RankFailedError: a rank failed (its error in the message).
         SwapError, OSError: the single-process run failed.
     """
@@ -118,21 +124,28 @@ def run_ranks(
         )
     if settings.checkpointing or settings.export_dir is not None:
         raise SwapConfigError("checkpoints, resume and export are single-process for now")
+    distributed = DistributedConfig(  # checked here, before any rank starts
+        timeout_s=timeout_s, fetch_collective=fetch_collective, reduce_dtype=reduce_dtype
+    )
     model_config = GPTConfig.for_params(settings.params)
     num_params = model_config.num_params()
     share = -(-num_params // nproc)
     device = settings.device_nbytes
     if device is None:
-        device = max(2 * share // 4, _gather_floor(model_config, nproc, timeout_s))
+        floor = _gather_floor(model_config, nproc, timeout_s, fetch_collective=fetch_collective)
+        device = max(2 * share // 4, floor)
     host = settings.host_nbytes if settings.host_nbytes is not None else 12 * share // 4
     sub_group = settings.sub_group_numel or max(1024, host // 4 // 12)
     budgets = {"device": device, "host": host}
-    plan = _Plan(settings, nproc, device, host, sub_group, timeout_s)
+    plan = _Plan(
+        settings, nproc, device, host, sub_group, timeout_s, distributed_config=distributed
+    )
     say(
         f"swapper-pressure: GPT of {num_params:,} params ({model_config.n_layers} layers, "
         f"d_model {model_config.d_model}), {settings.dtype}, {settings.steps} steps on "
         f"{nproc} ranks (gloo), {settings.batch // nproc} of {settings.batch} sequences "
-        f"each; per-rank device budget {device:,} B, host budget {host:,} B"
+        f"each; per-rank device budget {device:,} B, host budget {host:,} B; fetch by "
+        f"{fetch_collective}, gradients reduced in {reduce_dtype or settings.dtype}"
     )
     with _swap_dirs(settings.dirs) as dirs:
         tight, free = _spawn(plan, [str(d) for d in dirs], say)
@@ -150,6 +163,7 @@ def run_ranks(
         settings=settings,
         world_size=nproc,
         fetch_collective=plan.distributed.fetch_collective,
+        reduce_dtype=reduce_dtype or settings.dtype,
         model=model_config,
         num_params=num_params,
         budget_bytes=budgets,
@@ -170,13 +184,16 @@ def run_ranks(
     )
 
 
-def _gather_floor(model_config: GPTConfig, nproc: int, timeout_s: float) -> int:
+def _gather_floor(
+    model_config: GPTConfig, nproc: int, timeout_s: float, *, fetch_collective: str = "all_gather"
+) -> int:
     """Device bytes the wrap needs at least on each of ``nproc`` ranks (a meta model)."""
     from swapper.zero.shard_setup import gather_floor
 
     with torch.device("meta"):
         model = GPT(model_config)
-    config = OffloadConfig.create(device="cpu", distributed=DistributedConfig(timeout_s=timeout_s))
+    distributed = DistributedConfig(timeout_s=timeout_s, fetch_collective=fetch_collective)
+    config = OffloadConfig.create(device="cpu", distributed=distributed)
     return gather_floor(model, config, nproc)
 
 
@@ -191,9 +208,13 @@ class _Plan:
     #: For tests: (rank, "raise" | "exit") makes that rank fail once its budgeted model is
     #: wrapped, while the others go on into the first step's collectives.
     fault: tuple[int, str] | None = None
+    #: fetch_collective and reduce_dtype (None: the defaults, with ``timeout_s``)
+    distributed_config: DistributedConfig | None = None
 
     @property
     def distributed(self) -> DistributedConfig:
+        if self.distributed_config is not None:
+            return self.distributed_config
         return DistributedConfig(timeout_s=self.timeout_s)
 
     def config(self, dirs: list[str] | None) -> OffloadConfig:
@@ -274,6 +295,9 @@ def _train(
         state: dict[str, int] = {}
         offloaded = 0
         per = settings.batch // world
+        # the last backward's gradient offload, module window by window (several ranks)
+        reducer = getattr(wrapped, "_grads", None)
+        windows: list[Any] = []
         if dirs is not None and plan.fault is not None and plan.fault[0] == rank:
             if plan.fault[1] == "exit":
                 os._exit(3)  # dies without a word, as a killed process would
@@ -286,7 +310,11 @@ def _train(
                 logits.reshape(-1, logits.shape[-1]), mine[:, 1:].reshape(-1)
             )
             before = _down(wrapped.stats())
+            if reducer is not None and len(losses) == len(data) - 1:
+                reducer.trace = windows
             (scaler.scale(loss) if scaler is not None else loss).backward()
+            if reducer is not None:
+                reducer.trace = None
             offloaded += _down(wrapped.stats()) - before
             if not losses:  # gradients are held from backward until zero_grad
                 state = _state_nbytes(wrapped, model_config)
@@ -316,6 +344,7 @@ def _train(
             peak_rss_bytes=peak_rss(),
             digest=digest,
             param_hashes=hashes,
+            offload_windows=[(w.module_index, w.retained_nbytes) for w in windows],
         )
         return _Trained(report, params)
     finally:

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from swapper.distributed.balance import BalanceReport, balance_report
 from swapper.pressure.model import GPTConfig
 from swapper.pressure.runner import PressureSettings
 
@@ -35,6 +36,9 @@ class RankReport:
     peak_rss_bytes: int
     digest: str
     param_hashes: dict[str, int]
+    #: (module index, gradient shard bytes this rank handed to its tiers) per module
+    #: window of the last step's backward, in the order they came
+    offload_windows: list[tuple[int, int]] = dataclasses.field(default_factory=list)
 
     @property
     def stall_fraction(self) -> float:
@@ -49,6 +53,7 @@ class RanksResult:
     settings: PressureSettings
     world_size: int
     fetch_collective: str
+    reduce_dtype: str  # the dtype gradients are summed in: "float32", or the model's
     model: GPTConfig
     num_params: int
     budget_bytes: dict[str, int]
@@ -66,6 +71,16 @@ class RanksResult:
         """The global batch's mean loss per step: the mean of the ranks' equal shares."""
         n = self.world_size
         return [sum(r.losses[i] for r in self.per_rank) / n for i in range(self.settings.steps)]
+
+    @property
+    def offload_balance(self) -> BalanceReport:
+        """How evenly the ranks shared the last backward's gradient offload, measured
+        (:func:`~swapper.distributed.balance_report` of the ranks' windows)."""
+        rows: dict[int, list[int]] = {}
+        for r, report in enumerate(self.per_rank):
+            for module, nbytes in report.offload_windows:
+                rows.setdefault(module, [0] * self.world_size)[r] += nbytes
+        return balance_report(list(rows.items()))
 
     @property
     def within_budgets(self) -> bool:
@@ -90,6 +105,7 @@ class RanksResult:
             "dtype": self.settings.dtype,
             "world_size": self.world_size,
             "fetch_collective": self.fetch_collective,
+            "reduce_dtype": self.reduce_dtype,
             "losses": self.losses,
             "single_losses": self.single_losses,
             "identical": self.identical,
@@ -99,6 +115,11 @@ class RanksResult:
             "tolerance": self.tolerance,
             "within_tolerance": self.within_tolerance,
             "budget_bytes": self.budget_bytes,
+            "offload_balance": {
+                "max_over_mean": self.offload_balance.max_over_mean,
+                "worst_window": self.offload_balance.worst_window,
+                "cumulative_worst": self.offload_balance.cumulative_worst,
+            },
             "per_rank": [
                 {
                     "rank": r.rank,
@@ -109,6 +130,7 @@ class RanksResult:
                     "bytes_moved": r.bytes_moved,
                     "state_nbytes": r.state_nbytes,
                     "offload_nbytes": r.offload_nbytes,
+                    "offload_windows": [list(w) for w in r.offload_windows],
                     "stall_fraction": r.stall_fraction,
                     "seconds": r.seconds,
                     "reference_seconds": ref.seconds,

@@ -14,11 +14,13 @@ from typing import Any
 from swapper.distributed.collectives import FETCH_METHODS
 from tiers.errors import SwapConfigError
 
-__all__ = ["REDUCE_DTYPES", "DistributedConfig"]
+__all__ = ["OWNERSHIPS", "REDUCE_DTYPES", "DistributedConfig"]
 
 #: Values of :attr:`DistributedConfig.reduce_dtype`: ``None`` reduces gradients in their
 #: own (16-bit) dtype; ``"float32"`` upcasts them for the sum (twice the bytes on the wire).
 REDUCE_DTYPES: tuple[str, ...] = ("float32",)
+#: Values of :attr:`DistributedConfig.ownership`.
+OWNERSHIPS: tuple[str, ...] = ("balanced", "contiguous")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -53,6 +55,7 @@ class DistributedConfig:
     fetch_ahead: int = 2
     timeout_s: float | None = None
     reduce_dtype: str | None = None
+    ownership: str = "balanced"
 
     def __post_init__(self) -> None:
         if self.fetch_collective not in FETCH_METHODS:
@@ -80,6 +83,11 @@ class DistributedConfig:
             raise SwapConfigError(
                 f"distributed.reduce_dtype={self.reduce_dtype!r} must be None (the "
                 "gradients' dtype) or 'float32'"
+            )
+        if self.ownership not in OWNERSHIPS:
+            raise SwapConfigError(
+                f"distributed.ownership={self.ownership!r} must be one of "
+                f"{', '.join(repr(o) for o in OWNERSHIPS)}"
             )
 
     def as_dict(self) -> dict[str, Any]:

@@ -13,20 +13,64 @@ rank-major copy) are alive at a time.
 At the end of a backward, :meth:`GradReducer.flush` reduces the groups left incomplete
 (parameters unused in this pass) with zeros for the missing gradients, in group order,
 so every rank issues the same collectives.
+
+Measuring (:attr:`GradReducer.trace`, off by default): a list that, when set, gets one
+:class:`ReduceRecord` per group reduced, i.e. per module window of backward: the bytes
+this rank handed to its tiers as gradient shards (the backward offload, measured from
+the tensors retained, not from the plan), the bytes its manager wrote down a tier in the
+window (host->NVMe, device->host: evictions the offload caused), and the time of the
+collective and of the offload. ``tools/offload_balance.py`` and
+``tools/reduce_dtype_cost.py`` read it.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import time
 from collections.abc import Iterable
 
 import torch
 
 from swapper.distributed import DistGroup, local_sq_sum, reduce_scatter_grads
-from swapper.manager import Kind, TierManager
+from swapper.manager import Kind, Tier, TierManager
 from swapper.zero.shard_state import GradGroup, ShardSlot
 from tiers import signals
 
-__all__ = ["GradReducer"]
+__all__ = ["GradReducer", "ReduceRecord"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ReduceRecord:
+    """One module window of backward on this rank (see the module docstring). Bytes,
+    seconds.
+
+    Attributes:
+        module_index: the plan's index of the module whose gradients these are (the
+            window of :func:`~swapper.distributed.plan_windows`).
+        name: its first parameter's name.
+        retained_nbytes: gradient shard bytes this rank handed to its tiers (padding
+            included: it is written).
+        nvme_nbytes: of which went straight to NVMe (no memory tier had room).
+        down_nbytes: bytes the manager wrote down a tier during the window (device->host
+            and host->NVMe: evictions to make room).
+        collective: ``"reduce_scatter"``, or ``"all_reduce"`` where the backend lacks it.
+        reduce_dtype: the dtype the sum was computed in.
+        wire_nbytes: bytes each rank contributed to the collective (its rank-major
+            buffer; a ring reduce-scatter sends ``(N - 1) / N`` of it).
+        reduce_s: seconds of the collective (copy in, sum, average, copy out).
+        offload_s: seconds handing the shards to the tiers.
+    """
+
+    module_index: int
+    name: str
+    retained_nbytes: int
+    nvme_nbytes: int
+    down_nbytes: int
+    collective: str
+    reduce_dtype: str
+    wire_nbytes: int
+    reduce_s: float
+    offload_s: float
 
 
 class GradReducer:
@@ -59,6 +103,8 @@ class GradReducer:
         self._group_of = group_of
         self._device = device
         self._reduce_dtype = reduce_dtype
+        #: one ReduceRecord per group reduced, when set to a list (measuring only)
+        self.trace: list[ReduceRecord] | None = None
 
     def add(self, slot: ShardSlot, grad: torch.Tensor | None) -> None:
         """Take ``slot``'s full gradient (None counts as zeros); reduce its group once
@@ -103,13 +149,14 @@ class GradReducer:
         """Average the group's full gradients over the ranks into this rank's retained
         shards, then free them."""
         grads, grad_group.grads = grad_group.grads, {}
+        start = time.perf_counter()
         out = {
             p.index: torch.empty(
                 p.stored_numel, dtype=self._slots[p.index].dtype, device=self._device
             )
             for p in grad_group.layout.rank_pieces(self._dg.rank)
         }
-        reduce_scatter_grads(
+        stats = reduce_scatter_grads(
             grad_group.layout,
             grads,
             out,
@@ -118,8 +165,32 @@ class GradReducer:
             what=f"the gradients of {grad_group.slots[0].name!r} and its module",
         )
         del grads  # the full gradients: freed here, before they are retained
+        if self.trace is None:
+            for index, shard in out.items():
+                self._retain(self._slots[index], shard)
+            return
+        reduced = time.perf_counter()
+        down = _down_nbytes(self._manager)
+        nvme = 0
         for index, shard in out.items():
             self._retain(self._slots[index], shard)
+            if self._manager.info(self._slots[index].grad_key).tier is None:
+                nvme += shard.numel() * shard.element_size()
+        first = grad_group.slots[0]
+        self.trace.append(
+            ReduceRecord(
+                module_index=first.placement.info.module_index,
+                name=first.name,
+                retained_nbytes=sum(t.numel() * t.element_size() for t in out.values()),
+                nvme_nbytes=nvme,
+                down_nbytes=_down_nbytes(self._manager) - down,
+                collective=stats.collective,
+                reduce_dtype=str(stats.reduce_dtype).removeprefix("torch."),
+                wire_nbytes=stats.input_nbytes,
+                reduce_s=reduced - start,
+                offload_s=time.perf_counter() - reduced,
+            )
+        )
 
     def _retain(self, slot: ShardSlot, shard: torch.Tensor) -> None:
         """Register ``shard`` as the slot's gradient, or add it to the one retained.
@@ -136,3 +207,9 @@ class GradReducer:
                     slot.grad_sq = local_sq_sum([retained])
                 finally:
                     self._manager.release(slot.grad_key, modified=True)
+
+
+def _down_nbytes(manager: TierManager) -> int:
+    """Bytes ``manager`` has written down a tier so far (device->host, host->NVMe)."""
+    stats = manager.stats()
+    return stats.moved(Tier.DEVICE, Tier.HOST).nbytes + stats.moved(Tier.HOST, Tier.NVME).nbytes

@@ -29,12 +29,14 @@ from torch import nn
 
 from swapper.distributed import (
     DistGroup,
+    ParamInfo,
     PartitionPlan,
     agree,
     check_same_model,
     check_same_settings,
     describe_modules,
     module_layout,
+    plan_contiguous,
     plan_partition,
     shard_of,
 )
@@ -55,7 +57,7 @@ from swapper.zero.shard_resume import adopt_shard, choose_sharded, finish_sharde
 from swapper.zero.shard_state import GradGroup, ModuleState, ShardSlot
 from tiers.errors import SwapConfigError
 
-__all__ = ["Materialize", "Placed", "gather_floor", "place_model"]
+__all__ = ["Materialize", "Placed", "dtype_refusal", "gather_floor", "place_model"]
 
 #: materialize(model, place): see :func:`place_model` (the one-process path's contract).
 Materialize = Callable[[nn.Module, Callable[[str, nn.Module], None]], None]
@@ -99,6 +101,7 @@ def _shared_settings(config: OffloadConfig) -> dict[str, object]:
         "distributed.fetch_collective": d.fetch_collective,
         "distributed.fetch_ahead": d.fetch_ahead,
         "distributed.reduce_dtype": d.reduce_dtype,
+        "distributed.ownership": d.ownership,
         "distributed.timeout_s": d.timeout_s,
         "manager.device_nbytes": config.manager.device_nbytes,  # bounds the gathers ahead
         "step.max_grad_norm": config.step.max_grad_norm,  # a norm all_reduce or none
@@ -127,8 +130,9 @@ def place_model(
 
     Raises:
         ModelMismatchError: the ranks wrap different models (on every rank).
-        SwapConfigError: a parameter is not bf16/fp16, or they are of several dtypes (on
-            every rank: the models are the same by then), or a parameter is still on the
+        SwapConfigError: a parameter is not bf16/fp16, or they are of several dtypes
+            (:func:`dtype_refusal`, naming them; on every rank: the models are the same
+            by then), or a parameter is still on the
             meta device after ``materialize``, or the device budget cannot hold the
             gathers of one module at once (:func:`~swapper.zero.gather_budget.
             check_device_floor`; raised before anything is placed).
@@ -147,13 +151,10 @@ def place_model(
         infos = [dataclasses.replace(i, itemsize=2, dtype=_SIXTEEN_BIT) for i in infos]
     check_same_model(group, infos)
     check_same_settings(group, _shared_settings(config))
-    for info in infos:
-        if info.dtype not in ("torch.bfloat16", "torch.float16", _SIXTEEN_BIT):
-            raise SwapConfigError(_not_16_bit(info.name, info.shape, info.dtype))
-    dtypes = sorted({i.dtype for i in infos})
-    if len(dtypes) > 1:
-        raise SwapConfigError(_several_dtypes(dtypes))
-    plan = plan_partition(infos, group.world_size)
+    refusal = dtype_refusal([(i.name, i.dtype) for i in infos])
+    if refusal is not None:  # the same model on every rank by now: all raise alike
+        raise SwapConfigError(refusal)
+    plan = _plan(infos, group.world_size, config)
     manager: TierManager | None = None
     originals: list[tuple[nn.Parameter, torch.Tensor]] = []
     error: Exception | None = None
@@ -209,8 +210,15 @@ def gather_floor(module: nn.Module, config: OffloadConfig, world_size: int) -> i
     infos = [
         dataclasses.replace(i, itemsize=2, dtype=_SIXTEEN_BIT) for i in describe_modules(named)
     ]
-    plan = plan_partition(infos, world_size)
+    plan = _plan(infos, world_size, config)
     return device_floor(_module_needs(named, plan, config, world_size))[0]
+
+
+def _plan(infos: list[ParamInfo], world_size: int, config: OffloadConfig) -> PartitionPlan:
+    """The partition ``config.distributed.ownership`` asks for."""
+    if config.distributed.ownership == "contiguous":
+        return plan_contiguous(infos, world_size)
+    return plan_partition(infos, world_size)
 
 
 def _owning(module: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -267,11 +275,42 @@ def _not_16_bit(name: str, shape: Sequence[int], dtype: object) -> str:
     )
 
 
-def _several_dtypes(dtypes: Sequence[str]) -> str:
+def dtype_refusal(params: Sequence[tuple[str, str]]) -> str | None:
+    """Why ``(name, dtype)`` parameters cannot be sharded, or None when they can (all
+    of one 16-bit dtype). The message names the dtypes and, for each, how many
+    parameters have it and the first few names, so the odd ones out are easy to find.
+
+    Several dtypes are refused (not yet supported with several ranks): a module's gather
+    is one flat buffer and one collective, its gradients one reduce-scatter, and the
+    optimizer's sub-groups one dtype; supporting them means one buffer and collective
+    per dtype and module (see docs/distributed.md).
+    """
+    by_dtype: dict[str, list[str]] = {}
+    for name, dtype in params:
+        by_dtype.setdefault(dtype, []).append(name)
+    wrong = [d for d in by_dtype if d not in ("torch.bfloat16", "torch.float16", _SIXTEEN_BIT)]
+    if not wrong and len(by_dtype) <= 1:
+        return None
+
+    def shown(dtype: str) -> str:
+        names = by_dtype[dtype]
+        listed = ", ".join(repr(n) for n in names[:4]) + (", ..." if len(names) > 4 else "")
+        return f"{dtype.removeprefix('torch.')}: {len(names)} ({listed})"
+
+    counts = "; ".join(shown(d) for d in sorted(by_dtype, key=lambda d: -len(by_dtype[d])))
+    if wrong and len(by_dtype) == 1:
+        why = "they must be bf16 or fp16"
+    elif wrong:
+        why = "with several ranks they must all be of one 16-bit dtype (bf16 or fp16)"
+    else:
+        why = (
+            "with several ranks they must share one dtype (a module's gather is one "
+            "buffer and one collective; several dtypes are not supported yet)"
+        )
     return (
-        f"offload: the parameters are of several dtypes ({', '.join(dtypes)}); with "
-        "several ranks they must share one (a module's gather is one buffer): convert "
-        "the model with .to(torch.bfloat16)"
+        f"offload: parameters by dtype: {counts}; {why}: convert the model with "
+        ".to(torch.bfloat16) (or materialise it in one 16-bit dtype) before "
+        "swapper.offload(..., process_group)"
     )
 
 
@@ -335,9 +374,9 @@ def _place(
     for name, sub in named:
         place(name, sub)  # those materialize did not place (or all, without it)
     slots = [s for s in by_index if s is not None]
-    dtypes = sorted({str(s.dtype) for s in slots})
-    if len(dtypes) > 1:
-        raise SwapConfigError(_several_dtypes(dtypes))
+    refusal = dtype_refusal([(s.name, str(s.dtype)) for s in slots])
+    if refusal is not None:  # materialised in several dtypes
+        raise SwapConfigError(refusal)
     states: dict[nn.Module, ModuleState] = {}
     for name, sub in named:
         own = [by_id[id(p)] for p in sub.parameters(recurse=False)]

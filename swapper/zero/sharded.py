@@ -9,16 +9,14 @@ never opens another's store, nor one made under another world size).
 
 Around each module that owns parameters (``recurse=False``):
 
-- forward pre-hook: the module's gather is waited on (started earlier by read-ahead) or
-  started and waited on now: one collective (``all_gather`` or ``all_reduce``,
-  ``config.distributed.fetch_collective``) from every rank's shards into the module's
-  param-major buffer (:func:`~swapper.distributed.start_fetch`; charged to the device
-  budget, :mod:`swapper.zero.gather_budget`), whose views become the parameters'
-  ``.data``; then the next ``fetch_ahead`` modules along the order recorded in the
-  first step are started (async handles, waited on only when they run). Forward
-  hook: released (the gathered buffer is freed; the shards stay in the tiers), and the
-  outputs pass through :class:`~swapper.zero.autograd.BeforeBackward`, which gathers
-  the module again before its backward;
+- forward pre-hook: the module's gather (started by read-ahead, or now) is waited on:
+  one collective (``config.distributed.fetch_collective``) from every rank's shards into
+  the module's param-major buffer (:func:`~swapper.distributed.start_fetch`; charged to
+  the device budget, :mod:`swapper.zero.gather_budget`), whose views become the
+  parameters' ``.data``; then the next ``fetch_ahead`` modules along the order recorded
+  in the first step are started. Forward hook: released (the buffer freed, the shards
+  stay), the outputs marked (:class:`~swapper.zero.autograd.BeforeBackward`) so the
+  module is gathered again before its backward;
 - a module's backward holds are released when every one of its parameters that
   requires grad has had its gradient accumulated (a tied parameter: after its last use);
 - gradients are collected per :class:`~swapper.zero.shard_state.GradGroup` (the
@@ -28,10 +26,10 @@ Around each module that owns parameters (``recurse=False``):
   At the end of a backward, a group with some gradients missing (parameters unused in
   this pass) is reduced with zeros for them.
 
-Every rank must run the same modules in the same order (same model, same control flow):
-the collectives are paired by the order in which they are issued. A gather started by
-read-ahead is never used after the parameters changed: the optimizer's first write waits
-for (and drops) every gather in flight.
+Every rank must run the same modules in the same order: the collectives are paired by
+the order they are issued in. A gather started by read-ahead is never used after the
+parameters changed: the optimizer's first write waits for (and drops) every gather in
+flight. Writes outside the hooks: :mod:`swapper.zero.shard_writes`.
 
 :class:`~swapper.step.OffloadAdamW` steps only this rank's shards
 (:class:`~swapper.zero.shard_state.ShardedParams`); the global gradient norm and the
@@ -68,6 +66,7 @@ from swapper.zero.shard_checkpoint import consolidated, iter_full, load_sharded,
 from swapper.zero.shard_grads import GradReducer
 from swapper.zero.shard_setup import Materialize, place_model
 from swapper.zero.shard_state import ModuleState, ShardedParams, ShardSlot
+from swapper.zero.shard_writes import WriteGuard
 from tiers import signals
 from tiers.errors import SwapConfigError
 
@@ -90,8 +89,8 @@ class ShardedModel(nn.Module):
     shards (see :func:`~swapper.zero.shard_setup.place_model`).
 
     Raises:
-        SwapConfigError: the model is wrapped already, a parameter is not 16-bit, the
-            parameters are of several dtypes, or the model is on the meta device.
+        SwapConfigError: wrapped already, a parameter not 16-bit, several dtypes, or
+            the model on the meta device.
         ModelMismatchError: the ranks wrap different models (on every rank).
         StoreIdentityError: this rank's NVMe directories hold another rank's store, or
             one of another world size (on that rank; the others raise PeerFailedError).
@@ -144,6 +143,7 @@ class ShardedModel(nn.Module):
         self._by_index = placed.slots
         self._slots = placed.by_id
         self._states = placed.states
+        self._writes = WriteGuard(group, placed.slots)  # writes outside the hooks: raised
         self._budget = GatherBudget(
             placed.manager, group, config.manager.device_nbytes, placed.device_floor,
             self._dist.fetch_collective, self._device,
@@ -202,6 +202,7 @@ class ShardedModel(nn.Module):
         the modules it gathered are released before the exception propagates."""
         if self._forward_depth == 0:
             self.release_stale_holds()
+            self._writes.check("forward")  # (an agreement: every rank raises alike)
         depth = len(self._forward_holds)
         self._forward_depth += 1
         try:
@@ -287,28 +288,24 @@ class ShardedModel(nn.Module):
 
     def iter_state_dict(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, full CPU copy) of every parameter, gathered one at a time (a collective
-        each: call it on every rank alike).
-
-        Raises:
-            CollectiveError: a gather failed or timed out.
-        """
+        each: call it on every rank alike). Raises CollectiveError (a gather failed or
+        timed out), OffloadedWriteError or PeerFailedError (:mod:`.shard_writes`)."""
+        self._writes.check("iter_state_dict")
         return iter_full(self)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
         """The consolidated state dict on rank 0 (parameters gathered one at a time; tied
         parameters under every name; buffers as they are); ``{}`` on the other ranks.
-        Call it on every rank alike.
-
-        Raises:
-            CollectiveError: a gather failed or timed out.
-        """
+        Call it on every rank alike. Raises as :meth:`iter_state_dict`."""
         if args or kwargs:
             raise TypeError("state_dict() of a sharded model takes no arguments")
+        self._writes.check("state_dict")
         return consolidated(self)
 
     def sharded_state_dict(self) -> dict[str, Any]:
         """This rank's shards, for a per-rank checkpoint (see
         :func:`swapper.zero.shard_checkpoint.sharded`)."""
+        self._writes.check("sharded_state_dict")
         return sharded(self)
 
     def load_sharded_state_dict(self, state: dict[str, Any]) -> None:
@@ -331,6 +328,7 @@ class ShardedModel(nn.Module):
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self._writes.close()
         with contextlib.suppress(Exception):  # a broken group: nothing left to pair with
             self.drain()
         self._manager.close(remove=not keeps_store(self._manager))  # snapshots are kept
@@ -495,7 +493,7 @@ class ShardedModel(nn.Module):
             if other.gathered is not None:
                 slot.param.data = other.view(slot)
                 return
-        slot.param.data = slot.placeholder
+        self._writes.rest(slot)
 
     def _note_fetch(self, state: ModuleState) -> None:
         """Record the gather order (first step), or start the next gathers along it."""
