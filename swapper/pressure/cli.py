@@ -145,6 +145,12 @@ def build_parser() -> argparse.ArgumentParser:
         "a quarter of the rank's 1/N share; --batch is the global batch, a multiple of N), "
         "beside N unlimited ranks and one process (default 1: one process, as without it)",
     )
+    p.add_argument(
+        "--overlap",
+        action="store_true",
+        help="overlap each optimizer step with the next forward in the budgeted run "
+        "(StepConfig(overlap=True); one process)",
+    )
     p.add_argument("--json", type=Path, metavar="FILE", help="write the results as JSON")
     return p
 
@@ -165,6 +171,8 @@ def _run(argv: list[str]) -> int:
     if args.nproc > 1:
         if args.checkpoint_every is not None or args.resume or args.export is not None:
             parser.error("--checkpoint-every, --resume and --export are single-process (--nproc 1)")
+        if args.overlap:
+            parser.error("--overlap is single-process for now (--nproc 1)")
         if args.batch % args.nproc:
             parser.error(
                 f"--batch {args.batch} is not a multiple of --nproc {args.nproc} (each rank "
@@ -191,6 +199,7 @@ def _run(argv: list[str]) -> int:
         resume=args.resume,
         keep_last=args.keep_last,
         export_dir=args.export,
+        overlap=args.overlap,
     )
     if args.nproc > 1:
         return _run_ranks(settings, args.nproc, args.json)

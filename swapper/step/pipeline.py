@@ -249,8 +249,11 @@ class StepPipeline:
         *,
         extra_keys: Callable[[SubGroup], list[str]] | None = None,
         timeout_s: float | None = None,
+        order: Sequence[int] | None = None,
     ) -> None:
-        """Bring every sub-group to step ``step``.
+        """Bring every sub-group to step ``step``, in ``order`` (sub-group indices, each
+        once; ``None``: by index). The order changes no result: each sub-group's update
+        reads only its own state and gradients.
 
         For each sub-group not yet at ``step``: fetch its state (read ahead), ``compute``
         on it (which updates the state in place), ``publish`` the result (the 16-bit
@@ -271,7 +274,7 @@ class StepPipeline:
         # bookkeeping below is exact, or when it ends; never between a fetch and the
         # record of it, nor between a compute and its mark.
         with signals.at_waits:
-            self._run(step, compute, publish, extra_keys, timeout_s)
+            self._run(step, compute, publish, extra_keys, timeout_s, order)
 
     def _run(
         self,
@@ -280,9 +283,11 @@ class StepPipeline:
         publish: Callable[[SubGroup, torch.Tensor], None],
         extra_keys: Callable[[SubGroup], list[str]] | None,
         timeout_s: float | None,
+        order: Sequence[int] | None,
     ) -> None:
         extra = extra_keys or (lambda sg: [])
-        todo = [sg for sg in self.sub_groups if self.progress[sg.index].durable < step]
+        walk = self.sub_groups if order is None else self._ordered(order)
+        todo = [sg for sg in walk if self.progress[sg.index].durable < step]
         compute_todo = [sg for sg in todo if self.progress[sg.index].applied < step]
         position = {sg.index: i for i, sg in enumerate(compute_todo)}
         writes: dict[int, concurrent.futures.Future[None]] = {}
@@ -320,6 +325,14 @@ class StepPipeline:
             f"the same gradients to finish it. Cause: {cause}"
         )
         raise StepFailedError(what, step=step, undone=undone) from cause
+
+    def _ordered(self, order: Sequence[int]) -> list[SubGroup]:
+        if sorted(order) != list(range(len(self.sub_groups))):
+            raise SwapConfigError(
+                f"step order {list(order)[:8]}... must name each of the {len(self.sub_groups)} "
+                "sub-groups once"
+            )
+        return [self.sub_groups[i] for i in order]
 
     def _read_ahead(
         self, order: list[SubGroup], start: int, extra: Callable[[SubGroup], list[str]]
