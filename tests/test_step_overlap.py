@@ -480,7 +480,7 @@ def test_overlap_settings(tmp_path: Path) -> None:
     with pytest.raises(SwapConfigError, match="overlap"):
         StepConfig(overlap="yes")  # type: ignore[arg-type]
     # plain tensors have no hooks to wait in
-    with pytest.raises(SwapConfigError, match="overlap=True needs"):
+    with pytest.raises(SwapConfigError, match=r"overlap=True\) needs tiers"):
         OffloadAdamW(
             _mlp().parameters(),
             tiers=swapper.ManagerConfig(device_nbytes=0, host_nbytes=None),
@@ -499,3 +499,53 @@ def test_overlap_settings(tmp_path: Path) -> None:
             wrapped.parameters(), tiers=wrapped, config=StepConfig(overlap=False)
         ) as opt:
             assert opt._deferred is None
+
+
+def test_pressure_run_overlapped_is_identical_to_the_unlimited_one(tmp_path: Path) -> None:
+    """``swapper-pressure --overlap``: the budgeted GPT (tied weights, clipping) overlaps
+    its steps, the unlimited reference does not; losses, weights and digest agree."""
+    from swapper.pressure.model import GPTConfig
+    from swapper.pressure.runner import PressureSettings, run_pressure
+
+    num_params = GPTConfig.for_params(300_000).num_params()
+    swap = tmp_path / "swap"
+    swap.mkdir()
+    settings = PressureSettings(
+        params=300_000,
+        steps=3,
+        device_nbytes=2 * num_params // 4,
+        host_nbytes=12 * num_params // 4,
+        dirs=(swap,),
+        overlap=True,
+    )
+    result = run_pressure(settings)
+    assert result.identical and result.within_budgets
+    assert result.losses == result.reference_losses
+    assert result.to_json()["overlap"] is True
+
+
+def test_snapshots_and_resume_with_overlap_end_bit_identical(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, slow_update: None
+) -> None:
+    """tests/ckpt_train.py's run (tiny GPT, tied weights, clipping; a snapshot taken right
+    after ``zero_grad()``, while the update runs): overlapped, stopped and resumed, it
+    ends with the digest of the ordinary uninterrupted run."""
+    import ckpt_train
+
+    ordinary = ckpt_train.train(tmp_path / "ordinary", steps=4, every=2)
+
+    def overlapped(swap: Path, *, host_fraction: float = 0.0, sub_group_numel: int = 1024) -> Any:
+        return OffloadConfig.create(
+            device_nbytes=ckpt_train.DEVICE_NBYTES,
+            host_nbytes=ckpt_train.HOST_NBYTES,
+            nvme_dirs=[swap],
+            device="cpu",
+            step=StepConfig(
+                sub_group_numel=sub_group_numel, host_fraction=host_fraction, overlap=True
+            ),
+        )
+
+    monkeypatch.setattr(ckpt_train, "config", overlapped)
+    assert ckpt_train.train(tmp_path / "whole", steps=4, every=2) == ordinary
+    ckpt_train.train(tmp_path / "cut", steps=4, every=2, stop_after=3)  # 3 is lost
+    assert ckpt_train.train(tmp_path / "cut", steps=4, every=2) == ordinary

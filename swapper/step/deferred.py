@@ -336,7 +336,8 @@ class DeferredSteps:
     def _work(self, job: _Job) -> None:
         self._worker = threading.get_ident()
         try:
-            self._complete(job)
+            with torch.no_grad():  # (grad mode is per thread: step()'s does not reach here)
+                self._complete(job)
         except BaseException as exc:  # kept, raised where the update is needed
             log.warning("the overlapped update of step %d failed: %r", job.step, exc)
 

@@ -233,7 +233,6 @@ class StepPipeline:
             return 2
         kept = sum(sg.state_nbytes for sg in self.sub_groups[: self.kept])
         largest = max(sg.state_nbytes for sg in streamed)
-        # one computing and one being written behind; the rest of the budget reads ahead
         slots = (host - kept) // largest
         # one computing and one being written behind; the rest of the budget reads ahead.
         # With room for one only, a read-ahead would evict the sub-group about to compute.
@@ -251,9 +250,9 @@ class StepPipeline:
         timeout_s: float | None = None,
         order: Sequence[int] | None = None,
     ) -> None:
-        """Bring every sub-group to step ``step``, in ``order`` (sub-group indices, each
-        once; ``None``: by index). The order changes no result: each sub-group's update
-        reads only its own state and gradients.
+        """Bring every sub-group to step ``step``, in ``order`` (a permutation of the
+        sub-group indices; ``None``: by index). The order changes no result: each
+        sub-group's update reads only its own state and gradients.
 
         For each sub-group not yet at ``step``: fetch its state (read ahead), ``compute``
         on it (which updates the state in place), ``publish`` the result (the 16-bit
@@ -286,7 +285,7 @@ class StepPipeline:
         order: Sequence[int] | None,
     ) -> None:
         extra = extra_keys or (lambda sg: [])
-        walk = self.sub_groups if order is None else self._ordered(order)
+        walk = self.sub_groups if order is None else [self.sub_groups[i] for i in order]
         todo = [sg for sg in walk if self.progress[sg.index].durable < step]
         compute_todo = [sg for sg in todo if self.progress[sg.index].applied < step]
         position = {sg.index: i for i, sg in enumerate(compute_todo)}
@@ -325,14 +324,6 @@ class StepPipeline:
             f"the same gradients to finish it. Cause: {cause}"
         )
         raise StepFailedError(what, step=step, undone=undone) from cause
-
-    def _ordered(self, order: Sequence[int]) -> list[SubGroup]:
-        if sorted(order) != list(range(len(self.sub_groups))):
-            raise SwapConfigError(
-                f"step order {list(order)[:8]}... must name each of the {len(self.sub_groups)} "
-                "sub-groups once"
-            )
-        return [self.sub_groups[i] for i in order]
 
     def _read_ahead(
         self, order: list[SubGroup], start: int, extra: Callable[[SubGroup], list[str]]
