@@ -549,3 +549,65 @@ def test_snapshots_and_resume_with_overlap_end_bit_identical(
     assert ckpt_train.train(tmp_path / "whole", steps=4, every=2) == ordinary
     ckpt_train.train(tmp_path / "cut", steps=4, every=2, stop_after=3)  # 3 is lost
     assert ckpt_train.train(tmp_path / "cut", steps=4, every=2) == ordinary
+
+
+@pytest.mark.parametrize("at", [1, 4, 9, 17])
+def test_update_cut_at_any_wait_is_finished_once_by_step(tmp_path: Path, at: int) -> None:
+    """KeyboardInterrupt raised in the update's thread at its ``at``-th wait point (a
+    fetch, a budget wait, a write): the failure surfaces where the update is needed (a
+    forward, a backward, a wait), ``step()`` finishes it, and training ends bit-identical
+    to the in-memory reference: nothing lost, nothing applied twice."""
+    data = _data(1, torch.bfloat16)
+    cut: list[str] = []
+    waits = 0
+
+    def hook(name: str) -> None:
+        nonlocal waits
+        if threading.current_thread().name.startswith("swapper-step-") and not cut:
+            waits += 1
+            if waits == at:
+                cut.append(name)
+                raise KeyboardInterrupt
+
+    surfaced: list[int] = []
+    losses: list[float] = []
+    previous = signals.set_wait_hook(hook)
+    try:
+        with (
+            swapper.offload(_mlp(), _config(tmp_path, "cut", overlap=True)) as wrapped,
+            OffloadAdamW(wrapped.parameters(), **ADAM, tiers=wrapped) as opt,
+        ):
+            for ((x, y),) in data:
+                while True:
+                    try:
+                        loss = _loss(wrapped, x, y)
+                        loss.backward()
+                        break
+                    except DeferredStepError as failed:
+                        surfaced.append(failed.step)
+                        opt.step()  # finishes that step; starts none
+                        opt.zero_grad()
+                losses.append(loss.item())
+                opt.step()
+                for group in opt.param_groups:
+                    group["lr"] *= LR_DECAY
+                with contextlib.suppress(StepPendingError):
+                    opt.zero_grad()
+            while True:
+                try:
+                    opt.wait_pending()
+                    break
+                except DeferredStepError as failed:
+                    surfaced.append(failed.step)
+                    opt.step()
+            assert opt.step_count == STEPS
+            params = wrapped.state_dict()
+            state = _flat_state(opt)
+    finally:
+        signals.set_wait_hook(previous)
+    assert cut, f"the update passed fewer than {at} wait points"
+    assert len(surfaced) == 1 and 1 <= surfaced[0] <= STEPS
+    reference = _reference(data)
+    assert losses == reference.losses
+    _assert_bitwise(params, reference.params)
+    _assert_bitwise(state, reference.state)
