@@ -611,3 +611,11 @@ def test_update_cut_at_any_wait_is_finished_once_by_step(tmp_path: Path, at: int
     assert losses == reference.losses
     _assert_bitwise(params, reference.params)
     _assert_bitwise(state, reference.state)
+
+
+def test_pressure_cli_overlap_is_single_process(capsys: pytest.CaptureFixture[str]) -> None:
+    from swapper.pressure.cli import main
+
+    assert main(["--overlap", "--nproc", "2", "--batch", "4"]) == 2
+    err = capsys.readouterr().err
+    assert "--overlap is single-process" in err and "Traceback" not in err
