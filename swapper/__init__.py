@@ -26,6 +26,7 @@ if TYPE_CHECKING:
         TierManager,
     )
     from swapper.step import (
+        DeferredStepError,
         DynamicLossScaler,
         OffloadAdamW,
         StateDictError,
@@ -76,6 +77,7 @@ _LAZY: dict[str, str] = {
     ),
     **dict.fromkeys(
         (
+            "DeferredStepError",
             "DynamicLossScaler",
             "OffloadAdamW",
             "StateDictError",
@@ -113,6 +115,7 @@ __all__ = [
     "AioConfig",
     "AioEngine",
     "Backend",
+    "DeferredStepError",
     "DistributedConfig",
     "DynamicLossScaler",
     "EntryState",

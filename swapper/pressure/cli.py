@@ -157,6 +157,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --nproc N > 1: the dtype gradients are summed in over the ranks: param "
         "(the default: the parameters' 16-bit dtype) or float32 (twice the bytes)",
     )
+    p.add_argument(
+        "--overlap",
+        action="store_true",
+        help="overlap each optimizer step with the next forward in the budgeted run "
+        "(StepConfig(overlap=True); one process)",
+    )
     p.add_argument("--json", type=Path, metavar="FILE", help="write the results as JSON")
     return p
 
@@ -179,6 +185,8 @@ def _run(argv: list[str]) -> int:
     if args.nproc > 1:
         if args.checkpoint_every is not None or args.resume or args.export is not None:
             parser.error("--checkpoint-every, --resume and --export are single-process (--nproc 1)")
+        if args.overlap:
+            parser.error("--overlap is single-process for now (--nproc 1)")
         if args.batch % args.nproc:
             parser.error(
                 f"--batch {args.batch} is not a multiple of --nproc {args.nproc} (each rank "
@@ -205,6 +213,7 @@ def _run(argv: list[str]) -> int:
         resume=args.resume,
         keep_last=args.keep_last,
         export_dir=args.export,
+        overlap=args.overlap,
     )
     if args.nproc > 1:
         return _run_ranks(

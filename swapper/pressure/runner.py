@@ -83,6 +83,9 @@ class PressureSettings:
         resume: continue from the newest usable snapshot in the checkpoint store.
         keep_last: snapshots kept.
         export_dir: after the pressure run, export its weights there as safetensors.
+        overlap: the budgeted run overlaps each optimizer step with the next forward
+            (``StepConfig(overlap=True)``); the unlimited reference does not, so the
+            comparison checks that it changes no result.
     """
 
     params: int = 2_000_000
@@ -101,6 +104,7 @@ class PressureSettings:
     resume: bool = False
     keep_last: int = 2
     export_dir: Path | None = None
+    overlap: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.aio, AioConfig):
@@ -204,6 +208,7 @@ class PressureResult:
             "steps": self.settings.steps,
             "seed": self.settings.seed,
             "dtype": self.settings.dtype,
+            "overlap": self.settings.overlap,
             "losses": self.losses,
             "reference_losses": self.reference_losses,
             "identical": self.identical,
@@ -289,7 +294,7 @@ def run_pressure(
             host_nbytes=host,
             nvme_dirs=dirs,
             aio=settings.aio,
-            step=StepConfig(sub_group_numel=sub_group),
+            step=StepConfig(sub_group_numel=sub_group, overlap=settings.overlap),
             device="cpu",
         )
         reset_peak_rss()

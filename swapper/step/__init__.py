@@ -4,6 +4,7 @@ from the retained 16-bit ones (never written to disk), PyTorch's fused AdamW."""
 from swapper.step.config import StepConfig
 from swapper.step.layout import ALIGN_NUMEL, Piece, SubGroup, plan_sub_groups
 from swapper.step.optimizer import (
+    DeferredStepError,
     OffloadAdamW,
     StateDictError,
     StepPendingError,
@@ -15,6 +16,7 @@ from swapper.step.scaler import DynamicLossScaler
 
 __all__ = [
     "ALIGN_NUMEL",
+    "DeferredStepError",
     "DynamicLossScaler",
     "OffloadAdamW",
     "Piece",

@@ -40,6 +40,12 @@ class StepConfig:
         accumulate_fp32: accumulate gradients over micro-steps in fp32 accumulators in
             host memory (4 B per parameter element) instead of in the 16-bit ``.grad``.
         readahead: sub-groups read ahead (``None``: what the host budget allows).
+        overlap: run each step's sub-group updates in the background, in the forward
+            order of their parameters, while the next forward runs; the forward's hooks
+            wait for the update of a parameter they fetch (``None``: the model's setting,
+            else False). The results are bit-identical either way. Only over a model
+            wrapped by :func:`swapper.offload` in one process (see
+            :mod:`swapper.step.deferred`).
         name: prefix of the optimizer's keys in the manager.
 
     Raises:
@@ -51,6 +57,7 @@ class StepConfig:
     max_grad_norm: float | None = None
     accumulate_fp32: bool = False
     readahead: int | None = None
+    overlap: bool | None = None
     name: str = "adamw"
 
     def __post_init__(self) -> None:
@@ -88,6 +95,10 @@ class StepConfig:
             isinstance(ahead, bool) or not isinstance(ahead, int) or ahead < 0
         ):
             raise SwapConfigError(f"readahead={ahead!r} must be an int >= 0 or None")
+        if self.overlap is not None and not isinstance(self.overlap, bool):
+            raise SwapConfigError(
+                f"overlap={self.overlap!r} must be True, False or None (the model's setting)"
+            )
         if not isinstance(self.name, str) or not self.name:
             raise SwapConfigError(f"name={self.name!r} must be a non-empty key prefix")
 

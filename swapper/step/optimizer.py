@@ -1,5 +1,6 @@
-# Size: one class (~550 lines): torch.optim.Optimizer's surface and the step it runs;
-# the state dict, parameter checks and legacy swap already live elsewhere.
+# Size: one class (~600 lines): torch.optim.Optimizer's surface and the step it runs;
+# the state dict, parameter checks, legacy swap and the overlapped step
+# (swapper.step.deferred) already live elsewhere.
 """``OffloadAdamW``: AdamW over 16-bit parameters with fp32 state streamed from the tiers.
 
 The 16-bit parameters and their 16-bit gradients stay where they are (ordinary tensors);
@@ -30,6 +31,7 @@ import torch
 from swapper.manager import ManagerConfig, TierManager
 from swapper.step.clip import clip_coefficient, grad_norm32, total_norm
 from swapper.step.config import DEFAULT_SUB_GROUP_NUMEL, StepConfig, check_hyper
+from swapper.step.deferred import DeferredStepError, DeferredSteps
 from swapper.step.layout import SubGroup, plan_sub_groups
 from swapper.step.params import check_params, fp32_accumulators
 from swapper.step.pipeline import PipelineClosedError, StepPipeline, StepTraffic
@@ -45,7 +47,14 @@ from swapper.step.state import (
 from tiers import signals
 from tiers.errors import SwapConfigError, SwapError
 
-__all__ = ["OffloadAdamW", "StateDictError", "StepPendingError", "StepReport", "SubGroupStates"]
+__all__ = [
+    "DeferredStepError",
+    "OffloadAdamW",
+    "StateDictError",
+    "StepPendingError",
+    "StepReport",
+    "SubGroupStates",
+]
 
 
 class StepPendingError(SwapError, RuntimeError):
@@ -87,6 +96,11 @@ class OffloadAdamW(torch.optim.Optimizer):
     While the state streams from NVMe, :meth:`step` runs PyTorch's intra-op pool with one
     thread fewer than configured (``torch.set_num_threads``, restored after), leaving a
     core to the I/O threads.
+
+    With ``StepConfig(overlap=True)`` (over an offloaded model), :meth:`step` returns
+    once the global part is done and the sub-group updates run in the background while
+    the next forward runs; what reads parameters or state waits for them first (see
+    :mod:`swapper.step.deferred`; :meth:`wait_pending` waits explicitly).
 
     A parameter whose ``.grad`` is None at a step is stepped with a zero gradient (its
     moments decay, weight decay applies), as in ZeRO's flat partitions; ``torch.optim``
@@ -156,7 +170,7 @@ class OffloadAdamW(torch.optim.Optimizer):
                 f"tiers={tiers!r} must be a TierManager, a ManagerConfig or an offloaded model"
             )
         config = config.merged(
-            StepConfig(sub_group_numel=DEFAULT_SUB_GROUP_NUMEL, host_fraction=0.0)
+            StepConfig(sub_group_numel=DEFAULT_SUB_GROUP_NUMEL, host_fraction=0.0, overlap=False)
         )
         sub_group_numel = config.sub_group_numel or DEFAULT_SUB_GROUP_NUMEL
         host_fraction = config.host_fraction or 0.0
@@ -177,6 +191,10 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._load_incomplete = False  # a load_state_dict stopped part-way
         self._accumulators: list[torch.Tensor] = []
         self._hooks: list[Any] = []
+        # overlap (swapper.step.deferred): the running update's hyper-parameters and order
+        self._deferred: DeferredSteps | None = None
+        self._frozen_groups: list[dict[str, Any]] | None = None
+        self._run_order: tuple[int, ...] | None = None
         self._owns_manager = isinstance(tiers, ManagerConfig)
         if isinstance(tiers, ManagerConfig):
             self.manager = TierManager(tiers)
@@ -202,6 +220,8 @@ class OffloadAdamW(torch.optim.Optimizer):
                 pipeline.initialize(self._initial_state)
             else:  # the state is in the manager already (swapper.offload(resume=...))
                 adopt(self, pipeline, resumed)
+            if config.overlap:
+                self._deferred = DeferredSteps(self, tiers, self._source)
         except BaseException:
             for hook in self._hooks:
                 hook.remove()
@@ -238,6 +258,10 @@ class OffloadAdamW(torch.optim.Optimizer):
             PeerFailedError: over a model sharded across ranks, another rank's step
                 failed; this rank's step stays pending as well: call ``step()`` again on
                 every rank.
+
+        With overlap, the update's own errors surface later (:class:`DeferredStepError`
+        naming the step, at the first call that needs it); ``step()`` then finishes the
+        failed update and returns without starting a new step.
         """
         loss = None
         if closure is not None:
@@ -247,7 +271,10 @@ class OffloadAdamW(torch.optim.Optimizer):
         # a sub-group's update and its record, nor between the pipeline's end and the
         # step count. Cut at a wait, the step is pending: step() again finishes it.
         with signals.at_waits:
-            self._step()
+            if self._deferred is not None:
+                self._deferred.step()
+            else:
+                self._step()
         return loss
 
     def _step(self) -> None:
@@ -270,17 +297,24 @@ class OffloadAdamW(torch.optim.Optimizer):
                 group["step"] = target
             if self.loss_scaler is not None:
                 self.loss_scaler.update(False)
+        norm = None if grad_norm is None else float(grad_norm)
+        self._report(started, before, stall_before, norm, skipped=skipped)
+
+    def _report(
+        self, started: float, before: Any, stall_before: float, norm: float | None, *, skipped: bool
+    ) -> None:
         self.last_step = StepReport(
             step=self._step_count,
             skipped=skipped,
-            grad_norm=None if grad_norm is None else float(grad_norm),
+            grad_norm=norm,
             seconds=time.perf_counter() - started,
             stall_seconds=self.manager.stats().stall_s - stall_before,
             traffic=self._pipeline.traffic_since(before),
         )
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear the gradients (and the fp32 accumulators).
+        """Clear the gradients (and the fp32 accumulators). With an overlapped update
+        running, the update drops them once it has read them (this returns at once).
 
         Raises:
             StepPendingError: a step failed part-way; finish it with ``step()`` first (its
@@ -291,6 +325,11 @@ class OffloadAdamW(torch.optim.Optimizer):
                 f"step {self._pending} failed part-way; call step() again to finish it "
                 "before zero_grad() (the sub-groups left need these gradients)"
             )
+        if self._deferred is not None and self._deferred.defer_zero_grad():
+            return  # the running update drops them once it has read them
+        self._zero_grad_now(set_to_none)
+
+    def _zero_grad_now(self, set_to_none: bool = True) -> None:
         if isinstance(self._source, LocalParams):
             super().zero_grad(set_to_none=set_to_none)
         else:
@@ -308,7 +347,19 @@ class OffloadAdamW(torch.optim.Optimizer):
         memory at once); :meth:`~swapper.step.OffloadAdamW.load_state_dict` of it, into
         another optimizer, streams.
         """
+        self.wait_pending()
         return saved_state(self)
+
+    def wait_pending(self) -> None:
+        """Return once no overlapped update is running (``StepConfig(overlap=True)``;
+        at once otherwise): the parameters and the state then reflect every step taken.
+
+        Raises:
+            DeferredStepError: the update of a step failed in the background (the step is
+                named); call ``step()`` again to finish it.
+        """
+        if self._deferred is not None:
+            self._deferred.wait()
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load what :meth:`state_dict` returned, one sub-group at a time; each is durable
@@ -324,6 +375,8 @@ class OffloadAdamW(torch.optim.Optimizer):
                 named), or a value in it is invalid (named).
             SwapIOError: writing a sub-group failed; ``step()`` refuses until a load succeeds.
         """
+        if self._deferred is not None:
+            self._deferred.forget_failed()  # the load replaces what it would finish
         load_state(self, state_dict)
 
     def close(self) -> None:
@@ -331,6 +384,8 @@ class OffloadAdamW(torch.optim.Optimizer):
         manager if the optimizer made it (its files are deleted). Idempotent."""
         if self._closed:
             return
+        if self._deferred is not None:
+            self._deferred.close()
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
@@ -483,6 +538,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             target,
             lambda sg, state, extras: self._update(sg, state, extras, target, factor),
             self._publish,
+            order=self._run_order,
         )
 
     def _grad_buffer(self, device: torch.device, numel: int) -> torch.Tensor:
@@ -515,7 +571,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         step: int,
         factor: float,
     ) -> None:
-        group = self.param_groups[sg.group_index]
+        group = (self._frozen_groups or self.param_groups)[sg.group_index]
         n = sg.numel
         grad = self._grad(sg, state, extras, factor)
         beta1, beta2 = group["betas"]
@@ -553,3 +609,5 @@ class OffloadAdamW(torch.optim.Optimizer):
                 piece.param_offset,
                 master[piece.offset : piece.offset + piece.numel],
             )
+        if self._deferred is not None:
+            self._deferred.published(sg.index)

@@ -233,7 +233,6 @@ class StepPipeline:
             return 2
         kept = sum(sg.state_nbytes for sg in self.sub_groups[: self.kept])
         largest = max(sg.state_nbytes for sg in streamed)
-        # one computing and one being written behind; the rest of the budget reads ahead
         slots = (host - kept) // largest
         # one computing and one being written behind; the rest of the budget reads ahead.
         # With room for one only, a read-ahead would evict the sub-group about to compute.
@@ -249,8 +248,11 @@ class StepPipeline:
         *,
         extra_keys: Callable[[SubGroup], list[str]] | None = None,
         timeout_s: float | None = None,
+        order: Sequence[int] | None = None,
     ) -> None:
-        """Bring every sub-group to step ``step``.
+        """Bring every sub-group to step ``step``, in ``order`` (a permutation of the
+        sub-group indices; ``None``: by index). The order changes no result: each
+        sub-group's update reads only its own state and gradients.
 
         For each sub-group not yet at ``step``: fetch its state (read ahead), ``compute``
         on it (which updates the state in place), ``publish`` the result (the 16-bit
@@ -271,7 +273,7 @@ class StepPipeline:
         # bookkeeping below is exact, or when it ends; never between a fetch and the
         # record of it, nor between a compute and its mark.
         with signals.at_waits:
-            self._run(step, compute, publish, extra_keys, timeout_s)
+            self._run(step, compute, publish, extra_keys, timeout_s, order)
 
     def _run(
         self,
@@ -280,9 +282,11 @@ class StepPipeline:
         publish: Callable[[SubGroup, torch.Tensor], None],
         extra_keys: Callable[[SubGroup], list[str]] | None,
         timeout_s: float | None,
+        order: Sequence[int] | None,
     ) -> None:
         extra = extra_keys or (lambda sg: [])
-        todo = [sg for sg in self.sub_groups if self.progress[sg.index].durable < step]
+        walk = self.sub_groups if order is None else [self.sub_groups[i] for i in order]
+        todo = [sg for sg in walk if self.progress[sg.index].durable < step]
         compute_todo = [sg for sg in todo if self.progress[sg.index].applied < step]
         position = {sg.index: i for i, sg in enumerate(compute_todo)}
         writes: dict[int, concurrent.futures.Future[None]] = {}

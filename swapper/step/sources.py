@@ -7,7 +7,7 @@ elements, so the optimizer does not care whether they are ordinary tensors
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
@@ -18,7 +18,13 @@ if TYPE_CHECKING:
     from swapper.manager import TierManager
     from swapper.step.config import StepConfig
 
-__all__ = ["LocalParams", "ParamSource", "SharedStep", "TieredModel"]
+__all__ = ["GatedModel", "LocalParams", "ParamGate", "ParamSource", "SharedStep", "TieredModel"]
+
+#: ``gate(param)``: called by a model's hooks before they fetch ``param`` (and before a
+#: weight of it is read or written outside them); returns once no pending optimizer
+#: update will change it. ``gate(None)``: wait until no update is pending at all. Raises
+#: what the pending update failed with (see :mod:`swapper.step.deferred`).
+ParamGate = Callable[[torch.Tensor | None], None]
 
 
 class ParamSource(Protocol):
@@ -126,4 +132,23 @@ class TieredModel(Protocol):
     def step_config(self) -> StepConfig:
         """The optimizer settings its config gives (``OffloadConfig.step``); the
         optimizer takes those its own config leaves ``None``."""
+        ...
+
+
+@runtime_checkable
+class GatedModel(Protocol):
+    """A model whose hooks call a :data:`ParamGate` before they use a parameter (what an
+    overlapped step needs: :mod:`swapper.step.deferred`)."""
+
+    def set_param_gate(self, gate: ParamGate | None) -> None:
+        """Install ``gate`` (None: remove it).
+
+        Raises:
+            SwapConfigError: another gate is installed (one overlapped optimizer per model).
+        """
+        ...
+
+    def release_stale_holds(self, *, warn: bool = True) -> int:
+        """Release what a forward or backward that raised left fetched (before an update
+        writes the parameters from another thread)."""
         ...

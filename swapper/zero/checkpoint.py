@@ -184,6 +184,7 @@ def check_saveable(model: OffloadedModel | ShardedModel, optimizer: OffloadAdamW
                 "save_snapshot: the optimizer keeps its state in another manager than the "
                 "model's; build it with OffloadAdamW(model.parameters(), tiers=model)"
             )
+        optimizer.wait_pending()  # an overlapped update finished (or its failure raised)
         if optimizer._load_incomplete:
             raise StateDictError(
                 "a load_state_dict() or import_dcp() stopped part-way: the optimizer's state "
@@ -471,6 +472,7 @@ def final_digest(
     for name in sorted(per_param):
         total.update(b"%s=%016x;" % (name.encode(), per_param[name]))
     if optimizer is not None:
+        optimizer.wait_pending()
         meta = optimizer_meta(optimizer)
         counters = {k: meta[k] for k in ("step", "groups", "loss_scaler")}
         total.update(json.dumps(counters, sort_keys=True).encode())

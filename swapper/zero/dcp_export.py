@@ -119,6 +119,8 @@ def export_dcp(
         raise SwapConfigError(f"{out / '.metadata'} exists: export into an empty directory")
     if dist.is_available() and dist.is_initialized():
         raise SwapConfigError("export_dcp: several ranks are not supported yet (single process)")
+    if optimizer is not None:
+        optimizer.wait_pending()  # an overlapped update finished (or its failure raised)
     entries: dict[str, tuple[torch.Size, torch.dtype, Callable[[], torch.Tensor]]] = {}
     for name, shape, dtype in model.named_offloaded():
         slot = model._by_name[name]
@@ -178,6 +180,8 @@ def import_dcp(
     from torch.distributed.checkpoint.state_dict_loader import load
 
     where = Path(directory)
+    if optimizer is not None and optimizer._deferred is not None:
+        optimizer._deferred.forget_failed()  # the load replaces what it would finish
 
     def read(target: dict[str, Any]) -> dict[str, Any]:
         try:

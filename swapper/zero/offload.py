@@ -63,7 +63,7 @@ from torch import nn
 from swapper.manager import Kind, ManagerStats, Tier, TierManager
 from swapper.step.clip import grad_norm32
 from swapper.step.config import StepConfig
-from swapper.step.sources import ParamSource
+from swapper.step.sources import ParamGate, ParamSource
 from swapper.zero import checkpoint
 from swapper.zero.autograd import in_autograd, mark_outputs
 from swapper.zero.config import OffloadConfig
@@ -160,6 +160,7 @@ class OffloadedModel(nn.Module):
         self._forward_depth = 0  # calls of forward() running
         self._in_backward = False
         self._closed = False
+        self._param_gate: ParamGate | None = None  # an overlapped optimizer's (set_param_gate)
         self._check_modules(module)
         self._manager, self.resumed = checkpoint.open_manager(config.manager, resume)
         #: until placed: each parameter emptied, its bytes (None: materialised), its slot
@@ -203,6 +204,17 @@ class OffloadedModel(nn.Module):
     def step_config(self) -> StepConfig:
         """The optimizer settings ``config`` gives (``config.step``)."""
         return self.config.step
+
+    def set_param_gate(self, gate: ParamGate | None) -> None:
+        """Install the gate of an overlapped optimizer (:mod:`swapper.step.deferred`),
+        called before a parameter is fetched or its weight read or written; None removes it.
+
+        Raises:
+            SwapConfigError: another optimizer's gate is installed.
+        """
+        if gate is not None and self._param_gate is not None:
+            raise SwapConfigError("offload: one overlapped optimizer per model (a gate is set)")
+        self._param_gate = gate
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The wrapped model's forward. If it raises (an error, Ctrl-C), the parameters its
@@ -261,6 +273,8 @@ class OffloadedModel(nn.Module):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop the retained 16-bit gradients (the optimizer's ``zero_grad`` does the
         same): the next backward starts them afresh rather than adding to them."""
+        if self._param_gate is not None:
+            self._param_gate(None)  # an overlapped update still reads them
         super().zero_grad(set_to_none=set_to_none)
         self._drop_grads(self._by_name.values())
 
@@ -321,6 +335,9 @@ class OffloadedModel(nn.Module):
         weights back instead). Idempotent."""
         if self._closed:
             return
+        if self._param_gate is not None:
+            with contextlib.suppress(Exception):  # (the optimizer raises it at its next call)
+                self._param_gate(None)
         self._closed = True
         for handle in self._handles:
             handle.remove()
@@ -552,6 +569,8 @@ class OffloadedModel(nn.Module):
         the fetch, an error), nothing is counted or held; a signal arriving after the fetch
         waits for the caller's section, which records the hold first."""
         with signals.at_waits:
+            if self._param_gate is not None:
+                self._param_gate(slot.param)  # an overlapped step's update of it first
             with self._lock:
                 slot.users += 1
                 if slot.users > 1:

@@ -181,6 +181,8 @@ def _held(model: OffloadedModel, slot: Slot, *, write: bool) -> Iterator[torch.T
             "`with swapper.offload(...)` block or call unwrap() to get the weights back "
             "instead of close()"
         )
+    if model._param_gate is not None:
+        model._param_gate(slot.param)  # an overlapped step's update of it first
     if slot.users:
         if write:
             raise SwapConfigError(
