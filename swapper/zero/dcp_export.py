@@ -52,15 +52,7 @@ import torch
 
 from swapper.distributed import DistGroup, agree
 from swapper.step.layout import STATE_ROWS
-from swapper.zero.dcp_reshard import (
-    Box,
-    BoxSource,
-    CheckedReader,
-    DcpCheckpointError,
-    SliceLoadPlanner,
-    StreamingSavePlanner,
-    flat_boxes,
-)
+from swapper.zero.dcp_reshard import Box, DcpCheckpointError, flat_boxes
 from swapper.zero.sharded import ShardedModel
 from swapper.zero.weights import fetch_copy, write_through
 from tiers.errors import SwapConfigError
@@ -69,6 +61,7 @@ if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import Metadata
 
     from swapper.step.optimizer import OffloadAdamW
+    from swapper.zero.dcp_planners import BoxSource, CheckedReader
     from swapper.zero.offload import OffloadedModel
 
 __all__ = ["LOAD_BATCH_NBYTES", "DcpCheckpointError", "export_dcp", "import_dcp"]
@@ -182,6 +175,8 @@ def _spans(optimizer: OffloadAdamW) -> dict[int, list[tuple[int, int, int, int]]
 
 
 def _optimizer_sources(owned: list[_Owned], optimizer: OffloadAdamW) -> list[BoxSource]:
+    from swapper.zero.dcp_planners import BoxSource
+
     cache = _SubGroupCache(optimizer)
     spans = _spans(optimizer)
     mine = {id(o.param) for o in owned}
@@ -255,6 +250,8 @@ def export_dcp(
     # (imported here: torch.distributed.checkpoint is heavy, and only an export needs it)
     from torch.distributed.checkpoint.filesystem import FileSystemWriter
     from torch.distributed.checkpoint.state_dict_saver import save
+
+    from swapper.zero.dcp_planners import BoxSource, StreamingSavePlanner
 
     out = Path(directory)
     owned, group = _owned(model)
@@ -337,20 +334,21 @@ def _load(
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict_loader import load
 
+    from swapper.zero.dcp_planners import SliceLoadPlanner
+
     state = {} if state is None else state
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=_IGNORED)
             load(state, storage_reader=reader, planner=SliceLoadPlanner(targets), no_dist=True)
-    except CheckpointException as exc:
-        for failure in exc.failures.values():
+    except CheckpointException as exc:  # (a BaseException) each rank's (error, traceback)
+        inner = [pair[0] for pair in exc.failures.values()]
+        for failure in inner:
             if isinstance(failure, DcpCheckpointError):
                 raise failure from None
-            inner = getattr(failure, "exception", None)  # (a wrapped one)
-            if isinstance(inner, DcpCheckpointError):
-                raise inner from None
         names = ", ".join(sorted(targets))[:200]
-        raise DcpCheckpointError(where, f"cannot load {names}: {exc}") from None
+        why = "; ".join(f"{type(e).__name__}: {e}" for e in inner)
+        raise DcpCheckpointError(where, f"cannot load {names}: {why}") from None
     except (RuntimeError, ValueError, KeyError) as exc:
         raise DcpCheckpointError(where, f"cannot load: {exc}") from None
     return state
@@ -387,6 +385,8 @@ def import_dcp(
         SwapConfigError: a parameter is in use (inside a forward or backward).
         and what the tiers raise.
     """
+    from swapper.zero.dcp_planners import CheckedReader
+
     where = Path(directory)
     owned, group = _owned(model)
     reader = CheckedReader(where)

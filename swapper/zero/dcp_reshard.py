@@ -1,5 +1,5 @@
-"""What a rank owns of each tensor, as Distributed Checkpoint chunks, and the DCP
-planners and reader that stream them (used by :mod:`swapper.zero.dcp_export`).
+"""What a rank owns of each tensor, as Distributed Checkpoint chunks (used by
+:mod:`swapper.zero.dcp_export`), and the error for a checkpoint that cannot be read.
 
 A rank of a sharded model (:mod:`swapper.distributed.partition`) owns a *flat* range
 ``[start, end)`` of each parameter (row-major, padding excluded), or the whole of it, or
@@ -11,60 +11,26 @@ them). :func:`flat_boxes` cuts a flat range into such boxes: at most ``2 * ndim 
 flattened tensor, so each is one slice of the rank's flat shard. The boxes of all ranks
 tile the tensor: DCP's own global-plan validation checks that (no overlap, full cover).
 
-Write side (:class:`StreamingSavePlanner`): the plan's items are made from the boxes
-(``WriteItemType.SHARD``, the tensor's global size), and ``resolve_data`` fetches a
-box's values from the tiers only when the writer asks for it, so one box (at most one
-parameter's local part) and one optimizer sub-group are in memory at a time.
-
-Read side (:class:`SliceLoadPlanner`): the read items come from DCP's own
-``create_read_items_for_chunk_list`` for the boxes a rank owns under *its* partition
-(any world size), and land in slices of a flat buffer of that rank's part.
-:class:`CheckedReader` names the file when one is missing, shorter than the metadata
-says, or does not decode.
+The DCP side lives in :mod:`swapper.zero.dcp_planners` (imported only by an export or
+an import: ``torch.distributed.checkpoint`` is heavy). Write side: the plan's items are
+made from the boxes (``WriteItemType.SHARD``, the tensor's global size), and a box's
+values are fetched from the tiers only when the writer asks for them, so one box (at
+most one parameter's local part) and one optimizer sub-group are in memory at a time.
+Read side: the read items come from DCP's own ``create_read_items_for_chunk_list`` for
+the boxes a rank owns under *its* partition (any world size), and land in slices of a
+flat buffer of that rank's part; a missing, short, CRC-failing or undecodable file is a
+:class:`DcpCheckpointError` naming it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import io
 import os
-import zipfile
-from collections.abc import Callable, Sequence
-from pathlib import Path
-from typing import IO, Any
-
-import torch
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.filesystem import FileSystemReader
-from torch.distributed.checkpoint.metadata import (
-    ChunkStorageMetadata,
-    Metadata,
-    MetadataIndex,
-    TensorProperties,
-    TensorStorageMetadata,
-)
-from torch.distributed.checkpoint.planner import (
-    LoadPlan,
-    LoadPlanner,
-    ReadItem,
-    SavePlan,
-    TensorWriteData,
-    WriteItem,
-    WriteItemType,
-)
-from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
-from torch.futures import Future
+from collections.abc import Sequence
 
 from swapper.step.state import StateDictError
 
-__all__ = [
-    "Box",
-    "CheckedReader",
-    "DcpCheckpointError",
-    "SliceLoadPlanner",
-    "StreamingSavePlanner",
-    "flat_boxes",
-]
+__all__ = ["Box", "DcpCheckpointError", "flat_boxes"]
 
 
 class DcpCheckpointError(StateDictError):
@@ -157,208 +123,3 @@ def _boxes(
         )
     if tail:  # a partial last row
         _boxes(shape[1:], 0, tail, (*prefix, last), base + last * row, out)
-
-
-def chunk_of(box: Box) -> ChunkStorageMetadata:
-    return ChunkStorageMetadata(offsets=torch.Size(box.offsets), sizes=torch.Size(box.sizes))
-
-
-# -- writing ------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class BoxSource:
-    """One write item of a rank: where its values come from when the writer asks."""
-
-    fqn: str
-    box: Box
-    shape: torch.Size
-    dtype: torch.dtype
-    fetch: Callable[[], torch.Tensor]  # the box's values, shape ``box.sizes``
-
-    def write_item(self) -> WriteItem:
-        offsets = torch.Size(self.box.offsets)
-        return WriteItem(
-            index=MetadataIndex(self.fqn, offsets),
-            type=WriteItemType.SHARD,
-            tensor_data=TensorWriteData(
-                chunk=chunk_of(self.box),
-                properties=TensorProperties(dtype=self.dtype),
-                size=self.shape,
-            ),
-        )
-
-
-class StreamingSavePlanner(DefaultSavePlanner):
-    """DCP's default planner for the non-tensor entries of the state dict, plus one
-    SHARD write item per :class:`BoxSource`, resolved (fetched) only when written.
-
-    Args:
-        sources: this rank's boxes.
-        progress: called as ``progress(bytes_resolved, total_bytes)`` (this rank's
-            tensor bytes) after each box is handed to the writer.
-    """
-
-    def __init__(
-        self, sources: Sequence[BoxSource], progress: Callable[[int, int], None] | None = None
-    ) -> None:
-        super().__init__()
-        self._sources = {MetadataIndex(s.fqn, torch.Size(s.box.offsets)): s for s in sources}
-        self._progress = progress
-        self._total = sum(s.box.numel * s.dtype.itemsize for s in sources)
-        self._done = 0
-
-    def create_local_plan(self) -> SavePlan:
-        plan = super().create_local_plan()
-        items = [*plan.items, *(s.write_item() for s in self._sources.values())]
-        self.plan = dataclasses.replace(plan, items=items)
-        return self.plan
-
-    def resolve_data(self, write_item: WriteItem) -> Any:
-        source = self._sources.get(write_item.index)
-        if source is None:
-            return super().resolve_data(write_item)
-        tensor = source.fetch()
-        self._done += tensor.numel() * tensor.element_size()
-        if self._progress is not None:
-            self._progress(self._done, self._total)
-        return tensor
-
-
-# -- reading ------------------------------------------------------------------------------
-
-
-class SliceLoadPlanner(DefaultLoadPlanner):
-    """DCP's default planner for the non-tensor entries of the state dict given to
-    ``load``, plus read items for ``targets``: ``fqn → [(box, destination)]`` whose
-    destinations (shape ``box.sizes``) are filled from whichever saved chunks overlap.
-    """
-
-    def __init__(self, targets: dict[str, list[tuple[Box, torch.Tensor]]]) -> None:
-        super().__init__(allow_partial_load=True)
-        self._targets = targets
-        self._dest = {
-            (fqn, torch.Size(box.offsets)): dest
-            for fqn, boxes in targets.items()
-            for box, dest in boxes
-        }
-
-    def create_local_plan(self) -> LoadPlan:
-        plan = super().create_local_plan()
-        items = list(plan.items)
-        for fqn, boxes in self._targets.items():
-            md = self.metadata.state_dict_metadata[fqn] if self.metadata else None
-            if not isinstance(md, TensorStorageMetadata):  # checked before: a bug if seen
-                raise StateDictError(f"{fqn} is not a tensor in the checkpoint")
-            items += create_read_items_for_chunk_list(fqn, md, [chunk_of(b) for b, _ in boxes])
-        self.plan = dataclasses.replace(plan, items=items)
-        return self.plan
-
-    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
-        key = (read_item.dest_index.fqn, read_item.dest_index.offset)
-        dest = self._dest.get(key)  # type: ignore[arg-type]
-        if dest is None:
-            return super().resolve_tensor(read_item)
-        for dim, (off, n) in enumerate(zip(read_item.dest_offsets, read_item.lengths, strict=True)):
-            dest = dest.narrow(dim, off, n)
-        return dest
-
-    def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
-        if (read_item.dest_index.fqn, read_item.dest_index.offset) not in self._dest:
-            super().commit_tensor(read_item, tensor)
-
-
-class CheckedReader(FileSystemReader):
-    """DCP's file-system reader whose metadata is read once, and whose failures name
-    the file: a missing file, one shorter than the items the metadata places in it, an
-    item whose CRC-32 does not match its bytes, one that does not decode
-    (:class:`DcpCheckpointError`)."""
-
-    def __init__(self, path: str | os.PathLike[str]) -> None:
-        super().__init__(path)
-        self._where = Path(path)
-        self._metadata: Metadata | None = None
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        if self._metadata is None:
-            try:
-                self._metadata = super().read_metadata(*args, **kwargs)
-            except FileNotFoundError:
-                raise DcpCheckpointError(
-                    self._where / ".metadata", "missing: not a Distributed Checkpoint"
-                ) from None
-            except Exception as exc:  # unpickling garbage raises anything
-                raise DcpCheckpointError(
-                    self._where / ".metadata", f"unreadable ({type(exc).__name__}: {exc})"
-                ) from None
-        return self._metadata
-
-    def check_files(self) -> None:
-        """Every file the metadata names exists and holds the bytes placed in it.
-
-        Raises:
-            DcpCheckpointError: the first file missing (each rank writes its own: a
-                missing rank's part) or truncated, named with the bytes expected.
-        """
-        metadata = self.read_metadata()
-        need: dict[str, int] = {}
-        storage: dict[Any, Any] = metadata.storage_data or {}
-        for info in storage.values():
-            end = info.offset + info.length
-            need[info.relative_path] = max(need.get(info.relative_path, 0), end)
-        for name in sorted(need):
-            path = self._where / name
-            try:
-                size = path.stat().st_size
-            except FileNotFoundError:
-                raise DcpCheckpointError(
-                    path, "missing (the part one rank wrote): the checkpoint is incomplete"
-                ) from None
-            if size < need[name]:
-                raise DcpCheckpointError(
-                    path, f"truncated: {size} bytes, the metadata places {need[name]} in it"
-                )
-
-    def _slice_file(self, file: Any, sinfo: Any) -> IO[bytes]:
-        """The item's bytes, checked: DCP stores each item as a ``torch.save`` zip
-        archive whose records carry a CRC-32, which ``torch.load`` does not check; a
-        damaged byte would load as a wrong value. Checked here before it is decoded."""
-        data = super()._slice_file(file, sinfo).read()
-        path = self._where / sinfo.relative_path
-        if len(data) != sinfo.length:
-            raise DcpCheckpointError(
-                path, f"truncated: {len(data)} of {sinfo.length} bytes at offset {sinfo.offset}"
-            )
-        if data[:4] == b"PK\x03\x04":  # a zip archive (no stream transform applied)
-            try:
-                bad = zipfile.ZipFile(io.BytesIO(data)).testzip()
-            except (zipfile.BadZipFile, OSError, EOFError, ValueError) as exc:
-                bad = f"the archive ({exc})"
-            if bad is not None:
-                raise DcpCheckpointError(
-                    path,
-                    f"corrupt: the item at offset {sinfo.offset} ({sinfo.length} bytes) fails "
-                    f"its CRC-32 check in {bad}",
-                )
-        return io.BytesIO(data)
-
-    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        per_file: dict[str, list[ReadItem]] = {}
-        for item in plan.items:
-            per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(
-                item
-            )
-        for name, items in per_file.items():
-            try:
-                super().read_data(dataclasses.replace(plan, items=items), planner).wait()
-            except DcpCheckpointError:
-                raise
-            except FileNotFoundError:
-                raise DcpCheckpointError(self._where / name, "missing") from None
-            except Exception as exc:  # torch.load of a damaged record, a short read
-                raise DcpCheckpointError(
-                    self._where / name, f"corrupt ({type(exc).__name__}: {exc})"
-                ) from None
-        done: Future[None] = Future()
-        done.set_result(None)
-        return done
