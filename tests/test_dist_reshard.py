@@ -142,6 +142,7 @@ def resume_run(rank: int, world: int, tmp: str, source: str, bad: list[str]) -> 
         import_dcp(wrapped, source, optimizer)
         out["step"] = optimizer.step_count
         out["at_import"] = wrapped.state_dict()
+        export_dcp(wrapped, Path(tmp, "again"), optimizer)  # at this world size
         _steps(wrapped, optimizer, rank, world, data[EXPORT_AT:])
         out["resumed"] = wrapped.state_dict()
         for path in bad:
@@ -211,6 +212,10 @@ def test_import_at_m_ranks_continues_the_two_rank_run(
     mine = seen[0]
     assert all(s["step"] == EXPORT_AT for s in seen)
     _same(mine["at_import"], run["at_export"])  # what was imported is what was exported
+    # ... optimizer state included: exported again at M, every tensor is the same
+    again = tmp_path / "run" / "again"
+    assert len([f for f in os.listdir(again) if f.endswith(".distcp")]) == world
+    _same(_load_all(again), _load_all(tmp / "dcp"))
     if world == 2:
         _same(mine["resumed"], run["straight"])  # same partition: bit-exact
         for s in seen:
@@ -219,6 +224,23 @@ def test_import_at_m_ranks_continues_the_two_rank_run(
             assert "__1_0.distcp" in message and "missing" in message
     else:
         _close(mine["resumed"], run["straight"])
+
+
+def _load_all(directory: Path) -> dict[str, Any]:
+    """Every tensor of a checkpoint, whole, through plain ``dcp.load``."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = FileSystemReader(directory).read_metadata()
+    target: dict[str, Any] = {
+        k: torch.empty(v.size, dtype=v.properties.dtype)
+        for k, v in metadata.state_dict_metadata.items()
+        if isinstance(v, TensorStorageMetadata)
+    }
+    assert any(k.startswith("optim.exp_avg_sq.") for k in target)
+    dcp.load(target, checkpoint_id=directory)
+    return target
 
 
 def test_plain_model_loads_the_two_rank_export_with_the_same_logits(exported: Any) -> None:

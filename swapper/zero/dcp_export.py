@@ -396,8 +396,13 @@ def import_dcp(
         _check(reader.read_metadata(), where, owned, optimizer)
 
     _agreed(group, "import_dcp: checking the checkpoint", check)
-    _agreed(group, "import_dcp: loading the checkpoint", lambda: _import(
-        reader, where, owned, optimizer))  # fmt: skip
+    try:
+        _agreed(group, "import_dcp: loading the checkpoint",
+                lambda: _import(reader, where, owned, optimizer))  # fmt: skip
+    except BaseException:
+        if optimizer is not None:  # on every rank: part old, part new (here or elsewhere)
+            optimizer._load_incomplete = True
+        raise
 
 
 def _import(
