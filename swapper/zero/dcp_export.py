@@ -54,7 +54,8 @@ from swapper.distributed import DistGroup, agree
 from swapper.step.layout import STATE_ROWS
 from swapper.zero.dcp_reshard import Box, DcpCheckpointError, flat_boxes
 from swapper.zero.sharded import ShardedModel
-from swapper.zero.weights import fetch_copy, write_through
+from swapper.zero.weights import _held, write_through
+from tiers import signals
 from tiers.errors import SwapConfigError
 
 if TYPE_CHECKING:
@@ -64,11 +65,14 @@ if TYPE_CHECKING:
     from swapper.zero.dcp_planners import BoxSource, CheckedReader
     from swapper.zero.offload import OffloadedModel
 
-__all__ = ["LOAD_BATCH_NBYTES", "DcpCheckpointError", "export_dcp", "import_dcp"]
+__all__ = ["CHUNK_NUMEL", "LOAD_BATCH_NBYTES", "DcpCheckpointError", "export_dcp", "import_dcp"]
 
 #: Bytes of destination tensors one ``dcp.load`` call of :func:`import_dcp` fills at most
 #: (one parameter's part may exceed it alone).
 LOAD_BATCH_NBYTES = 64 << 20
+
+#: Elements per written chunk at most (16 MiB of fp32): the planner stages two at a time.
+CHUNK_NUMEL = 4 << 20
 
 _IGNORED = "torch.distributed is disabled"
 
@@ -83,7 +87,7 @@ class _Owned:
     dtype: torch.dtype
     start: int
     end: int
-    read: Callable[[int, int], torch.Tensor]  # (local start, numel) → 1-D copy
+    read: Callable[[int, torch.Tensor], None]  # (local start, 1-D out): out filled
     write: Callable[[torch.Tensor], None]  # the whole local part, 1-D
 
 
@@ -96,10 +100,8 @@ def _owned(model: OffloadedModel | ShardedModel) -> tuple[list[_Owned], DistGrou
         for slot in model.slots:
             start, end = slot.placement.real_range(rank)
 
-            def read(at: int, numel: int, p: torch.Tensor = slot.param, d: Any = slot.dtype) -> Any:
-                buf = torch.empty(numel, dtype=d)
-                source.read_param(p, at, buf)
-                return buf
+            def read(at: int, out: torch.Tensor, p: torch.Tensor = slot.param) -> None:
+                source.read_param(p, at, out)
 
             def write(flat: torch.Tensor, p: torch.Tensor = slot.param) -> None:
                 source.write_param(p, 0, flat)  # the padding after it stays zero
@@ -110,8 +112,9 @@ def _owned(model: OffloadedModel | ShardedModel) -> tuple[list[_Owned], DistGrou
     out = []
     for slot in model._by_name.values():
 
-        def read_one(at: int, numel: int, s: Any = slot) -> torch.Tensor:
-            return fetch_copy(model, s).view(-1)[at : at + numel]
+        def read_one(at: int, out: torch.Tensor, s: Any = slot) -> None:
+            with _held(model, s, write=False) as tensor:
+                out.copy_(tensor.view(-1)[at : at + out.numel()])
 
         def write_one(flat: torch.Tensor, s: Any = slot) -> None:
             write_through(model, s, flat.view(s.shape))
@@ -128,7 +131,12 @@ def _boxes_of(o: _Owned) -> list[Box]:
     checkpoint lists it."""
     if o.shape.numel() == 0:
         return [Box((0,) * len(o.shape), tuple(o.shape), 0)]
-    return flat_boxes(o.shape, o.start, o.end)
+    # cut at CHUNK_NUMEL: an item is staged whole (two items' staging memory at most)
+    return [
+        box
+        for at in range(o.start, o.end, CHUNK_NUMEL)
+        for box in flat_boxes(o.shape, at, min(o.end, at + CHUNK_NUMEL))
+    ]
 
 
 def _agreed(group: DistGroup | None, what: str, work: Callable[[], Any]) -> Any:
@@ -147,19 +155,35 @@ def _agreed(group: DistGroup | None, what: str, work: Callable[[], Any]) -> Any:
 
 
 class _SubGroupCache:
-    """The last sub-group state read (parameters come in flat order: each is read once)."""
+    """The sub-group being read, fetched (pinned in memory, not copied: on a VM a fresh
+    copy costs more in page faults than the disk write) until another is needed, so one
+    at a time, within any budget; :meth:`release_all` at the end."""
 
     def __init__(self, optimizer: OffloadAdamW) -> None:
-        self._optimizer = optimizer
+        self._pipeline = optimizer._pipeline
         self._index = -1
         self._state: torch.Tensor | None = None
+        self._key: str | None = None
 
     def get(self, index: int) -> torch.Tensor:
         if index != self._index or self._state is None:
-            self._state = None  # the old one goes before the new one is read
-            self._state = self._optimizer._pipeline.read(index)
+            self.release_all()  # the old one goes before the new one is read
+            kept = self._pipeline._held.get(index)  # kept in memory by the pipeline
+            if kept is not None:
+                self._state = kept
+            else:
+                key = self._pipeline.key(index)
+                with signals.at_waits:  # fetched and recorded in one section
+                    self._state = self._pipeline.manager.fetch(key)
+                    self._key = key
             self._index = index
         return self._state
+
+    def release_all(self) -> None:
+        key, self._key = self._key, None
+        self._state, self._index = None, -1
+        if key is not None:
+            self._pipeline.manager.release(key, modified=False)
 
 
 def _spans(optimizer: OffloadAdamW) -> dict[int, list[tuple[int, int, int, int]]]:
@@ -174,10 +198,11 @@ def _spans(optimizer: OffloadAdamW) -> dict[int, list[tuple[int, int, int, int]]
     return out
 
 
-def _optimizer_sources(owned: list[_Owned], optimizer: OffloadAdamW) -> list[BoxSource]:
+def _optimizer_sources(
+    owned: list[_Owned], optimizer: OffloadAdamW, cache: _SubGroupCache
+) -> list[BoxSource]:
     from swapper.zero.dcp_planners import BoxSource
 
-    cache = _SubGroupCache(optimizer)
     spans = _spans(optimizer)
     mine = {id(o.param) for o in owned}
     for group in optimizer.param_groups:
@@ -186,26 +211,33 @@ def _optimizer_sources(owned: list[_Owned], optimizer: OffloadAdamW) -> list[Box
                 raise SwapConfigError("export_dcp: the optimizer's parameters are not the model's")
     out: list[BoxSource] = []
     for o in owned:
-        parts = spans.get(id(o.param), [])
-        for box in _boxes_of(o):
-            for row, row_name in enumerate(STATE_ROWS):
+        if o.shape.numel() == 0:  # (named by every rank, as its parameter)
+            pieces = [(0, 0, 0, _boxes_of(o))]
+        else:  # cut at the sub-group boundaries: each chunk from one sub-group
+            pieces = []
+            for index, offset, at, numel in sorted(spans.get(id(o.param), []), key=lambda p: p[2]):
+                lo, hi = o.start + at, min(o.start + at + numel, o.end)  # padding left out
+                boxes = [
+                    box
+                    for a in range(lo, hi, CHUNK_NUMEL)
+                    for box in flat_boxes(o.shape, a, min(hi, a + CHUNK_NUMEL))
+                ]
+                pieces.append((index, offset, at, boxes))
+        for index, offset, at, boxes in pieces:
+            for box in boxes:
+                for row, row_name in enumerate(STATE_ROWS):
 
-                def gather(row: int = row, parts: Any = parts, box: Any = box, o: Any = o) -> Any:
-                    lo, n = box.flat_start - o.start, box.numel
-                    flat = torch.empty(n, dtype=torch.float32)
-                    covered = 0
-                    for index, offset, at, numel in parts:
-                        a, b = max(lo, at), min(lo + n, at + numel)
-                        if a < b:
-                            state = cache.get(index)
-                            flat[a - lo : b - lo] = state[row, offset + a - at : offset + b - at]
-                            covered += b - a
-                    if covered != n:  # the layout and the partition disagree: a bug
-                        raise SwapConfigError(f"export_dcp: state of {o.name!r} not all found")
-                    return flat.view(box.sizes)
+                    def gather(
+                        dest: torch.Tensor, row: int = row, index: int = index,
+                        offset: int = offset, at: int = at, box: Any = box, o: Any = o,
+                    ) -> None:  # fmt: skip
+                        if not box.numel:
+                            return
+                        start = offset + box.flat_start - o.start - at  # in the sub-group
+                        dest.copy_(cache.get(index)[row, start : start + box.numel])
 
-                out.append(BoxSource(f"optim.{row_name}.{o.name}", box, o.shape, torch.float32,
-                                     gather))  # fmt: skip
+                    out.append(BoxSource(f"optim.{row_name}.{o.name}", box, o.shape,
+                                         torch.float32, gather))  # fmt: skip
     return out
 
 
@@ -251,6 +283,7 @@ def export_dcp(
     from torch.distributed.checkpoint.filesystem import FileSystemWriter
     from torch.distributed.checkpoint.state_dict_saver import save
 
+    from swapper.zero.dcp_io import AioFileSystem
     from swapper.zero.dcp_planners import BoxSource, StreamingSavePlanner
 
     out = Path(directory)
@@ -263,29 +296,43 @@ def export_dcp(
         for o in owned:
             for box in _boxes_of(o):
 
-                def fetch(o: _Owned = o, box: Any = box) -> torch.Tensor:
-                    return o.read(box.flat_start - o.start, box.numel).view(box.sizes)
+                def fill(dest: torch.Tensor, o: _Owned = o, box: Any = box) -> None:
+                    o.read(box.flat_start - o.start, dest)
 
-                sources.append(BoxSource(f"model.{o.name}", box, o.shape, o.dtype, fetch))
-        if optimizer is not None:
+                sources.append(BoxSource(f"model.{o.name}", box, o.shape, o.dtype, fill))
+        if optimizer is not None and cache is not None:
             if optimizer.manager is not model.manager:
                 raise SwapConfigError("export_dcp: the optimizer keeps its state elsewhere")
-            sources += _optimizer_sources(owned, optimizer)
+            sources += _optimizer_sources(owned, optimizer, cache)
         return sources
 
+    cache = _SubGroupCache(optimizer) if optimizer is not None else None
     sources = _agreed(group, "export_dcp: checking what to write", plan)
     state_dict = _meta(optimizer) if optimizer is not None else {}
     out.mkdir(parents=True, exist_ok=True)
-    writer = FileSystemWriter(out, single_file_per_rank=True, thread_count=1, sync_files=True)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=_IGNORED)
-        save(
-            state_dict,
-            storage_writer=writer,
-            planner=StreamingSavePlanner(sources, progress),
-            process_group=group.group if group is not None else None,
-            no_dist=group is None,
-        )
+    # one thread, nothing copied ahead: DCP's serial loader (the planner's staging
+    # buffers rely on it); the files written through the AIO engine (dcp_io)
+    writer = FileSystemWriter(
+        out, single_file_per_rank=True, thread_count=1, sync_files=True, per_thread_copy_ahead=0
+    )
+    fs = AioFileSystem()
+    writer.fs = fs
+    planner = StreamingSavePlanner(sources, progress)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=_IGNORED)
+            save(
+                state_dict,
+                storage_writer=writer,
+                planner=planner,
+                process_group=group.group if group is not None else None,
+                no_dist=group is None,
+            )
+    finally:
+        if cache is not None:
+            cache.release_all()
+        fs.close()  # the engine first (requests in flight end), then the blocks
+        planner.close()
     return out
 
 

@@ -43,6 +43,7 @@ from torch.futures import Future
 
 from swapper.step.state import StateDictError
 from swapper.zero.dcp_reshard import Box, DcpCheckpointError
+from tiers.buffers import allocate
 
 __all__ = ["BoxSource", "CheckedReader", "SliceLoadPlanner", "StreamingSavePlanner"]
 
@@ -59,7 +60,7 @@ class BoxSource:
     box: Box
     shape: torch.Size
     dtype: torch.dtype
-    fetch: Callable[[], torch.Tensor]  # the box's values, shape ``box.sizes``
+    fill: Callable[[torch.Tensor], None]  # writes the box's values into a flat tensor
 
     def write_item(self) -> WriteItem:
         offsets = torch.Size(self.box.offsets)
@@ -74,9 +75,39 @@ class BoxSource:
         )
 
 
+class _Staging:
+    """Two page-aligned host buffers (prefaulted once: a fresh allocation per item costs
+    a page fault per 4 KiB, which on a VM is slower than the disk), used in turn: item
+    k's tensor lives in buffer k % 2. Safe only under DCP's serial loader, which writes
+    item k before it resolves item k + 1 (``FileSystemWriter(thread_count=1,
+    per_thread_copy_ahead=0)``, which :func:`~swapper.zero.dcp_export.export_dcp` uses),
+    so item k's buffer is free again when item k + 2 is resolved."""
+
+    def __init__(self, nbytes: int) -> None:
+        self._buffers = [allocate(nbytes), allocate(nbytes)] if nbytes else []
+        self._next = 0
+
+    def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        nbytes = numel * dtype.itemsize
+        if not nbytes:
+            return torch.empty(numel, dtype=dtype)
+        buffer = self._buffers[self._next]
+        self._next ^= 1
+        view = buffer.tensor.numpy().data.cast("B")[:nbytes]
+        # a storage of exactly the item's bytes: DCP clones a view of a larger storage
+        return torch.frombuffer(view, dtype=dtype)
+
+    def close(self) -> None:
+        for buffer in self._buffers:
+            buffer.close()
+        self._buffers.clear()
+
+
 class StreamingSavePlanner(DefaultSavePlanner):
     """DCP's default planner for the non-tensor entries of the state dict, plus one
-    SHARD write item per :class:`BoxSource`, resolved (fetched) only when written.
+    SHARD write item per :class:`BoxSource`, resolved (filled) only when written, into
+    one of two staging buffers (:class:`_Staging`; needs DCP's serial loader). Call
+    :meth:`close` after the save.
 
     Args:
         sources: this rank's boxes.
@@ -92,6 +123,12 @@ class StreamingSavePlanner(DefaultSavePlanner):
         self._progress = progress
         self._total = sum(s.box.numel * s.dtype.itemsize for s in sources)
         self._done = 0
+        largest = max((s.box.numel * s.dtype.itemsize for s in sources), default=0)
+        self._staging = _Staging(largest)
+
+    def close(self) -> None:
+        """Free the staging buffers (after the save returned or raised)."""
+        self._staging.close()
 
     def create_local_plan(self) -> SavePlan:
         plan = super().create_local_plan()
@@ -103,11 +140,12 @@ class StreamingSavePlanner(DefaultSavePlanner):
         source = self._sources.get(write_item.index)
         if source is None:
             return super().resolve_data(write_item)
-        tensor = source.fetch()
-        self._done += tensor.numel() * tensor.element_size()
+        out = self._staging.take(source.box.numel, source.dtype)
+        source.fill(out)
+        self._done += out.numel() * out.element_size()
         if self._progress is not None:
             self._progress(self._done, self._total)
-        return tensor
+        return out.view(source.box.sizes)
 
 
 # -- reading ------------------------------------------------------------------------------
