@@ -65,10 +65,11 @@ class Progress:
             return
         self.last = now
         rate = done / max(now - self.start, 1e-9) / 1e6
+        tty = sys.stderr.isatty()  # one line rewritten on a terminal, else a line each
         print(
-            f"\rexport: {done / 1e6:,.0f} / {total / 1e6:,.0f} MB ({100 * done / total:.0f}%) "
-            f"{rate:,.0f} MB/s",
-            end="\n" if done >= total else "",
+            f"{chr(13) if tty else ''}export: {done / 1e6:,.0f} / {total / 1e6:,.0f} MB "
+            f"({100 * done / total:.0f}%) {rate:,.0f} MB/s",
+            end="\n" if done >= total or not tty else "",
             file=sys.stderr,
             flush=True,
         )
