@@ -56,3 +56,32 @@ def test_a_second_stream_open_at_once_is_torchs_own(tmp_path: Path) -> None:
         assert (tmp_path / "b").read_bytes() == b"yyy"
     finally:
         fs.close()
+
+
+def test_planner_refuses_an_item_asked_before_the_previous_was_written() -> None:
+    """The staging buffers are reused two items later: a loader that resolved ahead
+    (DCP's overlapping one) would be refused, not given overwritten bytes."""
+    import torch
+
+    from swapper.zero.dcp_planners import BoxSource, StreamingSavePlanner
+    from swapper.zero.dcp_reshard import flat_boxes
+    from tiers.errors import SwapConfigError
+
+    def fill(out: torch.Tensor) -> None:
+        out.fill_(1.0)
+
+    sources = [
+        BoxSource(f"t{i}", box, torch.Size([4, 4]), torch.float32, fill)
+        for i, box in enumerate(flat_boxes((4, 4), 0, 16))
+    ] + [BoxSource("u", flat_boxes((4,), 0, 4)[0], torch.Size([4]), torch.float32, fill)]
+    written = [0]
+    planner = StreamingSavePlanner(sources, position=lambda: written[0])
+    try:
+        items = [s.write_item() for s in sources]
+        assert torch.equal(planner.resolve_data(items[0]), torch.ones(4, 4))
+        written[0] += 100  # the writer took item 0
+        planner.resolve_data(items[1])
+        with pytest.raises(SwapConfigError, match="serial loader"):
+            planner.resolve_data(items[1])  # nothing written since: refused
+    finally:
+        planner.close()

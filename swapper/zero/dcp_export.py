@@ -317,7 +317,7 @@ def export_dcp(
     )
     fs = AioFileSystem()
     writer.fs = fs
-    planner = StreamingSavePlanner(sources, progress)
+    planner = StreamingSavePlanner(sources, progress, fs.position)
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=_IGNORED)

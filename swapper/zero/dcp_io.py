@@ -135,6 +135,7 @@ class AioFileSystem(FileSystem):
         self.blocks: list[HostBuffer] = []
         self.views: list[memoryview] = []
         self.in_use = False
+        self.writer: _AioWriter | None = None  # the stream open now
         try:
             for _ in range(BLOCKS):
                 self.blocks.append(allocate(BLOCK_NBYTES))
@@ -155,10 +156,16 @@ class AioFileSystem(FileSystem):
         except BaseException:
             self.in_use = False
             raise
+        self.writer = writer
         try:
             yield writer
         finally:
+            self.writer = None
             writer.close()
+
+    def position(self) -> int | None:
+        """Bytes the stream open now has taken (None: none open)."""
+        return None if self.writer is None else self.writer.tell()
 
     def close(self) -> None:
         """Close the engine (waits for requests in flight), then free the blocks."""

@@ -44,6 +44,7 @@ from torch.futures import Future
 from swapper.step.state import StateDictError
 from swapper.zero.dcp_reshard import Box, DcpCheckpointError
 from tiers.buffers import allocate
+from tiers.errors import SwapConfigError
 
 __all__ = ["BoxSource", "CheckedReader", "SliceLoadPlanner", "StreamingSavePlanner"]
 
@@ -116,9 +117,16 @@ class StreamingSavePlanner(DefaultSavePlanner):
     """
 
     def __init__(
-        self, sources: Sequence[BoxSource], progress: Callable[[int, int], None] | None = None
+        self,
+        sources: Sequence[BoxSource],
+        progress: Callable[[int, int], None] | None = None,
+        position: Callable[[], int | None] | None = None,
     ) -> None:
         super().__init__()
+        # bytes the file being written holds (None: not known): a check that DCP wrote
+        # the previous item before asking for the next (the staging buffers rely on it)
+        self._position = position
+        self._last: int | None = None
         self._sources = {MetadataIndex(s.fqn, torch.Size(s.box.offsets)): s for s in sources}
         self._progress = progress
         self._total = sum(s.box.numel * s.dtype.itemsize for s in sources)
@@ -140,6 +148,15 @@ class StreamingSavePlanner(DefaultSavePlanner):
         source = self._sources.get(write_item.index)
         if source is None:
             return super().resolve_data(write_item)
+        if self._position is not None:
+            now = self._position()
+            if now is not None and self._last is not None and now <= self._last:
+                raise SwapConfigError(
+                    "export_dcp: DCP asked for an item before writing the previous one; "
+                    "the staging buffers need its serial loader (thread_count=1, "
+                    "per_thread_copy_ahead=0): a torch change? (nothing was overwritten)"
+                )
+            self._last = now
         out = self._staging.take(source.box.numel, source.dtype)
         source.fill(out)
         self._done += out.numel() * out.element_size()
