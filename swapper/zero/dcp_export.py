@@ -1,27 +1,47 @@
-"""The training state in PyTorch Distributed Checkpoint format, one tensor at a time.
+"""The training state in PyTorch Distributed Checkpoint format, streamed, at any world size.
 
-Job: :func:`export_dcp`, the portable form of an offloaded model and its
-:class:`~swapper.step.OffloadAdamW` that ``torch.distributed.checkpoint.load`` reads
-into ordinary tensors, per parameter (no sub-groups, no swapper needed):
+Job: :func:`export_dcp`, the portable form of an offloaded model (one process, or
+sharded over N ranks) and its :class:`~swapper.step.OffloadAdamW`, which
+``torch.distributed.checkpoint.load`` reads into ordinary tensors per parameter (no
+sub-groups, no shards, no swapper needed), and :func:`import_dcp`, which reads it back
+into a model and optimizer over M ranks, M independent of N (resharding).
+
+Names (fully qualified, the model's own parameter names; a tied parameter once, under
+the name it was registered by):
 
 * ``model.<name>``: the 16-bit parameter (bf16/fp16, its shape);
 * ``optim.<row>.<name>`` for row in ``master``, ``exp_avg``, ``exp_avg_sq``: the
-  parameter's fp32 state, its shape, gathered from the sub-groups it spans;
-* ``optim.step`` (int) and ``optim.param_groups`` (the hyper-parameters, as the
-  optimizer's ``state_dict`` has them), stored as pickled bytes.
+  parameter's fp32 state, its shape;
+* ``optim.step`` (int), ``optim.param_groups`` (the hyper-parameters, as the
+  optimizer's ``state_dict`` has them) and ``optim.loss_scaler`` (when there is one),
+  stored as pickled bytes.
 
-Streamed: DCP plans from placeholder tensors of the right shape and dtype (one element
-of storage each, expanded), and each tensor is fetched from the tiers only when the
-writer asks for it (``resolve_data``), written to a file of its own and dropped; a
-sub-group's state is read once for all the parameters in it that come in a row. Single
-process here (DCP's no-process-group mode); several ranks are a later step.
+Several ranks: each rank writes the part of every tensor it owns under its partition
+(:mod:`swapper.distributed.partition`: a flat range of each parameter, or whole ones) as
+DCP chunks (:func:`~swapper.zero.dcp_reshard.flat_boxes`: rectangular, offsets per
+dimension, as a ``ShardedTensor`` with several local shards has them) through DCP's own
+planner, writer and collectives; the metadata file records every chunk of every rank.
+One file per rank (``__<rank>_0.distcp``) plus ``.metadata``.
 
-:func:`import_dcp` reads such a checkpoint back into an offloaded model and optimizer of
-the same parameters, whatever their sub-group size, a tensor at a time.
+Streamed: a chunk's values are fetched from the tiers only when the writer asks for
+them; a sub-group's optimizer state is read once for the parameters in it that come in a
+row. No rank ever holds more than one parameter's local part and one sub-group. The
+import reads, per parameter, only the slices the rank owns under the new partition
+(``M``'s), from whichever saved chunks overlap them, in batches of at most
+:data:`LOAD_BATCH_NBYTES`.
+
+Bad input is refused before anything is written (on every rank alike, with an
+agreement): a missing, truncated (shorter than its metadata says) or undecodable file,
+a missing tensor, another shape or dtype, parameters the model lacks
+(:class:`~swapper.zero.dcp_reshard.DcpCheckpointError`, naming the file and what is
+wrong). A file damaged where the metadata cannot see it is found when read: the load
+stops there, and ``step()`` refuses until a load succeeds.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import os
 import warnings
 from collections.abc import Callable
@@ -30,220 +50,332 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from swapper.distributed import DistGroup, agree
 from swapper.step.layout import STATE_ROWS
-from swapper.step.state import StateDictError
-from swapper.zero.weights import fetch_copy, write_through
+from swapper.zero.dcp_reshard import Box, DcpCheckpointError, flat_boxes
+from swapper.zero.sharded import ShardedModel
+from swapper.zero.weights import _held, write_through
+from tiers import signals
 from tiers.errors import SwapConfigError
 
 if TYPE_CHECKING:
     from swapper.step.optimizer import OffloadAdamW
+    from swapper.zero.dcp_planners import BoxSource
     from swapper.zero.offload import OffloadedModel
 
-__all__ = ["export_dcp", "import_dcp"]
+__all__ = ["CHUNK_NUMEL", "LOAD_BATCH_NBYTES", "DcpCheckpointError", "export_dcp", "import_dcp"]
+
+#: Bytes of destination tensors one ``dcp.load`` call of :func:`import_dcp` fills at most
+#: (one parameter's part may exceed it alone).
+LOAD_BATCH_NBYTES = 64 << 20
+
+#: Elements per written chunk at most (16 MiB of fp32): the planner stages two at a time.
+CHUNK_NUMEL = 4 << 20
+
+_IGNORED = "torch.distributed is disabled"
+
+
+@dataclasses.dataclass(eq=False)
+class _Owned:
+    """A parameter and the flat range ``[start, end)`` of it this rank holds."""
+
+    name: str
+    param: torch.Tensor
+    shape: torch.Size
+    dtype: torch.dtype
+    start: int
+    end: int
+    read: Callable[[int, torch.Tensor], None]  # (local start, 1-D out): out filled
+    write: Callable[[torch.Tensor], None]  # the whole local part, 1-D
+
+
+def _owned(model: OffloadedModel | ShardedModel) -> tuple[list[_Owned], DistGroup | None]:
+    """Every parameter (in the model's order) with this rank's range of it."""
+    if isinstance(model, ShardedModel):
+        source = model.param_source()
+        rank = model.group.rank
+        out = []
+        for slot in model.slots:
+            start, end = slot.placement.real_range(rank)
+
+            def read(at: int, out: torch.Tensor, p: torch.Tensor = slot.param) -> None:
+                source.read_param(p, at, out)
+
+            def write(flat: torch.Tensor, p: torch.Tensor = slot.param) -> None:
+                source.write_param(p, 0, flat)  # the padding after it stays zero
+
+            out.append(_Owned(slot.name, slot.param, slot.shape, slot.dtype, start, end, read,
+                              write))  # fmt: skip
+        return out, model.group
+    out = []
+    for slot in model._by_name.values():
+
+        def read_one(at: int, out: torch.Tensor, s: Any = slot) -> None:
+            with _held(model, s, write=False) as tensor:
+                out.copy_(tensor.view(-1)[at : at + out.numel()])
+
+        def write_one(flat: torch.Tensor, s: Any = slot) -> None:
+            write_through(model, s, flat.view(s.shape))
+
+        numel = slot.shape.numel()
+        out.append(_Owned(slot.name, slot.param, slot.shape, slot.dtype, 0, numel, read_one,
+                          write_one))  # fmt: skip
+    return out, None
+
+
+def _boxes_of(o: _Owned) -> list[Box]:
+    """The chunks this rank writes of ``o``; a parameter of no elements is named by
+    every rank with one empty chunk (DCP keeps one of identical items), so that the
+    checkpoint lists it."""
+    if o.shape.numel() == 0:
+        return [Box((0,) * len(o.shape), tuple(o.shape), 0)]
+    # cut at CHUNK_NUMEL: an item is staged whole (two items' staging memory at most)
+    return [
+        box
+        for at in range(o.start, o.end, CHUNK_NUMEL)
+        for box in flat_boxes(o.shape, at, min(o.end, at + CHUNK_NUMEL))
+    ]
+
+
+def _agreed(group: DistGroup | None, what: str, work: Callable[[], Any]) -> Any:
+    """``work()`` on every rank, then an agreement: a failure on one rank is an error on
+    all (the failing rank raises its own, the others PeerFailedError)."""
+    if group is None:
+        return work()
+    try:
+        result = work()
+    except BaseException:
+        with contextlib.suppress(Exception):
+            agree(group, False, what)
+        raise
+    agree(group, True, what)
+    return result
 
 
 class _SubGroupCache:
-    """The last sub-group state read (parameters come in flat order: each is read once)."""
+    """The sub-group being read, fetched (pinned in memory, not copied: on a VM a fresh
+    copy costs more in page faults than the disk write) until another is needed, so one
+    at a time, within any budget; :meth:`release_all` at the end."""
 
     def __init__(self, optimizer: OffloadAdamW) -> None:
-        self._optimizer = optimizer
+        self._pipeline = optimizer._pipeline
         self._index = -1
         self._state: torch.Tensor | None = None
+        self._key: str | None = None
 
     def get(self, index: int) -> torch.Tensor:
         if index != self._index or self._state is None:
-            self._state = None  # the old one goes before the new one is read
-            self._state = self._optimizer._pipeline.read(index)
+            self.release_all()  # the old one goes before the new one is read
+            kept = self._pipeline._held.get(index)  # kept in memory by the pipeline
+            if kept is not None:
+                self._state = kept
+            else:
+                key = self._pipeline.key(index)
+                with signals.at_waits:  # fetched and recorded in one section
+                    self._state = self._pipeline.manager.fetch(key)
+                    self._key = key
             self._index = index
         return self._state
 
+    def release_all(self) -> None:
+        key, self._key = self._key, None
+        self._state, self._index = None, -1
+        if key is not None:
+            self._pipeline.manager.release(key, modified=False)
 
-def _optimizer_entries(
-    model: OffloadedModel, optimizer: OffloadAdamW
-) -> dict[str, tuple[torch.Size, torch.dtype, Callable[[], torch.Tensor]]]:
-    cache = _SubGroupCache(optimizer)
-    spans: dict[tuple[int, int], list[tuple[int, int, int, int]]] = {}
+
+def _spans(optimizer: OffloadAdamW) -> dict[int, list[tuple[int, int, int, int]]]:
+    """``id(param)`` → its pieces ``(sub-group, offset in it, local offset, numel)``."""
+    out: dict[int, list[tuple[int, int, int, int]]] = {}
     for sg in optimizer.sub_groups:
+        params = optimizer.param_groups[sg.group_index]["params"]
         for piece in sg.pieces:
-            spans.setdefault((sg.group_index, piece.param_index), []).append(
+            out.setdefault(id(params[piece.param_index]), []).append(
                 (sg.index, piece.offset, piece.param_offset, piece.numel)
             )
-    out: dict[str, tuple[torch.Size, torch.dtype, Callable[[], torch.Tensor]]] = {}
-    for g, group in enumerate(optimizer.param_groups):
-        for i, param in enumerate(group["params"]):
-            slot = model._slots.get(id(param))
-            if slot is None:
+    return out
+
+
+def _optimizer_sources(
+    owned: list[_Owned], optimizer: OffloadAdamW, cache: _SubGroupCache
+) -> list[BoxSource]:
+    from swapper.zero.dcp_planners import BoxSource
+
+    spans = _spans(optimizer)
+    mine = {id(o.param) for o in owned}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if id(p) not in mine:
                 raise SwapConfigError("export_dcp: the optimizer's parameters are not the model's")
-            parts = spans.get((g, i), [])
-            for row, row_name in enumerate(STATE_ROWS):
+    out: list[BoxSource] = []
+    for o in owned:
+        if o.shape.numel() == 0:  # (named by every rank, as its parameter)
+            pieces = [(0, 0, 0, _boxes_of(o))]
+        else:  # cut at the sub-group boundaries: each chunk from one sub-group
+            pieces = []
+            for index, offset, at, numel in sorted(spans.get(id(o.param), []), key=lambda p: p[2]):
+                lo, hi = o.start + at, min(o.start + at + numel, o.end)  # padding left out
+                boxes = [
+                    box
+                    for a in range(lo, hi, CHUNK_NUMEL)
+                    for box in flat_boxes(o.shape, a, min(hi, a + CHUNK_NUMEL))
+                ]
+                pieces.append((index, offset, at, boxes))
+        for index, offset, at, boxes in pieces:
+            for box in boxes:
+                for row, row_name in enumerate(STATE_ROWS):
 
-                def gather(
-                    row: int = row, parts: list[Any] = parts, shape: Any = slot.shape
-                ) -> torch.Tensor:
-                    flat = torch.empty(shape.numel(), dtype=torch.float32)
-                    for index, offset, param_offset, numel in parts:
-                        state = cache.get(index)
-                        flat[param_offset : param_offset + numel] = state[
-                            row, offset : offset + numel
-                        ]
-                    return flat.view(shape)
+                    def gather(
+                        dest: torch.Tensor, row: int = row, index: int = index,
+                        offset: int = offset, at: int = at, box: Any = box, o: Any = o,
+                    ) -> None:  # fmt: skip
+                        if not box.numel:
+                            return
+                        start = offset + box.flat_start - o.start - at  # in the sub-group
+                        dest.copy_(cache.get(index)[row, start : start + box.numel])
 
-                out[f"optim.{row_name}.{slot.name}"] = (slot.shape, torch.float32, gather)
+                    out.append(BoxSource(f"optim.{row_name}.{o.name}", box, o.shape,
+                                         torch.float32, gather))  # fmt: skip
+    return out
+
+
+def _meta(optimizer: OffloadAdamW) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "optim.step": optimizer.step_count,
+        "optim.param_groups": [
+            {k: v for k, v in g.items() if k not in ("params", "param_names")}
+            for g in optimizer.param_groups
+        ],
+    }
+    if optimizer.loss_scaler is not None:
+        out["optim.loss_scaler"] = optimizer.loss_scaler.state_dict()
     return out
 
 
 def export_dcp(
-    model: OffloadedModel, directory: str | os.PathLike[str], optimizer: OffloadAdamW | None = None
+    model: OffloadedModel | ShardedModel,
+    directory: str | os.PathLike[str],
+    optimizer: OffloadAdamW | None = None,
+    *,
+    progress: Callable[[int, int], None] | None = None,
 ) -> Path:
     """Write the model's parameters (and the optimizer's state) as a Distributed
-    Checkpoint in ``directory`` (module docstring), one tensor in memory at a time.
+    Checkpoint in ``directory`` (module docstring), streamed. With a sharded model, call
+    it on every rank alike (DCP's collectives run over the model's process group).
+
+    Args:
+        progress: called as ``progress(bytes_done, bytes_total)`` (this rank's tensor
+            bytes) after each chunk is handed to the writer.
 
     Returns:
         ``directory``.
 
     Raises:
         SwapConfigError: ``directory`` holds a checkpoint already (``.metadata``), or the
-            optimizer is not the model's, or a process group is initialised (several
-            ranks are not supported yet).
-        and what ``torch.distributed.checkpoint.save`` and the tiers raise.
+            optimizer is not the model's (on every rank).
+        CheckpointException: (torch's) a rank's write failed; raised on every rank, with
+            each rank's failure in ``failures``.
+        and what the tiers raise.
     """
     # (imported here: torch.distributed.checkpoint is heavy, and only an export needs it)
-    import torch.distributed as dist
-    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
     from torch.distributed.checkpoint.filesystem import FileSystemWriter
-    from torch.distributed.checkpoint.planner import WriteItem
     from torch.distributed.checkpoint.state_dict_saver import save
 
+    from swapper.zero.dcp_io import AioFileSystem
+    from swapper.zero.dcp_planners import BoxSource, StreamingSavePlanner
+
     out = Path(directory)
-    if (out / ".metadata").exists():
-        raise SwapConfigError(f"{out / '.metadata'} exists: export into an empty directory")
-    if dist.is_available() and dist.is_initialized():
-        raise SwapConfigError("export_dcp: several ranks are not supported yet (single process)")
+    owned, group = _owned(model)
     if optimizer is not None:
         optimizer.wait_pending()  # an overlapped update finished (or its failure raised)
-    entries: dict[str, tuple[torch.Size, torch.dtype, Callable[[], torch.Tensor]]] = {}
-    for name, shape, dtype in model.named_offloaded():
-        slot = model._by_name[name]
 
-        def fetch(slot: Any = slot) -> torch.Tensor:
-            return fetch_copy(model, slot)
+    def plan() -> list[BoxSource]:
+        if (out / ".metadata").exists():
+            raise SwapConfigError(f"{out / '.metadata'} exists: export into an empty directory")
+        sources: list[BoxSource] = []
+        for o in owned:
+            for box in _boxes_of(o):
 
-        entries[f"model.{name}"] = (shape, dtype, fetch)
-    state_dict: dict[str, Any] = {}
-    if optimizer is not None:
-        if optimizer.manager is not model.manager:
-            raise SwapConfigError("export_dcp: the optimizer keeps its state elsewhere")
-        entries.update(_optimizer_entries(model, optimizer))
-        state_dict["optim.step"] = optimizer.step_count
-        state_dict["optim.param_groups"] = [
-            {k: v for k, v in g.items() if k not in ("params", "param_names")}
-            for g in optimizer.param_groups
-        ]
-    for fqn, (shape, dtype, _) in entries.items():
-        # planned from this: the right size and dtype, one element of storage
-        state_dict[fqn] = torch.zeros((), dtype=dtype).expand(shape)
+                def fill(dest: torch.Tensor, o: _Owned = o, box: Any = box) -> None:
+                    o.read(box.flat_start - o.start, dest)
 
-    class _Streaming(DefaultSavePlanner):
-        def resolve_data(self, write_item: WriteItem) -> Any:
-            entry = entries.get(write_item.index.fqn)
-            if entry is None:
-                return super().resolve_data(write_item)
-            return entry[2]()
+                sources.append(BoxSource(f"model.{o.name}", box, o.shape, o.dtype, fill))
+        if optimizer is not None and cache is not None:
+            if optimizer.manager is not model.manager:
+                raise SwapConfigError("export_dcp: the optimizer keeps its state elsewhere")
+            sources += _optimizer_sources(owned, optimizer, cache)
+        return sources
 
+    cache = _SubGroupCache(optimizer) if optimizer is not None else None
+    sources = _agreed(group, "export_dcp: checking what to write", plan)
+    state_dict = _meta(optimizer) if optimizer is not None else {}
     out.mkdir(parents=True, exist_ok=True)
-    writer = FileSystemWriter(out, single_file_per_rank=False, thread_count=1)
-    with warnings.catch_warnings():  # "assuming ... a single process": that is the intent
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        save(state_dict, storage_writer=writer, planner=_Streaming())
+    # one thread, nothing copied ahead: DCP's serial loader (the planner's staging
+    # buffers rely on it); the files written through the AIO engine (dcp_io)
+    writer = FileSystemWriter(
+        out, single_file_per_rank=True, thread_count=1, sync_files=True, per_thread_copy_ahead=0
+    )
+    fs = AioFileSystem()
+    writer.fs = fs
+    planner = StreamingSavePlanner(sources, progress, fs.position)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=_IGNORED)
+            save(
+                state_dict,
+                storage_writer=writer,
+                planner=planner,
+                process_group=group.group if group is not None else None,
+                no_dist=group is None,
+            )
+    finally:
+        if cache is not None:
+            cache.release_all()
+        fs.close()  # the engine first (requests in flight end), then the blocks
+        planner.close()
     return out
 
 
 def import_dcp(
-    model: OffloadedModel, directory: str | os.PathLike[str], optimizer: OffloadAdamW | None = None
+    model: OffloadedModel | ShardedModel,
+    directory: str | os.PathLike[str],
+    optimizer: OffloadAdamW | None = None,
 ) -> None:
-    """Load what :func:`export_dcp` wrote into ``model``'s parameters (and ``optimizer``'s
-    state, step and hyper-parameters), one tensor at a time; the optimizer may cut its
-    state into sub-groups of another size than the exporter's.
+    """Load what :func:`export_dcp` wrote, at any world size, into ``model``'s parameters
+    (and ``optimizer``'s state, step, hyper-parameters and loss scaler); the optimizer
+    may cut its state into sub-groups of another size than the exporter's. With a
+    sharded model, call it on every rank alike: each reads only its own slices.
 
     A parameter's three state rows are read once and kept while the sub-groups it spans
     are written; each sub-group is durable before the next is filled. Until the whole
     optimizer state is in, ``step()`` refuses (as after a failed ``load_state_dict``).
 
     Raises:
-        StateDictError: a tensor is missing from the checkpoint or of another shape or
-            dtype (names the directory and the tensor).
+        DcpCheckpointError: (a StateDictError) a file is missing, truncated or corrupt,
+            or a tensor is missing or of another shape or dtype (names the file or the
+            directory, and the tensor); on every rank (the others: PeerFailedError).
         SwapConfigError: a parameter is in use (inside a forward or backward).
         and what the tiers raise.
     """
-    from torch.distributed.checkpoint.api import CheckpointException
-    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-    from torch.distributed.checkpoint.state_dict_loader import load
+    from swapper.zero.dcp_import import check as check_against
+    from swapper.zero.dcp_import import load_all
+    from swapper.zero.dcp_planners import CheckedReader
 
     where = Path(directory)
     if optimizer is not None and optimizer._deferred is not None:
         optimizer._deferred.forget_failed()  # the load replaces what it would finish
+    owned, group = _owned(model)
+    reader = CheckedReader(where)
 
-    def read(target: dict[str, Any]) -> dict[str, Any]:
-        try:
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-                load(
-                    target,
-                    checkpoint_id=where,
-                    planner=DefaultLoadPlanner(allow_partial_load=False),
-                )
-        except (CheckpointException, RuntimeError, ValueError, KeyError) as exc:
-            names = ", ".join(sorted(target))[:200]
-            raise StateDictError(f"DCP checkpoint {where}: cannot load {names}: {exc}") from None
-        return target
+    def check() -> None:
+        reader.check_files()
+        check_against(reader.read_metadata(), where, owned, optimizer)
 
-    for name, shape, dtype in model.named_offloaded():
-        tensor = read({f"model.{name}": torch.empty(shape, dtype=dtype)})[f"model.{name}"]
-        write_through(model, model._by_name[name], tensor)
-    if optimizer is None:
-        return
-    meta = read(
-        {
-            "optim.step": 0,
-            "optim.param_groups": [
-                {k: v for k, v in g.items() if k not in ("params", "param_names")}
-                for g in optimizer.param_groups
-            ],
-        }
-    )
-    step = meta["optim.step"]
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise StateDictError(f"DCP checkpoint {where}: optim.step={step!r} is not an int >= 0")
-    names = {
-        (g, i): model._slots[id(p)].name
-        for g, group in enumerate(optimizer.param_groups)
-        for i, p in enumerate(group["params"])
-    }
-    rows: dict[tuple[int, int], list[torch.Tensor]] = {}  # the parameters being spread
-    optimizer._load_incomplete = True
-    for sg in optimizer.sub_groups:
-        needed = {(sg.group_index, piece.param_index) for piece in sg.pieces}
-        for gone in set(rows) - needed:  # done with: dropped before more are read
-            del rows[gone]
-        for key in sorted(needed - set(rows)):
-            name = names[key]
-            shape = model._by_name[name].shape
-            target = {f"optim.{r}.{name}": torch.empty(shape) for r in STATE_ROWS}
-            got = read(target)
-            rows[key] = [got[f"optim.{r}.{name}"].reshape(-1) for r in STATE_ROWS]
-
-        def fill(state: torch.Tensor, sg: Any = sg) -> None:
-            state.zero_()
-            for piece in sg.pieces:
-                flat = rows[(sg.group_index, piece.param_index)]
-                for r in range(len(STATE_ROWS)):
-                    state[r, piece.offset : piece.offset + piece.numel] = flat[r][
-                        piece.param_offset : piece.param_offset + piece.numel
-                    ]
-
-        optimizer._pipeline.write(sg.index, fill, step)
-    for group, saved in zip(optimizer.param_groups, meta["optim.param_groups"], strict=True):
-        group.update(saved)
-    optimizer._step_count = step
-    optimizer._pending = None
-    optimizer._load_incomplete = False
+    _agreed(group, "import_dcp: checking the checkpoint", check)
+    try:
+        _agreed(group, "import_dcp: loading the checkpoint",
+                lambda: load_all(reader, where, owned, optimizer))  # fmt: skip
+    except BaseException:
+        if optimizer is not None:  # on every rank: part old, part new (here or elsewhere)
+            optimizer._load_incomplete = True
+        raise
