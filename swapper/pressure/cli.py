@@ -340,6 +340,9 @@ def _summary(res: PressureResult) -> str:
     )
     lines.append(
         f"optimizer state through NVMe per step ({res.settings.moments} moments): "
+        "not measured with --overlap"
+        if res.settings.overlap
+        else f"optimizer state through NVMe per step ({res.settings.moments} moments): "
         f"{res.state_read_bytes_per_param:.2f} B read + "
         f"{res.state_written_bytes_per_param:.2f} B written per parameter"
     )

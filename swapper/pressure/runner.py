@@ -228,8 +228,13 @@ class PressureResult:
             "dtype": self.settings.dtype,
             "overlap": self.settings.overlap,
             "moments": self.settings.moments,
-            "optimizer_read_bytes_per_param_per_step": self.state_read_bytes_per_param,
-            "optimizer_written_bytes_per_param_per_step": self.state_written_bytes_per_param,
+            # (None with overlap: the update's I/O runs after step() returns, unmeasured)
+            "optimizer_read_bytes_per_param_per_step": None
+            if self.settings.overlap
+            else self.state_read_bytes_per_param,
+            "optimizer_written_bytes_per_param_per_step": None
+            if self.settings.overlap
+            else self.state_written_bytes_per_param,
             "losses": self.losses,
             "reference_losses": self.reference_losses,
             "identical": self.identical,
