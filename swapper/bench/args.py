@@ -57,6 +57,19 @@ DEFAULT_PARAMS = 200_000_000
 DEFAULT_SUB_GROUP = 25_000_000
 DEFAULT_STEPS = 3
 DEFAULT_STEP_WARMUP = 1
+#: StepConfig.moments' compressed values (swapper.step.layout.MOMENTS; no torch here).
+COMPRESSED_MOMENTS = ("bf16", "int8")
+
+
+def moments_arg(text: str) -> str:
+    """A compressed moments format for ``--moments``."""
+    if text not in COMPRESSED_MOMENTS:
+        raise argparse.ArgumentTypeError(
+            f"unknown moments {text!r} (use {', '.join(COMPRESSED_MOMENTS)}; fp32 is the "
+            "'step' pass, always run)"
+        )
+    return text
+
 
 backend_arg = enum_arg(Backend, "backend")
 
@@ -228,6 +241,14 @@ def add_step_arguments(p: argparse.ArgumentParser) -> None:
         metavar="SIZE",
         help="host (pinned) budget of each NVMe-backed optimizer; bounds the sub-groups in "
         "flight (default: 4 sub-groups' state)",
+    )
+    p.add_argument(
+        "--moments",
+        type=list_arg(moments_arg),
+        default=[],
+        metavar="LIST",
+        help="also time steps with the Adam moments stored compressed: bf16, int8 or "
+        "bf16,int8 (a pass step-<moments> each, alternating with the fp32 'step')",
     )
     p.add_argument(
         "--legacy-grad-swap",

@@ -9,7 +9,9 @@ tensors of at most 10M, bf16), and in the same directories:
   tier): building fp32 gradients, the fused AdamW kernel, rounding the 16-bit params;
 - **step**: :class:`~swapper.step.OffloadAdamW` with its state on NVMe: both at once;
 - **legacy** (``--legacy-grad-swap``): the same, but fp32 gradients are written to NVMe
-  at the start of the step and read back per sub-group, as DeepSpeed ZeRO-Infinity does.
+  at the start of the step and read back per sub-group, as DeepSpeed ZeRO-Infinity does;
+- **step-bf16**, **step-int8** (``--moments bf16,int8``): **step** with the Adam moments
+  stored compressed (``StepConfig.moments``), to weigh fewer bytes against the encoding.
 
 and runs them in turns, one step of each per round (the order rotating every round), so
 that the shared disk's changes of speed hit all alike. The figures are medians over the
@@ -71,6 +73,8 @@ class StepPlan:
     host_nbytes: int
     legacy: bool
     seed: int
+    #: compressed moments timed beside the fp32 "step" (a pass "step-<moments>" each)
+    moments: tuple[str, ...] = ()
     #: the stores' I/O settings: SWAPPER_AIO_* over swapper's defaults
     aio: AioConfig = dataclasses.field(default_factory=AioConfig)
 
@@ -83,7 +87,7 @@ class StepPlan:
 
     @property
     def passes(self) -> tuple[str, ...]:
-        return PASSES if self.legacy else PASSES[:3]
+        return (PASSES if self.legacy else PASSES[:3]) + tuple(f"step-{m}" for m in self.moments)
 
 
 def _tensor_numels(params: int) -> list[int]:
@@ -114,6 +118,7 @@ def build_plan(args: argparse.Namespace) -> StepPlan:
         legacy=args.legacy_grad_swap,
         seed=args.seed,
         aio=aio,
+        moments=tuple(dict.fromkeys(getattr(args, "moments", None) or ())),
     )
     largest = max(sg.state_nbytes for sg in plan.sub_groups())
     host = 4 * largest if args.host_budget is None else args.host_budget
@@ -123,7 +128,9 @@ def build_plan(args: argparse.Namespace) -> StepPlan:
             f"({format_size(largest)}): raise it or lower --sub-group"
         )
     plan = dataclasses.replace(plan, host_nbytes=host)
-    stores = 3 if plan.legacy else 2  # io-only, step, legacy each have their own state
+    # io-only, step, legacy and each step-<moments> have their own state (the compressed
+    # ones are smaller; counted as fp32: an upper bound)
+    stores = (3 if plan.legacy else 2) + len(plan.moments)
     # params + grads (bf16), the in-memory state, each store's host budget, grad buffers
     check_memory(4 * params + plan.state_nbytes + stores * host + 4 * sub_group * 4)
     # every store may hold a second version of a sub-group while it is being rewritten
@@ -188,12 +195,13 @@ def _run_rounds(plan: StepPlan, dirs: list[Path], say: Callable[[str], None]) ->
             # "legacy": DeepSpeed's way (fp32 gradients through the disk), the
             # benchmark's own subclass; the product optimizer never does it.
             optimizer_class = LegacyGradSwapAdamW if name == "legacy" else OffloadAdamW
+            moments = name.removeprefix("step-") if name.startswith("step-") else "fp32"
             optimizers[name] = stack.enter_context(
                 optimizer_class(
                     params,
                     lr=1e-4,
                     tiers=config,
-                    config=StepConfig(sub_group_numel=plan.sub_group, name=name),
+                    config=StepConfig(sub_group_numel=plan.sub_group, name=name, moments=moments),
                 )
             )
         io_step = 0
@@ -300,6 +308,19 @@ def summarize(plan: StepPlan, results: dict[str, _Pass]) -> dict[str, Any]:
             l_ / s_ for l_, s_ in zip(legacy.seconds, results["step"].seconds, strict=True)
         ]
         doc["legacy_speedup_median_per_round"] = statistics.median(doc["legacy_speedup_per_round"])
+    for moments in plan.moments:
+        r = results[f"step-{moments}"]
+        doc.setdefault("moments", {})[moments] = {
+            "step_seconds": r.median,
+            "read_bytes_per_param": sum(r.read_nbytes.values()) / per_param,
+            "write_bytes_per_param": sum(r.written_nbytes.values()) / per_param,
+            # < 1: faster than fp32 moments; each round's passes ran back to back
+            "time_ratio_per_round": [
+                c_ / s_ for c_, s_ in zip(r.seconds, results["step"].seconds, strict=True)
+            ],
+        }
+        entry = doc["moments"][moments]
+        entry["time_ratio_median_per_round"] = statistics.median(entry["time_ratio_per_round"])
     return doc
 
 
@@ -322,6 +343,13 @@ def format_table(doc: dict[str, Any]) -> str:
         f"{doc['overlap_ratio_median_per_round']:.3f} median of the rounds' own "
         "(1.0: I/O and compute fully overlapped)"
     )
+    for moments, entry in doc.get("moments", {}).items():
+        lines.append(
+            f"step-{moments} / step = {entry['time_ratio_median_per_round']:.3f} median of the "
+            f"rounds' own ({entry['read_bytes_per_param']:.2f} B read + "
+            f"{entry['write_bytes_per_param']:.2f} B written per parameter, fp32 moments "
+            f"{doc['read_bytes_per_param']:.2f} + {doc['write_bytes_per_param']:.2f})"
+        )
     if "legacy_speedup" in doc:
         lines.append(
             f"legacy / step = {doc['legacy_speedup']:.3f} of the medians, "
@@ -337,7 +365,9 @@ def run_step_command(args: argparse.Namespace) -> int:
     where = ", ".join(str(d) for d in plan.dirs)
     print(
         f"{PROG} {COMMAND}: {plan.params:,} bf16 params, {len(plan.sub_groups())} sub-groups "
-        f"of {plan.sub_group:,}, {format_size(plan.state_nbytes)} of fp32 state per store, "
+        f"of {plan.sub_group:,}, {format_size(plan.state_nbytes)} of fp32 state per store"
+        + "".join(f" (and a store of {m} moments)" for m in plan.moments)
+        + ", "
         f"in {where}; host budget {format_size(plan.host_nbytes)} per store; "
         f"{plan.steps} timed round(s) after {plan.warmup} warm-up",
         flush=True,

@@ -49,6 +49,8 @@ if TYPE_CHECKING:
 PROG = "swapper-pressure"
 #: The most ranks --nproc starts (swapper.pressure.ranks.MAX_NPROC; not imported: no torch).
 MAX_NPROC = 64
+#: StepConfig.moments' values (swapper.step.layout.MOMENTS; not imported: no torch).
+MOMENTS = ("fp32", "bf16", "int8")
 
 
 def nproc_arg(text: str) -> int:
@@ -163,6 +165,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="overlap each optimizer step with the next forward in the budgeted run "
         "(StepConfig(overlap=True); one process)",
     )
+    p.add_argument(
+        "--moments",
+        choices=MOMENTS,
+        default="fp32",
+        help="how the optimizer stores its Adam moments, in both runs (StepConfig.moments; "
+        "default fp32)",
+    )
     p.add_argument("--json", type=Path, metavar="FILE", help="write the results as JSON")
     return p
 
@@ -187,6 +196,12 @@ def _run(argv: list[str]) -> int:
             parser.error("--checkpoint-every, --resume and --export are single-process (--nproc 1)")
         if args.overlap:
             parser.error("--overlap is single-process for now (--nproc 1)")
+        if args.moments != "fp32":
+            parser.error(
+                "--moments other than fp32 is single-process here (--nproc 1): the ranks "
+                "runner compares with a one-process run, and compressed moments round per "
+                "rank's shard"
+            )
         if args.batch % args.nproc:
             parser.error(
                 f"--batch {args.batch} is not a multiple of --nproc {args.nproc} (each rank "
@@ -214,6 +229,7 @@ def _run(argv: list[str]) -> int:
         keep_last=args.keep_last,
         export_dir=args.export,
         overlap=args.overlap,
+        moments=args.moments,
     )
     if args.nproc > 1:
         return _run_ranks(
@@ -313,7 +329,7 @@ def _summary(res: PressureResult) -> str:
     lines.append(
         f"peak RSS {show_nbytes(res.peak_rss_bytes)}, bound {show_nbytes(res.rss_bound_bytes)} "
         f"(budgets + baseline {show_nbytes(res.baseline_rss_bytes)} + optimizer buffers "
-        f"{show_nbytes(16 * res.sub_group_numel)} + 2 x activations "
+        f"{show_nbytes(res.optimizer_buffer_bytes)} + 2 x activations "
         f"{show_nbytes(res.activation_bytes)})"
     )
     lines.append(
@@ -321,6 +337,14 @@ def _summary(res: PressureResult) -> str:
         f"{res.stall_fraction * res.seconds:.2f} s waiting for bytes "
         f"({100 * res.stall_fraction:.1f}% of the budgeted run); "
         f"{res.seconds:.2f} s budgeted vs {res.reference_seconds:.2f} s unlimited"
+    )
+    lines.append(
+        f"optimizer state through NVMe per step ({res.settings.moments} moments): "
+        "not measured with --overlap"
+        if res.settings.overlap
+        else f"optimizer state through NVMe per step ({res.settings.moments} moments): "
+        f"{res.state_read_bytes_per_param:.2f} B read + "
+        f"{res.state_written_bytes_per_param:.2f} B written per parameter"
     )
     if res.timing is not None:
         lines.append(res.timing.summary())

@@ -1,3 +1,5 @@
+# Size: ~510 lines: settings, result record (its JSON) and the run; the record grew with
+# issue 14 (overlap, compressed moments and their bytes per parameter).
 """Train a GPT under tight per-tier budgets, next to an unlimited run, and compare.
 
 One run (:func:`run_pressure`):
@@ -42,7 +44,7 @@ import torch
 
 from swapper.cli_args import show_nbytes
 from swapper.interrupts import critical
-from swapper.manager import Tier
+from swapper.manager import Kind, Tier
 from swapper.pressure.memory import SavedBytes, peak_rss, reset_peak_rss, return_freed_memory
 from swapper.pressure.model import GPT, GPTConfig, batches, materialize_
 from swapper.pressure.timing import Phases, Timing, measure_disk, plain_run
@@ -86,6 +88,8 @@ class PressureSettings:
         overlap: the budgeted run overlaps each optimizer step with the next forward
             (``StepConfig(overlap=True)``); the unlimited reference does not, so the
             comparison checks that it changes no result.
+        moments: how the optimizer stores its Adam moments (``StepConfig.moments``), in
+            both runs.
     """
 
     params: int = 2_000_000
@@ -105,8 +109,10 @@ class PressureSettings:
     keep_last: int = 2
     export_dir: Path | None = None
     overlap: bool = False
+    moments: str = "fp32"
 
     def __post_init__(self) -> None:
+        StepConfig(moments=self.moments)  # validates it (SwapConfigError naming it)
         if not isinstance(self.aio, AioConfig):
             raise SwapConfigError(f"aio={self.aio!r} must be an AioConfig")
         if self.dtype not in DTYPES:
@@ -142,6 +148,9 @@ class _Run:
     resumed_from: int = 0
     snapshots: list[SnapshotReport] = dataclasses.field(default_factory=list)
     export_seconds: float | None = None
+    #: optimizer state bytes read from / written to NVMe by the last step
+    state_read_nbytes: int = 0
+    state_written_nbytes: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,6 +181,9 @@ class PressureResult:
     snapshots: tuple[SnapshotReport, ...] = ()
     export_seconds: float | None = None  # (of 2 B x num_params)
     timing: Timing | None = None  # seconds per step, I/O floor, stall split
+    #: optimizer state bytes per parameter read from / written to NVMe by the last step
+    state_read_bytes_per_param: float = 0.0
+    state_written_bytes_per_param: float = 0.0
 
     @property
     def within_budgets(self) -> bool:
@@ -185,16 +197,22 @@ class PressureResult:
     def rss_bound_bytes(self) -> int:
         """What the peak RSS should stay under: host budget + device budget + the
         baseline + what the run holds outside the budgets by design: the optimizer's
-        buffers (16 B per sub-group element: a 12 B scratch while the state is set up,
-        then the 4 B fp32 gradient buffer) and the batch's activations, twice (the
+        buffers (:attr:`optimizer_buffer_bytes`) and the batch's activations, twice (the
         tensors saved for backward, and their gradients while backward runs)."""
         return (
             (self.budget_bytes["host"] or 0)
             + (self.budget_bytes["device"] or 0)
             + self.baseline_rss_bytes
-            + 16 * self.sub_group_numel
+            + self.optimizer_buffer_bytes
             + 2 * self.activation_bytes
         )
+
+    @property
+    def optimizer_buffer_bytes(self) -> int:
+        """The optimizer's buffers outside the budgets, per sub-group element: 16 B (12 B
+        of set-up scratch, then the 4 B fp32 gradient), 24 B with compressed moments (8 B
+        more of set-up scratch, and the 8 B fp32 moments are decoded into)."""
+        return (16 if self.settings.moments == "fp32" else 24) * self.sub_group_numel
 
     @property
     def ok(self) -> bool:
@@ -209,6 +227,14 @@ class PressureResult:
             "seed": self.settings.seed,
             "dtype": self.settings.dtype,
             "overlap": self.settings.overlap,
+            "moments": self.settings.moments,
+            # (None with overlap: the update's I/O runs after step() returns, unmeasured)
+            "optimizer_read_bytes_per_param_per_step": None
+            if self.settings.overlap
+            else self.state_read_bytes_per_param,
+            "optimizer_written_bytes_per_param_per_step": None
+            if self.settings.overlap
+            else self.state_written_bytes_per_param,
             "losses": self.losses,
             "reference_losses": self.reference_losses,
             "identical": self.identical,
@@ -294,7 +320,9 @@ def run_pressure(
             host_nbytes=host,
             nvme_dirs=dirs,
             aio=settings.aio,
-            step=StepConfig(sub_group_numel=sub_group, overlap=settings.overlap),
+            step=StepConfig(
+                sub_group_numel=sub_group, overlap=settings.overlap, moments=settings.moments
+            ),
             device="cpu",
         )
         reset_peak_rss()
@@ -305,7 +333,7 @@ def run_pressure(
     reference_config = OffloadConfig.create(
         device_nbytes=None,
         host_nbytes=None,
-        step=StepConfig(sub_group_numel=sub_group),
+        step=StepConfig(sub_group_numel=sub_group, moments=settings.moments),
         device="cpu",
     )
     reference = _train(model_config, reference_config, data, settings, dtype, say, "reference")
@@ -343,6 +371,8 @@ def run_pressure(
         snapshots=tuple(pressure.snapshots),
         export_seconds=pressure.export_seconds,
         timing=Timing.of(pressure.phases, reference.phases, plain, disk),
+        state_read_bytes_per_param=pressure.state_read_nbytes / num_params,
+        state_written_bytes_per_param=pressure.state_written_nbytes / num_params,
     )
 
 
@@ -415,6 +445,7 @@ def _train(
                     f"of {report.nbytes:,} B of state, {report.seconds:.3f} s"
                 )
         seconds = time.perf_counter() - start
+        traffic = optimizer.last_step.traffic if optimizer.last_step is not None else None
         peak = peak_rss()
         stats = wrapped.stats()
         hashes = {name: content_hash(t) for name, t in wrapped.iter_state_dict()}
@@ -439,6 +470,8 @@ def _train(
         resumed_from,
         snapshots,
         export_s,
+        state_read_nbytes=traffic.read_nbytes.get(Kind.OPTIM_STATE, 0) if traffic else 0,
+        state_written_nbytes=traffic.written_nbytes.get(Kind.OPTIM_STATE, 0) if traffic else 0,
     )
 
 

@@ -14,10 +14,13 @@ from typing import Any
 
 from tiers.errors import SwapConfigError
 
-__all__ = ["DEFAULT_SUB_GROUP_NUMEL", "StepConfig", "check_hyper"]
+__all__ = ["DEFAULT_SUB_GROUP_NUMEL", "MOMENTS", "StepConfig", "check_hyper"]
 
 #: Elements per sub-group unless told (12 B each: 300 MB of state).
 DEFAULT_SUB_GROUP_NUMEL = 25_000_000
+#: How the Adam moments may be stored (``StepConfig.moments``): fp32 (exact, 12 B per
+#: element with the master weights), bf16 (8 B) or 8-bit blockwise (6 B + the scales).
+MOMENTS = ("fp32", "bf16", "int8")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -46,6 +49,14 @@ class StepConfig:
             else False). The results are bit-identical either way. Only over a model
             wrapped by :func:`swapper.offload` in one process (see
             :mod:`swapper.step.deferred`).
+        moments: how the Adam moments are kept in the tiers (``None``: ``"fp32"``).
+            ``"fp32"``: exact, 12 B per element with the fp32 master weights, bitwise
+            torch's fused AdamW. ``"bf16"``: both moments rounded to bf16 (8 B per
+            element). ``"int8"``: 8-bit blockwise with an fp32 scale per block of 1024
+            (~6 B per element; see :mod:`swapper.step.compress`). The master weights stay
+            fp32 and the update itself runs in fp32; only the stored moments are rounded.
+            A snapshot keeps the stored form (resuming it needs the same setting); a
+            state dict and a DCP export hold the moments decoded to fp32.
         name: prefix of the optimizer's keys in the manager.
 
     Raises:
@@ -58,6 +69,7 @@ class StepConfig:
     accumulate_fp32: bool = False
     readahead: int | None = None
     overlap: bool | None = None
+    moments: str | None = None
     name: str = "adamw"
 
     def __post_init__(self) -> None:
@@ -98,6 +110,11 @@ class StepConfig:
         if self.overlap is not None and not isinstance(self.overlap, bool):
             raise SwapConfigError(
                 f"overlap={self.overlap!r} must be True, False or None (the model's setting)"
+            )
+        if self.moments is not None and self.moments not in MOMENTS:
+            raise SwapConfigError(
+                f"moments={self.moments!r} must be one of {', '.join(map(repr, MOMENTS))} "
+                "(how the Adam moments are stored), or None for 'fp32'"
             )
         if not isinstance(self.name, str) or not self.name:
             raise SwapConfigError(f"name={self.name!r} must be a non-empty key prefix")

@@ -2,8 +2,11 @@
 
 The parameters of each param group are laid end to end, in order, as one flat vector
 (no gaps). That vector is cut into sub-groups of ``sub_group_numel`` elements (the last
-one shorter); each sub-group has one state tensor of shape ``(3, padded_numel)``: row 0
-the fp32 master weights, row 1 ``exp_avg``, row 2 ``exp_avg_sq``.
+one shorter); each sub-group has one state tensor. With fp32 moments (the default) it
+has shape ``(3, padded_numel)``: row 0 the fp32 master weights, row 1 ``exp_avg``, row 2
+``exp_avg_sq``. With compressed moments (``StepConfig.moments``, see
+:mod:`swapper.step.compress`) it is one flat ``uint8`` tensor of the sections
+:class:`StoredLayout` names: the fp32 master weights first, then the encoded moments.
 
 Two alignments, both of :data:`ALIGN_NUMEL` elements (4 KiB of fp32):
 
@@ -14,7 +17,8 @@ Two alignments, both of :data:`ALIGN_NUMEL` elements (4 KiB of fp32):
   last bit.)
 - each row is padded to a multiple of it, so every row, and so every state tensor, is a
   whole number of 4 KiB blocks: O_DIRECT needs no bounce buffers. The padding is at most
-  ``ALIGN_NUMEL - 1`` elements per sub-group, never computed on, and always zero.
+  ``ALIGN_NUMEL - 1`` elements per sub-group, never computed on, and always zero. A
+  compressed state is padded at its end to a multiple of :data:`STORED_ALIGN_NBYTES`.
 """
 
 from __future__ import annotations
@@ -24,9 +28,21 @@ from dataclasses import dataclass
 
 import torch
 
+from swapper.step.config import MOMENTS
 from tiers.errors import SwapConfigError
 
-__all__ = ["ALIGN_NUMEL", "STATE_ROWS", "Piece", "SubGroup", "plan_sub_groups"]
+__all__ = [
+    "ALIGN_NUMEL",
+    "INT8_BLOCK_NUMEL",
+    "MOMENTS",
+    "STATE_ROWS",
+    "STORED_ALIGN_NBYTES",
+    "Piece",
+    "StoredLayout",
+    "SubGroup",
+    "plan_sub_groups",
+    "stored_layout",
+]
 
 #: Sub-group boundaries and row lengths are multiples of this many elements.
 ALIGN_NUMEL = 1024
@@ -34,6 +50,76 @@ ALIGN_NUMEL = 1024
 STATE_ROWS = ("master", "exp_avg", "exp_avg_sq")
 
 SIXTEEN_BIT = (torch.bfloat16, torch.float16)
+
+#: Elements per block of the 8-bit form, each block with one fp32 scale per moment.
+#: Equal to ALIGN_NUMEL: sub-group boundaries and padding fall on block boundaries, so a
+#: block never spans two sub-groups and the scales cost 8 B per 1024 elements.
+INT8_BLOCK_NUMEL = ALIGN_NUMEL
+#: A compressed state tensor's size is a multiple of this (O_DIRECT, no bounce buffer).
+STORED_ALIGN_NBYTES = 4096
+
+
+@dataclass(frozen=True)
+class StoredLayout:
+    """Byte offsets of the sections of one compressed state tensor (``uint8``, flat).
+
+    Attributes:
+        moments: ``"bf16"`` or ``"int8"``.
+        padded_numel: elements per section (the sub-group's padded length).
+        exp_avg_offset, exp_avg_sq_offset: where each moment's codes start, in bytes
+            (bf16: 2 B per element; int8: 1 B per element). The master weights (fp32) are
+            bytes ``[0, 4 * padded_numel)``.
+        scales_offset: int8 only (else equal to ``nbytes``): the fp32 scales of exp_avg's
+            blocks, then those of exp_avg_sq's, ``padded_numel // INT8_BLOCK_NUMEL`` each.
+        nbytes: the whole tensor, padded to a multiple of STORED_ALIGN_NBYTES.
+    """
+
+    moments: str
+    padded_numel: int
+    exp_avg_offset: int
+    exp_avg_sq_offset: int
+    scales_offset: int
+    nbytes: int
+
+    @property
+    def blocks(self) -> int:
+        """8-bit blocks per moment (0 for bf16)."""
+        return self.padded_numel // INT8_BLOCK_NUMEL if self.moments == "int8" else 0
+
+
+def stored_layout(moments: str, padded_numel: int) -> StoredLayout:
+    """The sections of a compressed state of ``padded_numel`` elements per row.
+
+    Raises:
+        SwapConfigError: ``moments`` is not ``"bf16"`` or ``"int8"`` (fp32 state is not
+            flat; see :attr:`SubGroup.state_shape`), or ``padded_numel`` is not a
+            multiple of ALIGN_NUMEL.
+    """
+    if padded_numel % ALIGN_NUMEL:
+        raise SwapConfigError(f"padded_numel={padded_numel} is not a multiple of {ALIGN_NUMEL}")
+    master = 4 * padded_numel
+    if moments == "bf16":
+        end = master + 4 * padded_numel
+        return StoredLayout(
+            moments,
+            padded_numel,
+            master,
+            master + 2 * padded_numel,
+            end,
+            round_up(end, STORED_ALIGN_NBYTES),
+        )
+    if moments == "int8":
+        scales = master + 2 * padded_numel
+        end = scales + 2 * 4 * (padded_numel // INT8_BLOCK_NUMEL)
+        return StoredLayout(
+            moments,
+            padded_numel,
+            master,
+            master + padded_numel,
+            scales,
+            round_up(end, STORED_ALIGN_NBYTES),
+        )
+    raise SwapConfigError(f"moments={moments!r} has no compressed layout (one of 'bf16', 'int8')")
 
 
 @dataclass(frozen=True)
@@ -64,6 +150,7 @@ class SubGroup:
         numel: elements it covers.
         padded_numel: length of each state row (``numel`` rounded up to ALIGN_NUMEL).
         pieces: the parameter ranges it covers, in flat order.
+        moments: how its Adam moments are stored (one of :data:`MOMENTS`).
     """
 
     index: int
@@ -72,16 +159,37 @@ class SubGroup:
     numel: int
     padded_numel: int
     pieces: tuple[Piece, ...]
+    moments: str = "fp32"
 
     @property
-    def state_shape(self) -> tuple[int, int]:
-        """Shape of its fp32 state tensor."""
-        return (len(STATE_ROWS), self.padded_numel)
+    def state_shape(self) -> tuple[int, ...]:
+        """Shape of its state tensor as stored: ``(3, padded_numel)`` fp32, or
+        ``(nbytes,)`` uint8 with compressed moments."""
+        if self.moments == "fp32":
+            return (len(STATE_ROWS), self.padded_numel)
+        return (self.stored.nbytes,)
+
+    @property
+    def state_dtype(self) -> torch.dtype:
+        """dtype of its state tensor as stored."""
+        return torch.float32 if self.moments == "fp32" else torch.uint8
 
     @property
     def state_nbytes(self) -> int:
-        """Bytes of its state tensor (fp32, padding included)."""
-        return len(STATE_ROWS) * self.padded_numel * 4
+        """Bytes of its state tensor as stored (padding included): what a step reads and
+        writes for it."""
+        if self.moments == "fp32":
+            return len(STATE_ROWS) * self.padded_numel * 4
+        return self.stored.nbytes
+
+    @property
+    def stored(self) -> StoredLayout:
+        """The sections of its compressed state.
+
+        Raises:
+            SwapConfigError: its moments are fp32 (not compressed).
+        """
+        return stored_layout(self.moments, self.padded_numel)
 
 
 def round_up(numel: int, multiple: int = ALIGN_NUMEL) -> int:
@@ -89,21 +197,27 @@ def round_up(numel: int, multiple: int = ALIGN_NUMEL) -> int:
     return -(-numel // multiple) * multiple
 
 
-def plan_sub_groups(group_numels: Sequence[Sequence[int]], sub_group_numel: int) -> list[SubGroup]:
+def plan_sub_groups(
+    group_numels: Sequence[Sequence[int]], sub_group_numel: int, moments: str = "fp32"
+) -> list[SubGroup]:
     """Cut every param group into sub-groups.
 
     Args:
         group_numels: per param group, the element count of each parameter, in order.
         sub_group_numel: elements per sub-group; rounded up to a multiple of
             :data:`ALIGN_NUMEL`.
+        moments: how the sub-groups' moments are stored (one of :data:`MOMENTS`).
 
     Returns:
         the sub-groups of all groups, group by group, numbered from 0. A group without
         elements has none.
 
     Raises:
-        SwapConfigError: ``sub_group_numel`` is not a positive int.
+        SwapConfigError: ``sub_group_numel`` is not a positive int, or ``moments`` is not
+            one of :data:`MOMENTS`.
     """
+    if moments not in MOMENTS:
+        raise SwapConfigError(f"moments={moments!r} must be one of {', '.join(MOMENTS)}")
     if isinstance(sub_group_numel, bool) or not isinstance(sub_group_numel, int):
         raise SwapConfigError(
             f"sub_group_numel={sub_group_numel!r} must be an int number of elements"
@@ -139,6 +253,14 @@ def plan_sub_groups(group_numels: Sequence[Sequence[int]], sub_group_numel: int)
                 break
             numel = end - begin
             plan.append(
-                SubGroup(len(plan), group_index, begin, numel, round_up(numel), tuple(pieces))
+                SubGroup(
+                    len(plan),
+                    group_index,
+                    begin,
+                    numel,
+                    round_up(numel),
+                    tuple(pieces),
+                    moments,
+                )
             )
     return plan

@@ -170,7 +170,12 @@ class OffloadAdamW(torch.optim.Optimizer):
                 f"tiers={tiers!r} must be a TierManager, a ManagerConfig or an offloaded model"
             )
         config = config.merged(
-            StepConfig(sub_group_numel=DEFAULT_SUB_GROUP_NUMEL, host_fraction=0.0, overlap=False)
+            StepConfig(
+                sub_group_numel=DEFAULT_SUB_GROUP_NUMEL,
+                host_fraction=0.0,
+                overlap=False,
+                moments="fp32",
+            )
         )
         sub_group_numel = config.sub_group_numel or DEFAULT_SUB_GROUP_NUMEL
         host_fraction = config.host_fraction or 0.0
@@ -179,7 +184,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         for group in self.param_groups:
             check_hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"])
             group.setdefault("step", 0)
-        plan = plan_sub_groups(self._numels(), sub_group_numel)
+        plan = plan_sub_groups(self._numels(), sub_group_numel, config.moments or "fp32")
         self.sub_group_numel = sub_group_numel
         self.max_grad_norm = config.max_grad_norm
         self.loss_scaler = loss_scaler
@@ -446,8 +451,8 @@ class OffloadAdamW(torch.optim.Optimizer):
         if host < kept + largest:
             raise SwapConfigError(
                 f"host_nbytes={host} cannot hold the kept sub-groups' state ({kept} bytes, "
-                f"host_fraction) and one streamed sub-group ({largest} bytes = 12 B x "
-                f"{largest // 12} elements): lower sub_group_numel (now "
+                f"host_fraction) and one streamed sub-group ({largest} bytes of "
+                f"{self.config.moments} moments): lower sub_group_numel (now "
                 f"{self.sub_group_numel}) or host_fraction, or raise the host budget"
             )
 
@@ -572,24 +577,25 @@ class OffloadAdamW(torch.optim.Optimizer):
         factor: float,
     ) -> None:
         group = (self._frozen_groups or self.param_groups)[sg.group_index]
-        n = sg.numel
         grad = self._grad(sg, state, extras, factor)
         beta1, beta2 = group["betas"]
-        torch._fused_adamw_(  # pyright: ignore[reportPrivateImportUsage]
-            [state[0, :n]],
-            [grad],
-            [state[1, :n]],
-            [state[2, :n]],
-            [],
-            [torch.tensor(float(step), dtype=torch.float32, device=state.device)],
-            lr=float(group["lr"]),
-            beta1=float(beta1),
-            beta2=float(beta2),
-            weight_decay=float(group["weight_decay"]),
-            eps=float(group["eps"]),
-            amsgrad=False,
-            maximize=False,
-        )
+        # (fp32 moments: views of the state; compressed: decoded, and encoded after)
+        with self._pipeline.codec.rows(sg, state) as (master, exp_avg, exp_avg_sq):
+            torch._fused_adamw_(  # pyright: ignore[reportPrivateImportUsage]
+                [master],
+                [grad],
+                [exp_avg],
+                [exp_avg_sq],
+                [],
+                [torch.tensor(float(step), dtype=torch.float32, device=state.device)],
+                lr=float(group["lr"]),
+                beta1=float(beta1),
+                beta2=float(beta2),
+                weight_decay=float(group["weight_decay"]),
+                eps=float(group["eps"]),
+                amsgrad=False,
+                maximize=False,
+            )
 
     def _grad(
         self, sg: SubGroup, state: torch.Tensor, extras: list[torch.Tensor], factor: float
@@ -602,7 +608,7 @@ class OffloadAdamW(torch.optim.Optimizer):
 
     def _publish(self, sg: SubGroup, state: torch.Tensor) -> None:
         """Round the new master weights into the 16-bit parameters."""
-        master = state[0]
+        master = self._pipeline.codec.master(sg, state)
         for piece in sg.pieces:
             self._source.write_param(
                 self._param(sg, piece.param_index),

@@ -1,3 +1,5 @@
+# Size: ~505 lines: the sub-group state machine, its bookkeeping and the whole-sub-group
+# read/write (fp32 in and out, stored through compress.MomentCodec) stay one class.
 """The step pipeline: optimizer state streamed through memory, one sub-group at a time.
 
 Each sub-group's state (fp32 master weights, ``exp_avg``, ``exp_avg_sq``; see
@@ -62,6 +64,7 @@ from contextlib import AbstractContextManager
 import torch
 
 from swapper.manager import Kind, Tier, TierManager
+from swapper.step.compress import MomentCodec
 from swapper.step.layout import SubGroup
 from tiers import signals
 from tiers.errors import SwapConfigError, SwapError
@@ -162,7 +165,7 @@ class StepPipeline:
             written; at least 1 when it holds two, 0 when it holds only one).
 
     Raises:
-        SwapConfigError: ``host_fraction`` is not in [0, 1] or ``readahead`` < 0.
+        SwapConfigError: ``host_fraction`` not in [0, 1], ``readahead`` < 0, mixed moments.
     """
 
     def __init__(
@@ -180,6 +183,7 @@ class StepPipeline:
             raise SwapConfigError(f"readahead={readahead!r} must be an int >= 0 or None")
         self.manager = manager
         self.sub_groups = tuple(sub_groups)
+        self.codec = MomentCodec.of(self.sub_groups)  #: the stored form (moments)
         self.name = name
         self.kept = round(host_fraction * len(self.sub_groups))
         self.readahead = self._default_readahead() if readahead is None else readahead
@@ -211,13 +215,15 @@ class StepPipeline:
             try:
                 largest = max((sg.padded_numel for sg in self.sub_groups), default=0)
                 scratch = torch.empty((3, largest), dtype=torch.float32)
+                stored = self.codec.scratch(self.sub_groups)  # compressed form, or None
                 for sg in self.sub_groups:
                     buffer = scratch[:, : sg.padded_numel]
                     buffer.zero_()
                     fill(sg, buffer)
+                    buffer = self.codec.stored_form(sg, buffer, stored)
                     self.manager.register(self.key(sg.index), buffer, Kind.OPTIM_STATE)
                     self._registered += 1
-                del scratch
+                del scratch, stored
                 for sg in self.sub_groups[: self.kept]:
                     self._held[sg.index] = self.manager.fetch(self.key(sg.index))
             except BaseException:
@@ -416,32 +422,33 @@ class StepPipeline:
     # -- reading and writing whole sub-groups (state_dict, load_state_dict) ----------------
 
     def read(self, index: int) -> torch.Tensor:
-        """A copy of sub-group ``index``'s state tensor (padding included)."""
+        """A copy of sub-group ``index``'s state, fp32 ``(3, padded_numel)``, decoded."""
         self._check_open()
+        sg = self.sub_groups[index]
         held = self._held.get(index)
         if held is not None:
-            return held.clone()
+            return self.codec.decode(sg, held)
         key = self.key(index)
         with signals.at_waits:  # no signal between the fetch and the try
             state = self.manager.fetch(key)
             try:
-                return state.clone()
+                return self.codec.decode(sg, state)
             finally:
                 self.manager.release(key, modified=False)
 
     def write(self, index: int, fill: Callable[[torch.Tensor], None], step: int) -> None:
-        """Overwrite sub-group ``index``'s state in place with ``fill(state)``, mark it at
-        ``step``, and make it durable before returning."""
+        """Overwrite sub-group ``index``'s state with ``fill(state)`` (fp32, see
+        :meth:`MomentCodec.fill`), mark it at ``step``, make it durable, then return."""
         self._check_open()
         with signals.at_waits:  # no signal between the fetch and the try
             held = self._held.get(index)
             if held is not None:
-                fill(held)
+                self.codec.fill(self.sub_groups[index], fill, held)
             else:
                 key = self.key(index)
                 state = self.manager.fetch(key)
                 try:
-                    fill(state)
+                    self.codec.fill(self.sub_groups[index], fill, state)
                 finally:
                     self.manager.release(key, modified=True)
                 if self.streams:

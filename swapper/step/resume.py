@@ -20,13 +20,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from swapper.manager import Kind, UnknownKeyError
 from swapper.step.config import check_hyper
 from swapper.step.pipeline import StepPipeline
 from swapper.step.scaler import DynamicLossScaler
-from swapper.step.state import StateDictError, check_same_layout
+from swapper.step.state import MomentsMismatchError, StateDictError, check_same_layout
 from tiers import signals
 from tiers.errors import SwapConfigError
 
@@ -102,6 +100,8 @@ def optimizer_meta(optimizer: OffloadAdamW) -> dict[str, Any]:
         "step": optimizer.step_count,
         "sub_group_numel": optimizer.sub_group_numel,
         "numels": optimizer._numels(),
+        # how the state tensors are stored: a resume takes them as they are
+        "moments": optimizer._pipeline.codec.moments,
         "groups": [
             {k: _encode_value(k, v) for k, v in g.items() if k not in ("params", "param_names")}
             for g in optimizer.param_groups
@@ -117,6 +117,8 @@ def adopt(optimizer: OffloadAdamW, pipeline: StepPipeline, resumed: ResumedState
     Everything is checked before anything changes.
 
     Raises:
+        MomentsMismatchError: its state is stored with other moments than
+            ``StepConfig.moments`` here (a StateDictError and a SwapConfigError).
         StateDictError: the snapshot (named by its file) holds no optimizer, or one of
             other parameters, layout, sub-group size or name, or lacks a state tensor or
             holds one of the wrong shape (the first difference named).
@@ -136,6 +138,15 @@ def adopt(optimizer: OffloadAdamW, pipeline: StepPipeline, resumed: ResumedState
         raise StateDictError(
             f"{where}: its optimizer state is named {meta.get('name')!r}, this optimizer's "
             f"{pipeline.name!r}: give StepConfig(name=...) as when it was taken"
+        )
+    theirs = meta.get("moments", "fp32")  # (snapshots from before the setting: fp32)
+    if theirs != pipeline.codec.moments:
+        raise MomentsMismatchError(
+            f"{where}: its optimizer state is stored with moments={theirs!r}, this "
+            f"optimizer's StepConfig.moments={pipeline.codec.moments!r}: resume with "
+            f"moments={theirs!r} (a snapshot keeps the stored form; to change it, "
+            "export_dcp and import_dcp, or state_dict and load_state_dict, which go through "
+            "fp32)"
         )
     step = meta.get("step")
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
@@ -169,12 +180,12 @@ def adopt(optimizer: OffloadAdamW, pipeline: StepPipeline, resumed: ResumedState
             raise StateDictError(f"{where} holds no optimizer state {key!r}") from None
         if (
             info.kind is not Kind.OPTIM_STATE
-            or info.dtype != torch.float32
-            or tuple(info.shape) != (3, sg.padded_numel)
+            or info.dtype != sg.state_dtype
+            or tuple(info.shape) != sg.state_shape
         ):
             raise StateDictError(
                 f"{where}: {key!r} is {info.kind.value} {info.dtype} {list(info.shape)}; "
-                f"expected optim_state torch.float32 [3, {sg.padded_numel}]"
+                f"expected optim_state {sg.state_dtype} {list(sg.state_shape)}"
             )
     with signals.at_waits:  # each fetch and its record go together
         pipeline._registered = len(pipeline.sub_groups)

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "STATE_FORMAT",
+    "MomentsMismatchError",
     "StateDictError",
     "SubGroupStates",
     "check_same_layout",
@@ -38,6 +39,11 @@ STATE_FORMAT = 1
 
 class StateDictError(SwapError, ValueError):
     """A state dict does not fit this optimizer (other parameters, shapes or layout)."""
+
+
+class MomentsMismatchError(StateDictError, SwapConfigError):
+    """A snapshot's optimizer state is stored with other moments (``StepConfig.moments``)
+    than the optimizer resuming it asks for: a setting to fix, so a SwapConfigError too."""
 
 
 class SubGroupStates(Mapping[int, dict[str, torch.Tensor]]):
@@ -159,6 +165,9 @@ def saved_state(optimizer: OffloadAdamW) -> dict[str, Any]:
             "sub_group_numel": optimizer.sub_group_numel,
             "numels": optimizer._numels(),
             "loss_scaler": None if scaler is None else scaler.state_dict(),
+            # what the tensors were decoded from (informative: they are fp32 whatever it
+            # is, and load into an optimizer of any moments)
+            "moments": optimizer._pipeline.codec.moments,
         },
     }
 

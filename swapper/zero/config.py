@@ -134,7 +134,9 @@ class OffloadConfig:
             self,
             "step",
             self.step.merged(
-                StepConfig(sub_group_numel=DEFAULT_SUB_GROUP_NUMEL, host_fraction=0.0)
+                StepConfig(
+                    sub_group_numel=DEFAULT_SUB_GROUP_NUMEL, host_fraction=0.0, moments="fp32"
+                )
             ),
         )
 
