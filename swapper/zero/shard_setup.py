@@ -105,6 +105,9 @@ def _shared_settings(config: OffloadConfig) -> dict[str, object]:
         "distributed.timeout_s": d.timeout_s,
         "manager.device_nbytes": config.manager.device_nbytes,  # bounds the gathers ahead
         "step.max_grad_norm": config.step.max_grad_norm,  # a norm all_reduce or none
+        # no collective, but shards stored in different formats would train one model
+        # with two optimizers' numerics
+        "step.moments": config.step.moments or "fp32",
     }
 
 
