@@ -81,9 +81,11 @@ def test_snapshot_writes_only_what_is_dirty_and_keeps_the_last_k(tmp_path: Path)
         # nothing changed since the last one: only its file is written
         file_nbytes = again.path.stat().st_size
         assert again.written_nbytes == file_nbytes
-        # after a step, what the step left dirty: at most the 16-bit params (the
-        # optimizer's state is durable when step() returns), far below the state's bytes
-        assert file_nbytes < report.written_nbytes <= 2 * 28_032 + file_nbytes + 1024
+        # after a step, what the step left dirty is 16-bit params (the optimizer's state
+        # is durable when step() returns), each its fp32 master rounded: left out and
+        # rebuilt at resume (swapper.zero.rebuild), so only the file is written
+        assert report.written_nbytes == report.path.stat().st_size
+        assert 0 < report.rebuilt_nbytes <= 2 * 28_032
         store = wrapped.manager._ctx.store
         assert store is not None
         assert [s.name for s in store.snapshots()] == [*names[-2:], "again"]

@@ -196,8 +196,9 @@ class MoverJobs:
 
         future.add_done_callback(done)
 
-    def flush(self, deadline: float, *, final: bool) -> None:
-        """Write every dirty RESIDENT entry (memory kept), wait, save the manifest.
+    def flush(self, deadline: float, *, final: bool, skip: frozenset[str] = frozenset()) -> None:
+        """Write every dirty RESIDENT entry (memory kept) but those in ``skip``, wait, save
+        the manifest.
 
         ``final`` (close, nothing else running): first let transfers under way end (an
         eviction that fails leaves a dirty entry to write), and at the end every entry must
@@ -214,7 +215,11 @@ class MoverJobs:
         with ctx.cond:
             if final:
                 ctx.wait_for_transfers(deadline)
-            dirty = [e for e in ctx.entries.values() if e.state is _S.RESIDENT and not e.clean]
+            dirty = [
+                e
+                for e in ctx.entries.values()
+                if e.state is _S.RESIDENT and not e.clean and e.key not in skip
+            ]
         writes: list[tuple[str, Future[None]]] = []
         for entry in dirty:
             # Claimed one at a time, just before its write: an entry claimed and not yet

@@ -21,12 +21,13 @@ import dataclasses
 import logging
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from swapper.manager.config import ManagerConfig
+from swapper.manager.config import ManagerConfig, Tier
 from swapper.manager.core import TierManager
+from swapper.manager.entry import EntryState, SwapEntry
 from swapper.manager.errors import EntryInUseError, NotDurableError
 from tiers.aio import AioEngine
 from tiers.errors import SwapConfigError
@@ -36,7 +37,13 @@ from tiers.nvme.records import ManifestError
 from tiers.nvme.snapshots import SnapshotInfo
 from tiers.signals import at_waits
 
-__all__ = ["ManagerSnapshot", "open_at_snapshot", "snapshot_manager"]
+__all__ = [
+    "ManagerSnapshot",
+    "dirty_in_memory",
+    "entry_versions",
+    "open_at_snapshot",
+    "snapshot_manager",
+]
 
 log = logging.getLogger("swapper.manager")
 
@@ -51,12 +58,53 @@ class ManagerSnapshot:
             ones); the snapshot's file (``info.file_nbytes``) comes on top.
         seconds: wall time of the whole call.
         dropped: snapshots removed by ``keep_last`` (and a same-named one replaced).
+        left_out: the keys of ``leave_out`` neither written nor named (see
+            :func:`snapshot_manager`).
     """
 
     info: SnapshotInfo
     written_nbytes: int
     seconds: float
     dropped: tuple[str, ...]
+    left_out: tuple[str, ...] = ()
+
+
+def entry_versions(manager: TierManager, keys: Iterable[str]) -> dict[str, int]:
+    """The modification counter of each of ``keys`` that is registered (bumped by every
+    ``release(modified=True)``): equal counters mean nobody released the tensor as
+    modified in between."""
+    ctx = manager._ctx
+    with ctx.cond:
+        return {k: e.version for k in keys if (e := ctx.entries.get(k)) is not None}
+
+
+def dirty_in_memory(
+    manager: TierManager, keys: Iterable[str], *, timeout_s: float | None = None
+) -> dict[str, tuple[int, Tier]]:
+    """Of ``keys``, those whose bytes are only in memory (their NVMe copy stale or
+    missing), resident and unused, once the transfers under way have ended: key →
+    (modification counter, memory tier). What :func:`snapshot_manager` may leave out.
+
+    Raises:
+        ManagerTimeout: the transfers did not end within ``timeout_s`` (default
+            ``config.close_timeout_s``).
+        ManagerClosedError: the manager is closed.
+    """
+    ctx = manager._ctx
+    timeout = manager.config.close_timeout_s if timeout_s is None else timeout_s
+    with at_waits, ctx.cond:
+        ctx.check_open()
+        ctx.wait_for_transfers(time.monotonic() + timeout)
+        found: dict[str, tuple[int, Tier]] = {}
+        for key in keys:
+            e = ctx.entries.get(key)
+            if e is not None and _leavable(e) and e.tier is not None:
+                found[key] = (e.version, e.tier)
+        return found
+
+
+def _leavable(entry: SwapEntry) -> bool:
+    return entry.state is EntryState.RESIDENT and not entry.clean and not entry.users
 
 
 def snapshot_manager(
@@ -67,6 +115,7 @@ def snapshot_manager(
     keep_last: int | None = None,
     replace: bool = False,
     timeout_s: float | None = None,
+    leave_out: Mapping[str, int] | None = None,
 ) -> ManagerSnapshot:
     """Retain every tensor of ``manager`` as it is now under snapshot ``name`` of its store.
 
@@ -81,11 +130,17 @@ def snapshot_manager(
         replace: a snapshot of that name (or a damaged file of that name, logged) is
             dropped first; else it is an error.
         timeout_s: for the transfers and writes (default ``config.close_timeout_s``).
+        leave_out: key → modification counter (:func:`entry_versions`): each such tensor
+            still at that counter and dirty in memory (:func:`dirty_in_memory`) is neither
+            written nor named by the snapshot (it stays dirty in memory); the caller
+            keeps in ``extra`` what rebuilds it. A resume at the snapshot finds no such
+            key (:meth:`NvmeStore.restore_snapshot` deletes it).
 
     Raises:
         SwapConfigError: the manager has no NVMe tier.
         EntryInUseError: a tensor is fetched (in use); release it first (named).
-        NotDurableError: some writes failed or did not end in time (named); no snapshot.
+        NotDurableError: some writes failed or did not end in time (named), or a tensor
+            of ``leave_out`` changed or was written meanwhile; no snapshot.
         SnapshotExistsError: ``name`` is taken and not ``replace``.
         SwapIOError, TypeError, ValueError: as :meth:`NvmeStore.snapshot`.
         ManagerClosedError: the manager is closed.
@@ -100,16 +155,39 @@ def snapshot_manager(
             ctx.check_open()
             ctx.wait_for_transfers(deadline)
             busy = sorted(e.key for e in ctx.entries.values() if e.users)
-            dirty_nbytes = sum(e.nbytes for e in ctx.entries.values() if not e.clean)
+            wanted = leave_out or {}
+            left = sorted(
+                k
+                for k, version in wanted.items()
+                if (e := ctx.entries.get(k)) is not None and e.version == version and _leavable(e)
+            )
+            changed = sorted(set(wanted) - set(left))
+            dirty_nbytes = sum(
+                e.nbytes for e in ctx.entries.values() if not e.clean and e.key not in wanted
+            )
         if busy:
             raise EntryInUseError(
                 f"snapshot {name!r}: {len(busy)} tensor(s) are in use (fetched, not released): "
                 f"{', '.join(map(repr, busy[:5]))}; take snapshots between steps"
             )
-        manager._jobs.flush(deadline, final=False)
+        if changed:
+            # What the caller recorded to rebuild them would not be what they hold.
+            raise NotDurableError(
+                f"snapshot {name!r}: {len(changed)} tensor(s) to leave out changed, moved or "
+                f"were written since they were chosen ({', '.join(map(repr, changed[:5]))}); "
+                "take it while nothing else uses the manager",
+                keys=changed,
+                errors={},
+            )
+        manager._jobs.flush(deadline, final=False, skip=frozenset(left))
         with ctx.cond:
             ctx.wait_for_transfers(deadline)
-            stale = sorted(e.key for e in ctx.entries.values() if not e.clean or e.state.transient)
+            stale = sorted(
+                e.key
+                for e in ctx.entries.values()
+                if e.state.transient
+                or (not e.clean and (e.key not in wanted or e.version != wanted[e.key]))
+            )
         if stale:
             # Another thread used the manager meanwhile: the copies would not be one moment.
             raise NotDurableError(
@@ -132,10 +210,11 @@ def snapshot_manager(
             )
             store.drop_snapshot(name)
             dropped.append(name)
-        info = store.snapshot(name, extra=extra)
+        info = store.snapshot(name, extra=extra, exclude=left)
         if keep_last is not None:
             dropped.extend(store.prune_snapshots(keep_last=keep_last))
-    return ManagerSnapshot(info, dirty_nbytes, time.perf_counter() - started, tuple(dropped))
+    seconds = time.perf_counter() - started
+    return ManagerSnapshot(info, dirty_nbytes, seconds, tuple(dropped), tuple(left))
 
 
 #: choose(store) → the name of the snapshot to open at, or None: there is nothing to

@@ -47,6 +47,8 @@ class ResumedState:
         extra: the user's ``extra`` given to the snapshot.
         rng: the RNG states it recorded (restored by the model at resume).
         taken: an optimizer has adopted the state (a second one starts afresh).
+        rebuilt: the 16-bit parameters the snapshot left out, rebuilt from its fp32
+            masters and checked (:mod:`swapper.zero.rebuild`), until they are registered.
     """
 
     name: str
@@ -56,6 +58,7 @@ class ResumedState:
     extra: Any = None
     rng: Any = None
     taken: bool = False
+    rebuilt: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
 
 
 def resumed_of(tiers: object) -> ResumedState | None:

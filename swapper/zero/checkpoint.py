@@ -6,14 +6,21 @@ retained snapshot of the store the model's manager already writes to:
 * the tensors: the 16-bit parameters (``param16/param/<name>``), the optimizer's state
   sub-groups (``optim_state/<name>/state/<i>``: fp32 master, exp_avg, exp_avg_sq), and
   retained 16-bit gradients if any (dropped at resume); those dirty in memory are
-  written first, those already current on NVMe are only named (:mod:`swapper.manager.snapshot`);
+  written first, those already current on NVMe are only named (:mod:`swapper.manager.snapshot`),
+  except the 16-bit parameters that are exactly their fp32 masters rounded (those a step
+  left dirty): neither written nor named, rebuilt from the masters at resume and checked
+  against a digest (:mod:`swapper.zero.rebuild`), so a snapshot right after a step
+  writes next to nothing;
 * the rest, as the snapshot's JSON ``extra`` (one file with the tensors' extents, written
   atomically after they are durable, so a snapshot exists whole or not at all)::
 
-      {"format": "swapper-training-snapshot", "version": 1, "step": 12,
+      {"format": "swapper-training-snapshot", "version": 2, "step": 12,
        "optimizer": <swapper.step.resume.optimizer_meta> | null,
        "rng": {"cpu": "<base64 of torch.get_rng_state()>", "cuda": ["<base64>", ...]},
-       "extra": <the user's JSON object> | null}
+       "extra": <the user's JSON object> | null,
+       "rebuilt": <swapper.zero.rebuild's list: parameters left out>}
+
+  (version 1, before ``rebuilt``, is read too.)
 
 Resume (``swapper.offload(..., resume=True | "name")``): the store is reopened, the newest
 snapshot that reads whole (its file decodes, every tensor's bytes match their checksums;
@@ -49,6 +56,7 @@ from swapper.manager.snapshot import open_at_snapshot, snapshot_manager
 from swapper.step.optimizer import OffloadAdamW, StepPendingError
 from swapper.step.resume import ResumedState, kept_released, optimizer_meta
 from swapper.step.state import StateDictError
+from swapper.zero.rebuild import Rebuilder, choose_left_out, register_rebuilt
 from tiers.errors import SwapConfigError, SwapCorruptionError, SwapIOError
 from tiers.nvme import NvmeStore
 from tiers.nvme.snapshots import SnapshotDamagedError, SnapshotInfo, SnapshotNotFoundError
@@ -70,8 +78,12 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 FORMAT = "swapper-training-snapshot"
-VERSION = 1
-_FIELDS = frozenset({"format", "version", "step", "optimizer", "rng", "extra"})
+VERSION = 2
+#: the fields of each version read
+_FIELDS = {
+    1: frozenset({"format", "version", "step", "optimizer", "rng", "extra"}),
+    2: frozenset({"format", "version", "step", "optimizer", "rng", "extra", "rebuilt"}),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,7 +95,7 @@ class SnapshotReport:
         step: the optimizer's step count it holds.
         seconds: wall time.
         written_nbytes: tensor bytes written (those dirty in memory), plus the file.
-        nbytes: tensor bytes it names (the state's size).
+        nbytes: tensor bytes it holds (the state's size), ``rebuilt_nbytes`` included.
         path: its file.
         dropped: snapshots removed (``keep_last``, or one of the same name replaced).
     """
@@ -95,6 +107,7 @@ class SnapshotReport:
     nbytes: int
     path: Path
     dropped: tuple[str, ...]
+    rebuilt_nbytes: int = 0  #: 16-bit parameters left out, rebuilt from masters at resume
 
 
 def save_snapshot(
@@ -141,6 +154,7 @@ def save_snapshot(
     if name is None:
         name = f"step-{step:09d}"
     model.release_stale_holds()  # a forward or backward that raised
+    left = choose_left_out(model.manager, optimizer)  # (before the kept sub-groups go)
     meta = {
         "format": FORMAT,
         "version": VERSION,
@@ -148,17 +162,26 @@ def save_snapshot(
         "optimizer": None if optimizer is None else optimizer_meta(optimizer),
         "rng": _rng_state(),
         "extra": None if extra is None else dict(extra),
+        "rebuilt": left.record,
     }
     kept = kept_released(optimizer._pipeline) if optimizer is not None else nullcontext()
     with kept:
-        done = snapshot_manager(model.manager, name, extra=meta, keep_last=keep_last, replace=True)
+        done = snapshot_manager(
+            model.manager,
+            name,
+            extra=meta,
+            keep_last=keep_last,
+            replace=True,
+            leave_out=left.versions,
+        )
     info = done.info
     log.info(
-        "snapshot %s: step %d, %d bytes written of %d named, %.3f s",
+        "snapshot %s: step %d, %d bytes written of %d named (+ %d rebuilt at resume), %.3f s",
         name,
         step,
         done.written_nbytes + info.file_nbytes,
         info.nbytes,
+        left.nbytes,
         done.seconds,
     )
     return SnapshotReport(
@@ -166,9 +189,10 @@ def save_snapshot(
         step=step,
         seconds=done.seconds,
         written_nbytes=done.written_nbytes + info.file_nbytes,
-        nbytes=info.nbytes,
+        nbytes=info.nbytes + left.nbytes,
         path=info.path,
         dropped=done.dropped,
+        rebuilt_nbytes=left.nbytes,
     )
 
 
@@ -241,6 +265,12 @@ def open_manager(
                 f"{[str(d) for d in config.nvme_dirs]} to resume from"
             )
         return TierManager(config), None
+    try:  # the parameters the snapshot left out, dirty in memory as they were
+        register_rebuilt(manager, chosen[0].rebuilt)
+    except BaseException:
+        manager.close()
+        raise
+    chosen[0].rebuilt = {}
     return manager, chosen[0]
 
 
@@ -293,10 +323,12 @@ def _check(store: NvmeStore, info: SnapshotInfo) -> ResumedState:
         raise SnapshotDamagedError(
             f"{where} is not a training snapshot (taken by NvmeStore.snapshot directly?)"
         )
-    if meta.keys() != _FIELDS or meta["version"] != VERSION:
+    version = meta.get("version")
+    fields = _FIELDS.get(version) if type(version) is int else None
+    if meta.keys() != fields:
         raise SnapshotDamagedError(
             f"{where}: training snapshot fields {sorted(meta)} of version "
-            f"{meta.get('version')!r}; this swapper reads version {VERSION}"
+            f"{meta.get('version')!r}; this swapper reads versions {sorted(_FIELDS)}"
         )
     step, optimizer = meta["step"], meta["optimizer"]
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
@@ -304,11 +336,13 @@ def _check(store: NvmeStore, info: SnapshotInfo) -> ResumedState:
     if optimizer is not None and not isinstance(optimizer, dict):
         raise SnapshotDamagedError(f"{where}: optimizer is not an object")
     _decode_rng(meta["rng"], where)  # checked now: a bad one is a damaged snapshot
+    rebuilder = Rebuilder(meta.get("rebuilt", []), store, info, where)
     largest = max((store.snapshot_tensor(info.name, k).nbytes for k in info.keys), default=0)
     scratch = torch.empty(largest, dtype=torch.uint8)
     for key in info.keys:
         nbytes = store.snapshot_tensor(info.name, key).nbytes
         store.read_snapshot(info.name, key, scratch[:nbytes]).result()
+        rebuilder.feed(key, scratch[:nbytes])
     return ResumedState(
         name=info.name,
         path=info.path,
@@ -316,6 +350,7 @@ def _check(store: NvmeStore, info: SnapshotInfo) -> ResumedState:
         optimizer=optimizer,
         extra=meta["extra"],
         rng=meta["rng"],
+        rebuilt=rebuilder.finish(),
     )
 
 

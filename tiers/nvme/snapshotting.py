@@ -32,7 +32,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -143,6 +143,7 @@ class SnapshotStore(StoreCore):
         *,
         extra: Mapping[str, Any] | bytes | None = None,
         keep_last: int | None = None,
+        exclude: Collection[str] = (),
     ) -> SnapshotInfo:
         """Durably retain every key's current version under ``name``, without copying.
 
@@ -158,6 +159,8 @@ class SnapshotStore(StoreCore):
             extra: the caller's metadata, kept with the snapshot and returned in
                 :class:`SnapshotInfo`: a JSON-able Mapping (str keys; lists, not tuples)
                 or bytes, at most 16 MiB encoded.
+            exclude: keys not retained (the caller keeps their bytes some other way);
+                restoring the snapshot deletes them.
 
         Raises:
             SwapConfigError: ``name`` or ``keep_last`` is not usable.
@@ -179,6 +182,8 @@ class SnapshotStore(StoreCore):
                         f"drop_snapshot({name!r}) first, or choose another name"
                     )
                 versions = self._table.currents()
+                for key in exclude:
+                    versions.pop(key, None)
                 for version in versions.values():
                     self._table.pin(version)
             written = False
