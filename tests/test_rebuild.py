@@ -54,7 +54,7 @@ def _resume_digest(swap: Path, resume: bool | str = True, **kw: object) -> tuple
         return final_digest(wrapped, optimizer), optimizer.step_count
 
 
-@pytest.mark.parametrize("host_fraction", [0.0, 0.5])
+@pytest.mark.parametrize("host_fraction", [0.0, 0.1])
 def test_params_a_step_left_dirty_are_left_out_and_rebuilt_exactly(
     tmp_path: Path, host_fraction: float
 ) -> None:
@@ -74,8 +74,8 @@ def test_params_a_step_left_dirty_are_left_out_and_rebuilt_exactly(
     if host_fraction == 0.0:  # (kept sub-groups are written by every snapshot)
         assert report.written_nbytes == report.path.stat().st_size
     keys = _store_keys(swap, "after")
-    assert sum(k.startswith("param/") for k in keys) < sum(
-        k.startswith("param/") for k in _store_keys(swap, "first")
+    assert sum("/param/" in k for k in keys) < sum(
+        "/param/" in k for k in _store_keys(swap, "first")
     )
     assert _resume_digest(swap, host_fraction=host_fraction) == (expected, 2)
 
@@ -94,7 +94,7 @@ def test_a_param_written_outside_the_step_is_written_by_the_snapshot(tmp_path: P
         )
         save_snapshot(wrapped, optimizer, name="s")
         expected = final_digest(wrapped, optimizer)
-    assert "param/ln_f.weight" in _store_keys(swap, "s")
+    assert "param16/param/ln_f.weight" in _store_keys(swap, "s")
     assert _resume_digest(swap)[0] == expected
 
 
@@ -108,7 +108,8 @@ def test_an_optimizer_load_since_the_step_makes_the_snapshot_write_the_params(
         OffloadAdamW(wrapped.parameters(), lr=1e-2, tiers=wrapped) as optimizer,
     ):
         _steps(gpt, optimizer, 1)
-        saved = optimizer.state_dict()
+        lazy = optimizer.state_dict()
+        saved = {**lazy, "state": dict(lazy["state"].items())}  # read now
         _steps(gpt, optimizer, 1, seed=2)
         optimizer.load_state_dict(saved)  # masters of step 1, params of step 2
         report = save_snapshot(wrapped, optimizer, name="s")
@@ -196,16 +197,16 @@ class _Store:
 
 class _Info:
     name = "s"
-    keys = ("optim/state/0",)
+    keys = ("optim_state/s/0",)
 
 
 def _row(**change: object) -> dict[str, object]:
     row: dict[str, object] = {
-        "key": "param/w",
+        "key": "param16/param/w",
         "dtype": "bfloat16",
         "shape": [2, 3],
         "xxh3_64": "0" * 16,
-        "pieces": [["optim/state/0", 0, 0, 4], ["optim/state/0", 100, 4, 2]],
+        "pieces": [["optim_state/s/0", 0, 0, 4], ["optim_state/s/0", 100, 4, 2]],
     }
     row.update(change)
     return row
@@ -216,15 +217,16 @@ def _row(**change: object) -> dict[str, object]:
     [
         ({}, "not a list"),
         ([{"key": "param/w"}], "not an object of fields"),
-        ([_row(key="optim/state/0")], "is not a str the snapshot lacks"),
+        ([_row(key="optim_state/s/0")], "is not a param16/... key the snapshot lacks"),
+        ([_row(key="param/w")], "is not a param16/... key the snapshot lacks"),
         ([_row(dtype="float32")], "not bfloat16 or float16"),
         ([_row(shape=[2, -3])], "shape"),
         ([_row(xxh3_64="xyz")], "16 hex digits"),
-        ([_row(pieces=[["optim/state/0", 0, 0, 6.0]])], "is not \\[str, int, int, int\\]"),
-        ([_row(pieces=[["optim/state/0", 0, 1, 6]])], "do not tile"),
-        ([_row(pieces=[["optim/state/0", 0, 0, 4]])], "cover 4 of 6"),
-        ([_row(pieces=[["optim/state/9", 0, 0, 6]])], "holds no state"),
-        ([_row(pieces=[["optim/state/0", 2045, 0, 6]])], "has no fp32 elements"),
+        ([_row(pieces=[["optim_state/s/0", 0, 0, 6.0]])], "is not \\[str, int, int, int\\]"),
+        ([_row(pieces=[["optim_state/s/0", 0, 1, 6]])], "do not tile"),
+        ([_row(pieces=[["optim_state/s/0", 0, 0, 4]])], "cover 4 of 6"),
+        ([_row(pieces=[["optim_state/s/9", 0, 0, 6]])], "holds no state"),
+        ([_row(pieces=[["optim_state/s/0", 2045, 0, 6]])], "has no fp32 elements"),
     ],
 )
 def test_malformed_rebuilt_records_are_refused_naming_the_file(raw: object, why: str) -> None:

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from swapper.manager.config import ManagerConfig, Tier
+from swapper.manager.context import store_key_of
 from swapper.manager.core import TierManager
 from swapper.manager.entry import EntryState, SwapEntry
 from swapper.manager.errors import EntryInUseError, NotDurableError
@@ -210,7 +211,8 @@ def snapshot_manager(
             )
             store.drop_snapshot(name)
             dropped.append(name)
-        info = store.snapshot(name, extra=extra, exclude=left)
+        excluded = [store_key_of(ctx.entries[k]) for k in left]
+        info = store.snapshot(name, extra=extra, exclude=excluded)
         if keep_last is not None:
             dropped.extend(store.prune_snapshots(keep_last=keep_last))
     seconds = time.perf_counter() - started

@@ -12,10 +12,12 @@ by the store snapshot: :func:`swapper.manager.snapshot.snapshot_manager` ``leave
 the snapshot's metadata records, under ``"rebuilt"``, how to rebuild it and an XXH3-64 of
 its bytes::
 
-    [{"key": "param/h.0.attn.weight", "dtype": "bfloat16", "shape": [768, 768],
+    [{"key": "param16/param/h.0.attn.weight", "dtype": "bfloat16", "shape": [768, 768],
       "xxh3_64": "<16 hex digits>",
-      "pieces": [[<state key>, <element of its flattened state>, <element of the
-                  flattened parameter>, <elements>], ...]}, ...]
+      "pieces": [["optim_state/adamw/state/3", <element of that flattened state>,
+                  <element of the flattened parameter>, <elements>], ...]}, ...]
+
+(keys as the store names them: ``<kind>/<manager key>``)
 
 and a resume (:class:`Rebuilder`, while it reads the snapshot's tensors to verify them)
 rounds those master ranges of the snapshot's own state tensors into the parameter,
@@ -67,6 +69,8 @@ __all__ = ["LeftOut", "Rebuilder", "choose_left_out", "register_rebuilt"]
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 _ROW_FIELDS = frozenset({"key", "dtype", "shape", "xxh3_64", "pieces"})
+_PARAM = f"{Kind.PARAM16.value}/"  # the store's prefix of a 16-bit parameter's key
+_STATE = Kind.OPTIM_STATE.value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,11 +195,14 @@ def choose_left_out(manager: TierManager, optimizer: OffloadAdamW | None) -> Lef
         nbytes += info.nbytes
         rows.append(
             {
-                "key": key,
+                "key": f"{Kind.PARAM16.value}/{key}",
                 "dtype": str(info.dtype).removeprefix("torch."),
                 "shape": list(info.shape),
                 "xxh3_64": f"{digest:016x}",
-                "pieces": [[p.state_key, p.state_offset, p.param_offset, p.numel] for p in mine],
+                "pieces": [
+                    [f"{_STATE}/{p.state_key}", p.state_offset, p.param_offset, p.numel]
+                    for p in mine
+                ],
             }
         )
     return LeftOut(versions, rows, nbytes)
@@ -238,8 +245,15 @@ class Rebuilder:
         if not isinstance(row, dict) or row.keys() != _ROW_FIELDS:
             raise SnapshotDamagedError(f"{at} is not an object of fields {sorted(_ROW_FIELDS)}")
         key, dtype, shape, digest = row["key"], row["dtype"], row["shape"], row["xxh3_64"]
-        if not isinstance(key, str) or key in info.keys or key in self._wanted:
-            raise SnapshotDamagedError(f"{at}: key {key!r} is not a str the snapshot lacks")
+        if (
+            not isinstance(key, str)
+            or not key.startswith(_PARAM)
+            or key in info.keys
+            or key in self._wanted
+        ):
+            raise SnapshotDamagedError(
+                f"{at}: key {key!r} is not a {_PARAM}... key the snapshot lacks"
+            )
         at = f"{at} ({key})"
         if dtype not in _DTYPES:
             raise SnapshotDamagedError(f"{at}: dtype {dtype!r} is not bfloat16 or float16")
@@ -305,7 +319,7 @@ class Rebuilder:
         self._fed.add(key)
 
     def finish(self) -> dict[str, torch.Tensor]:
-        """The rebuilt parameters, key → tensor of the recorded shape.
+        """The rebuilt parameters, manager key → tensor of the recorded shape.
 
         Raises:
             SnapshotDamagedError: a rebuilt parameter's bytes differ from those recorded
@@ -319,12 +333,13 @@ class Rebuilder:
             built = self._built.get(key, torch.empty(0, dtype=dtype))
             actual = content_hash(built)
             if actual != expected:
+                name = key.removeprefix(_PARAM + "param/")
                 raise SnapshotDamagedError(
-                    f"{self._where}: parameter {key.removeprefix('param/')!r} rebuilt from "
+                    f"{self._where}: parameter {name!r} rebuilt from "
                     f"its fp32 master has xxh3_64 {actual:016x}, not {expected:016x} as when "
                     "the snapshot was taken"
                 )
-            out[key] = built.view(shape)
+            out[key.removeprefix(_PARAM)] = built.view(shape)
         return out
 
 
