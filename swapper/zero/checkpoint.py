@@ -43,6 +43,7 @@ import binascii
 import dataclasses
 import json
 import logging
+import time
 from collections.abc import Mapping
 from contextlib import nullcontext
 from pathlib import Path
@@ -150,6 +151,7 @@ def save_snapshot(
 
         return save_sharded(model, optimizer, name=name, extra=extra, keep_last=keep_last)
     check_saveable(model, optimizer)
+    started = time.perf_counter()
     step = optimizer.step_count if optimizer is not None else 0
     if name is None:
         name = f"step-{step:09d}"
@@ -175,6 +177,7 @@ def save_snapshot(
             leave_out=left.versions,
         )
     info = done.info
+    seconds = time.perf_counter() - started  # (choosing the left-out params included)
     log.info(
         "snapshot %s: step %d, %d bytes written of %d named (+ %d rebuilt at resume), %.3f s",
         name,
@@ -182,12 +185,12 @@ def save_snapshot(
         done.written_nbytes + info.file_nbytes,
         info.nbytes,
         left.nbytes,
-        done.seconds,
+        seconds,
     )
     return SnapshotReport(
         name=info.name,
         step=step,
-        seconds=done.seconds,
+        seconds=seconds,
         written_nbytes=done.written_nbytes + info.file_nbytes,
         nbytes=info.nbytes + left.nbytes,
         path=info.path,
