@@ -38,8 +38,6 @@ last snapshot is discarded at resume.
 
 from __future__ import annotations
 
-import base64
-import binascii
 import dataclasses
 import json
 import logging
@@ -58,6 +56,9 @@ from swapper.step.optimizer import OffloadAdamW, StepPendingError
 from swapper.step.resume import ResumedState, kept_released, optimizer_meta
 from swapper.step.state import StateDictError
 from swapper.zero.rebuild import Rebuilder, choose_left_out, register_rebuilt
+from swapper.zero.snapshot_rng import decode_rng as _decode_rng
+from swapper.zero.snapshot_rng import rng_state as _rng_state
+from swapper.zero.snapshot_rng import set_rng_state as _set_rng_state
 from tiers.errors import SwapConfigError, SwapCorruptionError, SwapIOError
 from tiers.nvme import NvmeStore
 from tiers.nvme.snapshots import SnapshotDamagedError, SnapshotInfo, SnapshotNotFoundError
@@ -430,55 +431,6 @@ def keeps_store(manager: TierManager) -> bool:
     """Whether the manager's store holds snapshots (then closing must keep its files)."""
     store = manager._ctx.store
     return store is not None and bool(store.snapshots() or store.damaged_snapshots())
-
-
-# -- RNG -------------------------------------------------------------------------------------
-
-
-def _rng_state() -> dict[str, Any]:
-    cuda: list[str] = []
-    if torch.cuda.is_available():
-        cuda = [_b64(s) for s in torch.cuda.get_rng_state_all()]
-    return {"cpu": _b64(torch.get_rng_state()), "cuda": cuda}
-
-
-def _b64(state: torch.Tensor) -> str:
-    return base64.b64encode(state.numpy().tobytes()).decode("ascii")
-
-
-def _decode_rng(raw: object, where: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    if (
-        not isinstance(raw, dict)
-        or raw.keys() != {"cpu", "cuda"}
-        or not isinstance(raw["cuda"], list)
-    ):
-        raise SnapshotDamagedError(f"{where}: rng is not {{'cpu': ..., 'cuda': [...]}}")
-
-    def one(text: object) -> torch.Tensor:
-        if not isinstance(text, str):
-            raise SnapshotDamagedError(f"{where}: an RNG state is not a string")
-        try:
-            data = base64.b64decode(text.encode("ascii"), validate=True)
-        except (binascii.Error, UnicodeEncodeError):
-            raise SnapshotDamagedError(f"{where}: an RNG state is not base64") from None
-        return torch.frombuffer(bytearray(data), dtype=torch.uint8)
-
-    return one(raw["cpu"]), [one(t) for t in raw["cuda"]]
-
-
-def _set_rng_state(states: tuple[torch.Tensor, list[torch.Tensor]]) -> None:
-    cpu, cuda = states
-    torch.set_rng_state(cpu)
-    if cuda and torch.cuda.is_available():
-        if len(cuda) == torch.cuda.device_count():
-            torch.cuda.set_rng_state_all(cuda)
-        else:
-            log.warning(
-                "resume: the snapshot has %d CUDA RNG states, this machine %d devices: "
-                "CUDA RNG not restored",
-                len(cuda),
-                torch.cuda.device_count(),
-            )
 
 
 # -- final_digest ------------------------------------------------------------------------

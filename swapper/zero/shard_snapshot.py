@@ -187,6 +187,7 @@ def save_sharded(
             "optimizer": None if optimizer is None else optimizer_meta(optimizer),
             "rng": _rng_state(),
             "extra": None if extra is None else dict(extra),
+            "rebuilt": [],  # (parts are written whole: no 16-bit params left out yet)
             "shard": shard,
         }
     except Exception as exc:
