@@ -37,7 +37,11 @@ known to equal its master rounded, else it is written as before:
   ``model.load_state_dict`` or an in-place write in a forward all bump a counter.
 
 So frozen parameters (no master), parameters written outside the step, and a snapshot
-before the first step after a resume (the record starts at a step) write them.
+before the first step after a resume (the record starts at a step) write them. With an
+overlapped step (``StepConfig(overlap=True)``, :mod:`swapper.step.deferred`) the hook runs
+when ``step()`` returns, before the background update publishes: the counters then differ
+at the snapshot and the parameters are written (safe, no saving yet); several ranks'
+parts (:mod:`swapper.zero.shard_snapshot`) are written whole too.
 
 Why not write the parameters behind during the step (so they are clean at the snapshot):
 that moves the same 2 bytes per parameter into every step, snapshot or not, and needs
