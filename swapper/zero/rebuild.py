@@ -215,7 +215,10 @@ def choose_left_out(manager: TierManager, optimizer: OffloadAdamW | None) -> Lef
 def _equal_rounded(flat: torch.Tensor, piece: _Piece, state: torch.Tensor) -> bool:
     """Whether the parameter's piece has the bits of its master rounded (bitwise: -0.0
     and +0.0 differ, a NaN equals a NaN of the same bits)."""
-    master = state.reshape(-1)[piece.state_offset : piece.state_offset + piece.numel]
+    # (the state's first elements are the fp32 masters, whether it is a (3, n) fp32 tensor
+    # or the uint8 bytes of compressed moments: swapper.step.layout)
+    flat32 = state.reshape(-1).view(torch.float32)
+    master = flat32[piece.state_offset : piece.state_offset + piece.numel]
     part = flat[piece.param_offset : piece.param_offset + piece.numel]
     return torch.equal(master.to(part.dtype).view(torch.int16), part.view(torch.int16))
 
@@ -293,7 +296,8 @@ class Rebuilder:
             if state_key not in info.keys:
                 raise SnapshotDamagedError(f"{at}: the snapshot holds no state {state_key!r}")
             stored = store.snapshot_tensor(info.name, state_key)
-            if stored.dtype != torch.float32 or state_offset + count > math.prod(stored.shape):
+            elements = math.prod(stored.shape) * stored.dtype.itemsize // 4  # as fp32
+            if stored.dtype not in (torch.float32, torch.uint8) or state_offset + count > elements:
                 raise SnapshotDamagedError(
                     f"{at}: state {state_key!r} ({stored.dtype}, {list(stored.shape)}) has no "
                     f"fp32 elements {state_offset}..{state_offset + count}"
