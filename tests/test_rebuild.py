@@ -7,7 +7,9 @@ malformed records are refused; and the rounding the design rests on (``copy_`` i
 
 from __future__ import annotations
 
+import dataclasses
 import re
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -245,3 +247,34 @@ def test_publish_rounds_as_to_does(bits: list[int], dtype: torch.dtype) -> None:
     published = torch.empty(len(bits), dtype=dtype)
     published.copy_(master)  # what OffloadAdamW._publish does (via copy_in)
     assert torch.equal(published.view(torch.int16), master.to(dtype).view(torch.int16))
+
+
+@pytest.mark.parametrize("moments", ["bf16", "int8"])
+def test_params_left_out_over_compressed_moments_resume_bit_exactly(
+    tmp_path: Path, moments: str
+) -> None:
+    # a uint8 state whose first bytes are the fp32 masters (swapper.step.layout)
+    swap = tmp_path / "swap"
+
+    def cfg(host_fraction: float) -> swapper.OffloadConfig:
+        base = config(swap, host_fraction=host_fraction)
+        step = dataclasses.replace(base.step, moments=moments)
+        return dataclasses.replace(base, step=step)
+
+    for host_fraction in (0.0, 0.1):
+        shutil.rmtree(swap, ignore_errors=True)
+        gpt = model()
+        with (
+            swapper.offload(gpt, cfg(host_fraction)) as wrapped,
+            OffloadAdamW(wrapped.parameters(), lr=1e-2, tiers=wrapped) as optimizer,
+        ):
+            _steps(gpt, optimizer, 2)
+            report = save_snapshot(wrapped, optimizer, name="s")
+            expected = final_digest(wrapped, optimizer)
+        assert report.rebuilt_nbytes > 0
+        gpt = model()
+        with (
+            swapper.offload(gpt, cfg(host_fraction), resume=True) as wrapped,
+            OffloadAdamW(wrapped.parameters(), lr=1e-2, tiers=wrapped) as optimizer,
+        ):
+            assert final_digest(wrapped, optimizer) == expected

@@ -29,6 +29,8 @@ from tiers import signals
 from tiers.errors import SwapConfigError
 
 if TYPE_CHECKING:
+    import torch
+
     from swapper.step.optimizer import OffloadAdamW
 
 __all__ = ["ResumedState", "adopt", "kept_released", "optimizer_meta", "resumed_of"]
