@@ -175,6 +175,11 @@ class _SubGroupCache:
                     self._state = self._pipeline.manager.fetch(key)
                     self._key = key
             self._index = index
+            codec = self._pipeline.codec
+            if codec.compressed:  # moments stored bf16/int8: export them decoded, fp32
+                decoded = codec.decode(self._pipeline.sub_groups[index], self._state)
+                self.release_all()
+                self._state, self._index = decoded, index
         return self._state
 
     def release_all(self) -> None:
