@@ -50,7 +50,6 @@ one place.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import weakref
@@ -65,11 +64,11 @@ from swapper.step.clip import grad_norm32
 from swapper.step.config import StepConfig
 from swapper.step.sources import ParamSource
 from swapper.zero import checkpoint
-from swapper.zero.autograd import in_autograd, mark_outputs
+from swapper.zero.autograd import hook_outputs, in_autograd
 from swapper.zero.config import OffloadConfig
 from swapper.zero.params import Slot, TieredParams
 from swapper.zero.placing import back_to_meta, check_modules
-from swapper.zero.readahead import ReadAhead
+from swapper.zero.readahead import FetchPlan
 from swapper.zero.recompute import no_room
 from swapper.zero.settings import tiers_of
 from swapper.zero.weights import (
@@ -148,26 +147,34 @@ class OffloadedModel(nn.Module):
         self._module_slots: dict[nn.Module, list[Slot]] = {}
         self._lock = threading.RLock()
         self._handles: list[Any] = []
-        self._readahead: ReadAhead | None = None  # along the fetch order, once recorded
-        self._recording: list[str] | None = []  # being recorded (the first step)
-        self._manager_recording: contextlib.AbstractContextManager[None] | None = None
-        self._manager_recorded = False
         #: per module whose forward runs now (outermost first): the module and the slots
         #: its pre-hook fetched, released by its forward hook (which runs when the forward
         #: raises an Exception too) or, for a KeyboardInterrupt, by forward()
         self._forward_holds: list[tuple[nn.Module, list[Slot]]] = []
         self._held_nbytes = 0  # parameters with users, in the use tier
         self._forward_depth = 0  # calls of forward() running
+        self._carried = 0  # holds kept from a forward for its backward (Slot.carried)
         self._in_backward = False
         self._closed = False
         self._check_modules(module)
         self._manager, self.resumed = checkpoint.open_manager(config.manager, resume)
+        self._plan = FetchPlan(  # the fetch order and the read-ahead along it
+            self._manager,
+            self._use_tier,
+            manager_config.prefetch_window_nbytes,
+            lambda key: self._by_name[key.removeprefix("param/")].nbytes,
+            self._lock,
+        )
         #: until placed: each parameter emptied, its bytes (None: materialised), its slot
         self._originals: list[tuple[nn.Parameter, torch.Tensor | None, Slot]] = []
         self._had_values: dict[int, nn.Parameter] = {}
         self._weights: WeightHooks | None = None
         try:
             self._place_all(module, materialize)
+            # Whether a forward's holds are kept for its backward: the use tier holds
+            # every parameter at once, so holding them costs no room that could be used.
+            total = sum(slot.nbytes for slot in self._by_name.values())
+            self._keep_held = self._room_limit is None or total <= self._room_limit
             if self.resumed is not None:
                 checkpoint.finish_resume(self, self.resumed)
             self._install_hooks(module)
@@ -229,19 +236,18 @@ class OffloadedModel(nn.Module):
         nothing while a forward or backward runs."""
         if self._forward_depth or in_autograd():
             return 0
-        if not self._forward_holds and not self._in_backward:
+        if not self._forward_holds and not self._in_backward and not self._carried:
             return 0  # (backward holds exist only while a backward runs)
         with signals.held:
             dropped = self._drop_forward_holds(0)
             with self._lock:
                 self._in_backward = False  # a backward that raised never ended
-                leftovers = [(s, s.backward_holds) for s in self._by_name.values()]
-                for slot, _ in leftovers:
-                    slot.backward_holds = 0
-            for slot, holds in leftovers:
-                for _ in range(holds):
-                    self._release(slot)
-                dropped += holds
+            # Holds kept from a forward whose backward has not run (yet): released, as
+            # they would have been without keeping (a later backward fetches again).
+            holds, kept = self._release_backward_holds()
+            dropped += holds
+        if kept:
+            log.debug("offload: released %d parameter hold(s) kept for a backward", kept)
         if dropped:
             (log.warning if warn else log.debug)(
                 "offload: released %d parameter hold(s) left by a failed pass", dropped
@@ -429,38 +435,29 @@ class OffloadedModel(nn.Module):
 
     def _pre_forward_hook(self, slots: list[Slot]) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any) -> None:
-            self._step_boundary()
+            self._plan.step_boundary()
             self._check_room(slots)
             taken: list[Slot] = []
             self._forward_holds.append((module, taken))
-            for slot in slots:
-                with signals.at_waits:  # fetched and recorded, or neither
+            with signals.at_waits:  # each one fetched and recorded, or neither
+                for slot in slots:
                     self._acquire(slot)
                     taken.append(slot)
 
         return hook
 
-    def _step_boundary(self) -> None:
-        """At the first forward, start recording every fetch of the manager; at the first
-        forward after a backward, stop: the manager's eviction order then covers a whole
-        training step (forward, backward, and the optimizer's fetches of state,
-        gradients and parameters), so the step's read-ahead does not evict what it is
-        about to use, nor keep what is needed last."""
-        with self._lock:
-            if self._manager_recording is None and not self._manager_recorded:
-                self._manager_recording = self._manager.recording()
-                self._manager_recording.__enter__()
-            elif self._manager_recording is not None and self._readahead is not None:
-                recording, self._manager_recording = self._manager_recording, None
-                self._manager_recorded = True
-                recording.__exit__(None, None, None)
-
     def _post_forward_hook(self, slots: list[Slot]) -> Callable[..., Any]:
         def before_backward() -> None:
             self._backward_started()
             self._check_room(slots)
-            for slot in slots:
-                with signals.at_waits:  # fetched and recorded, or neither
+            with signals.at_waits:  # each one fetched and recorded, or neither
+                for slot in slots:
+                    if slot.carried:  # held since its forward: taken over, nothing fetched
+                        with self._lock:
+                            slot.carried -= 1
+                            self._carried -= 1
+                            slot.backward_holds += 1
+                        continue
                     self._acquire(slot)
                     with self._lock:
                         slot.backward_holds += 1
@@ -472,11 +469,29 @@ class OffloadedModel(nn.Module):
                 at = len(self._forward_holds) - 1
                 while at >= 0 and self._forward_holds[at][0] is not module:
                     at -= 1
-                if at >= 0:
-                    self._drop_forward_holds(at)
-            if output is None or not torch.is_grad_enabled():
-                return output
-            return mark_outputs(output, before_backward)
+                if at < 0:
+                    return output
+                self._drop_forward_holds(at + 1)
+                own = self._forward_holds.pop()[1]
+                carry = False
+                try:
+                    if output is not None and torch.is_grad_enabled():
+                        hooked = hook_outputs(output, before_backward)
+                        # Kept for the backward when the use tier holds every parameter
+                        # anyway (the release and the fetch again cost more than a narrow
+                        # module's work); never inside a backward (a recompute's holds
+                        # end with it).
+                        carry = hooked and self._keep_held and not in_autograd()
+                    return output
+                finally:
+                    if carry:
+                        with self._lock:
+                            for slot in own:
+                                slot.carried += 1
+                            self._carried += len(own)
+                    else:
+                        for slot in own:
+                            self._release(slot)
 
         return hook
 
@@ -495,6 +510,8 @@ class OffloadedModel(nn.Module):
         return hook
 
     def _backward_started(self) -> None:
+        if self._in_backward:
+            return  # (every module's backward asks: no lock for the common answer)
         with self._lock:
             if self._in_backward:
                 return
@@ -505,22 +522,27 @@ class OffloadedModel(nn.Module):
         with signals.held:
             with self._lock:
                 self._in_backward = False
-                leftovers = [
-                    (s, s.backward_holds) for s in self._by_name.values() if s.backward_holds
-                ]
-                for slot, _ in leftovers:
-                    slot.backward_holds = 0
-            for slot, holds in leftovers:
-                for _ in range(holds):
-                    self._release(slot)
-        if self._recording is not None and self._recording:
-            order, self._recording = self._recording, None
-            self._readahead = ReadAhead(
-                order,
-                {key: self._by_name[key.removeprefix("param/")].nbytes for key in set(order)},
-                window_nbytes=self.config.manager.prefetch_window_nbytes,
-            )
-            log.info("offload: recorded a fetch order of %d parameters", len(order))
+            # (kept holds whose backward did not run in this one: fetched again if it does)
+            self._release_backward_holds()
+        self._plan.backward_ended()
+
+    def _release_backward_holds(self) -> tuple[int, int]:
+        """Release every backward hold and every hold kept from a forward for its
+        backward; returns how many of each. Signals held by the caller."""
+        with self._lock:
+            leftovers = [
+                (s, s.backward_holds, s.carried)
+                for s in self._by_name.values()
+                if s.backward_holds or s.carried
+            ]
+            for slot, _, kept in leftovers:
+                slot.backward_holds = 0
+                slot.carried -= kept
+                self._carried -= kept
+        for slot, holds, kept in leftovers:
+            for _ in range(holds + kept):
+                self._release(slot)
+        return sum(h for _, h, _ in leftovers), sum(k for _, _, k in leftovers)
 
     def _retain_grad(self, slot: Slot, grad: torch.Tensor) -> None:
         """Move ``grad`` into the retained buffer (one copy; added on later micro-steps).
@@ -567,7 +589,7 @@ class OffloadedModel(nn.Module):
                 slot.param.data = tensor
                 slot.version = slot.param._version
                 self._held_nbytes += slot.nbytes
-            self._note_fetch(slot.key)
+            self._plan.fetched(slot.key)
 
     def _release(self, slot: Slot) -> None:
         with signals.held:  # uncounted and released, or neither
@@ -599,17 +621,3 @@ class OffloadedModel(nn.Module):
                 held = [(s.name, s.nbytes) for s in self._by_name.values() if s.users]
             module_name = slots[0].name.rpartition(".")[0] or "(the model)"
             raise no_room(module_name, need, held, limit, self._use_tier.value)
-
-    def _note_fetch(self, key: str) -> None:
-        """Record the fetch order (first step), or read ahead along it (later steps)."""
-        if self._recording is not None:
-            self._recording.append(key)
-            return
-        if self._readahead is None:
-            return
-        # At most a window's bytes and DEFAULT_MAX_TENSORS tensors ahead, each key asked
-        # for once as it enters the window (see swapper.zero.readahead): a hook's cost
-        # does not grow with the model's tensor count.
-        ahead = self._readahead.after(key)
-        if ahead:
-            self._manager.prefetch(ahead, self._use_tier)

@@ -28,14 +28,21 @@ __all__ = ["Slot", "TieredParams", "copy_in", "copy_out"]
 
 
 def copy_out(
-    manager: TierManager, key: str, tier: Tier | None, start: int, out: torch.Tensor
+    manager: TierManager,
+    key: str,
+    tier: Tier | None,
+    start: int,
+    out: torch.Tensor,
+    *,
+    in_place: bool = False,
 ) -> None:
     """Copy ``out.numel()`` elements of ``key``'s flattened tensor, from element ``start``,
-    into ``out``: fetched into ``tier`` (None: its home) and released unmodified. The fetch
-    and its release run in one section: no signal lands between the fetch and the ``try``.
+    into ``out``: fetched into ``tier`` (None: its home; ``in_place``: where it is, if it
+    is in memory) and released unmodified. The fetch and its release run in one section:
+    no signal lands between the fetch and the ``try``.
     """
     with signals.at_waits:
-        tensor = manager.fetch(key, tier)
+        tensor = manager.fetch(key, tier, in_place=in_place)
         try:
             out.copy_(tensor.view(-1)[start : start + out.numel()])
         finally:
@@ -43,12 +50,19 @@ def copy_out(
 
 
 def copy_in(
-    manager: TierManager, key: str, tier: Tier | None, start: int, source: torch.Tensor
+    manager: TierManager,
+    key: str,
+    tier: Tier | None,
+    start: int,
+    source: torch.Tensor,
+    *,
+    in_place: bool = False,
 ) -> None:
     """Write ``source`` into ``key``'s flattened tensor from element ``start``: fetched into
-    ``tier`` (None: its home) and released modified, in one section as :func:`copy_out`."""
+    ``tier`` (None: its home; ``in_place`` as for :func:`copy_out`) and released modified,
+    in one section as :func:`copy_out`."""
     with signals.at_waits:
-        tensor = manager.fetch(key, tier)
+        tensor = manager.fetch(key, tier, in_place=in_place)
         try:
             tensor.view(-1)[start : start + source.numel()].copy_(source)
         finally:
@@ -66,6 +80,10 @@ class Slot:
     placeholder: torch.Tensor
     users: int = 0  # fetches outstanding (forward and backward holds)
     backward_holds: int = 0  # of which taken for a backward
+    #: of which kept from a forward for its backward (budgets that hold every parameter:
+    #: see ``OffloadedModel._keep_held``); a ``BeforeBackward`` takes one over instead of
+    #: fetching, any release of them is safe (the backward then fetches again)
+    carried: int = 0
     has_grad: bool = False  # its retained gradient is registered
     #: fp32 L2 norm of the retained gradient, taken when it is moved in (while it is in
     #: memory anyway), so that the optimizer's global norm reads nothing back from NVMe
@@ -79,17 +97,16 @@ class Slot:
     #: is the placeholder itself, so a write through ``.data`` shows here
     placeholder_version: int = 0
 
-    @property
-    def key(self) -> str:
-        return f"param/{self.name}"
+    #: the manager keys of the parameter and of its retained gradient, and its size in
+    #: bytes: made once (the hooks read them at every fetch)
+    key: str = dataclasses.field(init=False)
+    grad_key: str = dataclasses.field(init=False)
+    nbytes: int = dataclasses.field(init=False)
 
-    @property
-    def grad_key(self) -> str:
-        return f"grad/{self.name}"
-
-    @property
-    def nbytes(self) -> int:
-        return self.shape.numel() * self.dtype.itemsize
+    def __post_init__(self) -> None:
+        self.key = f"param/{self.name}"
+        self.grad_key = f"grad/{self.name}"
+        self.nbytes = self.shape.numel() * self.dtype.itemsize
 
 
 class TieredParams:
@@ -98,9 +115,12 @@ class TieredParams:
     def __init__(self, model: OffloadedModel) -> None:
         self._model = model
         self._manager = model.manager
-        # The optimizer reads and writes parameters on the host (where it computes),
-        # not in the device tier they are used from: no device room taken, and between
-        # steps a parameter waits in host memory (or on NVMe) anyway.
+        # The optimizer reads and writes a parameter where it is when it is in memory
+        # (in_place: nothing moved; with budgets that hold everything, a move to the host
+        # and back to the device each step was the step's largest avoidable cost), else
+        # on the host (where it computes), not in the device tier it is used from: no
+        # device room taken, and between steps a parameter waits in host memory (or on
+        # NVMe) anyway.
         tiers = tiers_of(model.config.manager, Kind.PARAM16)
         self._tier = Tier.HOST if Tier.HOST in tiers else tiers[0]
 
@@ -124,7 +144,7 @@ class TieredParams:
         return True  # the tiers hold every parameter contiguous
 
     def read_param(self, param: torch.Tensor, start: int, out: torch.Tensor) -> None:
-        copy_out(self._manager, self._slot(param).key, self._tier, start, out)
+        copy_out(self._manager, self._slot(param).key, self._tier, start, out, in_place=True)
 
     def read_grad(self, param: torch.Tensor, start: int, out: torch.Tensor) -> bool:
         slot = self._slot(param)
@@ -142,7 +162,7 @@ class TieredParams:
                 f"optimizer step while parameter {slot.name!r} is in use (inside a forward "
                 "or backward?)"
             )
-        copy_in(self._manager, slot.key, self._tier, start, source)
+        copy_in(self._manager, slot.key, self._tier, start, source, in_place=True)
 
     def grad_norms(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         norms = []
