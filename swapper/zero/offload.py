@@ -7,14 +7,16 @@ Every parameter is one tensor of kind ``param16`` in a :class:`~swapper.manager.
 module that owns parameters (``recurse=False``) bring them in around the module's work:
 
 - forward pre-hook: fetch them into the first tier of their placement (the device)
-  and point ``.data`` at the fetched bytes; forward hook: release them again. The
-  forward hook also passes the outputs through :class:`BeforeBackward`, whose backward
-  runs just before the module's own backward and fetches them again;
+  and point ``.data`` at the fetched bytes; forward hook: release them again, and hook
+  the outputs (:func:`~swapper.zero.autograd.hook_outputs`) so that the module's backward
+  fetches them again first. When the use tier can hold every parameter at once, the
+  forward's hold is kept for that backward instead (``Slot.carried``: nothing released
+  and fetched again; released at the end of the backward, or before a step, if unused);
 - when a parameter's gradient has been accumulated (``register_post_accumulate_grad_hook``:
   every use of it in the graph has contributed, tied weights included), the gradient is
   moved into its retained 16-bit buffer (kind ``grad16``, key ``grad/<name>``, host tier
-  by default; added to it on later micro-steps), ``.grad`` is dropped, and the backward
-  holds on the parameter are released;
+  by default; added to it on later micro-steps; :func:`~swapper.zero.params.retain_grad`),
+  ``.grad`` is dropped, and the backward holds on the parameter are released;
 - at the end of each backward, holds left (parameters without gradients) are released.
 
 A parameter used by several modules (tied weights) is one entry; it is fetched once and
@@ -22,7 +24,8 @@ counted per user, so it is never released twice nor early.
 
 The first forward and backward record the order in which parameters are fetched; from
 then on every fetch reads ahead the next ones along it (up to
-``config.manager.prefetch_window_nbytes`` of them). The manager records every fetch from
+``config.manager.prefetch_window_nbytes`` of them), unless all are where they are used
+(:class:`~swapper.zero.readahead.FetchPlan`). The manager records every fetch from
 the first forward to the second (so the optimizer's step is in it too) and evicts by that
 order (Belady).
 
@@ -60,13 +63,12 @@ import torch
 from torch import nn
 
 from swapper.manager import Kind, ManagerStats, Tier, TierManager
-from swapper.step.clip import grad_norm32
 from swapper.step.config import StepConfig
 from swapper.step.sources import ParamSource
 from swapper.zero import checkpoint
 from swapper.zero.autograd import hook_outputs, in_autograd
 from swapper.zero.config import OffloadConfig
-from swapper.zero.params import Slot, TieredParams
+from swapper.zero.params import Slot, TieredParams, retain_grad
 from swapper.zero.placing import back_to_meta, check_modules
 from swapper.zero.readahead import FetchPlan
 from swapper.zero.recompute import no_room
@@ -175,6 +177,15 @@ class OffloadedModel(nn.Module):
             # every parameter at once, so holding them costs no room that could be used.
             total = sum(slot.nbytes for slot in self._by_name.values())
             self._keep_held = self._room_limit is None or total <= self._room_limit
+            # Whether the backward leaves the gradients' norms to the step: the tier they
+            # are retained in has no limit, so they are still in memory then (each norm
+            # taken in the backward cost more than its module's work on a narrow model).
+            limits = {
+                Tier.DEVICE: manager_config.device_nbytes,
+                Tier.HOST: manager_config.host_nbytes,
+            }
+            grad_tier = tiers_of(manager_config, Kind.GRAD16)[0]
+            self._lazy_norms = grad_tier in limits and limits[grad_tier] is None
             if self.resumed is not None:
                 checkpoint.finish_resume(self, self.resumed)
             self._install_hooks(module)
@@ -499,7 +510,7 @@ class OffloadedModel(nn.Module):
         def hook(param: torch.Tensor) -> None:
             grad = param.grad
             if grad is not None:
-                self._retain_grad(slot, grad)
+                retain_grad(self._manager, slot, grad, self._lock, lazy_norm=self._lazy_norms)
                 param.grad = None  # moved: the retained buffer holds it now
             with signals.held:
                 with self._lock:
@@ -543,29 +554,6 @@ class OffloadedModel(nn.Module):
             for _ in range(holds + kept):
                 self._release(slot)
         return sum(h for _, h, _ in leftovers), sum(k for _, _, k in leftovers)
-
-    def _retain_grad(self, slot: Slot, grad: torch.Tensor) -> None:
-        """Move ``grad`` into the retained buffer (one copy; added on later micro-steps).
-
-        Cut (Ctrl-C at a wait, an error), the retained buffer is as before: registered
-        and marked, or neither; added to, or not (the addition and its release are one
-        uninterrupted step)."""
-        with signals.at_waits:
-            with self._lock:
-                first = not slot.has_grad
-            if first:
-                self._manager.register(slot.grad_key, grad.detach(), Kind.GRAD16)
-                norm = grad_norm32([grad])[0]  # as clip_grad_norm_ rounds it
-                with self._lock:
-                    slot.has_grad, slot.grad_norm = True, norm
-                return
-            retained = self._manager.fetch(slot.grad_key)
-            with signals.held:
-                try:
-                    retained.add_(grad.view(slot.shape))
-                    slot.grad_norm = grad_norm32([retained])[0]
-                finally:
-                    self._manager.release(slot.grad_key, modified=True)
 
     # -- fetching and releasing -------------------------------------------------------------
 

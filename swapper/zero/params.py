@@ -9,6 +9,7 @@ retained gradients in the manager.
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -16,6 +17,7 @@ import torch
 from torch import nn
 
 from swapper.manager import Kind, Tier
+from swapper.step.clip import grad_norm32
 from swapper.zero.settings import tiers_of
 from tiers import signals
 from tiers.errors import SwapConfigError
@@ -24,7 +26,10 @@ if TYPE_CHECKING:
     from swapper.manager import TierManager
     from swapper.zero.offload import OffloadedModel
 
-__all__ = ["Slot", "TieredParams", "copy_in", "copy_out"]
+__all__ = ["NORM_BATCH", "Slot", "TieredParams", "copy_in", "copy_out", "retain_grad"]
+
+#: Gradients whose norms the step takes in one call (their fp32 copies exist at once).
+NORM_BATCH = 64
 
 
 def copy_out(
@@ -67,6 +72,34 @@ def copy_in(
             tensor.view(-1)[start : start + source.numel()].copy_(source)
         finally:
             manager.release(key, modified=True)
+
+
+def retain_grad(
+    manager: TierManager, slot: Slot, grad: torch.Tensor, lock: threading.RLock, *, lazy_norm: bool
+) -> None:
+    """Move ``grad`` into the slot's retained buffer (one copy; added on later
+    micro-steps), with its fp32 norm (``lazy_norm``: left to the step, which computes the
+    norms it needs in batches: see :meth:`TieredParams.grad_norms`).
+
+    Cut (Ctrl-C at a wait, an error), the retained buffer is as before: registered and
+    marked, or neither; added to, or not (the addition and its release are one
+    uninterrupted step)."""
+    with signals.at_waits:
+        with lock:
+            first = not slot.has_grad
+        if first:
+            manager.register(slot.grad_key, grad.detach(), Kind.GRAD16)
+            norm = None if lazy_norm else grad_norm32([grad])[0]  # as clip_grad_norm_ does
+            with lock:
+                slot.has_grad, slot.grad_norm = True, norm
+            return
+        retained = manager.fetch(slot.grad_key)
+        with signals.held:
+            try:
+                retained.add_(grad.view(slot.shape))
+                slot.grad_norm = None if lazy_norm else grad_norm32([retained])[0]
+            finally:
+                manager.release(slot.grad_key, modified=True)
 
 
 @dataclasses.dataclass(eq=False)
@@ -165,12 +198,28 @@ class TieredParams:
         copy_in(self._manager, slot.key, self._tier, start, source, in_place=True)
 
     def grad_norms(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        norms = []
-        for param in params:
-            slot = self._slot(param)
-            if slot.has_grad and slot.grad_norm is not None:
-                norms.append(slot.grad_norm)
-        return norms
+        slots = [self._slot(param) for param in params]
+        lazy = [slot for slot in slots if slot.has_grad and slot.grad_norm is None]
+        for start in range(0, len(lazy), NORM_BATCH):
+            _take_norms(self._manager, lazy[start : start + NORM_BATCH])
+        return [slot.grad_norm for slot in slots if slot.has_grad and slot.grad_norm is not None]
 
     def zero_grad(self, params: Sequence[torch.Tensor]) -> None:
         self._model._drop_grads([self._slot(param) for param in params])
+
+
+def _take_norms(manager: TierManager, slots: Sequence[Slot]) -> None:
+    """The fp32 norms of the slots' retained gradients, taken in one ``_foreach_norm``
+    (per tensor the same rounding as one at a time, and as ``clip_grad_norm_``'s own list
+    call), each fetched where it is and released unmodified."""
+    fetched: list[torch.Tensor] = []
+    with signals.at_waits:  # each one fetched and recorded, or neither
+        try:
+            for slot in slots:
+                fetched.append(manager.fetch(slot.grad_key, in_place=True))
+            norms = grad_norm32(fetched)
+        finally:
+            for slot in slots[: len(fetched)]:
+                manager.release(slot.grad_key, modified=False)
+    for slot, norm in zip(slots, norms, strict=True):
+        slot.grad_norm = norm
