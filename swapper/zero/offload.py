@@ -68,7 +68,7 @@ from swapper.step.sources import ParamSource
 from swapper.zero import checkpoint
 from swapper.zero.autograd import hook_outputs, in_autograd
 from swapper.zero.config import OffloadConfig
-from swapper.zero.params import Slot, TieredParams, retain_grad
+from swapper.zero.params import Holds, Slot, TieredParams, retain_grad
 from swapper.zero.placing import back_to_meta, check_modules
 from swapper.zero.readahead import FetchPlan
 from swapper.zero.recompute import no_room
@@ -153,10 +153,7 @@ class OffloadedModel(nn.Module):
         #: its pre-hook fetched, released by its forward hook (which runs when the forward
         #: raises an Exception too) or, for a KeyboardInterrupt, by forward()
         self._forward_holds: list[tuple[nn.Module, list[Slot]]] = []
-        self._held_nbytes = 0  # parameters with users, in the use tier
-        self._forward_depth = 0  # calls of forward() running
-        self._carried = 0  # holds kept from a forward for its backward (Slot.carried)
-        self._in_backward = False
+        self._holds = Holds()  # the counters the hooks change (see _Holds)
         self._closed = False
         self._check_modules(module)
         self._manager, self.resumed = checkpoint.open_manager(config.manager, resume)
@@ -226,10 +223,10 @@ class OffloadedModel(nn.Module):
         """The wrapped model's forward. If it raises (an error, Ctrl-C), the parameters its
         modules fetched are released before the exception propagates; holds that an
         aborted backward left are released at the next call."""
-        if self._forward_depth == 0:
+        if self._holds.forward_depth == 0:
             self.release_stale_holds()
         depth = len(self._forward_holds)
-        self._forward_depth += 1
+        self._holds.forward_depth += 1
         try:
             return self.module(*args, **kwargs)
         except BaseException:
@@ -237,7 +234,7 @@ class OffloadedModel(nn.Module):
                 self._drop_forward_holds(depth)
             raise
         finally:
-            self._forward_depth -= 1
+            self._holds.forward_depth -= 1
 
     def release_stale_holds(self, *, warn: bool = True) -> int:
         """Release what a forward or backward that raised (an error, Ctrl-C) left fetched;
@@ -245,14 +242,14 @@ class OffloadedModel(nn.Module):
         optimizer step (a warning says so: training goes on after a failed pass), and when
         unwrapping (``warn=False``: the failure is the exception being handled); does
         nothing while a forward or backward runs."""
-        if self._forward_depth or in_autograd():
+        if self._holds.forward_depth or in_autograd():
             return 0
-        if not self._forward_holds and not self._in_backward and not self._carried:
+        if not self._forward_holds and not self._holds.in_backward and not self._holds.carried:
             return 0  # (backward holds exist only while a backward runs)
         with signals.held:
             dropped = self._drop_forward_holds(0)
             with self._lock:
-                self._in_backward = False  # a backward that raised never ended
+                self._holds.in_backward = False  # a backward that raised never ended
             # Holds kept from a forward whose backward has not run (yet): released, as
             # they would have been without keeping (a later backward fetches again).
             holds, kept = self._release_backward_holds()
@@ -466,7 +463,7 @@ class OffloadedModel(nn.Module):
                     if slot.carried:  # held since its forward: taken over, nothing fetched
                         with self._lock:
                             slot.carried -= 1
-                            self._carried -= 1
+                            self._holds.carried -= 1
                             slot.backward_holds += 1
                         continue
                     self._acquire(slot)
@@ -499,7 +496,7 @@ class OffloadedModel(nn.Module):
                         with self._lock:
                             for slot in own:
                                 slot.carried += 1
-                            self._carried += len(own)
+                            self._holds.carried += len(own)
                     else:
                         for slot in own:
                             self._release(slot)
@@ -521,18 +518,18 @@ class OffloadedModel(nn.Module):
         return hook
 
     def _backward_started(self) -> None:
-        if self._in_backward:
+        if self._holds.in_backward:
             return  # (every module's backward asks: no lock for the common answer)
         with self._lock:
-            if self._in_backward:
+            if self._holds.in_backward:
                 return
-            self._in_backward = True
+            self._holds.in_backward = True
         torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
 
     def _backward_ended(self) -> None:
         with signals.held:
             with self._lock:
-                self._in_backward = False
+                self._holds.in_backward = False
             # (kept holds whose backward did not run in this one: fetched again if it does)
             self._release_backward_holds()
         self._plan.backward_ended()
@@ -549,7 +546,7 @@ class OffloadedModel(nn.Module):
             for slot, _, kept in leftovers:
                 slot.backward_holds = 0
                 slot.carried -= kept
-                self._carried -= kept
+                self._holds.carried -= kept
         for slot, holds, kept in leftovers:
             for _ in range(holds + kept):
                 self._release(slot)
@@ -576,7 +573,7 @@ class OffloadedModel(nn.Module):
             with self._lock:
                 slot.param.data = tensor
                 slot.version = slot.param._version
-                self._held_nbytes += slot.nbytes
+                self._holds.held_nbytes += slot.nbytes
             self._plan.fetched(slot.key)
 
     def _release(self, slot: Slot) -> None:
@@ -589,7 +586,7 @@ class OffloadedModel(nn.Module):
                 modified = slot.param._version != slot.version
                 slot.param.data = slot.placeholder
                 slot.version = slot.param._version
-                self._held_nbytes -= slot.nbytes
+                self._holds.held_nbytes -= slot.nbytes
             self._manager.release(slot.key, modified=modified)
 
     def _check_room(self, slots: list[Slot]) -> None:
@@ -604,7 +601,7 @@ class OffloadedModel(nn.Module):
         if limit is None:
             return
         need = sum(slot.nbytes for slot in slots if not slot.users)
-        if need and self._held_nbytes + need > limit:
+        if need and self._holds.held_nbytes + need > limit:
             with self._lock:
                 held = [(s.name, s.nbytes) for s in self._by_name.values() if s.users]
             module_name = slots[0].name.rpartition(".")[0] or "(the model)"

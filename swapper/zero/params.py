@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from swapper.manager import TierManager
     from swapper.zero.offload import OffloadedModel
 
-__all__ = ["NORM_BATCH", "Slot", "TieredParams", "copy_in", "copy_out", "retain_grad"]
+__all__ = ["NORM_BATCH", "Holds", "Slot", "TieredParams", "copy_in", "copy_out", "retain_grad"]
 
 #: Gradients whose norms the step takes in one call (their fp32 copies exist at once).
 NORM_BATCH = 64
@@ -100,6 +100,18 @@ def retain_grad(
                 slot.grad_norm = None if lazy_norm else grad_norm32([retained])[0]
             finally:
                 manager.release(slot.grad_key, modified=True)
+
+
+@dataclasses.dataclass(slots=True)
+class Holds:
+    """What an offloaded model's hooks count, kept off the module: every attribute write
+    on an ``nn.Module`` goes through ``Module.__setattr__`` (isinstance checks, ~3 µs),
+    several per hook call."""
+
+    held_nbytes: int = 0  # parameters with users, in the use tier
+    forward_depth: int = 0  # calls of forward() running
+    carried: int = 0  # holds kept from a forward for its backward (Slot.carried)
+    in_backward: bool = False
 
 
 @dataclasses.dataclass(eq=False)
