@@ -26,10 +26,19 @@ if TYPE_CHECKING:
     from swapper.manager import TierManager
     from swapper.zero.offload import OffloadedModel
 
-__all__ = ["NORM_BATCH", "Holds", "Slot", "TieredParams", "copy_in", "copy_out", "retain_grad"]
+__all__ = [
+    "NORM_BATCH_NUMEL",
+    "Holds",
+    "Slot",
+    "TieredParams",
+    "copy_in",
+    "copy_out",
+    "retain_grad",
+]
 
-#: Gradients whose norms the step takes in one call (their fp32 copies exist at once).
-NORM_BATCH = 64
+#: fp32 elements of the gradients whose norms the step takes in one call (64 MiB: their
+#: fp32 copies share one scratch buffer of at most this size, or of the largest gradient).
+NORM_BATCH_NUMEL = 16 << 20
 
 
 def copy_out(
@@ -168,6 +177,7 @@ class TieredParams:
         # NVMe) anyway.
         tiers = tiers_of(model.config.manager, Kind.PARAM16)
         self._tier = Tier.HOST if Tier.HOST in tiers else tiers[0]
+        self._scratch: dict[torch.device, torch.Tensor] = {}  # see _take_norms
 
     def _slot(self, param: torch.Tensor) -> Slot:
         slot = self._model._slots.get(id(param))
@@ -211,27 +221,58 @@ class TieredParams:
 
     def grad_norms(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         slots = [self._slot(param) for param in params]
-        lazy = [slot for slot in slots if slot.has_grad and slot.grad_norm is None]
-        for start in range(0, len(lazy), NORM_BATCH):
-            _take_norms(self._manager, lazy[start : start + NORM_BATCH])
+        batch: list[Slot] = []
+        numel = 0
+        for slot in slots:
+            if not slot.has_grad or slot.grad_norm is not None:
+                continue
+            size = _aligned(slot.shape.numel())
+            if batch and numel + size > NORM_BATCH_NUMEL:
+                self._take_norms(batch)
+                batch, numel = [], 0
+            batch.append(slot)
+            numel += size
+        if batch:
+            self._take_norms(batch)
         return [slot.grad_norm for slot in slots if slot.has_grad and slot.grad_norm is not None]
+
+    def _take_norms(self, slots: Sequence[Slot]) -> None:
+        """The fp32 norms of the slots' retained gradients (the backward left them to the
+        step: see ``OffloadedModel._lazy_norms``), each fetched where it is and released
+        unmodified. Their fp32 copies go into one scratch buffer kept from step to step
+        (fresh copies cost a page fault per 4 KiB, 10x the conversion), each at a
+        512-byte-aligned offset as a fresh allocation would be; one ``_foreach_norm`` of
+        them rounds each norm as ``grad_norm32`` of the gradient alone does."""
+        fetched: list[torch.Tensor] = []
+        with signals.at_waits:  # each one fetched and recorded, or neither
+            try:
+                for slot in slots:
+                    fetched.append(self._manager.fetch(slot.grad_key, in_place=True))
+                device = fetched[0].device
+                if any(t.device != device for t in fetched):
+                    norms = grad_norm32(fetched)
+                else:
+                    need = sum(_aligned(t.numel()) for t in fetched)
+                    scratch = self._scratch.get(device)
+                    if scratch is None or scratch.numel() < need:
+                        scratch = torch.empty(need, dtype=torch.float32, device=device)
+                        self._scratch[device] = scratch
+                    copies, offset = [], 0
+                    for tensor in fetched:
+                        copy = scratch[offset : offset + tensor.numel()]
+                        copies.append(copy.copy_(tensor.view(-1)))
+                        offset += _aligned(tensor.numel())
+                    norms = grad_norm32(copies)
+            finally:
+                for slot in slots[: len(fetched)]:
+                    self._manager.release(slot.grad_key, modified=False)
+        for slot, norm in zip(slots, norms, strict=True):
+            slot.grad_norm = norm
 
     def zero_grad(self, params: Sequence[torch.Tensor]) -> None:
         self._model._drop_grads([self._slot(param) for param in params])
 
 
-def _take_norms(manager: TierManager, slots: Sequence[Slot]) -> None:
-    """The fp32 norms of the slots' retained gradients, taken in one ``_foreach_norm``
-    (per tensor the same rounding as one at a time, and as ``clip_grad_norm_``'s own list
-    call), each fetched where it is and released unmodified."""
-    fetched: list[torch.Tensor] = []
-    with signals.at_waits:  # each one fetched and recorded, or neither
-        try:
-            for slot in slots:
-                fetched.append(manager.fetch(slot.grad_key, in_place=True))
-            norms = grad_norm32(fetched)
-        finally:
-            for slot in slots[: len(fetched)]:
-                manager.release(slot.grad_key, modified=False)
-    for slot, norm in zip(slots, norms, strict=True):
-        slot.grad_norm = norm
+def _aligned(numel: int) -> int:
+    """``numel`` fp32 elements rounded up to 512 bytes."""
+    return -(-numel // 128) * 128
