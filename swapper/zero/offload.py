@@ -153,7 +153,7 @@ class OffloadedModel(nn.Module):
         #: its pre-hook fetched, released by its forward hook (which runs when the forward
         #: raises an Exception too) or, for a KeyboardInterrupt, by forward()
         self._forward_holds: list[tuple[nn.Module, list[Slot]]] = []
-        self._holds = Holds()  # the counters the hooks change (see _Holds)
+        self._holds = Holds()  # the counters the hooks change
         self._closed = False
         self._check_modules(module)
         self._manager, self.resumed = checkpoint.open_manager(config.manager, resume)
@@ -241,7 +241,8 @@ class OffloadedModel(nn.Module):
         returns how many holds that was. Called by :meth:`forward` and before an
         optimizer step (a warning says so: training goes on after a failed pass), and when
         unwrapping (``warn=False``: the failure is the exception being handled); does
-        nothing while a forward or backward runs."""
+        nothing while a forward or backward runs. Holds kept from a forward for a backward
+        that has not run are released too (not counted: a backward fetches them again)."""
         if self._holds.forward_depth or in_autograd():
             return 0
         if not self._forward_holds and not self._holds.in_backward and not self._holds.carried:
@@ -477,10 +478,10 @@ class OffloadedModel(nn.Module):
                 at = len(self._forward_holds) - 1
                 while at >= 0 and self._forward_holds[at][0] is not module:
                     at -= 1
-                if at < 0:
-                    return output
-                self._drop_forward_holds(at + 1)
-                own = self._forward_holds.pop()[1]
+                own: list[Slot] = []
+                if at >= 0:
+                    self._drop_forward_holds(at + 1)
+                    own = self._forward_holds.pop()[1]
                 carry = False
                 try:
                     if output is not None and torch.is_grad_enabled():
