@@ -405,6 +405,8 @@ def check_key(key: object) -> None:
 
 
 def to_kind(kind: Kind | str) -> Kind:
+    if type(kind) is Kind:
+        return kind  # (Kind(kind) costs an enum lookup per registration)
     try:
         return Kind(kind)
     except ValueError:
