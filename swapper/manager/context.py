@@ -98,7 +98,7 @@ class ManagerContext:
         self.closed = False
         self.jobs = 0  # evict and prefetch requests submitted and not yet ended
         #: entries that left a memory tier so far (freed, or moved to another tier): while
-        #: it does not change, what was resident in a tier still is (see ``resident``)
+        #: it does not change, what was resident in a tier still is (``resident_stamp``)
         self.departures = 0
         self.engine: AioEngine | None = None
         self.store: NvmeStore | None = None
