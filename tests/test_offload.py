@@ -438,6 +438,9 @@ def test_read_ahead_is_bounded_in_tensors(monkeypatch: pytest.MonkeyPatch) -> No
     model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(layers)]).to(torch.bfloat16)
     x = torch.randn(2, 4).to(torch.bfloat16)
     with swapper.offload(model, _unlimited()) as wrapped:
+        # as if some parameter were never resident (else nothing is read ahead at all:
+        # test_no_read_ahead_when_everything_is_resident)
+        monkeypatch.setattr(wrapped.manager, "resident_stamp", lambda keys, tier: None)
         wrapped(x).float().sum().backward()  # records the order
         requests: list[list[str]] = []
         monkeypatch.setattr(
@@ -452,6 +455,33 @@ def test_read_ahead_is_bounded_in_tensors(monkeypatch: pytest.MonkeyPatch) -> No
     assert len(set(first)) == len(first)
     assert max(len(r) for r in requests[1:]) <= RETRY + 1
     assert sum(len(r) for r in requests) <= (1 + RETRY) * 2 * layers + DEFAULT_MAX_TENSORS
+
+
+def test_no_read_ahead_when_everything_is_resident(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With budgets that hold every parameter in the use tier, a fetch asks the manager to
+    read nothing ahead (there is nothing to move); once a parameter has left the tier,
+    the read-ahead along the recorded order is back, and stops again when all are in."""
+    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(4)]).to(torch.bfloat16)
+    x = torch.randn(2, 4).to(torch.bfloat16)
+    with swapper.offload(model, _unlimited()) as wrapped:
+        wrapped(x).float().sum().backward()  # records the order
+        requests: list[list[str]] = []
+        real_prefetch = wrapped.manager.prefetch
+
+        def prefetch(keys: list[str], tier: Tier | None = None) -> int:
+            requests.append(list(keys))
+            return real_prefetch(keys, tier)
+
+        monkeypatch.setattr(wrapped.manager, "prefetch", prefetch)
+        wrapped(x).float().sum().backward()
+        assert requests == []
+        wrapped.manager.evict("param/2.weight", Tier.HOST).result()  # it leaves the tier
+        wrapped(x).float().sum().backward()  # reads ahead again (and brings it back)
+        assert any("param/2.weight" in keys for keys in requests)
+        assert wrapped.manager.info("param/2.weight").tier is Tier.DEVICE
+        requests.clear()
+        wrapped(x).float().sum().backward()  # everything is in again
+        assert requests == []
 
 
 # -- 6. a model built on the meta device is materialised into the tiers ----------------------

@@ -17,12 +17,18 @@ medians. ``--window`` also runs the offloaded model with that read-ahead window
 
 No optimizer step is timed (the hooks are the subject); the gradients the offloaded run
 keeps accumulate in their retained buffers, as they do over micro-steps.
+
+``--profile N`` also runs ``--iters`` more offloaded iterations under ``cProfile`` (CPU
+time, so that other processes on a shared machine do not show) and prints the N
+functions that took the most time themselves (where the hooks' cost goes).
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import cProfile
+import pstats
 import statistics
 import sys
 import time
@@ -95,6 +101,13 @@ def _measure(layers: int, args: argparse.Namespace, window: int | None) -> dict[
         for _ in range(args.iters):
             plain_s.append(_timed(plain_step))
             offload_s.append(_timed(offloaded_step))
+        if args.profile:
+            profile = cProfile.Profile(time.process_time)
+            profile.enable()
+            for _ in range(args.iters):
+                offloaded_step()
+            profile.disable()
+            pstats.Stats(profile).sort_stats("tottime").print_stats(args.profile)
     p, o = statistics.median(plain_s), statistics.median(offload_s)
     return {"tensors": tensors, "plain_s": p, "swapper_s": o, "ratio": o / p}
 
@@ -112,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--window", type=size_arg, default=None, help="also with this window")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument("--profile", type=int, default=0, metavar="N", help="print top N")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     print(f"{'layers':>6} {'tensors':>7} {'window':>8} {'plain ms':>9} {'swapper ms':>10} ratio")

@@ -14,8 +14,11 @@ is done by parts with one job each, every one readable alone:
   and ``flush``;
 * :mod:`swapper.manager.stats`: bytes moved, speeds, stall time.
 
-A fetch from NVMe to the device reads, in order: :meth:`TierManager.fetch` here,
-:meth:`~swapper.manager.placement.Placement.obtain` (room on the device, victims evicted),
+A fetch from NVMe to the device reads, in order: :meth:`TierManager.fetch` here (a tensor
+already where it is wanted is pinned in one lock hold by
+``ManagerContext.fetch_resident``), :meth:`~swapper.manager.mover.Mover.fetch` and
+``bring``, :meth:`~swapper.manager.placement.Placement.obtain` (room on the device,
+victims evicted),
 :meth:`~swapper.manager.mover.Mover.transfer` (staging, the read, the copy up), and
 :meth:`tiers.nvme.NvmeStore.read` (see ``docs/architecture.md``).
 
@@ -76,7 +79,7 @@ from swapper.manager.policy import AccessOrder
 from swapper.manager.stats import ManagerStats
 from tiers.errors import SwapConfigError
 from tiers.protocols import MemoryBlock
-from tiers.signals import at_waits, deliver_pending, held
+from tiers.signals import at_waits, held
 
 __all__ = ["TierManager"]
 
@@ -184,14 +187,22 @@ class TierManager:
             self._placement.place_new(entry, tensor, deadline)
 
     def fetch(
-        self, key: str, tier: Tier | str | None = None, *, timeout_s: float | None = None
+        self,
+        key: str,
+        tier: Tier | str | None = None,
+        *,
+        timeout_s: float | None = None,
+        in_place: bool = False,
     ) -> torch.Tensor:
-        """The tensor in memory tier ``tier`` (default: its home), marked in use.
+        """The tensor in memory tier ``tier`` (default: its home), marked in use; with
+        ``in_place``, wherever it is in memory if it is (nothing moved), else in ``tier``.
 
         Waits only for what is missing: a transfer already under way (a prefetch) is
         waited for, else this thread moves the bytes itself, making room by evicting
         victims. Time spent waiting counts as stall. The tensor stays in place until
         :meth:`release`; a key may be fetched by several callers at once (into one tier).
+        While its memory stays, every fetch returns the same tensor object: do not change
+        its metadata (``resize_``, ``set_``, in-place ``unsqueeze_``).
 
         Raises:
             UnknownKeyError: ``key`` is not registered.
@@ -204,47 +215,11 @@ class TierManager:
             ManagerClosedError: the manager is closed.
         """
         with at_waits:
-            return self._fetch(key, tier, timeout_s)
-
-    def _fetch(self, key: str, tier: Tier | str | None, timeout_s: float | None) -> torch.Tensor:
-        start = time.monotonic()
-        deadline = start + self._ctx.timeout(timeout_s)
-        with self._ctx.cond:
-            self._ctx.check_open()
-            entry = self._ctx.get(key)
-            target = self._placement.fetch_tier(entry, tier)
-            self._ctx.note_access(entry)
-            entry.waiters += 1  # from here on it is nobody's victim
-            if entry.prefetch is Prefetch.QUEUED:
-                # This fetch moves it now; a read-ahead starting later would read it
-                # again after the caller has used it (and perhaps written it out).
-                entry.prefetch = Prefetch.NONE
-        hit, waited, ok = False, False, False
-        try:
-            tensor, hit, waited = self._mover.bring(entry, target, deadline)
-            try:
-                # A signal that came during the fetch is delivered here, with the pin
-                # undone, rather than after the caller holds the tensor without knowing.
-                deliver_pending()
-            except BaseException:
-                self._ctx.unpin(entry)
-                raise
-            ok = True
-            return tensor
-        finally:
-            elapsed = time.monotonic() - start
-            with self._ctx.cond:
-                entry.waiters -= 1
-            if ok:
-                self._ctx.stats.add(
-                    fetches=1,
-                    stall_s=elapsed if (waited or not hit) else 0.0,
-                    prefetch_hits=int(hit),
-                    prefetch_misses=int(not hit),
-                )
-            else:
-                self._ctx.stats.add(stall_s=elapsed)
-            self._maybe_log()
+            tensor = self._ctx.fetch_resident(key, tier, in_place)  # the common case
+            if tensor is None:
+                tensor = self._mover.fetch(key, tier, self._ctx.timeout(timeout_s), in_place)
+        self._maybe_log()
+        return tensor
 
     def release(self, key: str, *, modified: bool = True) -> None:
         """The caller is done with a fetched tensor; when nobody holds it, it can be evicted.
@@ -392,7 +367,7 @@ class TierManager:
             self._ctx.check_open()
             entry = self._ctx.get(key)
             self._ctx.await_idle(entry, deadline, "unregister")
-            self._ctx.free_memory(entry)
+            self._ctx.free_memory(entry, departed=False)
             store_key = store_key_of(entry)
             # Under the lock: a new registration of the key must not lose its bytes to this.
             if self._ctx.store is not None and store_key in self._ctx.store:
@@ -475,6 +450,18 @@ class TierManager:
             with self._ctx.cond:
                 keys, self._ctx.recorded = self._ctx.recorded or [], None
                 self._ctx.order = AccessOrder.of(keys)
+
+    def resident_stamp(self, keys: list[str], tier: Tier) -> int | None:
+        """None unless every key is in memory tier ``tier`` now; then a stamp that stays
+        equal to :attr:`departures` for as long as they all still are there."""
+        with self._ctx.cond:
+            return self._ctx.resident_stamp(keys, tier)
+
+    @property
+    def departures(self) -> int:
+        """How many times an entry has left a memory tier while registered (evicted,
+        moved); read without the lock (an int)."""
+        return self._ctx.departures
 
     def info(self, key: str) -> EntryInfo:
         """A snapshot of ``key``'s entry.

@@ -125,6 +125,8 @@ class SwapEntry:
         last_use: LRU clock value of its last fetch, prefetch or registration.
         ready: with CUDA, an event after the last user's kernels (recorded at release on
             its stream), which copies out of device memory wait for.
+        view, view_block: the typed view of ``block`` that fetches hand out, made once per
+            block (``view_block`` is the block it views: a new block makes a new view).
     """
 
     key: str
@@ -144,6 +146,8 @@ class SwapEntry:
     readahead: Reservation | None = None
     last_use: int = 0
     ready: torch.cuda.Event | None = None
+    view: torch.Tensor | None = None
+    view_block: MemoryBlock | None = None
 
     @property
     def clean(self) -> bool:

@@ -1,3 +1,4 @@
+# Size: the transfers and the demand fetch that drives them (~515 lines), each next to its undo.
 """The mover: bytes between tiers (copies, NVMe reads and writes) and their completions.
 
 Every transfer starts from an entry some thread has claimed (a transient state, see
@@ -72,11 +73,12 @@ from swapper.manager.config import Tier
 from swapper.manager.context import (
     ManagerContext,
     entry_view,
+    forget_view,
     named_error,
     store_key_of,
     window_share,
 )
-from swapper.manager.entry import EntryState, SwapEntry
+from swapper.manager.entry import EntryState, Prefetch, SwapEntry
 from swapper.manager.placement import Placement
 from tiers.budget import ByteBudget, Reservation
 from tiers.errors import SwapError
@@ -292,6 +294,58 @@ class Mover:
 
     # -- up: fetches and read-ahead ------------------------------------------------------------
 
+    def fetch(
+        self, key: str, tier: Tier | str | None, timeout_s: float, in_place: bool
+    ) -> torch.Tensor:
+        """:meth:`~swapper.manager.TierManager.fetch` when the tensor is not simply
+        resident where it is wanted (that case is ``ManagerContext.fetch_resident``):
+        :meth:`bring` it, counting the stall, and pin it. ``in_place``: into the memory
+        tier it is in when it is settled in one (else ``tier``).
+
+        Raises:
+            as :meth:`~swapper.manager.TierManager.fetch`.
+        """
+        ctx = self._ctx
+        start = time.monotonic()
+        deadline = start + timeout_s
+        with ctx.cond:
+            ctx.check_open()
+            entry = ctx.get(key)
+            target = self._placement.fetch_tier(entry, tier)
+            if in_place and entry.tier is not None and not entry.state.transient:
+                target = entry.tier
+            ctx.note_access(entry)
+            entry.waiters += 1  # from here on it is nobody's victim
+            if entry.prefetch is Prefetch.QUEUED:
+                # This fetch moves it now; a read-ahead starting later would read it
+                # again after the caller has used it (and perhaps written it out).
+                entry.prefetch = Prefetch.NONE
+        hit, waited, ok = False, False, False
+        try:
+            tensor, hit, waited = self.bring(entry, target, deadline)
+            try:
+                # A signal that came during the fetch is delivered here, with the pin
+                # undone, rather than after the caller holds the tensor without knowing.
+                deliver_pending()
+            except BaseException:
+                ctx.unpin(entry)
+                raise
+            ok = True
+            return tensor
+        finally:
+            elapsed = time.monotonic() - start
+            with ctx.cond:
+                entry.waiters -= 1
+            if ok:
+                ctx.stats.add(
+                    fetches=1,
+                    stall_s=elapsed if (waited or not hit) else 0.0,
+                    prefetch_hits=int(hit),
+                    prefetch_misses=int(not hit),
+                )
+            else:
+                ctx.stats.add(stall_s=elapsed)
+
     def bring(
         self, entry: SwapEntry, target: Tier, deadline: float
     ) -> tuple[torch.Tensor, bool, bool]:
@@ -362,6 +416,8 @@ class Mover:
         with ctx.cond:
             old, entry.block, entry.tier = entry.block, block, target
             if old is not None:
+                forget_view(entry)
+                ctx.departures += 1
                 old.release()
             if pin:
                 entry.users += 1

@@ -116,6 +116,7 @@ class Placement:
         memory_tiers = [t for t in placement if t is not Tier.NVME]
         block: MemoryBlock | None = None
         tier: Tier | None = None
+        view: torch.Tensor | None = None
         try:
             too_large: BudgetExceededError | None = None
             for tier in memory_tiers:
@@ -135,8 +136,12 @@ class Placement:
                     tier, entry.nbytes, what=f"key={entry.key!r}", deadline=deadline
                 )
             if block is not None:
-                with torch.no_grad():
-                    block.view(entry.dtype, entry.shape).copy_(tensor)  # the one copy
+                view = block.view(entry.dtype, entry.shape)
+                if tensor.requires_grad:
+                    with torch.no_grad():
+                        view.copy_(tensor)  # the one copy
+                else:
+                    view.copy_(tensor)  # (no autograd to keep out: no context to enter)
                 deliver_pending()
         except BaseException:
             with ctx.cond:
@@ -149,6 +154,7 @@ class Placement:
             return
         with ctx.cond:
             entry.block, entry.tier = block, tier
+            entry.view, entry.view_block = view, block  # what fetches hand out
             if tier is Tier.DEVICE:
                 # The copy was queued on the caller's stream: later copies out (on a mover
                 # thread's stream) must wait for it, or they could read stale bytes.

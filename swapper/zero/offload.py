@@ -7,14 +7,16 @@ Every parameter is one tensor of kind ``param16`` in a :class:`~swapper.manager.
 module that owns parameters (``recurse=False``) bring them in around the module's work:
 
 - forward pre-hook: fetch them into the first tier of their placement (the device)
-  and point ``.data`` at the fetched bytes; forward hook: release them again. The
-  forward hook also passes the outputs through :class:`BeforeBackward`, whose backward
-  runs just before the module's own backward and fetches them again;
+  and point ``.data`` at the fetched bytes; forward hook: release them again, and hook
+  the outputs (:func:`~swapper.zero.autograd.hook_outputs`) so that the module's backward
+  fetches them again first. When the use tier can hold every parameter at once, the
+  forward's hold is kept for that backward instead (``Slot.carried``: nothing released
+  and fetched again; released at the end of the backward, or before a step, if unused);
 - when a parameter's gradient has been accumulated (``register_post_accumulate_grad_hook``:
   every use of it in the graph has contributed, tied weights included), the gradient is
   moved into its retained 16-bit buffer (kind ``grad16``, key ``grad/<name>``, host tier
-  by default; added to it on later micro-steps), ``.grad`` is dropped, and the backward
-  holds on the parameter are released;
+  by default; added to it on later micro-steps; :func:`~swapper.zero.params.retain_grad`),
+  ``.grad`` is dropped, and the backward holds on the parameter are released;
 - at the end of each backward, holds left (parameters without gradients) are released.
 
 A parameter used by several modules (tied weights) is one entry; it is fetched once and
@@ -22,7 +24,8 @@ counted per user, so it is never released twice nor early.
 
 The first forward and backward record the order in which parameters are fetched; from
 then on every fetch reads ahead the next ones along it (up to
-``config.manager.prefetch_window_nbytes`` of them). The manager records every fetch from
+``config.manager.prefetch_window_nbytes`` of them), unless all are where they are used
+(:class:`~swapper.zero.readahead.FetchPlan`). The manager records every fetch from
 the first forward to the second (so the optimizer's step is in it too) and evicts by that
 order (Belady).
 
@@ -50,7 +53,6 @@ one place.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import weakref
@@ -61,15 +63,14 @@ import torch
 from torch import nn
 
 from swapper.manager import Kind, ManagerStats, Tier, TierManager
-from swapper.step.clip import grad_norm32
 from swapper.step.config import StepConfig
 from swapper.step.sources import ParamGate, ParamSource
 from swapper.zero import checkpoint
-from swapper.zero.autograd import in_autograd, mark_outputs
+from swapper.zero.autograd import hook_outputs, in_autograd
 from swapper.zero.config import OffloadConfig
-from swapper.zero.params import Slot, TieredParams
+from swapper.zero.params import Holds, Slot, TieredParams, retain_grad
 from swapper.zero.placing import back_to_meta, check_modules
-from swapper.zero.readahead import ReadAhead
+from swapper.zero.readahead import FetchPlan
 from swapper.zero.recompute import no_room
 from swapper.zero.settings import tiers_of
 from swapper.zero.weights import (
@@ -148,27 +149,41 @@ class OffloadedModel(nn.Module):
         self._module_slots: dict[nn.Module, list[Slot]] = {}
         self._lock = threading.RLock()
         self._handles: list[Any] = []
-        self._readahead: ReadAhead | None = None  # along the fetch order, once recorded
-        self._recording: list[str] | None = []  # being recorded (the first step)
-        self._manager_recording: contextlib.AbstractContextManager[None] | None = None
-        self._manager_recorded = False
         #: per module whose forward runs now (outermost first): the module and the slots
         #: its pre-hook fetched, released by its forward hook (which runs when the forward
         #: raises an Exception too) or, for a KeyboardInterrupt, by forward()
         self._forward_holds: list[tuple[nn.Module, list[Slot]]] = []
-        self._held_nbytes = 0  # parameters with users, in the use tier
-        self._forward_depth = 0  # calls of forward() running
-        self._in_backward = False
+        self._holds = Holds()  # the counters the hooks change
         self._closed = False
         self._param_gate: ParamGate | None = None  # an overlapped optimizer's (set_param_gate)
         self._check_modules(module)
         self._manager, self.resumed = checkpoint.open_manager(config.manager, resume)
+        self._plan = FetchPlan(  # the fetch order and the read-ahead along it
+            self._manager,
+            self._use_tier,
+            manager_config.prefetch_window_nbytes,
+            lambda key: self._by_name[key.removeprefix("param/")].nbytes,
+            self._lock,
+        )
         #: until placed: each parameter emptied, its bytes (None: materialised), its slot
         self._originals: list[tuple[nn.Parameter, torch.Tensor | None, Slot]] = []
         self._had_values: dict[int, nn.Parameter] = {}
         self._weights: WeightHooks | None = None
         try:
             self._place_all(module, materialize)
+            # Whether a forward's holds are kept for its backward: the use tier holds
+            # every parameter at once, so holding them costs no room that could be used.
+            total = sum(slot.nbytes for slot in self._by_name.values())
+            self._keep_held = self._room_limit is None or total <= self._room_limit
+            # Whether the backward leaves the gradients' norms to the step: the tier they
+            # are retained in has no limit, so they are still in memory then (each norm
+            # taken in the backward cost more than its module's work on a narrow model).
+            limits = {
+                Tier.DEVICE: manager_config.device_nbytes,
+                Tier.HOST: manager_config.host_nbytes,
+            }
+            grad_tier = tiers_of(manager_config, Kind.GRAD16)[0]
+            self._lazy_norms = grad_tier in limits and limits[grad_tier] is None
             if self.resumed is not None:
                 checkpoint.finish_resume(self, self.resumed)
             self._install_hooks(module)
@@ -220,10 +235,10 @@ class OffloadedModel(nn.Module):
         """The wrapped model's forward. If it raises (an error, Ctrl-C), the parameters its
         modules fetched are released before the exception propagates; holds that an
         aborted backward left are released at the next call."""
-        if self._forward_depth == 0:
+        if self._holds.forward_depth == 0:
             self.release_stale_holds()
         depth = len(self._forward_holds)
-        self._forward_depth += 1
+        self._holds.forward_depth += 1
         try:
             return self.module(*args, **kwargs)
         except BaseException:
@@ -231,29 +246,29 @@ class OffloadedModel(nn.Module):
                 self._drop_forward_holds(depth)
             raise
         finally:
-            self._forward_depth -= 1
+            self._holds.forward_depth -= 1
 
     def release_stale_holds(self, *, warn: bool = True) -> int:
         """Release what a forward or backward that raised (an error, Ctrl-C) left fetched;
         returns how many holds that was. Called by :meth:`forward` and before an
         optimizer step (a warning says so: training goes on after a failed pass), and when
         unwrapping (``warn=False``: the failure is the exception being handled); does
-        nothing while a forward or backward runs."""
-        if self._forward_depth or in_autograd():
+        nothing while a forward or backward runs. Holds kept from a forward for a backward
+        that has not run are released too (not counted: a backward fetches them again)."""
+        if self._holds.forward_depth or in_autograd():
             return 0
-        if not self._forward_holds and not self._in_backward:
+        if not self._forward_holds and not self._holds.in_backward and not self._holds.carried:
             return 0  # (backward holds exist only while a backward runs)
         with signals.held:
             dropped = self._drop_forward_holds(0)
             with self._lock:
-                self._in_backward = False  # a backward that raised never ended
-                leftovers = [(s, s.backward_holds) for s in self._by_name.values()]
-                for slot, _ in leftovers:
-                    slot.backward_holds = 0
-            for slot, holds in leftovers:
-                for _ in range(holds):
-                    self._release(slot)
-                dropped += holds
+                self._holds.in_backward = False  # a backward that raised never ended
+            # Holds kept from a forward whose backward has not run (yet): released, as
+            # they would have been without keeping (a later backward fetches again).
+            holds, kept = self._release_backward_holds()
+            dropped += holds
+        if kept:
+            log.debug("offload: released %d parameter hold(s) kept for a backward", kept)
         if dropped:
             (log.warning if warn else log.debug)(
                 "offload: released %d parameter hold(s) left by a failed pass", dropped
@@ -446,38 +461,29 @@ class OffloadedModel(nn.Module):
 
     def _pre_forward_hook(self, slots: list[Slot]) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any) -> None:
-            self._step_boundary()
+            self._plan.step_boundary()
             self._check_room(slots)
             taken: list[Slot] = []
             self._forward_holds.append((module, taken))
-            for slot in slots:
-                with signals.at_waits:  # fetched and recorded, or neither
+            with signals.at_waits:  # each one fetched and recorded, or neither
+                for slot in slots:
                     self._acquire(slot)
                     taken.append(slot)
 
         return hook
 
-    def _step_boundary(self) -> None:
-        """At the first forward, start recording every fetch of the manager; at the first
-        forward after a backward, stop: the manager's eviction order then covers a whole
-        training step (forward, backward, and the optimizer's fetches of state,
-        gradients and parameters), so the step's read-ahead does not evict what it is
-        about to use, nor keep what is needed last."""
-        with self._lock:
-            if self._manager_recording is None and not self._manager_recorded:
-                self._manager_recording = self._manager.recording()
-                self._manager_recording.__enter__()
-            elif self._manager_recording is not None and self._readahead is not None:
-                recording, self._manager_recording = self._manager_recording, None
-                self._manager_recorded = True
-                recording.__exit__(None, None, None)
-
     def _post_forward_hook(self, slots: list[Slot]) -> Callable[..., Any]:
         def before_backward() -> None:
             self._backward_started()
             self._check_room(slots)
-            for slot in slots:
-                with signals.at_waits:  # fetched and recorded, or neither
+            with signals.at_waits:  # each one fetched and recorded, or neither
+                for slot in slots:
+                    if slot.carried:  # held since its forward: taken over, nothing fetched
+                        with self._lock:
+                            slot.carried -= 1
+                            self._holds.carried -= 1
+                            slot.backward_holds += 1
+                        continue
                     self._acquire(slot)
                     with self._lock:
                         slot.backward_holds += 1
@@ -489,11 +495,29 @@ class OffloadedModel(nn.Module):
                 at = len(self._forward_holds) - 1
                 while at >= 0 and self._forward_holds[at][0] is not module:
                     at -= 1
+                own: list[Slot] = []
                 if at >= 0:
-                    self._drop_forward_holds(at)
-            if output is None or not torch.is_grad_enabled():
-                return output
-            return mark_outputs(output, before_backward)
+                    self._drop_forward_holds(at + 1)
+                    own = self._forward_holds.pop()[1]
+                carry = False
+                try:
+                    if output is not None and torch.is_grad_enabled():
+                        hooked = hook_outputs(output, before_backward)
+                        # Kept for the backward when the use tier holds every parameter
+                        # anyway (the release and the fetch again cost more than a narrow
+                        # module's work); never inside a backward (a recompute's holds
+                        # end with it).
+                        carry = hooked and self._keep_held and not in_autograd()
+                    return output
+                finally:
+                    if carry:
+                        with self._lock:
+                            for slot in own:
+                                slot.carried += 1
+                            self._holds.carried += len(own)
+                    else:
+                        for slot in own:
+                            self._release(slot)
 
         return hook
 
@@ -501,7 +525,7 @@ class OffloadedModel(nn.Module):
         def hook(param: torch.Tensor) -> None:
             grad = param.grad
             if grad is not None:
-                self._retain_grad(slot, grad)
+                retain_grad(self._manager, slot, grad, self._lock, lazy_norm=self._lazy_norms)
                 param.grad = None  # moved: the retained buffer holds it now
             with signals.held:
                 with self._lock:
@@ -512,55 +536,39 @@ class OffloadedModel(nn.Module):
         return hook
 
     def _backward_started(self) -> None:
+        if self._holds.in_backward:
+            return  # (every module's backward asks: no lock for the common answer)
         with self._lock:
-            if self._in_backward:
+            if self._holds.in_backward:
                 return
-            self._in_backward = True
+            self._holds.in_backward = True
         torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
 
     def _backward_ended(self) -> None:
         with signals.held:
             with self._lock:
-                self._in_backward = False
-                leftovers = [
-                    (s, s.backward_holds) for s in self._by_name.values() if s.backward_holds
-                ]
-                for slot, _ in leftovers:
-                    slot.backward_holds = 0
-            for slot, holds in leftovers:
-                for _ in range(holds):
-                    self._release(slot)
-        if self._recording is not None and self._recording:
-            order, self._recording = self._recording, None
-            self._readahead = ReadAhead(
-                order,
-                {key: self._by_name[key.removeprefix("param/")].nbytes for key in set(order)},
-                window_nbytes=self.config.manager.prefetch_window_nbytes,
-            )
-            log.info("offload: recorded a fetch order of %d parameters", len(order))
+                self._holds.in_backward = False
+            # (kept holds whose backward did not run in this one: fetched again if it does)
+            self._release_backward_holds()
+        self._plan.backward_ended()
 
-    def _retain_grad(self, slot: Slot, grad: torch.Tensor) -> None:
-        """Move ``grad`` into the retained buffer (one copy; added on later micro-steps).
-
-        Cut (Ctrl-C at a wait, an error), the retained buffer is as before: registered
-        and marked, or neither; added to, or not (the addition and its release are one
-        uninterrupted step)."""
-        with signals.at_waits:
-            with self._lock:
-                first = not slot.has_grad
-            if first:
-                self._manager.register(slot.grad_key, grad.detach(), Kind.GRAD16)
-                norm = grad_norm32([grad])[0]  # as clip_grad_norm_ rounds it
-                with self._lock:
-                    slot.has_grad, slot.grad_norm = True, norm
-                return
-            retained = self._manager.fetch(slot.grad_key)
-            with signals.held:
-                try:
-                    retained.add_(grad.view(slot.shape))
-                    slot.grad_norm = grad_norm32([retained])[0]
-                finally:
-                    self._manager.release(slot.grad_key, modified=True)
+    def _release_backward_holds(self) -> tuple[int, int]:
+        """Release every backward hold and every hold kept from a forward for its
+        backward; returns how many of each. Signals held by the caller."""
+        with self._lock:
+            leftovers = [
+                (s, s.backward_holds, s.carried)
+                for s in self._by_name.values()
+                if s.backward_holds or s.carried
+            ]
+            for slot, _, kept in leftovers:
+                slot.backward_holds = 0
+                slot.carried -= kept
+                self._holds.carried -= kept
+        for slot, holds, kept in leftovers:
+            for _ in range(holds + kept):
+                self._release(slot)
+        return sum(h for _, h, _ in leftovers), sum(k for _, _, k in leftovers)
 
     # -- fetching and releasing -------------------------------------------------------------
 
@@ -585,8 +593,8 @@ class OffloadedModel(nn.Module):
             with self._lock:
                 slot.param.data = tensor
                 slot.version = slot.param._version
-                self._held_nbytes += slot.nbytes
-            self._note_fetch(slot.key)
+                self._holds.held_nbytes += slot.nbytes
+            self._plan.fetched(slot.key)
 
     def _release(self, slot: Slot) -> None:
         with signals.held:  # uncounted and released, or neither
@@ -598,7 +606,7 @@ class OffloadedModel(nn.Module):
                 modified = slot.param._version != slot.version
                 slot.param.data = slot.placeholder
                 slot.version = slot.param._version
-                self._held_nbytes -= slot.nbytes
+                self._holds.held_nbytes -= slot.nbytes
             self._manager.release(slot.key, modified=modified)
 
     def _check_room(self, slots: list[Slot]) -> None:
@@ -613,22 +621,8 @@ class OffloadedModel(nn.Module):
         if limit is None:
             return
         need = sum(slot.nbytes for slot in slots if not slot.users)
-        if need and self._held_nbytes + need > limit:
+        if need and self._holds.held_nbytes + need > limit:
             with self._lock:
                 held = [(s.name, s.nbytes) for s in self._by_name.values() if s.users]
             module_name = slots[0].name.rpartition(".")[0] or "(the model)"
             raise no_room(module_name, need, held, limit, self._use_tier.value)
-
-    def _note_fetch(self, key: str) -> None:
-        """Record the fetch order (first step), or read ahead along it (later steps)."""
-        if self._recording is not None:
-            self._recording.append(key)
-            return
-        if self._readahead is None:
-            return
-        # At most a window's bytes and DEFAULT_MAX_TENSORS tensors ahead, each key asked
-        # for once as it enters the window (see swapper.zero.readahead): a hook's cost
-        # does not grow with the model's tensor count.
-        ahead = self._readahead.after(key)
-        if ahead:
-            self._manager.prefetch(ahead, self._use_tier)

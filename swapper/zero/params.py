@@ -9,6 +9,7 @@ retained gradients in the manager.
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -16,6 +17,7 @@ import torch
 from torch import nn
 
 from swapper.manager import Kind, Tier
+from swapper.step.clip import grad_norm32
 from swapper.zero.settings import tiers_of
 from tiers import signals
 from tiers.errors import SwapConfigError
@@ -24,18 +26,37 @@ if TYPE_CHECKING:
     from swapper.manager import TierManager
     from swapper.zero.offload import OffloadedModel
 
-__all__ = ["Slot", "TieredParams", "copy_in", "copy_out"]
+__all__ = [
+    "NORM_BATCH_NUMEL",
+    "Holds",
+    "Slot",
+    "TieredParams",
+    "copy_in",
+    "copy_out",
+    "retain_grad",
+]
+
+#: fp32 elements of the gradients whose norms the step takes in one call (64 MiB: their
+#: fp32 copies share one scratch buffer of at most this size, or of the largest gradient).
+NORM_BATCH_NUMEL = 16 << 20
 
 
 def copy_out(
-    manager: TierManager, key: str, tier: Tier | None, start: int, out: torch.Tensor
+    manager: TierManager,
+    key: str,
+    tier: Tier | None,
+    start: int,
+    out: torch.Tensor,
+    *,
+    in_place: bool = False,
 ) -> None:
     """Copy ``out.numel()`` elements of ``key``'s flattened tensor, from element ``start``,
-    into ``out``: fetched into ``tier`` (None: its home) and released unmodified. The fetch
-    and its release run in one section: no signal lands between the fetch and the ``try``.
+    into ``out``: fetched into ``tier`` (None: its home; ``in_place``: where it is, if it
+    is in memory) and released unmodified. The fetch and its release run in one section:
+    no signal lands between the fetch and the ``try``.
     """
     with signals.at_waits:
-        tensor = manager.fetch(key, tier)
+        tensor = manager.fetch(key, tier, in_place=in_place)
         try:
             out.copy_(tensor.view(-1)[start : start + out.numel()])
         finally:
@@ -43,16 +64,63 @@ def copy_out(
 
 
 def copy_in(
-    manager: TierManager, key: str, tier: Tier | None, start: int, source: torch.Tensor
+    manager: TierManager,
+    key: str,
+    tier: Tier | None,
+    start: int,
+    source: torch.Tensor,
+    *,
+    in_place: bool = False,
 ) -> None:
     """Write ``source`` into ``key``'s flattened tensor from element ``start``: fetched into
-    ``tier`` (None: its home) and released modified, in one section as :func:`copy_out`."""
+    ``tier`` (None: its home; ``in_place`` as for :func:`copy_out`) and released modified,
+    in one section as :func:`copy_out`."""
     with signals.at_waits:
-        tensor = manager.fetch(key, tier)
+        tensor = manager.fetch(key, tier, in_place=in_place)
         try:
             tensor.view(-1)[start : start + source.numel()].copy_(source)
         finally:
             manager.release(key, modified=True)
+
+
+def retain_grad(
+    manager: TierManager, slot: Slot, grad: torch.Tensor, lock: threading.RLock, *, lazy_norm: bool
+) -> None:
+    """Move ``grad`` into the slot's retained buffer (one copy; added on later
+    micro-steps), with its fp32 norm (``lazy_norm``: left to the step, which computes the
+    norms it needs in batches: see :meth:`TieredParams.grad_norms`).
+
+    Cut (Ctrl-C at a wait, an error), the retained buffer is as before: registered and
+    marked, or neither; added to, or not (the addition and its release are one
+    uninterrupted step)."""
+    with signals.at_waits:
+        with lock:
+            first = not slot.has_grad
+        if first:
+            manager.register(slot.grad_key, grad.detach(), Kind.GRAD16)
+            norm = None if lazy_norm else grad_norm32([grad])[0]  # as clip_grad_norm_ does
+            with lock:
+                slot.has_grad, slot.grad_norm = True, norm
+            return
+        retained = manager.fetch(slot.grad_key)
+        with signals.held:
+            try:
+                retained.add_(grad.view(slot.shape))
+                slot.grad_norm = None if lazy_norm else grad_norm32([retained])[0]
+            finally:
+                manager.release(slot.grad_key, modified=True)
+
+
+@dataclasses.dataclass(slots=True)
+class Holds:
+    """What an offloaded model's hooks count, kept off the module: every attribute write
+    on an ``nn.Module`` goes through ``Module.__setattr__`` (isinstance checks, ~3 µs),
+    several per hook call."""
+
+    held_nbytes: int = 0  # parameters with users, in the use tier
+    forward_depth: int = 0  # calls of forward() running
+    carried: int = 0  # holds kept from a forward for its backward (Slot.carried)
+    in_backward: bool = False
 
 
 @dataclasses.dataclass(eq=False)
@@ -66,6 +134,10 @@ class Slot:
     placeholder: torch.Tensor
     users: int = 0  # fetches outstanding (forward and backward holds)
     backward_holds: int = 0  # of which taken for a backward
+    #: of which kept from a forward for its backward (budgets that hold every parameter:
+    #: see ``OffloadedModel._keep_held``); a ``BeforeBackward`` takes one over instead of
+    #: fetching, any release of them is safe (the backward then fetches again)
+    carried: int = 0
     has_grad: bool = False  # its retained gradient is registered
     #: fp32 L2 norm of the retained gradient, taken when it is moved in (while it is in
     #: memory anyway), so that the optimizer's global norm reads nothing back from NVMe
@@ -79,17 +151,16 @@ class Slot:
     #: is the placeholder itself, so a write through ``.data`` shows here
     placeholder_version: int = 0
 
-    @property
-    def key(self) -> str:
-        return f"param/{self.name}"
+    #: the manager keys of the parameter and of its retained gradient, and its size in
+    #: bytes: made once (the hooks read them at every fetch)
+    key: str = dataclasses.field(init=False)
+    grad_key: str = dataclasses.field(init=False)
+    nbytes: int = dataclasses.field(init=False)
 
-    @property
-    def grad_key(self) -> str:
-        return f"grad/{self.name}"
-
-    @property
-    def nbytes(self) -> int:
-        return self.shape.numel() * self.dtype.itemsize
+    def __post_init__(self) -> None:
+        self.key = f"param/{self.name}"
+        self.grad_key = f"grad/{self.name}"
+        self.nbytes = self.shape.numel() * self.dtype.itemsize
 
 
 class TieredParams:
@@ -98,11 +169,15 @@ class TieredParams:
     def __init__(self, model: OffloadedModel) -> None:
         self._model = model
         self._manager = model.manager
-        # The optimizer reads and writes parameters on the host (where it computes),
-        # not in the device tier they are used from: no device room taken, and between
-        # steps a parameter waits in host memory (or on NVMe) anyway.
+        # The optimizer reads and writes a parameter where it is when it is in memory
+        # (in_place: nothing moved; with budgets that hold everything, a move to the host
+        # and back to the device each step was the step's largest avoidable cost), else
+        # on the host (where it computes), not in the device tier it is used from: no
+        # device room taken, and between steps a parameter waits in host memory (or on
+        # NVMe) anyway.
         tiers = tiers_of(model.config.manager, Kind.PARAM16)
         self._tier = Tier.HOST if Tier.HOST in tiers else tiers[0]
+        self._scratch: dict[torch.device, torch.Tensor] = {}  # see _take_norms
 
     def _slot(self, param: torch.Tensor) -> Slot:
         slot = self._model._slots.get(id(param))
@@ -124,7 +199,7 @@ class TieredParams:
         return True  # the tiers hold every parameter contiguous
 
     def read_param(self, param: torch.Tensor, start: int, out: torch.Tensor) -> None:
-        copy_out(self._manager, self._slot(param).key, self._tier, start, out)
+        copy_out(self._manager, self._slot(param).key, self._tier, start, out, in_place=True)
 
     def read_grad(self, param: torch.Tensor, start: int, out: torch.Tensor) -> bool:
         slot = self._slot(param)
@@ -142,15 +217,62 @@ class TieredParams:
                 f"optimizer step while parameter {slot.name!r} is in use (inside a forward "
                 "or backward?)"
             )
-        copy_in(self._manager, slot.key, self._tier, start, source)
+        copy_in(self._manager, slot.key, self._tier, start, source, in_place=True)
 
     def grad_norms(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        norms = []
-        for param in params:
-            slot = self._slot(param)
-            if slot.has_grad and slot.grad_norm is not None:
-                norms.append(slot.grad_norm)
-        return norms
+        slots = [self._slot(param) for param in params]
+        batch: list[Slot] = []
+        numel = 0
+        for slot in slots:
+            if not slot.has_grad or slot.grad_norm is not None:
+                continue
+            size = _aligned(slot.shape.numel())
+            if batch and numel + size > NORM_BATCH_NUMEL:
+                self._take_norms(batch)
+                batch, numel = [], 0
+            batch.append(slot)
+            numel += size
+        if batch:
+            self._take_norms(batch)
+        return [slot.grad_norm for slot in slots if slot.has_grad and slot.grad_norm is not None]
+
+    def _take_norms(self, slots: Sequence[Slot]) -> None:
+        """The fp32 norms of the slots' retained gradients (the backward left them to the
+        step: see ``OffloadedModel._lazy_norms``), each fetched where it is and released
+        unmodified. Their fp32 copies go into one scratch buffer kept from step to step
+        (fresh copies cost a page fault per 4 KiB, 10x the conversion), each at a
+        512-byte-aligned offset as a fresh allocation would be; one ``_foreach_norm`` of
+        them rounds each norm as ``grad_norm32`` of the gradient alone does."""
+        fetched: list[torch.Tensor] = []
+        with signals.at_waits:  # each one fetched and recorded, or neither
+            try:
+                for slot in slots:
+                    fetched.append(self._manager.fetch(slot.grad_key, in_place=True))
+                device = fetched[0].device
+                if any(t.device != device for t in fetched):
+                    norms = grad_norm32(fetched)
+                else:
+                    need = sum(_aligned(t.numel()) for t in fetched)
+                    scratch = self._scratch.get(device)
+                    if scratch is None or scratch.numel() < need:
+                        scratch = torch.empty(need, dtype=torch.float32, device=device)
+                        self._scratch[device] = scratch
+                    copies, offset = [], 0
+                    for tensor in fetched:
+                        copy = scratch[offset : offset + tensor.numel()]
+                        copies.append(copy.copy_(tensor.view(-1)))
+                        offset += _aligned(tensor.numel())
+                    norms = grad_norm32(copies)
+            finally:
+                for slot in slots[: len(fetched)]:
+                    self._manager.release(slot.grad_key, modified=False)
+        for slot, norm in zip(slots, norms, strict=True):
+            slot.grad_norm = norm
 
     def zero_grad(self, params: Sequence[torch.Tensor]) -> None:
         self._model._drop_grads([self._slot(param) for param in params])
+
+
+def _aligned(numel: int) -> int:
+    """``numel`` fp32 elements rounded up to 512 bytes."""
+    return -(-numel // 128) * 128

@@ -18,16 +18,31 @@ count (18.9 x plain PyTorch at 388 tensors, ``tools/hook_overhead.py``).
 Positions are *unrolled*: position ``i`` of the next step is ``i + n``, so the window may
 run past the end of the order; the cursor (the position of the last fetch) is in
 ``[0, n)``, the frontier in ``[cursor + 1, cursor + n]``.
+
+:class:`FetchPlan` is what an offloaded model keeps of it: the order being recorded (first
+step), then the :class:`ReadAhead` along it, and the manager's own recording (its eviction
+order). When every parameter is in the tier it is used from and none has left it since
+(``TierManager.departures`` unchanged: budgets that hold everything), there is nothing to
+read ahead, and a fetch asks for nothing: no plan walked, no manager call.
 """
 
 from __future__ import annotations
 
 import bisect
-from collections.abc import Mapping, Sequence
+import contextlib
+import logging
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from tiers.errors import SwapConfigError
 
-__all__ = ["DEFAULT_MAX_TENSORS", "RETRY", "ReadAhead"]
+if TYPE_CHECKING:
+    from swapper.manager import Tier, TierManager
+
+__all__ = ["DEFAULT_MAX_TENSORS", "RETRY", "FetchPlan", "ReadAhead"]
+
+log = logging.getLogger("swapper.zero.offload")
 
 #: Tensors read ahead at most (besides the byte window). Enough to keep a deep model's next
 #: few modules in flight; small enough that one fetch never asks for a whole model.
@@ -119,3 +134,83 @@ class ReadAhead:
                 reached = min(reached, j)
         self._frontier = reached
         return list(ahead)
+
+
+class FetchPlan:
+    """The recorded fetch order of an offloaded model's parameters and the read-ahead
+    along it (the callers hold ``lock`` or run on the thread of the forward/backward).
+
+    Args:
+        manager: where the parameters live.
+        tier: the tier they are fetched into (the use tier).
+        window_nbytes: the read-ahead window (``prefetch_window_nbytes``).
+        nbytes_of: a parameter key's size in bytes.
+        lock: the model's lock (the step boundary may run on several threads).
+    """
+
+    def __init__(
+        self,
+        manager: TierManager,
+        tier: Tier,
+        window_nbytes: int | None,
+        nbytes_of: Callable[[str], int],
+        lock: threading.RLock,
+    ) -> None:
+        self._manager = manager
+        self._tier = tier
+        self._window = window_nbytes
+        self._nbytes_of = nbytes_of
+        self._lock = lock
+        self.readahead: ReadAhead | None = None  # along the fetch order, once recorded
+        self._recording: list[str] | None = []  # being recorded (the first step)
+        self._manager_recording: contextlib.AbstractContextManager[None] | None = None
+        self._manager_recorded = False
+        self._keys: list[str] = []  # the order's distinct keys
+        #: ``manager.departures`` when every key was last seen in ``tier`` (None: not)
+        self._resident_stamp: int | None = None
+
+    def step_boundary(self) -> None:
+        """At the first forward, start recording every fetch of the manager; at the first
+        forward after a backward, stop: the manager's eviction order then covers a whole
+        training step (forward, backward, and the optimizer's fetches of state,
+        gradients and parameters), so the step's read-ahead does not evict what it is
+        about to use, nor keep what is needed last."""
+        if self._manager_recorded:
+            return  # (set once, never unset: no lock needed to see it)
+        with self._lock:
+            if self._manager_recording is None and not self._manager_recorded:
+                self._manager_recording = self._manager.recording()
+                self._manager_recording.__enter__()
+            elif self._manager_recording is not None and self.readahead is not None:
+                recording, self._manager_recording = self._manager_recording, None
+                self._manager_recorded = True
+                recording.__exit__(None, None, None)
+
+    def fetched(self, key: str) -> None:
+        """Record the fetch order (first step), or read ahead along it (later steps)."""
+        if self._recording is not None:
+            self._recording.append(key)
+            return
+        readahead = self.readahead
+        if readahead is None or self._resident_stamp == self._manager.departures:
+            return  # nothing recorded yet, or everything is where it is used
+        # At most a window's bytes and DEFAULT_MAX_TENSORS tensors ahead, each key asked
+        # for once as it enters the window: a hook's cost does not grow with the model's
+        # tensor count.
+        ahead = readahead.after(key)
+        if ahead:
+            self._manager.prefetch(ahead, self._tier)
+
+    def backward_ended(self) -> None:
+        """The end of a backward: the first one turns the recording into the plan; each
+        one looks whether every parameter is now in the use tier (O(parameters), once per
+        step), so that the fetches of the next step can skip the read-ahead."""
+        if self._recording is not None and self._recording:
+            order, self._recording = self._recording, None
+            self._keys = list(dict.fromkeys(order))
+            self.readahead = ReadAhead(
+                order, {key: self._nbytes_of(key) for key in self._keys}, window_nbytes=self._window
+            )
+            log.info("offload: recorded a fetch order of %d parameters", len(order))
+        if self.readahead is not None:
+            self._resident_stamp = self._manager.resident_stamp(self._keys, self._tier)
