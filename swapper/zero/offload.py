@@ -1,4 +1,4 @@
-# Size: one state machine (~610 lines): the hooks and the hold counts they share (Layout).
+# Size: one state machine (~630 lines): the hooks and the hold counts they share (Layout), and the gate an overlapped step holds.
 """``swapper.offload(model, config)`` in one process: a module's 16-bit parameters live in
 the tiers (:func:`swapper.zero.wrap.offload` builds an :class:`OffloadedModel`).
 
@@ -53,6 +53,7 @@ one place.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import weakref
