@@ -1,4 +1,4 @@
-# Size: one state machine (~630 lines): the hooks and the hold counts they share (Layout), and the gate an overlapped step holds.
+# Size: one state machine (~630 lines): the hooks, their hold counts, the overlap gate.
 """``swapper.offload(model, config)`` in one process: a module's 16-bit parameters live in
 the tiers (:func:`swapper.zero.wrap.offload` builds an :class:`OffloadedModel`).
 
