@@ -96,6 +96,38 @@ def test_fetch_collective_and_reduce_dtype_are_chosen_and_reported(tmp_path: Pat
     assert floor < _gather_floor(GPTConfig.for_params(PARAMS), 2, 30.0)
 
 
+def test_nproc_2_checkpoints_and_resumes_to_the_same_digest(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    swap = tmp_path / "swap"
+    swap.mkdir()
+    first, second = tmp_path / "first.json", tmp_path / "second.json"
+    base = ["--nproc", "2", "--params", str(PARAMS), "--steps", "3", "--seq", "16"]
+    base += ["--dir", str(swap), "--checkpoint-every", "2"]
+    assert main([*base, "--json", str(first)]) == 0
+    data = json.loads(first.read_text())
+    assert data["identical"] is True and data["resumed_from_step"] == 0
+    assert data["final_digest"].startswith("xxh3-128:")
+    assert data["final_digest"] == data["reference_final_digest"]
+    assert [s["name"] for s in data["snapshots"]] == ["step-000000002"]
+    assert len(data["steps_detail"]["forward_backward_seconds"]) == 3
+    # the parts and rank 0's commit record outlive the run, where a rerun finds them
+    kept = swap / "swapper-pressure-checkpoint"
+    assert (kept / "swapper-offload.step-000000002.commit").is_file()
+    assert sorted(p.name for p in kept.glob("rank*")) == ["rank0of2", "rank1of2"]
+    assert main([*base, "--resume", "--json", str(second)]) == 0
+    again = json.loads(second.read_text())
+    assert again["resumed_from_step"] == 2
+    assert again["identical"] is True  # step 3 as the unlimited ranks trained it
+    assert len(again["losses"]) == 1 and again["losses"] == data["losses"][2:]
+    assert again["single_losses"] == data["single_losses"][2:]
+    for r, rank in enumerate(again["per_rank"]):
+        assert rank["losses"] == data["per_rank"][r]["losses"][2:]
+    # the uninterrupted run's final state, parameters and optimizer state alike
+    assert again["final_digest"] == data["final_digest"]
+    assert "pressure: resumed from step 2" in capfd.readouterr().out
+
+
 @pytest.mark.parametrize(
     "argv",
     [

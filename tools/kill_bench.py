@@ -18,9 +18,11 @@ end where the uninterrupted run ends? (issue 13's benchmark-sized kill run)
 Each child must die by SIGKILL (a child that ends first is reported), and each resume must
 start at a snapshot no later than the step it was killed in.
 
-``--nproc N`` passes ``--nproc N`` to ``swapper-pressure``. Snapshots of several ranks are
-not in this swapper's ``swapper-pressure`` yet where it refuses ``--checkpoint-every``
-with ``--nproc`` > 1: the tool then says so and exits 2.
+``--nproc N`` passes ``--nproc N`` to ``swapper-pressure``: its ranks snapshot together
+(rank 0 prints the lines the kills are placed by), and a snapshot exists once rank 0's
+commit record does (``<dir>/swapper-pressure-checkpoint/<store>.step-N.commit``), which is
+what the tool reads for where the next ``--resume`` starts. A ``swapper-pressure`` that
+refuses ``--checkpoint-every`` with ``--nproc`` > 1 makes the tool say so and exit 2.
 
     python tools/kill_bench.py --params 10M --steps 30 --every 2 --dir /work/scratch/kill \\
         --json kill10m.json
@@ -204,7 +206,7 @@ def _run(args: argparse.Namespace, work: Path) -> tuple[int, dict[str, Any]]:
     kills: list[Kill] = []
     swap = work / "killed"
     for n in range(args.kills):
-        resumed = _newest_snapshot(swap)
+        resumed = _newest_snapshot(swap, args.nproc)
         if kills:
             kills[-1].next_resumed_from = resumed
         phase = PHASES[n % len(PHASES)]
@@ -226,7 +228,7 @@ def _run(args: argparse.Namespace, work: Path) -> tuple[int, dict[str, Any]]:
         if kill.exit_code != -signal.SIGKILL:
             print("\n".join(seen[-20:]), file=sys.stderr)
     if kills:
-        kills[-1].next_resumed_from = _newest_snapshot(swap)
+        kills[-1].next_resumed_from = _newest_snapshot(swap, args.nproc)
     final_json = work / "final.json"
     proc = subprocess.run(
         _pressure(args, swap, "--resume", "--json", str(final_json)),
@@ -273,10 +275,12 @@ def _run(args: argparse.Namespace, work: Path) -> tuple[int, dict[str, Any]]:
     return (0 if ok else 1), result
 
 
-def _newest_snapshot(swap: Path) -> int:
-    """The step of the newest snapshot file in the run's store (0: none), where the next
-    ``--resume`` starts: a snapshot's file appears (rename) only once it is whole."""
-    steps = [int(p.name.rsplit("step-", 1)[1].split(".")[0]) for p in swap.rglob("*.step-*.snap")]
+def _newest_snapshot(swap: Path, nproc: int = 1) -> int:
+    """The step of the newest snapshot in the run's store (0: none), where the next
+    ``--resume`` starts: a snapshot's file appears (rename) only once it is whole; over
+    several ranks, its commit record (written once every rank's part is durable)."""
+    pattern = "*.step-*.commit" if nproc > 1 else "*.step-*.snap"
+    steps = [int(p.name.rsplit("step-", 1)[1].split(".")[0]) for p in swap.rglob(pattern)]
     return max(steps, default=0)
 
 

@@ -192,8 +192,8 @@ def _run(argv: list[str]) -> int:
     if args.nproc == 1 and (args.fetch_collective or args.reduce_dtype):
         parser.error("--fetch-collective and --reduce-dtype need --nproc N > 1 (collectives)")
     if args.nproc > 1:
-        if args.checkpoint_every is not None or args.resume or args.export is not None:
-            parser.error("--checkpoint-every, --resume and --export are single-process (--nproc 1)")
+        if args.export is not None:
+            parser.error("--export is single-process for now (--nproc 1)")
         if args.overlap:
             parser.error("--overlap is single-process for now (--nproc 1)")
         if args.moments != "fp32":
@@ -286,7 +286,10 @@ def _run_ranks(
 
 def _ranks_summary(res: RanksResult) -> str:
     lines = ["step  mean loss (N ranks)  loss (one process)"]
-    for i, (a, b) in enumerate(zip(res.losses, res.single_losses, strict=True), 1):
+    if res.resumed_from_step:
+        lines.insert(0, f"resumed from step {res.resumed_from_step}")
+    first = res.resumed_from_step + 1
+    for i, (a, b) in enumerate(zip(res.losses, res.single_losses, strict=True), first):
         lines.append(f"{i:>4}  {a:<19.12g}  {b:<19.12g}")
     for r in res.per_rank:
         peaks = ", ".join(
@@ -298,6 +301,7 @@ def _ranks_summary(res: RanksResult) -> str:
             f"{show_nbytes(r.offload_nbytes)} during backward; stalled "
             f"{100 * r.stall_fraction:.1f}% of {r.seconds:.2f} s"
         )
+    lines.append(f"final_digest {res.final_digest}")
     balance = res.offload_balance
     lines.append(
         f"last backward's gradient offload over the ranks: max/mean {balance.max_over_mean:.2f} "

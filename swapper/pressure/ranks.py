@@ -40,6 +40,7 @@ except on ranks that are still training and still alive.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import pickle
@@ -72,6 +73,8 @@ from tiers.nvme import content_hash
 
 __all__ = ["MAX_NPROC", "RankFailedError", "RankReport", "RanksResult", "run_ranks"]
 
+#: Where in each ``--dir`` the snapshots live (the single-process runner's name).
+CHECKPOINT_DIR = "swapper-pressure-checkpoint"
 #: The most ranks ``--nproc`` starts (all on this machine).
 MAX_NPROC = 64
 #: Seconds any collective, and the process group's own operations, may wait.
@@ -105,12 +108,18 @@ def run_ranks(
     ``settings.batch`` is the global batch and must be a multiple of ``nproc``.
     ``fetch_collective`` and ``reduce_dtype`` are those of
     :class:`~swapper.zero.dist_config.DistributedConfig` (the unlimited ranks use the
-    same; the one process has no collectives). Checkpoints, resume and export are not
-    supported here.
+    same; the one process has no collectives). With ``settings.checkpoint_every`` the
+    budgeted ranks take a snapshot every that many steps
+    (:func:`~swapper.zero.checkpoint.save_snapshot`: each rank's part in
+    ``<dir>/swapper-pressure-checkpoint/rank{r}of{N}``, rank 0's commit record in
+    ``<dir>/swapper-pressure-checkpoint``; kept after the run, as the single-process
+    runner keeps its store); with ``settings.resume`` they continue from the newest
+    committed snapshot of the same world size (or start afresh) and their losses are
+    those of the steps after it. Export is not supported here.
 
     Raises:
         SwapConfigError: ``nproc`` out of 2..MAX_NPROC, the batch not a multiple of it,
-            checkpointing/export asked for, or a bad ``fetch_collective`` /
+            export asked for, or a bad ``fetch_collective`` /
             ``reduce_dtype``.
         RankFailedError: a rank failed (its error in the message).
         SwapError, OSError: the single-process run failed.
@@ -122,8 +131,8 @@ def run_ranks(
             f"batch={settings.batch} must be a multiple of nproc={nproc} (each rank trains "
             "batch / nproc sequences of every step)"
         )
-    if settings.checkpointing or settings.export_dir is not None:
-        raise SwapConfigError("checkpoints, resume and export are single-process for now")
+    if settings.export_dir is not None:
+        raise SwapConfigError("export is single-process for now (nproc 1)")
     distributed = DistributedConfig(  # checked here, before any rank starts
         timeout_s=timeout_s, fetch_collective=fetch_collective, reduce_dtype=reduce_dtype
     )
@@ -147,12 +156,20 @@ def run_ranks(
         f"each; per-rank device budget {device:,} B, host budget {host:,} B; fetch by "
         f"{fetch_collective}, gradients reduced in {reduce_dtype or settings.dtype}"
     )
-    with _swap_dirs(settings.dirs) as dirs:
+    # checkpointed: the parts live in DIR/swapper-pressure-checkpoint/rank{r}of{N}, kept
+    # for --resume (the store's name is the wrap's default, the same on every run)
+    kept = [d / CHECKPOINT_DIR for d in settings.dirs]
+    swap_dirs = contextlib.nullcontext(kept) if settings.checkpointing else None
+    with swap_dirs or _swap_dirs(settings.dirs) as dirs:
         tight, free = _spawn(plan, [str(d) for d in dirs], say)
     say("  single process, unlimited budgets")
     single = _train(plan, rank=0, world=1, dirs=None, keep_params=True)
+    resumed = tight[0].report.resumed_from
     identical = all(
-        t.losses == f.losses and t.digest == f.digest and t.param_hashes == f.param_hashes
+        t.losses == f.losses[resumed:]
+        and t.report.resumed_from == resumed
+        and t.digest == f.digest
+        and t.param_hashes == f.param_hashes
         for t, f in zip(tight, free, strict=True)
     )
     bound = 2 * settings.lr * settings.steps
@@ -169,7 +186,7 @@ def run_ranks(
         budget_bytes=budgets,
         per_rank=[t.report for t in tight],
         reference_per_rank=[f.report for f in free],
-        single_losses=single.losses,
+        single_losses=single.losses[resumed:],
         identical=identical,
         max_abs_diff_vs_single=diff,
         equal_fraction_vs_single=equal,
@@ -261,7 +278,7 @@ def _train(
     import torch.distributed as dist
 
     import swapper
-    from swapper.zero.checkpoint import final_digest
+    from swapper.zero.checkpoint import final_digest, save_snapshot
 
     settings = plan.settings
     dtype = DTYPES[settings.dtype]
@@ -280,7 +297,15 @@ def _train(
         materialize_(model, dtype=dtype, seed=settings.seed, on_module=place)
 
     group = dist.group.WORLD if world > 1 else None
-    wrapped = swapper.offload(model, plan.config(dirs), group, materialize=materialize)
+    # the budgeted ranks (dirs given) snapshot and resume; the unlimited ones never do
+    checkpoint = dirs is not None and settings.checkpointing
+    wrapped = swapper.offload(
+        model,
+        plan.config(dirs),
+        group,
+        materialize=materialize,
+        resume=checkpoint and settings.resume,
+    )
     scaler = DynamicLossScaler(2.0**12) if dtype == torch.float16 else None
     optimizer = OffloadAdamW(
         wrapped.parameters(),
@@ -302,15 +327,28 @@ def _train(
             if plan.fault[1] == "exit":
                 os._exit(3)  # dies without a word, as a killed process would
             raise SwapConfigError(f"injected fault on rank {rank}")
+        resumed_from = optimizer.step_count
+        every = settings.checkpoint_every if checkpoint else None
+        # rank 0 of a checkpointed run says what the single-process runner says (the
+        # lines tools/kill_bench.py places its kills by)
+        say = print if checkpoint and rank == 0 else None
+        if say is not None and resumed_from:
+            say(f"  pressure: resumed from step {resumed_from}", flush=True)
+        model_s: list[float] = []
+        optimizer_s: list[float] = []
+        snapshots: list[dict[str, Any]] = []
         start = time.perf_counter()
-        for tokens in data:
+        for step, tokens in enumerate(data, 1):
+            if step <= resumed_from:  # trained before the snapshot resumed from
+                continue
+            began = time.perf_counter()
             mine = tokens[rank * per : (rank + 1) * per]
             logits = wrapped(mine[:, :-1]).float()
             loss = torch.nn.functional.cross_entropy(
                 logits.reshape(-1, logits.shape[-1]), mine[:, 1:].reshape(-1)
             )
             before = _down(wrapped.stats())
-            if reducer is not None and len(losses) == len(data) - 1:
+            if reducer is not None and step == len(data):
                 reducer.trace = windows
             (scaler.scale(loss) if scaler is not None else loss).backward()
             if reducer is not None:
@@ -318,9 +356,35 @@ def _train(
             offloaded += _down(wrapped.stats()) - before
             if not losses:  # gradients are held from backward until zero_grad
                 state = _state_nbytes(wrapped, model_config)
+            stepped = time.perf_counter()
             optimizer.step()
             optimizer.zero_grad()
             losses.append(float(loss.detach()))
+            model_s.append(stepped - began)
+            optimizer_s.append(time.perf_counter() - stepped)
+            if say is not None:
+                say(
+                    f"  pressure step {step}: rank 0 loss {losses[-1]:.6f}  (forward+backward "
+                    f"{model_s[-1]:.2f} s; optimizer {optimizer_s[-1]:.2f} s)",
+                    flush=True,
+                )
+            if every is not None and step % every == 0:  # every rank alike
+                snap = save_snapshot(wrapped, optimizer, keep_last=settings.keep_last)
+                snapshots.append(
+                    {
+                        "name": snap.name,
+                        "step": snap.step,
+                        "seconds": snap.seconds,
+                        "written_bytes": snap.written_nbytes,
+                        "state_bytes": snap.nbytes,
+                    }
+                )
+                if say is not None:
+                    say(
+                        f"  pressure snapshot {snap.name}: {snap.written_nbytes:,} B written "
+                        f"of rank 0's {snap.nbytes:,} B of state, {snap.seconds:.3f} s",
+                        flush=True,
+                    )
         seconds = time.perf_counter() - start
         stats = wrapped.stats()
         state[Kind.OPTIM_STATE.value] = sum(sg.state_nbytes for sg in optimizer.sub_groups)
@@ -345,6 +409,10 @@ def _train(
             digest=digest,
             param_hashes=hashes,
             offload_windows=[(w.module_index, w.retained_nbytes) for w in windows],
+            resumed_from=resumed_from,
+            model_s=model_s,
+            optimizer_s=optimizer_s,
+            snapshots=snapshots,
         )
         return _Trained(report, params)
     finally:

@@ -39,6 +39,13 @@ class RankReport:
     #: (module index, gradient shard bytes this rank handed to its tiers) per module
     #: window of the last step's backward, in the order they came
     offload_windows: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    #: the step the run resumed from (0: a fresh start); ``losses`` are the steps after it
+    resumed_from: int = 0
+    #: per step trained: forward + backward seconds, optimizer step seconds
+    model_s: list[float] = dataclasses.field(default_factory=list)
+    optimizer_s: list[float] = dataclasses.field(default_factory=list)
+    #: the snapshots taken (name, step, seconds, written_bytes, state_bytes: this rank's)
+    snapshots: list[dict[str, Any]] = dataclasses.field(default_factory=list)
 
     @property
     def stall_fraction(self) -> float:
@@ -68,9 +75,22 @@ class RanksResult:
 
     @property
     def losses(self) -> list[float]:
-        """The global batch's mean loss per step: the mean of the ranks' equal shares."""
+        """The global batch's mean loss per step trained (after ``resumed_from_step``):
+        the mean of the ranks' equal shares."""
         n = self.world_size
-        return [sum(r.losses[i] for r in self.per_rank) / n for i in range(self.settings.steps)]
+        steps = len(self.per_rank[0].losses)
+        return [sum(r.losses[i] for r in self.per_rank) / n for i in range(steps)]
+
+    @property
+    def resumed_from_step(self) -> int:
+        """The step the budgeted ranks resumed from (0: a fresh start)."""
+        return self.per_rank[0].resumed_from
+
+    @property
+    def final_digest(self) -> str:
+        """The budgeted ranks' :func:`~swapper.zero.checkpoint.final_digest` (the same on
+        every rank, and at any world size for the same training)."""
+        return self.per_rank[0].digest
 
     @property
     def offload_balance(self) -> BalanceReport:
@@ -115,6 +135,15 @@ class RanksResult:
             "tolerance": self.tolerance,
             "within_tolerance": self.within_tolerance,
             "budget_bytes": self.budget_bytes,
+            "final_digest": self.final_digest,
+            "reference_final_digest": self.reference_per_rank[0].digest,
+            "resumed_from_step": self.resumed_from_step,
+            # rank 0's, per step trained (the shape of the single-process runner's)
+            "steps_detail": {
+                "forward_backward_seconds": self.per_rank[0].model_s,
+                "optimizer_seconds": self.per_rank[0].optimizer_s,
+            },
+            "snapshots": self.per_rank[0].snapshots,
             "offload_balance": {
                 "max_over_mean": self.offload_balance.max_over_mean,
                 "worst_window": self.offload_balance.worst_window,
@@ -124,7 +153,7 @@ class RanksResult:
                 {
                     "rank": r.rank,
                     "losses": r.losses,
-                    "reference_losses": ref.losses,
+                    "reference_losses": ref.losses[r.resumed_from :],
                     "peak_bytes": r.peak_bytes,
                     "budget_bytes": self.budget_bytes,
                     "bytes_moved": r.bytes_moved,
