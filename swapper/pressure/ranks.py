@@ -41,8 +41,10 @@ except on ranks that are still training and still alive.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import pickle
+import signal
 import socket
 import tempfile
 import time
@@ -217,12 +219,26 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _entry(plan: _Plan, rank: int, port: int, dirs: list[str], out: str) -> None:
+def die_with_parent(parent_pid: int) -> None:
+    """Make this process die with ``parent_pid``: a parent killed by SIGKILL cannot kill
+    its ranks, which would otherwise train on (holding memory, disk and a port) until
+    their collectives time out. Linux: ``prctl(PR_SET_PDEATHSIG, SIGKILL)``; then, since
+    the parent may have died before that call, exit at once if it already has. Elsewhere
+    (no prctl) only the second check applies."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # 1: PR_SET_PDEATHSIG
+    if os.getppid() != parent_pid:
+        os._exit(1)
+
+
+def _entry(plan: _Plan, rank: int, port: int, dirs: list[str], out: str, parent_pid: int) -> None:
     """One rank: join the group, train budgeted then unlimited, write the result (or the
     error) to ``out``, and exit without tearing the group down (a broken group must not
-    hang the exit)."""
+    hang the exit). Dies with ``parent_pid`` (:func:`die_with_parent`)."""
     import torch.distributed as dist
 
+    die_with_parent(parent_pid)
     result: dict[str, Any]
     try:
         # the ranks share this machine's cores: one rank per core share, not all each
@@ -270,7 +286,9 @@ def _spawn(
     with tempfile.TemporaryDirectory(prefix="swapper-pressure-ranks-") as tmp:
         outs = [os.path.join(tmp, f"rank{r}.pkl") for r in range(plan.world)]
         procs = [
-            ctx.Process(target=_entry, args=(plan, r, port, dirs, outs[r]), daemon=True)
+            ctx.Process(
+                target=_entry, args=(plan, r, port, dirs, outs[r], os.getpid()), daemon=True
+            )
             for r in range(plan.world)
         ]
         try:
