@@ -10,21 +10,16 @@ buffer and staging) without passing the budget.
 
 from __future__ import annotations
 
-import os
-import pickle
 import re
-import time
-import traceback
 from collections.abc import Callable
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+from dist_ckpt_train import spawn, values
 from torch import nn
 
 import swapper
@@ -132,49 +127,12 @@ def budgets(rank: int, world: int, tmp: str, method: str) -> dict[str, Any]:
     }
 
 
-# -- harness (as tests/test_dist_train.py) ---------------------------------------------
-
-
-def _entry(target: Callable[..., Any], rank: int, world: int, tmp: str, args: tuple) -> None:
-    out: dict[str, Any]
-    try:
-        torch.set_num_threads(1)
-        dist.init_process_group(
-            "gloo",
-            init_method=f"file://{tmp}/rendezvous",
-            rank=rank,
-            world_size=world,
-            timeout=timedelta(seconds=PG_TIMEOUT_S),
-        )
-        out = {"value": target(rank, world, tmp, *args)}
-    except BaseException as exc:  # recorded for the parent, which judges it
-        out = {"error": type(exc).__name__, "message": str(exc), "trace": traceback.format_exc()}
-    Path(tmp, f"result{rank}.pkl").write_bytes(pickle.dumps(out))
-    os._exit(0)  # no teardown: a broken group must not hang the exit
+# -- harness (tests/dist_ckpt_train.py's) ------------------------------------------------
 
 
 def _spawn(target: Callable[..., Any], world: int, tmp: Path, *args: Any) -> list[Any]:
-    tmp.mkdir(parents=True, exist_ok=True)
-    ctx = mp.get_context("spawn")
-    procs = [
-        ctx.Process(target=_entry, args=(target, r, world, str(tmp), args)) for r in range(world)
-    ]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + 120.0
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-    hung = [r for r, p in enumerate(procs) if p.is_alive()]
-    for r in hung:
-        procs[r].kill()
-        procs[r].join(5)
-    assert not hung, f"ranks {hung} still running after 120 s: a hang"
-    values = []
-    for r in range(world):
-        res = pickle.loads((tmp / f"result{r}.pkl").read_bytes())
-        assert "value" in res, f"rank {r}: {res.get('trace')}"
-        values.append(res["value"])
-    return values
+    """Each rank's value of ``target(rank, world, str(tmp), *args)``."""
+    return values(spawn(target, world, tmp, *args))
 
 
 @pytest.mark.parametrize("method", ["all_gather", "all_reduce"])
