@@ -285,7 +285,7 @@ def _newest_snapshot(swap: Path, nproc: int = 1) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     p.add_argument("--params", default="10M", help="swapper-pressure --params (default 10M)")
     p.add_argument("--steps", type=int, default=30, help="S (default 30)")
     p.add_argument("--every", type=int, default=2, help="K: --checkpoint-every (default 2)")

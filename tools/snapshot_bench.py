@@ -205,7 +205,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     p.add_argument("--params", type=count_arg, default=100_000_000, help="default 100M")
     p.add_argument("--dir", type=Path, required=True, help="where the swap directory is made")
     p.add_argument("--steps", type=int, default=3, help="steps, a snapshot after each")
