@@ -193,3 +193,56 @@ def test_auto_bounds(tmp_path: Path, window: int | None, host: int | None, expec
             auto_readahead(manager, set(), kept_nbytes=0, largest_nbytes=1, streamed=1).readahead
             == 0
         )
+
+
+def _offloaded_run(
+    root: Path, readahead: int | str, overlap: bool
+) -> tuple[list[float], dict[str, torch.Tensor], list[int], int, int]:
+    """Three steps over an offloaded MLP whose parameters and gradients share the host
+    budget with the streamed state; losses, parameters, each step's others' host bytes,
+    the host tier's peak and its limit."""
+    import swapper
+    from swapper import OffloadConfig
+
+    host = 200_000  # < params + grads + 12 B/param of state: everything spills to NVMe
+    config = OffloadConfig.create(
+        nvme_dirs=[root],
+        device="cpu",
+        device_nbytes=40_000,
+        host_nbytes=host,
+        step=StepConfig(sub_group_numel=4096, readahead=readahead, overlap=overlap),
+    )
+    g = torch.Generator().manual_seed(1)
+    losses: list[float] = []
+    others: list[int] = []
+    with (
+        swapper.offload(_model(), config) as wrapped,
+        OffloadAdamW(wrapped.parameters(), **ADAM, tiers=wrapped) as opt,
+    ):
+        for _ in range(3):
+            x = torch.randn(8, 64, generator=g).to(torch.bfloat16)
+            loss = wrapped(x).float().pow(2).mean()
+            loss.backward()
+            losses.append(loss.item())
+            opt.step()
+            opt.wait_pending()
+            room = opt._pipeline.room
+            others.append(-1 if room is None else room.others_nbytes)
+            opt.zero_grad()
+        params = {k: v.clone() for k, v in wrapped.state_dict().items()}
+        peak = wrapped.stats().tiers[Tier.HOST].peak_nbytes or 0
+    return losses, params, others, peak, host
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["step", "overlapped"])
+def test_auto_over_an_offloaded_model_matches_window_one(tmp_path: Path, overlap: bool) -> None:
+    """Under a model's budgets the parameters and gradients count as others' bytes; the
+    run is bit-identical to one sub-group at a time and stays within the host budget."""
+    one = _offloaded_run(tmp_path / "one", 1, overlap)
+    auto = _offloaded_run(tmp_path / "auto", "auto", overlap)
+    assert one[0] == auto[0]  # losses, exactly
+    for name, value in one[1].items():
+        assert torch.equal(value, auto[1][name]), name
+    assert all(n > 0 for n in auto[2]), auto[2]  # the model's bytes were seen
+    for _, _, _, peak, host in (one, auto):
+        assert 0 < peak <= host
