@@ -9,7 +9,8 @@ keeps the disk busy:
   the bytes other keys hold in host memory now (the 16-bit parameters and gradients, and
   any other optimizer's state: what the next forward and this step's gradients need),
   divided by the largest streamed sub-group's stored state. One slot is the sub-group
-  computing and one the sub-group being written behind; the rest may be read ahead.
+  computing and one the sub-group being written behind; the rest may be read ahead (with
+  exactly two, one: the write-behind gives its room back as it ends, as ``None`` does).
   With room for fewer than two, nothing is read ahead: one sub-group at a time, the step
   still finishes (a read-ahead could only be dropped, or take the room of the sub-group
   about to compute and be read twice).
@@ -19,12 +20,14 @@ keeps the disk busy:
 * **the disk**: :data:`IO_WINDOW` sub-groups, one being read while the current one
   computes and one queued behind it, so that the disk never waits for the next fetch to
   issue a read. More only holds memory: a step bound by the disk reads at the disk's
-  rate whatever the depth (measured: docs/benchmarks.md, "Read-ahead window of the
-  optimizer step").
+  rate whatever the depth. (That is the reasoning; docs/benchmarks.md, "Read-ahead
+  window of the optimizer step", has the measurement, taken under load: not conclusive.)
 
 Budgets and the parameters' share change between steps (an offloaded model moves its
 parameters and gradients between tiers), so the pipeline calls :func:`auto_readahead`
-again at the start of each step; the value holds for that step.
+again at the start of each step; the value holds for that step. Counting the others'
+bytes takes one :meth:`~swapper.manager.TierManager.info` per key (a lock round trip,
+microseconds each) once per step.
 """
 
 from __future__ import annotations
