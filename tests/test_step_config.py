@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import swapper
@@ -54,6 +54,7 @@ def test_frozen_keyword_only_and_normalised() -> None:
     assert swapper.StepConfig is StepConfig
 
 
+@settings(deadline=None)  # a loaded machine: building configs is not what is timed
 @given(
     mine=st.builds(
         StepConfig,
