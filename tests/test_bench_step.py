@@ -66,9 +66,27 @@ def test_step_without_legacy(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert set(doc["passes"]) == {"io-only", "compute-only", "step"}
 
 
+def test_step_readahead_passes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--readahead 1,auto``: a pass each beside "step", the same traffic, their ratio."""
+    out = tmp_path / "step.json"
+    argv = ["step", "--dir", str(tmp_path), "--params", "100K", "--sub-group", "20K"]
+    argv += ["--steps", "2", "--warmup", "0", "--readahead", "1,auto,1", "--json", str(out)]
+    assert main(argv) == 0
+    assert "step-raauto / step" in capsys.readouterr().out
+    doc = json.loads(out.read_text())
+    assert set(doc["passes"]) == {"io-only", "compute-only", "step", "step-ra1", "step-raauto"}
+    assert set(doc["readahead"]) == {"1", "auto"}
+    for name in ("step-ra1", "step-raauto"):
+        assert doc["passes"][name]["read_nbytes"] == doc["passes"]["step"]["read_nbytes"]
+    entry = doc["readahead"]["auto"]
+    assert len(entry["time_ratio_per_round"]) == 2 and entry["step_seconds"] > 0
+
+
 @pytest.mark.parametrize(
     "argv",
     [
+        ["--readahead", "-1"],
+        ["--readahead", "two"],
         ["--params", "0"],
         ["--params", "12x"],
         ["--sub-group", "1.5"],

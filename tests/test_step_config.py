@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import swapper
@@ -30,8 +30,10 @@ from tiers.errors import SwapConfigError, SwapError
         ({"max_grad_norm": 0}, r"^max_grad_norm=0 must be > 0 or None"),
         ({"max_grad_norm": float("nan")}, r"^max_grad_norm=nan must be > 0"),
         ({"accumulate_fp32": 1}, r"^accumulate_fp32=1 must be True or False"),
-        ({"readahead": -1}, r"^readahead=-1 must be an int >= 0 or None"),
+        ({"readahead": -1}, r"^readahead=-1 must be an int >= 0 .*'auto'.* or None"),
         ({"readahead": 1.0}, r"^readahead=1.0 must be an int"),
+        ({"readahead": "Auto"}, r"^readahead='Auto' must be an int >= 0"),
+        ({"readahead": True}, r"^readahead=True must be an int"),
         ({"name": ""}, r"^name='' must be a non-empty key prefix"),
     ],
 )
@@ -52,20 +54,21 @@ def test_frozen_keyword_only_and_normalised() -> None:
     assert swapper.StepConfig is StepConfig
 
 
+@settings(deadline=None)  # a loaded machine: building configs is not what is timed
 @given(
     mine=st.builds(
         StepConfig,
         sub_group_numel=st.none() | st.integers(1, 10**9),
         host_fraction=st.none() | st.floats(0, 1),
         max_grad_norm=st.none() | st.floats(0.001, 10),
-        readahead=st.none() | st.integers(0, 8),
+        readahead=st.none() | st.just("auto") | st.integers(0, 8),
     ),
     theirs=st.builds(
         StepConfig,
         sub_group_numel=st.integers(1, 10**9),
         host_fraction=st.floats(0, 1),
         max_grad_norm=st.none() | st.floats(0.001, 10),
-        readahead=st.none() | st.integers(0, 8),
+        readahead=st.none() | st.just("auto") | st.integers(0, 8),
         name=st.sampled_from(["a", "b"]),
     ),
 )

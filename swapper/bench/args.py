@@ -71,6 +71,15 @@ def moments_arg(text: str) -> str:
     return text
 
 
+def readahead_arg(text: str) -> str:
+    """A ``StepConfig.readahead`` value for ``--readahead``: an int >= 0 or ``auto``."""
+    if text == "auto" or (text.isdigit() and text.isascii()):
+        return text
+    raise argparse.ArgumentTypeError(
+        f"readahead {text!r} must be an int >= 0 (sub-groups read ahead) or 'auto'"
+    )
+
+
 backend_arg = enum_arg(Backend, "backend")
 
 
@@ -249,6 +258,15 @@ def add_step_arguments(p: argparse.ArgumentParser) -> None:
         metavar="LIST",
         help="also time steps with the Adam moments stored compressed: bf16, int8 or "
         "bf16,int8 (a pass step-<moments> each, alternating with the fp32 'step')",
+    )
+    p.add_argument(
+        "--readahead",
+        type=list_arg(readahead_arg),
+        default=[],
+        metavar="LIST",
+        help="also time steps with these read-ahead windows (StepConfig.readahead: sub-groups "
+        "read ahead, or auto), e.g. 1,2,3,auto (a pass step-ra<value> each, alternating with "
+        "'step', whose window is the default)",
     )
     p.add_argument(
         "--legacy-grad-swap",

@@ -11,7 +11,9 @@ tensors of at most 10M, bf16), and in the same directories:
 - **legacy** (``--legacy-grad-swap``): the same, but fp32 gradients are written to NVMe
   at the start of the step and read back per sub-group, as DeepSpeed ZeRO-Infinity does;
 - **step-bf16**, **step-int8** (``--moments bf16,int8``): **step** with the Adam moments
-  stored compressed (``StepConfig.moments``), to weigh fewer bytes against the encoding.
+  stored compressed (``StepConfig.moments``), to weigh fewer bytes against the encoding;
+- **step-ra1**, **step-ra2**, **step-raauto**, ... (``--readahead 1,2,auto``): **step**
+  with that read-ahead window (``StepConfig.readahead``; "step" has the default).
 
 and runs them in turns, one step of each per round (the order rotating every round), so
 that the shared disk's changes of speed hit all alike. The figures are medians over the
@@ -75,6 +77,8 @@ class StepPlan:
     seed: int
     #: compressed moments timed beside the fp32 "step" (a pass "step-<moments>" each)
     moments: tuple[str, ...] = ()
+    #: read-ahead windows timed beside "step" (a pass "step-ra<value>" each)
+    readaheads: tuple[int | str, ...] = ()
     #: the stores' I/O settings: SWAPPER_AIO_* over swapper's defaults
     aio: AioConfig = dataclasses.field(default_factory=AioConfig)
 
@@ -87,7 +91,11 @@ class StepPlan:
 
     @property
     def passes(self) -> tuple[str, ...]:
-        return (PASSES if self.legacy else PASSES[:3]) + tuple(f"step-{m}" for m in self.moments)
+        return (
+            (PASSES if self.legacy else PASSES[:3])
+            + tuple(f"step-{m}" for m in self.moments)
+            + tuple(f"step-ra{r}" for r in self.readaheads)
+        )
 
 
 def _tensor_numels(params: int) -> list[int]:
@@ -119,6 +127,10 @@ def build_plan(args: argparse.Namespace) -> StepPlan:
         seed=args.seed,
         aio=aio,
         moments=tuple(dict.fromkeys(getattr(args, "moments", None) or ())),
+        readaheads=tuple(
+            int(r) if r != "auto" else r
+            for r in dict.fromkeys(getattr(args, "readahead", None) or ())
+        ),
     )
     largest = max(sg.state_nbytes for sg in plan.sub_groups())
     host = 4 * largest if args.host_budget is None else args.host_budget
@@ -130,7 +142,7 @@ def build_plan(args: argparse.Namespace) -> StepPlan:
     plan = dataclasses.replace(plan, host_nbytes=host)
     # io-only, step, legacy and each step-<moments> have their own state (the compressed
     # ones are smaller; counted as fp32: an upper bound)
-    stores = (3 if plan.legacy else 2) + len(plan.moments)
+    stores = (3 if plan.legacy else 2) + len(plan.moments) + len(plan.readaheads)
     # params + grads (bf16), the in-memory state, each store's host budget, grad buffers
     check_memory(4 * params + plan.state_nbytes + stores * host + 4 * sub_group * 4)
     # every store may hold a second version of a sub-group while it is being rewritten
@@ -195,13 +207,22 @@ def _run_rounds(plan: StepPlan, dirs: list[Path], say: Callable[[str], None]) ->
             # "legacy": DeepSpeed's way (fp32 gradients through the disk), the
             # benchmark's own subclass; the product optimizer never does it.
             optimizer_class = LegacyGradSwapAdamW if name == "legacy" else OffloadAdamW
-            moments = name.removeprefix("step-") if name.startswith("step-") else "fp32"
+            moments, readahead = "fp32", None
+            if name.startswith("step-ra"):
+                readahead = plan.readaheads[plan.passes.index(name) - len(plan.passes)]
+            elif name.startswith("step-"):
+                moments = name.removeprefix("step-")
             optimizers[name] = stack.enter_context(
                 optimizer_class(
                     params,
                     lr=1e-4,
                     tiers=config,
-                    config=StepConfig(sub_group_numel=plan.sub_group, name=name, moments=moments),
+                    config=StepConfig(
+                        sub_group_numel=plan.sub_group,
+                        name=name,
+                        moments=moments,
+                        readahead=readahead,
+                    ),
                 )
             )
         io_step = 0
@@ -321,6 +342,18 @@ def summarize(plan: StepPlan, results: dict[str, _Pass]) -> dict[str, Any]:
         }
         entry = doc["moments"][moments]
         entry["time_ratio_median_per_round"] = statistics.median(entry["time_ratio_per_round"])
+    for readahead in plan.readaheads:
+        r = results[f"step-ra{readahead}"]
+        doc.setdefault("readahead", {})[str(readahead)] = {
+            "step_seconds": r.median,
+            "stall_seconds_median": statistics.median(r.stall_seconds),
+            # < 1: faster than "step" (the default window); a round's passes ran back to back
+            "time_ratio_per_round": [
+                c_ / s_ for c_, s_ in zip(r.seconds, results["step"].seconds, strict=True)
+            ],
+        }
+        entry = doc["readahead"][str(readahead)]
+        entry["time_ratio_median_per_round"] = statistics.median(entry["time_ratio_per_round"])
     return doc
 
 
@@ -349,6 +382,11 @@ def format_table(doc: dict[str, Any]) -> str:
             f"rounds' own ({entry['read_bytes_per_param']:.2f} B read + "
             f"{entry['write_bytes_per_param']:.2f} B written per parameter, fp32 moments "
             f"{doc['read_bytes_per_param']:.2f} + {doc['write_bytes_per_param']:.2f})"
+        )
+    for readahead, entry in doc.get("readahead", {}).items():
+        lines.append(
+            f"step-ra{readahead} / step = {entry['time_ratio_median_per_round']:.3f} median of "
+            f"the rounds' own (stall {entry['stall_seconds_median']:.3f} s)"
         )
     if "legacy_speedup" in doc:
         lines.append(

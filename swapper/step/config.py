@@ -14,13 +14,23 @@ from typing import Any
 
 from tiers.errors import SwapConfigError
 
-__all__ = ["DEFAULT_SUB_GROUP_NUMEL", "MOMENTS", "StepConfig", "check_hyper"]
+__all__ = [
+    "AUTO",
+    "DEFAULT_SUB_GROUP_NUMEL",
+    "MOMENTS",
+    "StepConfig",
+    "check_hyper",
+    "check_readahead",
+]
 
 #: Elements per sub-group unless told (12 B each: 300 MB of state).
 DEFAULT_SUB_GROUP_NUMEL = 25_000_000
 #: How the Adam moments may be stored (``StepConfig.moments``): fp32 (exact, 12 B per
 #: element with the master weights), bf16 (8 B) or 8-bit blockwise (6 B + the scales).
 MOMENTS = ("fp32", "bf16", "int8")
+#: ``StepConfig.readahead`` value that sizes the read-ahead at every step
+#: (:mod:`swapper.step.window`).
+AUTO = "auto"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -42,7 +52,12 @@ class StepConfig:
             (``None``: no clipping).
         accumulate_fp32: accumulate gradients over micro-steps in fp32 accumulators in
             host memory (4 B per parameter element) instead of in the 16-bit ``.grad``.
-        readahead: sub-groups read ahead (``None``: what the host budget allows).
+        readahead: optimizer sub-groups read ahead while one computes: an int >= 0;
+            ``"auto"``: sized at the start of every step from the host budget left
+            besides what other keys (the 16-bit parameters and gradients) hold in host
+            memory, at most 2 and at most what the manager's read-ahead window takes
+            (see :mod:`swapper.step.window`); ``None``: what the host budget allows
+            besides the kept sub-groups, fixed when the optimizer is made.
         overlap: run each step's sub-group updates in the background, in the forward
             order of their parameters, while the next forward runs; the forward's hooks
             wait for the update of a parameter they fetch (``None``: the model's setting,
@@ -67,7 +82,7 @@ class StepConfig:
     host_fraction: float | None = None
     max_grad_norm: float | None = None
     accumulate_fp32: bool = False
-    readahead: int | None = None
+    readahead: int | str | None = None
     overlap: bool | None = None
     moments: str | None = None
     name: str = "adamw"
@@ -102,11 +117,7 @@ class StepConfig:
             object.__setattr__(self, "max_grad_norm", float(norm))
         if not isinstance(self.accumulate_fp32, bool):
             raise SwapConfigError(f"accumulate_fp32={self.accumulate_fp32!r} must be True or False")
-        ahead = self.readahead
-        if ahead is not None and (
-            isinstance(ahead, bool) or not isinstance(ahead, int) or ahead < 0
-        ):
-            raise SwapConfigError(f"readahead={ahead!r} must be an int >= 0 or None")
+        check_readahead(self.readahead)
         if self.overlap is not None and not isinstance(self.overlap, bool):
             raise SwapConfigError(
                 f"overlap={self.overlap!r} must be True, False or None (the model's setting)"
@@ -128,6 +139,21 @@ class StepConfig:
                 for f in dataclasses.fields(self)
                 if getattr(self, f.name) is None
             },
+        )
+
+
+def check_readahead(value: object) -> None:
+    """Check a ``readahead`` setting: an int >= 0, ``"auto"`` or ``None``.
+
+    Raises:
+        SwapConfigError: anything else; the message names the value.
+    """
+    if value is None or (isinstance(value, str) and value == AUTO):
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise SwapConfigError(
+            f"readahead={value!r} must be an int >= 0 (sub-groups read ahead), 'auto' "
+            "(sized per step from the host budget left) or None"
         )
 
 

@@ -1,4 +1,4 @@
-# Size: ~505 lines: the sub-group state machine, its bookkeeping and the whole-sub-group
+# Size: ~525 lines: the sub-group state machine, its bookkeeping and the whole-sub-group
 # read/write (fp32 in and out, stored through compress.MomentCodec) stay one class.
 """The step pipeline: optimizer state streamed through memory, one sub-group at a time.
 
@@ -64,8 +64,10 @@ from contextlib import AbstractContextManager
 import torch
 
 from swapper.manager import Kind, Tier, TierManager
+from swapper.step import window
 from swapper.step.compress import MomentCodec
 from swapper.step.layout import SubGroup
+from swapper.step.window import Room
 from tiers import signals
 from tiers.errors import SwapConfigError, SwapError
 from tiers.signals import wait_future
@@ -160,12 +162,14 @@ class StepPipeline:
         name: prefix of the manager keys, ``<name>/state/<index>``; unique per manager.
         host_fraction: the first ``round(host_fraction * len(sub_groups))`` sub-groups are
             kept in memory (fetched once, never written during a step).
-        readahead: how many sub-groups to read ahead (``None``: as many as the host
-            budget holds besides the kept ones, the one computing and the one being
-            written; at least 1 when it holds two, 0 when it holds only one).
+        readahead: how many sub-groups to read ahead: an int, ``"auto"`` (sized at the
+            start of every step from the host budget left beside the other keys, see
+            :mod:`swapper.step.window`), or ``None``: as many as the host budget holds
+            besides the kept ones, the one computing and the one being written; at least
+            1 when it holds two, 0 when it holds only one.
 
     Raises:
-        SwapConfigError: ``host_fraction`` not in [0, 1], ``readahead`` < 0, mixed moments.
+        SwapConfigError: ``host_fraction`` not in [0, 1], a bad ``readahead``, mixed moments.
     """
 
     def __init__(
@@ -175,18 +179,21 @@ class StepPipeline:
         *,
         name: str,
         host_fraction: float = 0.0,
-        readahead: int | None = None,
+        readahead: int | str | None = None,
     ) -> None:
         if not isinstance(host_fraction, (int, float)) or not 0.0 <= host_fraction <= 1.0:
             raise SwapConfigError(f"host_fraction={host_fraction!r} must be between 0 and 1")
-        if readahead is not None and (not isinstance(readahead, int) or readahead < 0):
-            raise SwapConfigError(f"readahead={readahead!r} must be an int >= 0 or None")
+        window.check_readahead(readahead)
         self.manager = manager
         self.sub_groups = tuple(sub_groups)
         self.codec = MomentCodec.of(self.sub_groups)  #: the stored form (moments)
         self.name = name
         self.kept = round(host_fraction * len(self.sub_groups))
-        self.readahead = self._default_readahead() if readahead is None else readahead
+        #: "auto": :attr:`readahead` is set again at the start of each step
+        self.auto = readahead == window.AUTO
+        #: sub-groups read ahead (this step's, under "auto")
+        self.readahead = readahead if isinstance(readahead, int) else self._default_readahead()
+        self.room: Room | None = None  #: what "auto" decided from, last step
         self.streams = manager.config.nvme_dirs != ()
         #: per sub-group: how far it got (see the module docstring)
         self.progress = tuple(Progress() for _ in self.sub_groups)
@@ -231,18 +238,25 @@ class StepPipeline:
                 raise
 
     def _default_readahead(self) -> int:
-        host = self.manager.config.host_nbytes
         streamed = self.sub_groups[self.kept :]
         if not streamed:
             return 0
-        if host is None:
-            return 2
-        kept = sum(sg.state_nbytes for sg in self.sub_groups[: self.kept])
-        largest = max(sg.state_nbytes for sg in streamed)
-        slots = (host - kept) // largest
-        # one computing and one being written behind; the rest of the budget reads ahead.
-        # With room for one only, a read-ahead would evict the sub-group about to compute.
-        return 0 if slots < 2 else max(1, slots - 2)
+        return window.budget_readahead(
+            self.manager.config.host_nbytes,
+            sum(sg.state_nbytes for sg in self.sub_groups[: self.kept]),
+            max(sg.state_nbytes for sg in streamed),
+        )
+
+    def _size_window(self) -> None:
+        streamed = self.sub_groups[self.kept :]
+        self.room = window.auto_readahead(
+            self.manager,
+            {self.key(sg.index) for sg in self.sub_groups},
+            kept_nbytes=sum(sg.state_nbytes for sg in self.sub_groups[: self.kept]),
+            largest_nbytes=max((sg.state_nbytes for sg in streamed), default=1),
+            streamed=len(streamed),
+        )
+        self.readahead = self.room.readahead
 
     # -- one step -------------------------------------------------------------------------
 
@@ -291,6 +305,8 @@ class StepPipeline:
         order: Sequence[int] | None,
     ) -> None:
         extra = extra_keys or (lambda sg: [])
+        if self.auto:  # budgets and the parameters' share change between steps
+            self._size_window()
         walk = self.sub_groups if order is None else [self.sub_groups[i] for i in order]
         todo = [sg for sg in walk if self.progress[sg.index].durable < step]
         compute_todo = [sg for sg in todo if self.progress[sg.index].applied < step]
