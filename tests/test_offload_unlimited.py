@@ -66,8 +66,12 @@ def test_one_fetch_per_parameter_and_nothing_moves_between_tiers() -> None:
         optimizer.step()
         optimizer.zero_grad()
         after = wrapped.stats()
-        # forward + backward: each parameter fetched once (kept for its backward)
-        assert during.fetches - before.fetches == len(keys)
+        # forward + backward: each parameter fetched once (kept for its backward), and
+        # each gradient entry once (kept by zero_grad, the gradient copied into it)
+        assert during.fetches - before.fetches == 2 * len(keys)
+        # the step: each parameter and gradient fetched once, each sub-group's state once
+        # (fetched per piece, the gradients again for their norms: 3 per parameter)
+        assert after.fetches - during.fetches == 2 * len(keys) + len(optimizer.sub_groups)
         assert during.prefetch_misses == before.prefetch_misses
         # the step writes every parameter where it is: no copy between tiers
         for src, dst in ((Tier.DEVICE, Tier.HOST), (Tier.HOST, Tier.DEVICE)):
@@ -155,12 +159,13 @@ def test_norms_left_to_the_step_equal_those_taken_in_the_backward(tmp_path: obje
         assert all(slot.grad_norm is not None for slot in wrapped._by_name.values())
 
 
-@pytest.mark.parametrize("max_grad_norm", [None, 1e-3])
+@pytest.mark.parametrize(("max_grad_norm", "micro"), [(None, 1), (1e-3, 1), (1e-3, 2)])
 def test_unlimited_training_equals_tight_training(
-    max_grad_norm: float | None, tmp_path: object
+    max_grad_norm: float | None, micro: int, tmp_path: object
 ) -> None:
     """Bit-identical losses and parameters with and without the fast paths (clipping
-    makes the batched norms count)."""
+    makes the batched norms count; ``micro`` backwards per step add into gradient entries
+    that ``zero_grad`` kept, with unlimited budgets)."""
 
     def train(config: OffloadConfig) -> tuple[list[float], dict[str, torch.Tensor]]:
         losses = []
@@ -168,6 +173,8 @@ def test_unlimited_training_equals_tight_training(
             step = StepConfig(max_grad_norm=max_grad_norm)
             with OffloadAdamW(wrapped.parameters(), lr=1e-2, tiers=wrapped, config=step) as opt:
                 for i in range(4):
+                    for m in range(1, micro):
+                        _loss(wrapped, 100 * i + m).backward()
                     loss = _loss(wrapped, i)
                     loss.backward()
                     opt.step()

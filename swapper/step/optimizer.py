@@ -37,7 +37,13 @@ from swapper.step.params import check_params, fp32_accumulators
 from swapper.step.pipeline import PipelineClosedError, StepPipeline, StepTraffic
 from swapper.step.resume import adopt, resumed_of
 from swapper.step.scaler import DynamicLossScaler
-from swapper.step.sources import LocalParams, ParamSource, SharedStep, TieredModel
+from swapper.step.sources import (
+    LocalParams,
+    ParamSource,
+    ResidentSource,
+    SharedStep,
+    TieredModel,
+)
 from swapper.step.state import (
     StateDictError,
     SubGroupStates,
@@ -287,21 +293,28 @@ class OffloadAdamW(torch.optim.Optimizer):
         before = self._pipeline.counters()
         stall_before = self.manager.stats().stall_s
         target = self._step_count + 1
-        grad_norm, found_inf = self._grad_norm()
-        skipped = found_inf and self.loss_scaler is not None and self._pending is None
-        if skipped and self.loss_scaler is not None:
-            self.loss_scaler.update(True)
-        else:
-            factor = self._grad_factor(grad_norm)
-            self._check_open()
-            self._pending = target
-            self._run_agreed(target, factor)
-            self._pending = None
-            self._step_count = target
-            for group in self.param_groups:
-                group["step"] = target
-            if self.loss_scaler is not None:
-                self.loss_scaler.update(False)
+        source = self._source
+        # (with budgets that hold everything: the parameters and gradients fetched once)
+        with (
+            source.resident(self._all_params())
+            if isinstance(source, ResidentSource)
+            else contextlib.nullcontext()
+        ):
+            grad_norm, found_inf = self._grad_norm()
+            skipped = found_inf and self.loss_scaler is not None and self._pending is None
+            if skipped and self.loss_scaler is not None:
+                self.loss_scaler.update(True)
+            else:
+                factor = self._grad_factor(grad_norm)
+                self._check_open()
+                self._pending = target
+                self._run_agreed(target, factor)
+                self._pending = None
+                self._step_count = target
+                for group in self.param_groups:
+                    group["step"] = target
+                if self.loss_scaler is not None:
+                    self.loss_scaler.update(False)
         norm = None if grad_norm is None else float(grad_norm)
         self._report(started, before, stall_before, norm, skipped=skipped)
 
