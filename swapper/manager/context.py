@@ -341,15 +341,17 @@ class ManagerContext:
         self.stats.hit()
         return tensor
 
-    def fetch_all_resident(self, keys: list[str]) -> list[torch.Tensor] | None:
-        """Lock not held. :meth:`fetch_resident` (``in_place``) of every key in one lock
-        hold: all pinned where they are, or none (None: some key is not resident in a
-        memory tier, or is moving); a signal that came meanwhile is delivered with every
-        pin undone."""
+    def fetch_all_resident(
+        self, keys: list[str], tier: Tier | None = None
+    ) -> list[torch.Tensor] | None:
+        """Lock not held. :meth:`fetch_resident` of every key in one lock hold, into
+        ``tier`` (None: ``in_place``, wherever each is in memory): all pinned, or none
+        (None: some key is not resident there, or is moving); a signal that came
+        meanwhile is delivered with every pin undone."""
         with self.cond:
             tensors: list[torch.Tensor] = []
             for key in keys:
-                tensor = self.pin_resident(key, None, True)
+                tensor = self.pin_resident(key, tier, tier is None)
                 if tensor is None:
                     for done in keys[: len(tensors)]:
                         self.unpin_locked(self.entries[done])

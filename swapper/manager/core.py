@@ -250,13 +250,16 @@ class TierManager:
         if entry.users == 0:
             self._ctx.set_state(entry, _S.RESIDENT)
 
-    def fetch_resident_all(self, keys: list[str]) -> list[torch.Tensor] | None:
-        """:meth:`fetch` (``in_place``) of every key, when each is resident in a memory
-        tier now: all fetched, in one lock hold (nothing moves, nothing waits), or none
-        (None: the caller fetches one at a time, by :meth:`fetch`). Each is released by
-        :meth:`release` or :meth:`release_all`."""
+    def fetch_resident_all(
+        self, keys: list[str], tier: Tier | None = None
+    ) -> list[torch.Tensor] | None:
+        """:meth:`fetch` of every key into memory tier ``tier`` (None: ``in_place``,
+        wherever each is in memory), when each is resident there now: all fetched, in one
+        lock hold (nothing moves, nothing waits), or none (None: the caller fetches one at
+        a time, by :meth:`fetch`). Each is released by :meth:`release` or
+        :meth:`release_all`."""
         with at_waits:
-            return self._ctx.fetch_all_resident(keys)
+            return self._ctx.fetch_all_resident(keys, tier)
 
     def release_all(self, keys: Iterable[str], *, modified: bool = True) -> None:
         """:meth:`release` of each key, in one lock hold (it stops at the first error,

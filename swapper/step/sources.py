@@ -115,8 +115,10 @@ class ResidentSource(Protocol):
     """A :class:`ParamSource` that can hold its parameters and gradients for a whole step
     when nothing has to move (one fetch each per step instead of one per piece)."""
 
-    def resident(self, params: Sequence[torch.Tensor]) -> AbstractContextManager[None]:
-        """Around one step over ``params``; a no-op when anything may have to move."""
+    def resident(self, params: Sequence[torch.Tensor]) -> AbstractContextManager[bool]:
+        """Around one step over ``params``; a no-op when anything may have to move.
+        Yields whether everything is held, on the CPU (the step may then convert every
+        gradient at once: :mod:`swapper.step.flat_grads`)."""
         ...
 
 

@@ -73,6 +73,7 @@ from swapper.zero.params import Holds, Slot, TieredParams, retain_grad
 from swapper.zero.placing import back_to_meta, check_modules
 from swapper.zero.readahead import FetchPlan
 from swapper.zero.recompute import no_room
+from swapper.zero.resident import acquire_resident
 from swapper.zero.settings import tiers_of
 from swapper.zero.weights import (
     WeightHooks,
@@ -482,6 +483,9 @@ class OffloadedModel(nn.Module):
             taken: list[Slot] = []
             self._forward_holds.append((module, taken))
             with signals.at_waits:  # each one fetched and recorded, or neither
+                if acquire_resident(self, slots):  # (budgets holding every parameter)
+                    taken.extend(slots)
+                    return
                 for slot in slots:
                     self._acquire(slot)
                     taken.append(slot)

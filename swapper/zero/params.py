@@ -213,7 +213,7 @@ class TieredParams:
         return True  # the tiers hold every parameter contiguous
 
     @contextlib.contextmanager
-    def resident(self, params: Sequence[torch.Tensor]) -> Iterator[None]:
+    def resident(self, params: Sequence[torch.Tensor]) -> Iterator[bool]:
         """Around one optimizer step: when the model's budgets hold every parameter and
         gradient (nothing can have to move: see ``OffloadedModel._keep_held`` and
         ``_lazy_norms``) and all are resident now, fetch them all at once and let the
@@ -221,14 +221,16 @@ class TieredParams:
         per piece (~12 µs each, two per piece and step); released at the end (the
         parameters as modified). Otherwise (budgets that may have to move something, a
         parameter in use, anything not resident) the step fetches piece by piece, as it
-        always did. Not reentrant; a step's gradients must not change meanwhile."""
+        always did. Yields whether they are held (on the CPU: see
+        :mod:`swapper.step.flat_grads`). Not reentrant; a step's gradients must not
+        change meanwhile."""
         model = self._model
         if (
             self._pinned is not None
             or not (model._keep_held and model._lazy_norms and model._room_limit is None)
             or model._param_gate is not None  # an overlapped update: fetched per piece
         ):
-            yield
+            yield False
             return
         slots = [self._slot(param) for param in params]
         if any(slot.users for slot in slots):
@@ -240,12 +242,12 @@ class TieredParams:
         else:
             tensors = self._manager.fetch_resident_all(keys + grad_keys)
         if tensors is None:
-            yield
+            yield False
             return
         with signals.held:  # recorded with the pins: released below whatever happens
             self._pinned = dict(zip(keys + grad_keys, tensors, strict=True))
         try:
-            yield
+            yield all(tensor.device.type == "cpu" for tensor in tensors)
         finally:
             with signals.held:
                 self._pinned = None
