@@ -72,6 +72,10 @@ def test_one_fetch_per_parameter_and_nothing_moves_between_tiers() -> None:
         # the step: each parameter and gradient fetched once, each sub-group's state once
         # (fetched per piece, the gradients again for their norms: 3 per parameter)
         assert after.fetches - during.fetches == 2 * len(keys) + len(optimizer.sub_groups)
+        # ... and converts the gradients to fp32 once, into one flat vector (their norms
+        # and the sub-groups' gradients are views of it)
+        flat = optimizer._flat._buffers
+        assert [t.numel() for t in flat] == [sum(p.numel() for p in _model().parameters())]
         assert during.prefetch_misses == before.prefetch_misses
         # the step writes every parameter where it is: no copy between tiers
         for src, dst in ((Tier.DEVICE, Tier.HOST), (Tier.HOST, Tier.DEVICE)):
