@@ -192,3 +192,36 @@ def test_unlimited_training_equals_tight_training(
     assert list(free_params) == list(tight_params)
     for name, value in free_params.items():
         assert torch.equal(value, tight_params[name]), name
+
+
+def test_unlimited_fp16_with_overflow_skips_equals_tight(tmp_path: object) -> None:
+    """fp16 with a dynamic loss scale that overflows at first (those steps skipped, the
+    scale halved): the flat fp32 gradients are unscaled and clipped in place, and a
+    skipped step leaves them to be refilled. Bit-identical to tight budgets."""
+    from swapper.step.scaler import DynamicLossScaler
+
+    def train(config: OffloadConfig) -> tuple[list[bool], dict[str, torch.Tensor]]:
+        skipped = []
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4)).to(torch.float16)
+        with swapper.offload(model, config) as wrapped:
+            scaler = DynamicLossScaler(2.0**18, growth_interval=2)
+            step = StepConfig(max_grad_norm=0.5)
+            with OffloadAdamW(
+                wrapped.parameters(), lr=1e-2, tiers=wrapped, config=step, loss_scaler=scaler
+            ) as opt:
+                for i in range(8):
+                    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(i)).half()
+                    (wrapped(x).float().pow(2).mean() * scaler.loss_scale).backward()
+                    opt.step()
+                    opt.zero_grad()
+                    assert opt.last_step is not None
+                    skipped.append(opt.last_step.skipped)
+            return skipped, dict(wrapped.iter_state_dict())
+
+    free_skipped, free_params = train(_unlimited())
+    tight_skipped, tight_params = train(_tight(tmp_path))
+    assert free_skipped == tight_skipped, free_skipped
+    assert any(free_skipped) and not all(free_skipped), free_skipped
+    for name, value in free_params.items():
+        assert torch.equal(value, tight_params[name]), name
