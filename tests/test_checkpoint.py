@@ -97,6 +97,41 @@ def test_snapshot_writes_only_what_is_dirty_and_keeps_the_last_k(tmp_path: Path)
         wrapped.manager.release("param/ln_f.weight", modified=False)
 
 
+def test_a_snapshot_leaves_out_gradient_entries_kept_empty(tmp_path: Path) -> None:
+    """With budgets that hold everything ``zero_grad`` keeps the gradient entries (empty,
+    to be copied into); a snapshot must not write them: they hold no gradient."""
+    gpt = model()
+    unlimited = OffloadConfig.create(
+        device_nbytes=None,
+        host_nbytes=None,
+        nvme_dirs=[tmp_path / "swap"],
+        device="cpu",
+        step=StepConfig(sub_group_numel=1024),
+    )
+
+    def grad_keys() -> list[str]:
+        return [k for k in list(wrapped.manager.keys()) if k.startswith("grad/")]
+
+    with (
+        swapper.offload(gpt, unlimited) as wrapped,
+        OffloadAdamW(wrapped.parameters(), lr=1e-2, tiers=wrapped) as optimizer,
+    ):
+        tokens = torch.randint(0, 64, (2, 9))
+        gpt.loss(tokens).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        assert grad_keys()  # kept
+        report = save_snapshot(wrapped, optimizer)
+        assert not grad_keys()
+        store = wrapped.manager._ctx.store
+        assert store is not None
+        assert [s.name for s in store.snapshots()] == [report.name]
+        # the next backward registers them afresh, and a step after it works
+        gpt.loss(tokens).backward()
+        assert len(grad_keys()) == sum(1 for _ in wrapped.parameters())
+        optimizer.step()
+
+
 @pytest.mark.parametrize("damage", ["truncate", "flip"])
 def test_a_damaged_newest_snapshot_is_named_and_the_one_before_used(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], damage: str, whole_bf16: str

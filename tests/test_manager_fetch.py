@@ -133,3 +133,28 @@ def test_signal_during_a_resident_fetch_leaves_nothing_pinned(
     assert manager.stats().fetches == 0
     assert torch.equal(manager.fetch("a"), _tensor(3))
     manager.release("a", modified=False)
+
+
+def test_fetch_resident_all_pins_every_key_or_none(manager: TierManager) -> None:
+    """All keys resident: one call pins them all where they are (counted as hits), and
+    release_all releases them (modified: a version bump each). One key on NVMe: None,
+    and nothing is left pinned."""
+    a, b = _tensor(1), _tensor(2)
+    manager.register("a", a, Kind.PARAM16)
+    manager.register("b", b, Kind.GRAD16)
+    before = manager.stats()
+    versions = [manager._ctx.entries[k].version for k in ("a", "b")]
+    got = manager.fetch_resident_all(["a", "b"])
+    assert got is not None
+    assert torch.equal(got[0], a) and torch.equal(got[1], b)
+    assert [manager.info(k).users for k in ("a", "b")] == [1, 1]
+    assert manager.stats().fetches - before.fetches == 2
+    assert manager.stats().prefetch_hits - before.prefetch_hits == 2
+    manager.release_all(["a", "b"], modified=True)
+    assert [manager.info(k).users for k in ("a", "b")] == [0, 0]
+    assert [manager._ctx.entries[k].version for k in ("a", "b")] == [v + 1 for v in versions]
+    manager.evict("b", Tier.NVME).result()
+    assert manager.info("b").state is EntryState.ON_NVME
+    assert manager.fetch_resident_all(["a", "b"]) is None
+    assert [manager.info(k).users for k in ("a", "b")] == [0, 0]  # a's pin undone
+    assert manager.info("a").state is EntryState.RESIDENT

@@ -66,8 +66,16 @@ def test_one_fetch_per_parameter_and_nothing_moves_between_tiers() -> None:
         optimizer.step()
         optimizer.zero_grad()
         after = wrapped.stats()
-        # forward + backward: each parameter fetched once (kept for its backward)
-        assert during.fetches - before.fetches == len(keys)
+        # forward + backward: each parameter fetched once (kept for its backward), and
+        # each gradient entry once (kept by zero_grad, the gradient copied into it)
+        assert during.fetches - before.fetches == 2 * len(keys)
+        # the step: each parameter and gradient fetched once, each sub-group's state once
+        # (fetched per piece, the gradients again for their norms: 3 per parameter)
+        assert after.fetches - during.fetches == 2 * len(keys) + len(optimizer.sub_groups)
+        # ... and converts the gradients to fp32 once, into one flat vector (their norms
+        # and the sub-groups' gradients are views of it)
+        flat = optimizer._flat._buffers
+        assert [t.numel() for t in flat] == [sum(p.numel() for p in _model().parameters())]
         assert during.prefetch_misses == before.prefetch_misses
         # the step writes every parameter where it is: no copy between tiers
         for src, dst in ((Tier.DEVICE, Tier.HOST), (Tier.HOST, Tier.DEVICE)):
@@ -155,12 +163,13 @@ def test_norms_left_to_the_step_equal_those_taken_in_the_backward(tmp_path: obje
         assert all(slot.grad_norm is not None for slot in wrapped._by_name.values())
 
 
-@pytest.mark.parametrize("max_grad_norm", [None, 1e-3])
+@pytest.mark.parametrize(("max_grad_norm", "micro"), [(None, 1), (1e-3, 1), (1e-3, 2)])
 def test_unlimited_training_equals_tight_training(
-    max_grad_norm: float | None, tmp_path: object
+    max_grad_norm: float | None, micro: int, tmp_path: object
 ) -> None:
     """Bit-identical losses and parameters with and without the fast paths (clipping
-    makes the batched norms count)."""
+    makes the batched norms count; ``micro`` backwards per step add into gradient entries
+    that ``zero_grad`` kept, with unlimited budgets)."""
 
     def train(config: OffloadConfig) -> tuple[list[float], dict[str, torch.Tensor]]:
         losses = []
@@ -168,6 +177,8 @@ def test_unlimited_training_equals_tight_training(
             step = StepConfig(max_grad_norm=max_grad_norm)
             with OffloadAdamW(wrapped.parameters(), lr=1e-2, tiers=wrapped, config=step) as opt:
                 for i in range(4):
+                    for m in range(1, micro):
+                        _loss(wrapped, 100 * i + m).backward()
                     loss = _loss(wrapped, i)
                     loss.backward()
                     opt.step()
@@ -179,5 +190,38 @@ def test_unlimited_training_equals_tight_training(
     tight_losses, tight_params = train(_tight(tmp_path))
     assert free_losses == tight_losses
     assert list(free_params) == list(tight_params)
+    for name, value in free_params.items():
+        assert torch.equal(value, tight_params[name]), name
+
+
+def test_unlimited_fp16_with_overflow_skips_equals_tight(tmp_path: object) -> None:
+    """fp16 with a dynamic loss scale that overflows at first (those steps skipped, the
+    scale halved): the flat fp32 gradients are unscaled and clipped in place, and a
+    skipped step leaves them to be refilled. Bit-identical to tight budgets."""
+    from swapper.step.scaler import DynamicLossScaler
+
+    def train(config: OffloadConfig) -> tuple[list[bool], dict[str, torch.Tensor]]:
+        skipped = []
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4)).to(torch.float16)
+        with swapper.offload(model, config) as wrapped:
+            scaler = DynamicLossScaler(2.0**18, growth_interval=2)
+            step = StepConfig(max_grad_norm=0.5)
+            with OffloadAdamW(
+                wrapped.parameters(), lr=1e-2, tiers=wrapped, config=step, loss_scaler=scaler
+            ) as opt:
+                for i in range(8):
+                    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(i)).half()
+                    (wrapped(x).float().pow(2).mean() * scaler.loss_scale).backward()
+                    opt.step()
+                    opt.zero_grad()
+                    assert opt.last_step is not None
+                    skipped.append(opt.last_step.skipped)
+            return skipped, dict(wrapped.iter_state_dict())
+
+    free_skipped, free_params = train(_unlimited())
+    tight_skipped, tight_params = train(_tight(tmp_path))
+    assert free_skipped == tight_skipped, free_skipped
+    assert any(free_skipped) and not all(free_skipped), free_skipped
     for name, value in free_params.items():
         assert torch.equal(value, tight_params[name]), name

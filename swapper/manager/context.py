@@ -341,6 +341,32 @@ class ManagerContext:
         self.stats.hit()
         return tensor
 
+    def fetch_all_resident(
+        self, keys: list[str], tier: Tier | None = None
+    ) -> list[torch.Tensor] | None:
+        """Lock not held. :meth:`fetch_resident` of every key in one lock hold, into
+        ``tier`` (None: ``in_place``, wherever each is in memory): all pinned, or none
+        (None: some key is not resident there, or is moving); a signal that came
+        meanwhile is delivered with every pin undone."""
+        with self.cond:
+            tensors: list[torch.Tensor] = []
+            for key in keys:
+                tensor = self.pin_resident(key, tier, tier is None)
+                if tensor is None:
+                    for done in keys[: len(tensors)]:
+                        self.unpin_locked(self.entries[done])
+                    return None
+                tensors.append(tensor)
+        try:
+            deliver_pending()
+        except BaseException:
+            with self.cond:
+                for key in keys:
+                    self.unpin_locked(self.entries[key])
+            raise
+        self.stats.hit(len(keys))
+        return tensors
+
     def resident_stamp(self, keys: list[str], tier: Tier) -> int | None:
         """Lock held. If every key is in memory tier ``tier`` now, ``departures``: while
         it stays the same, they all still are (only a departure takes an entry out of a
@@ -354,9 +380,13 @@ class ManagerContext:
     def unpin(self, entry: SwapEntry) -> None:
         """Undo a :meth:`pin` whose tensor never reached the caller (lock not held)."""
         with self.cond:
-            entry.users -= 1
-            if entry.users == 0:
-                self.set_state(entry, _S.RESIDENT)
+            self.unpin_locked(entry)
+
+    def unpin_locked(self, entry: SwapEntry) -> None:
+        """:meth:`unpin`, lock held."""
+        entry.users -= 1
+        if entry.users == 0:
+            self.set_state(entry, _S.RESIDENT)
 
     def wait_for_transfers(self, deadline: float) -> None:
         """Wait until no entry is transient, or until ``deadline``."""

@@ -232,20 +232,45 @@ class TierManager:
             NotInUseError: ``key`` is not fetched.
         """
         with held, self._ctx.cond:
-            if self._ctx.closed:
-                raise ManagerClosedError("the tier manager is closed")
-            entry = self._ctx.get(key)
-            if entry.users == 0:
-                raise NotInUseError(f"release of key={key!r}, which no fetch is holding")
-            if modified:
-                entry.version += 1
-            if entry.tier is Tier.DEVICE:
-                # Copies out of it may run from other threads, on streams that know nothing
-                # of the kernels this caller queued on its own.
-                entry.ready = self._ctx.device.mark_ready()
-            entry.users -= 1
-            if entry.users == 0:
-                self._ctx.set_state(entry, _S.RESIDENT)
+            self._release_locked(key, modified)
+
+    def _release_locked(self, key: str, modified: bool) -> None:
+        if self._ctx.closed:
+            raise ManagerClosedError("the tier manager is closed")
+        entry = self._ctx.get(key)
+        if entry.users == 0:
+            raise NotInUseError(f"release of key={key!r}, which no fetch is holding")
+        if modified:
+            entry.version += 1
+        if entry.tier is Tier.DEVICE:
+            # Copies out of it may run from other threads, on streams that know nothing
+            # of the kernels this caller queued on its own.
+            entry.ready = self._ctx.device.mark_ready()
+        entry.users -= 1
+        if entry.users == 0:
+            self._ctx.set_state(entry, _S.RESIDENT)
+
+    def fetch_resident_all(
+        self, keys: list[str], tier: Tier | None = None
+    ) -> list[torch.Tensor] | None:
+        """:meth:`fetch` of every key into memory tier ``tier`` (None: ``in_place``,
+        wherever each is in memory), when each is resident there now: all fetched, in one
+        lock hold (nothing moves, nothing waits), or none (None: the caller fetches one at
+        a time, by :meth:`fetch`). Each is released by :meth:`release` or
+        :meth:`release_all`."""
+        with at_waits:
+            return self._ctx.fetch_all_resident(keys, tier)
+
+    def release_all(self, keys: Iterable[str], *, modified: bool = True) -> None:
+        """:meth:`release` of each key, in one lock hold (it stops at the first error,
+        the keys before it released).
+
+        Raises:
+            as :meth:`release`.
+        """
+        with held, self._ctx.cond:
+            for key in keys:
+                self._release_locked(key, modified)
 
     def prefetch(self, keys: Iterable[str], tier: Tier | str | None = None) -> int:
         """Read ahead: start bringing ``keys`` into ``tier`` (default: each one's home).

@@ -172,12 +172,13 @@ class StatsRecorder:
         finally:
             self.end(src, dst, nbytes if ok else None, kind)
 
-    def hit(self) -> None:
-        """A fetch that found its tensor in place: one fetch, one read-ahead hit, no stall
-        (what ``add(fetches=1, prefetch_hits=1)`` counts, without its keyword loop)."""
+    def hit(self, count: int = 1) -> None:
+        """``count`` fetches that found their tensors in place: each one fetch, one
+        read-ahead hit, no stall (what ``add(fetches=count, prefetch_hits=count)`` counts,
+        without its keyword loop)."""
         with self._lock:
-            self.fetches += 1
-            self.prefetch_hits += 1
+            self.fetches += count
+            self.prefetch_hits += count
 
     def add(self, **counts: float) -> None:
         """Add to the named counters (``stall_s=0.2, prefetch_hits=1``)."""

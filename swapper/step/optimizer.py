@@ -23,7 +23,7 @@ import contextlib
 import dataclasses
 import math
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -32,12 +32,19 @@ from swapper.manager import ManagerConfig, TierManager
 from swapper.step.clip import clip_coefficient, grad_norm32, total_norm
 from swapper.step.config import DEFAULT_SUB_GROUP_NUMEL, StepConfig, check_hyper
 from swapper.step.deferred import DeferredStepError, DeferredSteps
+from swapper.step.flat_grads import FlatGrads
 from swapper.step.layout import SubGroup, plan_sub_groups
 from swapper.step.params import check_params, fp32_accumulators
 from swapper.step.pipeline import PipelineClosedError, StepPipeline, StepTraffic
 from swapper.step.resume import adopt, resumed_of
 from swapper.step.scaler import DynamicLossScaler
-from swapper.step.sources import LocalParams, ParamSource, SharedStep, TieredModel
+from swapper.step.sources import (
+    LocalParams,
+    ParamSource,
+    ResidentSource,
+    SharedStep,
+    TieredModel,
+)
 from swapper.step.state import (
     StateDictError,
     SubGroupStates,
@@ -192,6 +199,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._step_count = 0
         self._pending: int | None = None  # a step that failed part-way
         self._grad32: dict[torch.device, torch.Tensor] = {}
+        self._flat = FlatGrads()  # the gradients converted once (a resident step)
         self._closed = False
         self._load_incomplete = False  # a load_state_dict stopped part-way
         self._accumulators: list[torch.Tensor] = []
@@ -287,23 +295,48 @@ class OffloadAdamW(torch.optim.Optimizer):
         before = self._pipeline.counters()
         stall_before = self.manager.stats().stall_s
         target = self._step_count + 1
-        grad_norm, found_inf = self._grad_norm()
-        skipped = found_inf and self.loss_scaler is not None and self._pending is None
-        if skipped and self.loss_scaler is not None:
-            self.loss_scaler.update(True)
-        else:
-            factor = self._grad_factor(grad_norm)
-            self._check_open()
-            self._pending = target
-            self._run_agreed(target, factor)
-            self._pending = None
-            self._step_count = target
-            for group in self.param_groups:
-                group["step"] = target
-            if self.loss_scaler is not None:
-                self.loss_scaler.update(False)
+        source = self._source
+        # (with budgets that hold everything: the parameters and gradients fetched once,
+        # the gradients converted to fp32 once)
+        with (
+            (
+                source.resident(self._all_params())
+                if isinstance(source, ResidentSource)
+                else contextlib.nullcontext(False)
+            ) as resident,
+            self._flat_grads(resident),
+        ):
+            grad_norm, found_inf = self._grad_norm()
+            skipped = found_inf and self.loss_scaler is not None and self._pending is None
+            if skipped and self.loss_scaler is not None:
+                self.loss_scaler.update(True)
+            else:
+                factor = self._grad_factor(grad_norm)
+                self._check_open()
+                self._pending = target
+                self._run_agreed(target, factor)
+                self._pending = None
+                self._step_count = target
+                for group in self.param_groups:
+                    group["step"] = target
+                if self.loss_scaler is not None:
+                    self.loss_scaler.update(False)
         norm = None if grad_norm is None else float(grad_norm)
         self._report(started, before, stall_before, norm, skipped=skipped)
+
+    @contextlib.contextmanager
+    def _flat_grads(self, resident: bool) -> Iterator[None]:
+        """Within a resident step (see :mod:`swapper.step.flat_grads`), on the CPU,
+        without fp32 accumulators: the gradients converted once, for the norm and the
+        sub-groups."""
+        if not resident or self._accumulators:
+            yield
+            return
+        self._flat.fill(self.param_groups, self._source)
+        try:
+            yield
+        finally:
+            self._flat.clear()
 
     def _report(
         self, started: float, before: Any, stall_before: float, norm: float | None, *, skipped: bool
@@ -483,6 +516,8 @@ class OffloadAdamW(torch.optim.Optimizer):
                 for group, acc in zip(self.param_groups, self._accumulators, strict=True)
                 for n in grad_norm32(acc.split([p.numel() for p in group["params"]]))
             ]
+        elif self._flat.filled:
+            norms = self._flat.norms
         else:
             norms = self._source.grad_norms(self._all_params())
         if not norms:
@@ -602,6 +637,11 @@ class OffloadAdamW(torch.optim.Optimizer):
     ) -> torch.Tensor:
         """The fp32 gradient of ``sg``, built from the retained 16-bit one into a reused
         buffer on the state's device (``extras``: what :meth:`_run_pipeline` fetched)."""
+        grad = self._flat.grad(sg, state.device)
+        if grad is not None:  # converted once for the step: a view, scaled in place
+            if factor != 1.0:
+                grad.mul_(factor)
+            return grad
         grad = self._grad_buffer(state.device, sg.numel)
         self._build_grad(sg, grad, factor)
         return grad

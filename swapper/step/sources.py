@@ -8,6 +8,7 @@ elements, so the optimizer does not care whether they are ordinary tensors
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
@@ -18,7 +19,15 @@ if TYPE_CHECKING:
     from swapper.manager import TierManager
     from swapper.step.config import StepConfig
 
-__all__ = ["GatedModel", "LocalParams", "ParamGate", "ParamSource", "SharedStep", "TieredModel"]
+__all__ = [
+    "GatedModel",
+    "LocalParams",
+    "ParamGate",
+    "ParamSource",
+    "ResidentSource",
+    "SharedStep",
+    "TieredModel",
+]
 
 #: ``gate(param)``: called by a model's hooks before they fetch ``param`` (and before a
 #: weight of it is read or written outside them); returns once no pending optimizer
@@ -99,6 +108,18 @@ class LocalParams:
     def zero_grad(self, params: Sequence[torch.Tensor]) -> None:
         for p in params:
             p.grad = None
+
+
+@runtime_checkable
+class ResidentSource(Protocol):
+    """A :class:`ParamSource` that can hold its parameters and gradients for a whole step
+    when nothing has to move (one fetch each per step instead of one per piece)."""
+
+    def resident(self, params: Sequence[torch.Tensor]) -> AbstractContextManager[bool]:
+        """Around one step over ``params``; a no-op when anything may have to move.
+        Yields whether everything is held, on the CPU (the step may then convert every
+        gradient at once: :mod:`swapper.step.flat_grads`)."""
+        ...
 
 
 @runtime_checkable

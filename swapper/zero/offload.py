@@ -73,6 +73,7 @@ from swapper.zero.params import Holds, Slot, TieredParams, retain_grad
 from swapper.zero.placing import back_to_meta, check_modules
 from swapper.zero.readahead import FetchPlan
 from swapper.zero.recompute import no_room
+from swapper.zero.resident import acquire_resident
 from swapper.zero.settings import tiers_of
 from swapper.zero.weights import (
     WeightHooks,
@@ -294,15 +295,30 @@ class OffloadedModel(nn.Module):
         super().zero_grad(set_to_none=set_to_none)
         self._drop_grads(self._by_name.values())
 
-    def _drop_grads(self, slots: Iterable[Slot]) -> None:
+    def drop_kept_grads(self) -> None:
+        """Unregister the gradient entries that ``zero_grad`` kept empty (a snapshot
+        writes every entry it finds: none holds a gradient then)."""
+        self._drop_grads(self._by_name.values(), keep=False)
+
+    def _drop_grads(self, slots: Iterable[Slot], *, keep: bool | None = None) -> None:
+        """Drop the slots' retained gradients. With budgets that hold everything (the
+        gradients' tier has no limit: nothing would use the room; and no overlapped
+        update, whose ``zero_grad`` runs on its thread) each entry is kept, marked empty
+        (``Slot.grad_kept``): the next backward copies into it instead of registering a
+        new entry (~20 µs a gradient and step for the pair). ``keep=False``: unregister."""
+        if keep is None:
+            keep = self._lazy_norms and self._param_gate is None
         for slot in slots:
             # Unregistered first, then marked: cut in between (Ctrl-C at the wait for a
             # write of it), the slot still says what the manager holds.
             with signals.at_waits:
-                if slot.has_grad:
+                if slot.has_grad and keep:
+                    with self._lock:
+                        slot.has_grad, slot.grad_norm, slot.grad_kept = False, None, True
+                elif slot.has_grad or slot.grad_kept:
                     self._manager.unregister(slot.grad_key)
                     with self._lock:
-                        slot.has_grad, slot.grad_norm = False, None
+                        slot.has_grad, slot.grad_norm, slot.grad_kept = False, None, False
 
     def stats(self) -> ManagerStats:
         """The manager's counters: bytes moved, stall time, peaks per tier."""
@@ -467,6 +483,9 @@ class OffloadedModel(nn.Module):
             taken: list[Slot] = []
             self._forward_holds.append((module, taken))
             with signals.at_waits:  # each one fetched and recorded, or neither
+                if acquire_resident(self, slots):  # (budgets holding every parameter)
+                    taken.extend(slots)
+                    return
                 for slot in slots:
                     self._acquire(slot)
                     taken.append(slot)
