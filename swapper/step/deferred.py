@@ -211,6 +211,7 @@ class DeferredSteps:
         optimizer._report(started, counters, stall_before, norm, skipped=False)
         with self._cond:
             self._job = job
+        self._model.step_started()
         thread = threading.Thread(
             target=self._work, args=(job,), name=f"swapper-step-{target}", daemon=False
         )

@@ -152,3 +152,9 @@ class GatedModel(Protocol):
         """Release what a forward or backward that raised left fetched (before an update
         writes the parameters from another thread)."""
         ...
+
+    def step_started(self) -> None:
+        """An overlapped update starts now (the model records its manager's eviction
+        order over a whole overlapped cycle: from the first forward after the first step
+        to the first forward after the next)."""
+        ...

@@ -231,6 +231,13 @@ class OffloadedModel(nn.Module):
         if gate is not None and self._param_gate is not None:
             raise SwapConfigError("offload: one overlapped optimizer per model (a gate is set)")
         self._param_gate = gate
+        if gate is not None:
+            self._plan.overlapped()  # the eviction order then covers a whole overlapped cycle
+
+    def step_started(self) -> None:
+        """The overlapped optimizer starts a step's update (:mod:`swapper.step.deferred`):
+        see :meth:`~swapper.zero.readahead.FetchPlan.overlapped`."""
+        self._plan.step_started()
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The wrapped model's forward. If it raises (an error, Ctrl-C), the parameters its
