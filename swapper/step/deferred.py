@@ -41,9 +41,12 @@ cut update leaves ``optimizer._pending`` at its step, which every reader of the 
 refuses until ``step()`` finishes it, as after a failed ordinary step.
 
 Requirement on budgets: while the forward holds a module's parameters, the update of a
-later sub-group must find room for its state in the host budget (as the ordinary step
-does with nothing held); a budget that cannot hold both makes the update time out, and
-that error is raised by the gate.
+later sub-group must find room in the host budget for its state and one parameter or
+gradient (as the ordinary step does with nothing held). Where parameters are used in the
+host tier, a budget that cannot hold both is refused when the optimizer is made
+(``SwapConfigError`` naming both needs: :func:`swapper.zero.placing.check_overlap_room`;
+it made the update time out before), and a forward keeps its holds for the backward only
+when every parameter fits beside the update.
 """
 
 from __future__ import annotations
@@ -136,7 +139,7 @@ class DeferredSteps:
         self._params_of = params_of
         #: id(param) → position of its first fetch through the gate (the forward order)
         self._first_use: dict[int, int] = {}
-        model.set_param_gate(self.gate)
+        model.set_param_gate(self.gate, update_nbytes=self._update_nbytes(source))
 
     # -- the model's side -------------------------------------------------------------------
 
@@ -267,6 +270,27 @@ class DeferredSteps:
                 self._cond.notify_all()
 
     # -- inside ------------------------------------------------------------------------------
+
+    def _update_nbytes(self, source: ParamSource) -> int:
+        """The host memory the update holds at once (bytes): the sub-groups kept in
+        memory, one streamed sub-group's state, and one parameter or gradient (fetched
+        whole to read or write its piece, one at a time)."""
+        optimizer = self._optimizer
+        kept = optimizer._pipeline.kept
+        groups = optimizer.sub_groups
+        largest_param = max(
+            (
+                source.shape(p).numel() * source.dtype(p).itemsize
+                for group in optimizer.param_groups
+                for p in group["params"]
+            ),
+            default=0,
+        )
+        return (
+            sum(sg.state_nbytes for sg in groups[:kept])
+            + max((sg.state_nbytes for sg in groups[kept:]), default=0)
+            + largest_param
+        )
 
     def _order(self) -> tuple[int, ...]:
         first = self._first_use
