@@ -10,12 +10,17 @@ it starts one thread that drives the usual pipeline (:mod:`swapper.step.pipeline
 the sub-groups in the *forward order* of their parameters (the order in which the
 model's hooks first asked for them; sub-groups of parameters not seen yet last, by
 index), and returns. Each sub-group's update reads only its own state and gradients, so
-the order changes no result: the run is bit-identical to the ordinary step.
+the order changes no result: the run is bit-identical to the ordinary step. The model
+records its manager's eviction order over one whole overlapped cycle (see
+:meth:`~swapper.zero.readahead.FetchPlan.overlapped`; :meth:`step` tells it where a step
+starts), so that the order holds the update's fetches as they interleave with the forward.
 
 The model's hooks call the :class:`DeferredSteps` gate (:data:`~swapper.step.sources.ParamGate`)
 before they fetch a parameter: it returns once every sub-group holding part of that
 parameter has published its new 16-bit values (so the fetch reads the new ones). A
-backward waits for the whole update (its gradients are about to change). Reading the
+backward waits for the whole update before its first module's backward (its gradients
+are about to change), also when it fetches nothing (holds carried over from the
+forward). Reading the
 model's weights outside the hooks (``state_dict``, ``iter_state_dict``, ``unwrap``, leaving
 the ``offload`` block) waits for the parameter's sub-groups; ``close()`` of the model or of
 the optimizer, ``model.zero_grad()``, the optimizer's ``state_dict``, ``load_state_dict``,
