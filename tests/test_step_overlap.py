@@ -501,6 +501,100 @@ def test_overlap_settings(tmp_path: Path) -> None:
             assert opt._deferred is None
 
 
+def _host_use_config(tmp_path: Path, name: str, host: int | None, **step: Any) -> OffloadConfig:
+    """Parameters used in the host tier (no device tier): the forward holds them there,
+    beside the overlapped update's state."""
+    return OffloadConfig.create(
+        nvme_dirs=[tmp_path / name],
+        device="cpu",
+        param_tiers=("host", "nvme"),
+        host_nbytes=host,
+        timeout_s=20.0,
+        step=StepConfig(sub_group_numel=4096, **step),
+    )
+
+
+# the forward holds at most the largest Linear's 33 024 B; the update one streamed
+# sub-group's state (4096 x 12 B) and one parameter or gradient (the largest, 32 768 B)
+OVERLAP_HOST_NEED = 33_024 + 4096 * 12 + 32_768
+
+
+def _train_steps(wrapped: Any, opt: OffloadAdamW, steps: int) -> None:
+    for ((x, y),) in _data(1, torch.bfloat16)[:steps]:
+        _loss(wrapped, x, y).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def test_host_budget_too_small_for_forward_and_update_is_refused_at_setup(
+    tmp_path: Path,
+) -> None:
+    """Where the forward holds parameters in the host tier, a host budget that cannot
+    hold them and the update's memory at once is refused when the optimizer is made
+    (before, the update waited for room that only the forward frees while the forward
+    waited for the update, until the manager's timeout); at the budget it names, the
+    overlapped steps run (and a forward keeps its holds for the backward only if every
+    parameter fits beside the update: kept, they starved it, 150 000 B timed out)."""
+    budget = OVERLAP_HOST_NEED - 1
+    with swapper.offload(_mlp(), _host_use_config(tmp_path, "small", budget)) as wrapped:
+        message = rf"host_nbytes={budget} cannot hold both.*at least {OVERLAP_HOST_NEED},"
+        with pytest.raises(SwapConfigError, match=message):
+            OffloadAdamW(
+                wrapped.parameters(), **ADAM, tiers=wrapped, config=StepConfig(overlap=True)
+            )
+        # nothing was left installed: the model takes another optimizer
+        with OffloadAdamW(wrapped.parameters(), **ADAM, tiers=wrapped) as opt:
+            assert opt._deferred is None
+    for host in (OVERLAP_HOST_NEED, 150_000):
+        config = _host_use_config(tmp_path, f"h{host}", host, overlap=True)
+        with (
+            swapper.offload(_mlp(), config) as wrapped,
+            OffloadAdamW(wrapped.parameters(), **ADAM, tiers=wrapped) as opt,
+        ):
+            assert wrapped._keep_held is False
+            _train_steps(wrapped, opt, 3)
+            opt.wait_pending()  # (no BudgetTimeout, in the update or in the forward)
+            assert opt.step_count == 3
+
+
+def test_backward_waits_for_the_update_when_the_forward_holds_are_carried(
+    tmp_path: Path, slow_update: None
+) -> None:
+    """Budgets that hold every parameter: the forward's holds are carried over to the
+    backward, which then fetches nothing, so no fetch waited for the running update and
+    the backward's new gradients were dropped by the update's deferred ``zero_grad``
+    (the third step's loss differed). The backward now waits for the update first."""
+    digests = []
+    for overlap in (True, False):
+        config = _host_use_config(tmp_path, f"o{overlap}", None, overlap=overlap)
+        with (
+            swapper.offload(_mlp(), config) as wrapped,
+            OffloadAdamW(wrapped.parameters(), **ADAM, tiers=wrapped) as opt,
+        ):
+            assert wrapped._keep_held
+            _train_steps(wrapped, opt, 3)
+            digests.append(final_digest(wrapped, opt))
+    assert digests[0] == digests[1]
+
+
+def test_eviction_order_is_recorded_over_a_whole_overlapped_cycle(tmp_path: Path) -> None:
+    """The manager's eviction order holds the update's fetches (every sub-group's state
+    and the gradients it reads), not only the forward's and backward's: recorded over
+    the first forward and backward, it held one state of 13, and the others ranked as
+    never used again (evicted first, never read ahead)."""
+    with (
+        swapper.offload(_mlp(), _config(tmp_path, "nvme", overlap=True)) as wrapped,
+        OffloadAdamW(wrapped.parameters(), **ADAM, tiers=wrapped) as opt,
+    ):
+        _train_steps(wrapped, opt, STEPS)
+        order = wrapped.manager._ctx.order
+        assert order is not None
+        keys = set(order.keys)
+        states = {k for k in list(wrapped.manager.keys()) if "/state/" in k}
+        assert len(states) == len(opt.sub_groups) and states <= keys
+        assert {f"grad/{name}" for name, _, _ in wrapped.named_offloaded()} <= keys
+
+
 def test_pressure_run_overlapped_is_identical_to_the_unlimited_one(tmp_path: Path) -> None:
     """``swapper-pressure --overlap``: the budgeted GPT (tied weights, clipping) overlaps
     its steps, the unlimited reference does not; losses, weights and digest agree."""

@@ -10,12 +10,17 @@ it starts one thread that drives the usual pipeline (:mod:`swapper.step.pipeline
 the sub-groups in the *forward order* of their parameters (the order in which the
 model's hooks first asked for them; sub-groups of parameters not seen yet last, by
 index), and returns. Each sub-group's update reads only its own state and gradients, so
-the order changes no result: the run is bit-identical to the ordinary step.
+the order changes no result: the run is bit-identical to the ordinary step. The model
+records its manager's eviction order over one whole overlapped cycle (see
+:meth:`~swapper.zero.readahead.FetchPlan.overlapped`; :meth:`step` tells it where a step
+starts), so that the order holds the update's fetches as they interleave with the forward.
 
 The model's hooks call the :class:`DeferredSteps` gate (:data:`~swapper.step.sources.ParamGate`)
 before they fetch a parameter: it returns once every sub-group holding part of that
 parameter has published its new 16-bit values (so the fetch reads the new ones). A
-backward waits for the whole update (its gradients are about to change). Reading the
+backward waits for the whole update before its first module's backward (its gradients
+are about to change), also when it fetches nothing (holds carried over from the
+forward). Reading the
 model's weights outside the hooks (``state_dict``, ``iter_state_dict``, ``unwrap``, leaving
 the ``offload`` block) waits for the parameter's sub-groups; ``close()`` of the model or of
 the optimizer, ``model.zero_grad()``, the optimizer's ``state_dict``, ``load_state_dict``,
@@ -41,9 +46,12 @@ cut update leaves ``optimizer._pending`` at its step, which every reader of the 
 refuses until ``step()`` finishes it, as after a failed ordinary step.
 
 Requirement on budgets: while the forward holds a module's parameters, the update of a
-later sub-group must find room for its state in the host budget (as the ordinary step
-does with nothing held); a budget that cannot hold both makes the update time out, and
-that error is raised by the gate.
+later sub-group must find room in the host budget for its state and one parameter or
+gradient (as the ordinary step does with nothing held). Where parameters are used in the
+host tier, a budget that cannot hold both is refused when the optimizer is made
+(``SwapConfigError`` naming both needs: :func:`swapper.zero.placing.check_overlap_room`;
+it made the update time out before), and a forward keeps its holds for the backward only
+when every parameter fits beside the update.
 """
 
 from __future__ import annotations
@@ -136,7 +144,7 @@ class DeferredSteps:
         self._params_of = params_of
         #: id(param) → position of its first fetch through the gate (the forward order)
         self._first_use: dict[int, int] = {}
-        model.set_param_gate(self.gate)
+        model.set_param_gate(self.gate, update_nbytes=self._update_nbytes(source))
 
     # -- the model's side -------------------------------------------------------------------
 
@@ -211,6 +219,7 @@ class DeferredSteps:
         optimizer._report(started, counters, stall_before, norm, skipped=False)
         with self._cond:
             self._job = job
+        self._model.step_started()
         thread = threading.Thread(
             target=self._work, args=(job,), name=f"swapper-step-{target}", daemon=False
         )
@@ -266,6 +275,27 @@ class DeferredSteps:
                 self._cond.notify_all()
 
     # -- inside ------------------------------------------------------------------------------
+
+    def _update_nbytes(self, source: ParamSource) -> int:
+        """The host memory the update holds at once (bytes): the sub-groups kept in
+        memory, one streamed sub-group's state, and one parameter or gradient (fetched
+        whole to read or write its piece, one at a time)."""
+        optimizer = self._optimizer
+        kept = optimizer._pipeline.kept
+        groups = optimizer.sub_groups
+        largest_param = max(
+            (
+                source.shape(p).numel() * source.dtype(p).itemsize
+                for group in optimizer.param_groups
+                for p in group["params"]
+            ),
+            default=0,
+        )
+        return (
+            sum(sg.state_nbytes for sg in groups[:kept])
+            + max((sg.state_nbytes for sg in groups[kept:]), default=0)
+            + largest_param
+        )
 
     def _order(self) -> tuple[int, ...]:
         first = self._first_use

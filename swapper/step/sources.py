@@ -161,15 +161,24 @@ class GatedModel(Protocol):
     """A model whose hooks call a :data:`ParamGate` before they use a parameter (what an
     overlapped step needs: :mod:`swapper.step.deferred`)."""
 
-    def set_param_gate(self, gate: ParamGate | None) -> None:
-        """Install ``gate`` (None: remove it).
+    def set_param_gate(self, gate: ParamGate | None, *, update_nbytes: int = 0) -> None:
+        """Install ``gate`` (None: remove it); ``update_nbytes``: the host memory the
+        overlapped update holds at once, beside what the forward holds.
 
         Raises:
-            SwapConfigError: another gate is installed (one overlapped optimizer per model).
+            SwapConfigError: another gate is installed (one overlapped optimizer per
+                model), or the budgets cannot hold the forward's parameters and the update
+                at once (named).
         """
         ...
 
     def release_stale_holds(self, *, warn: bool = True) -> int:
         """Release what a forward or backward that raised left fetched (before an update
         writes the parameters from another thread)."""
+        ...
+
+    def step_started(self) -> None:
+        """An overlapped update starts now (the model records its manager's eviction
+        order over a whole overlapped cycle: from the first forward after the first step
+        to the first forward after the next)."""
         ...

@@ -70,7 +70,7 @@ from swapper.zero import checkpoint
 from swapper.zero.autograd import hook_outputs, in_autograd
 from swapper.zero.config import OffloadConfig
 from swapper.zero.params import Holds, Slot, TieredParams, retain_grad
-from swapper.zero.placing import back_to_meta, check_modules
+from swapper.zero.placing import back_to_meta, check_modules, check_overlap_room
 from swapper.zero.readahead import FetchPlan
 from swapper.zero.recompute import no_room
 from swapper.zero.resident import acquire_resident
@@ -175,8 +175,7 @@ class OffloadedModel(nn.Module):
             self._place_all(module, materialize)
             # Whether a forward's holds are kept for its backward: the use tier holds
             # every parameter at once, so holding them costs no room that could be used.
-            total = sum(slot.nbytes for slot in self._by_name.values())
-            self._keep_held = self._room_limit is None or total <= self._room_limit
+            self._keep_held = self._keeps_held(0)
             # Whether the backward leaves the gradients' norms to the step: the tier they
             # are retained in has no limit, so they are still in memory then (each norm
             # taken in the backward cost more than its module's work on a narrow model).
@@ -222,16 +221,37 @@ class OffloadedModel(nn.Module):
         """The optimizer settings ``config`` gives (``config.step``)."""
         return self.config.step
 
-    def set_param_gate(self, gate: ParamGate | None) -> None:
+    def set_param_gate(self, gate: ParamGate | None, *, update_nbytes: int = 0) -> None:
         """Install the gate of an overlapped optimizer (:mod:`swapper.step.deferred`),
         called before a parameter is fetched or its weight read or written; None removes it.
 
+        ``update_nbytes``: the host memory its update holds at once. Where parameters are
+        used in the host tier, the forward's holds and it must fit the host budget
+        together, and a forward keeps its holds for the backward only if every parameter
+        fits beside it (kept, they starved the update until the manager's timeout).
+
         Raises:
-            SwapConfigError: another optimizer's gate is installed.
+            SwapConfigError: another optimizer's gate is installed, or the host budget
+                cannot hold the forward's parameters and the update at once (both named:
+                :func:`~swapper.zero.placing.check_overlap_room`).
         """
         if gate is not None and self._param_gate is not None:
             raise SwapConfigError("offload: one overlapped optimizer per model (a gate is set)")
+        reserve = update_nbytes if gate is not None and self._use_tier is Tier.HOST else 0
+        keep = self._keeps_held(reserve)
+        if reserve and not keep and self._room_limit is not None:
+            check_overlap_room(
+                self.module, lambda p: self._slots[id(p)].nbytes, self._room_limit, reserve
+            )
         self._param_gate = gate
+        self._keep_held = keep
+        if gate is not None:
+            self._plan.overlapped()  # the eviction order then covers a whole overlapped cycle
+
+    def step_started(self) -> None:
+        """The overlapped optimizer starts a step's update (:mod:`swapper.step.deferred`):
+        see :meth:`~swapper.zero.readahead.FetchPlan.overlapped`."""
+        self._plan.step_started()
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The wrapped model's forward. If it raises (an error, Ctrl-C), the parameters its
@@ -494,6 +514,12 @@ class OffloadedModel(nn.Module):
 
     def _post_forward_hook(self, slots: list[Slot]) -> Callable[..., Any]:
         def before_backward() -> None:
+            if self._param_gate is not None:
+                # An overlapped update still running reads the gradients this backward is
+                # about to add to (and drops them at its end): wait for it here, also
+                # when every hold is carried over from the forward and nothing is fetched
+                # (no fetch, no gate: the update dropped this backward's gradients).
+                self._param_gate(None)
             self._backward_started()
             self._check_room(slots)
             with signals.at_waits:  # each one fetched and recorded, or neither
@@ -628,6 +654,13 @@ class OffloadedModel(nn.Module):
                 slot.version = slot.param._version
                 self._holds.held_nbytes -= slot.nbytes
             self._manager.release(slot.key, modified=modified)
+
+    def _keeps_held(self, reserve: int) -> bool:
+        """Whether a forward's holds are kept for its backward: the use tier holds every
+        parameter at once (and ``reserve`` bytes beside them), so holding them costs no
+        room that could be used."""
+        total = sum(slot.nbytes for slot in self._by_name.values())
+        return self._room_limit is None or total + reserve <= self._room_limit
 
     def _check_room(self, slots: list[Slot]) -> None:
         """Raise at once if the use tier cannot hold what is held now and the slots'

@@ -1,8 +1,11 @@
 """Checks and undo of the wrap's placement: what must hold before any parameter moves
-(:func:`check_modules`), and what a failed wrap of a meta model gives back
-(:func:`back_to_meta`). Used by :class:`~swapper.zero.offload.OffloadedModel`."""
+(:func:`check_modules`; :func:`check_overlap_room` for an overlapped optimizer), and
+what a failed wrap of a meta model gives back (:func:`back_to_meta`). Used by
+:class:`~swapper.zero.offload.OffloadedModel`."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -13,7 +16,7 @@ from swapper.zero.recompute import checkpointed_need
 from tiers.errors import SwapConfigError
 from tiers.units import format_size
 
-__all__ = ["back_to_meta", "check_modules"]
+__all__ = ["back_to_meta", "check_modules", "check_overlap_room"]
 
 
 def check_modules(module: nn.Module, first: Tier, limit: int | None) -> None:
@@ -74,6 +77,58 @@ def check_modules(module: nn.Module, first: Tier, limit: int | None) -> None:
                 + f"), more than the {first.value} budget of {limit} bytes: raise it to "
                 f"at least {need}"
             )
+
+
+def forward_hold(module: nn.Module, nbytes_of: Callable[[nn.Parameter], int]) -> tuple[int, str]:
+    """The most parameter bytes a forward holds at once (a module's own parameters and
+    its ancestors', which stay fetched while it runs; each counted once), and that
+    module's name. ``nbytes_of``: a parameter's size (a wrapped one's ``.data`` is a
+    placeholder)."""
+    best = (0, "")
+
+    def walk(sub: nn.Module, name: str, held: dict[int, int]) -> None:
+        nonlocal best
+        own = {id(p): nbytes_of(p) for p in sub.parameters(recurse=False)}
+        chain = {**held, **own}
+        total = sum(chain.values())
+        if own and total > best[0]:
+            best = (total, name or type(sub).__name__)
+        for child_name, child in sub.named_children():
+            walk(child, f"{name}.{child_name}" if name else child_name, chain)
+
+    walk(module, "", {})
+    return best
+
+
+def check_overlap_room(
+    module: nn.Module, nbytes_of: Callable[[nn.Parameter], int], limit: int, update_nbytes: int
+) -> None:
+    """Refuse an overlapped optimizer (:mod:`swapper.step.deferred`) whose update cannot
+    find its room in the host tier while the forward holds parameters there (the
+    parameters' use tier is the host): the update would wait for room that only the
+    forward frees, and the forward waits for the update, until the manager's timeout.
+
+    Args:
+        module: the wrapped model.
+        nbytes_of: a parameter's size in bytes.
+        limit: the host budget (bytes).
+        update_nbytes: what the update holds there at once (bytes).
+
+    Raises:
+        SwapConfigError: naming both needs and the budget.
+    """
+    held, name = forward_hold(module, nbytes_of)
+    if held + update_nbytes > limit:
+        need = held + update_nbytes
+        raise SwapConfigError(
+            f"StepConfig(overlap=True): the forward holds up to {held} bytes of parameters "
+            f"in the host tier (module {name!r} and the modules around it) while the "
+            f"overlapped update holds up to {update_nbytes} bytes there (its sub-group's "
+            f"state in flight, the sub-groups kept in memory, one parameter or gradient); "
+            f"host_nbytes={limit} cannot hold both ({need} bytes, {format_size(need)}): "
+            f"raise host_nbytes to at least {need}, lower sub_group_numel, or use "
+            "overlap=False"
+        )
 
 
 def back_to_meta(module: nn.Module, placed: list[tuple[nn.Parameter, Slot]]) -> None:
