@@ -135,7 +135,6 @@ def test_nproc_2_checkpoints_and_resumes_to_the_same_digest(
         ["--nproc", "65"],
         ["--nproc", "x"],
         ["--nproc", "3"],  # the default batch of 4 does not split over 3 ranks
-        ["--nproc", "2", "--export", "somewhere"],
         ["--fetch-collective", "all_reduce"],  # one process: no collectives
         ["--reduce-dtype", "float32"],
         ["--nproc", "2", "--reduce-dtype", "float64"],

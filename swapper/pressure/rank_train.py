@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from swapper.manager import Kind, Tier
+from swapper.pressure.export import export_final
 from swapper.pressure.memory import peak_rss
 from swapper.pressure.model import GPT, GPTConfig, batches, materialize_
 from swapper.pressure.ranks_report import (
@@ -212,6 +213,12 @@ def _train(
                 if keep_params:
                     params[name] = tensor.clone()
         digest = final_digest(wrapped, optimizer)  # type: ignore[arg-type]  # duck-typed
+        export_s = None
+        if dirs is not None and settings.export_dir is not None:  # every rank alike
+            export_s = export_final(wrapped, optimizer, settings.export_dir)
+            if rank == 0:
+                print(f"  pressure: exported to {settings.export_dir} in {export_s:.2f} s",
+                      flush=True)  # fmt: skip
         report = RankReport(
             rank=rank,
             losses=losses,
@@ -229,6 +236,7 @@ def _train(
             model_s=model_s,
             optimizer_s=optimizer_s,
             snapshots=snapshots,
+            export_seconds=export_s,
         )
         return _Trained(report, params)
     finally:
