@@ -312,7 +312,9 @@ def _import_one(tmp: Path, source: Path, hidden: int = HIDDEN) -> tuple[Exceptio
     return info.value, refused
 
 
-@pytest.mark.parametrize("damage", ["missing", "truncated", "corrupt", "shape", "not_dcp"])
+@pytest.mark.parametrize(
+    "damage", ["missing", "truncated", "corrupt", "shape", "not_dcp", "metadata_truncated"]
+)
 def test_bad_checkpoints_are_refused_naming_the_file(
     exported: Any, damage: str, tmp_path: Path
 ) -> None:
@@ -332,6 +334,8 @@ def test_bad_checkpoints_are_refused_naming_the_file(
         victim.write_bytes(bytes(raw))
     elif damage == "shape":
         hidden = HIDDEN + 8
+    elif damage == "metadata_truncated":
+        os.truncate(broken / ".metadata", (broken / ".metadata").stat().st_size // 2)
     else:
         (broken / ".metadata").unlink()
     error, refused = _import_one(tmp_path, broken, hidden)
@@ -348,8 +352,9 @@ def test_bad_checkpoints_are_refused_naming_the_file(
     elif damage == "shape":
         assert error.path == str(broken) and "model.fc1.weight" in message
         assert "another model" in message and not refused
-    else:
-        assert error.path == str(broken / ".metadata")
+    else:  # missing, or not decodable: named, before anything was written
+        assert error.path == str(broken / ".metadata"), message
+        assert not refused
 
 
 def import_bad_run(
