@@ -152,3 +152,12 @@ def test_export_over_an_existing_one_exits_2_before_any_work(
     directory = exports[2][0]
     assert main([*ARGV, "--nproc", "2", "--export", str(directory)]) == 2
     assert "exists" in capsys.readouterr().err
+
+
+def test_export_to_a_file_exits_2_before_any_work(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    assert main([*ARGV, "--export", str(a_file)]) == 2
+    assert "not a directory" in capsys.readouterr().err

@@ -192,6 +192,8 @@ def _run(argv: list[str]) -> int:
     check_output_path("--json", args.json)
     if (args.checkpoint_every is not None or args.resume) and not args.dirs:
         parser.error("--checkpoint-every and --resume need --dir (the snapshots outlive the run)")
+    if args.export is not None and args.export.exists() and not args.export.is_dir():
+        parser.error(f"--export {args.export}: not a directory")
     if args.export is not None and (found := existing_export(args.export)) is not None:
         parser.error(f"--export {args.export}: {found} exists; export into an empty directory")
     if args.nproc == 1 and (args.fetch_collective or args.reduce_dtype):
