@@ -161,3 +161,14 @@ def test_export_to_a_file_exits_2_before_any_work(
     a_file.write_text("x")
     assert main([*ARGV, "--export", str(a_file)]) == 2
     assert "not a directory" in capsys.readouterr().err
+
+
+def test_progress_says_each_quarter_once() -> None:
+    from swapper.pressure.export import _Progress
+
+    lines: list[str] = []
+    progress = _Progress("DCP", lines.append)
+    for done in (10, 30, 30, 99, 100):
+        progress(done, 100)
+    assert [line.split()[2] for line in lines] == ["25%", "50%", "75%", "100%"]
+    assert lines[-1] == "  export: DCP 100% (100 of 100 B)"

@@ -192,7 +192,9 @@ def test_cli_checkpoint_every_and_resume(
     assert again["resumed_from_step"] == 2
     assert len(again["losses"]) == 1 and again["losses"] == data["losses"][2:]
     assert again["final_digest"] == data["final_digest"]
-    assert "resumed from step 2" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "resumed from step 2" in out
+    assert "export: safetensors 100%" in out and "export: DCP 100%" in out  # progress
     assert again["export_seconds"] > 0
     assert (export / "model.safetensors.index.json").exists()
 

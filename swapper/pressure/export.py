@@ -20,6 +20,7 @@ This module imports no torch at import time: the command line checks the directo
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -45,12 +46,29 @@ def existing_export(directory: Path) -> Path | None:
     return None
 
 
+class _Progress:
+    """``progress(done, total)`` for an export: says each quarter reached, once."""
+
+    def __init__(self, what: str, say: Callable[[str], None]) -> None:
+        self._what, self._say, self._next = what, say, 1
+
+    def __call__(self, done: int, total: int) -> None:
+        while self._next <= 4 and done * 4 >= total * self._next:
+            self._say(f"  export: {self._what} {25 * self._next}% ({done:,} of {total:,} B)")
+            self._next += 1
+
+
 def export_final(
-    model: OffloadedModel | ShardedModel, optimizer: OffloadAdamW, directory: Path
+    model: OffloadedModel | ShardedModel,
+    optimizer: OffloadAdamW,
+    directory: Path,
+    say: Callable[[str], None] | None = None,
 ) -> float:
     """Write the model's 16-bit weights as safetensors and its weights and optimizer
     state as a Distributed Checkpoint in ``directory`` (module docstring); on every rank
-    alike with a sharded model. Returns the seconds both took (this rank's).
+    alike with a sharded model. Returns the seconds both took (this rank's). ``say``
+    receives a progress line at each quarter of each export (rank 0's bytes for the
+    safetensors, this rank's for the DCP).
 
     Raises:
         SwapConfigError: ``directory`` holds an export already (on every rank).
@@ -62,8 +80,10 @@ def export_final(
     from swapper.zero.export import export_safetensors
 
     start = time.perf_counter()
-    export_safetensors(model, directory)
-    export_dcp(model, directory / DCP_SUBDIR, optimizer)
+    weights = _Progress("safetensors", say) if say is not None else None
+    export_safetensors(model, directory, progress=weights)
+    state = _Progress("DCP", say) if say is not None else None
+    export_dcp(model, directory / DCP_SUBDIR, optimizer, progress=state)
     return time.perf_counter() - start
 
 

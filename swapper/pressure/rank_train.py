@@ -215,10 +215,10 @@ def _train(
         digest = final_digest(wrapped, optimizer)  # type: ignore[arg-type]  # duck-typed
         export_s = None
         if dirs is not None and settings.export_dir is not None:  # every rank alike
-            export_s = export_final(wrapped, optimizer, settings.export_dir)
-            if rank == 0:
-                print(f"  pressure: exported to {settings.export_dir} in {export_s:.2f} s",
-                      flush=True)  # fmt: skip
+            shown = _say_flushed if rank == 0 else None
+            export_s = export_final(wrapped, optimizer, settings.export_dir, shown)
+            if shown is not None:
+                shown(f"  pressure: exported to {settings.export_dir} in {export_s:.2f} s")
         report = RankReport(
             rank=rank,
             losses=losses,
@@ -242,6 +242,10 @@ def _train(
     finally:
         optimizer.close()
         wrapped.close()
+
+
+def _say_flushed(line: str) -> None:
+    print(line, flush=True)  # (a rank's stdout is a pipe: flushed per line)
 
 
 def _state_nbytes(wrapped: Any, model_config: GPTConfig) -> dict[str, int]:

@@ -453,7 +453,7 @@ def _train(
         digest = final_digest(wrapped, optimizer)
         export_s = None
         if checkpoint and settings.export_dir is not None:
-            export_s = export_final(wrapped, optimizer, settings.export_dir)
+            export_s = export_final(wrapped, optimizer, settings.export_dir, say)
             say(f"  {label}: exported to {settings.export_dir} in {export_s:.2f} s")
         # close rather than give the whole model back into memory (leaving the block would)
         optimizer.close()
