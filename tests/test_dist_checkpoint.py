@@ -345,6 +345,43 @@ def test_bad_inputs_are_named_or_passed_over(tmp_path: Path) -> None:
         swapper.offload(model(), config(swap), resume=True)
 
 
+def _other_model(rank: int, world: int, tmp: str) -> dict[str, Any]:
+    """Snapshots of the tiny GPT, resumed by a GPT of another width, then by its own."""
+    import torch
+    import torch.distributed as dist
+
+    from swapper.pressure.model import GPT, GPTConfig, init_weights_
+
+    swap = Path(tmp) / "swap"
+    train(rank, world, str(swap), steps=2, every=2)
+    out: dict[str, Any] = {}
+    wider = GPT(GPTConfig(vocab_size=64, context=16, d_model=48, n_layers=2, n_heads=2))
+    wider = wider.to(torch.bfloat16)
+    init_weights_(wider, seed=0)
+    for label, resume in (("other", True), ("other_named", _name(2))):
+        try:
+            swapper.offload(wider, config(swap), dist.group.WORLD, resume=resume).close()
+            out[label] = {"error": None}
+        except Exception as exc:
+            out[label] = {"error": type(exc).__name__, "message": str(exc)}
+    out["own"] = _resume(rank, world, swap, True)  # the snapshot is still there, usable
+    return out
+
+
+@pytest.mark.dist
+def test_another_models_snapshot_is_refused_on_every_rank(tmp_path: Path) -> None:
+    runs = values(spawn(_other_model, WORLD, tmp_path))
+    swap = tmp_path / "swap"
+    for r, out in enumerate(runs):
+        for label in ("other", "other_named"):
+            got = out[label]
+            # each rank names its own part and what is wrong with it
+            assert got["error"] == "StateDictError", (r, label, got)
+            assert str(_part(swap, r, 2)) in got["message"], got
+            assert "another model" in got["message"], got
+        assert out["own"].get("step") == 2, (r, out["own"])
+
+
 # -- final_digest across world sizes --------------------------------------------------------
 
 
@@ -363,8 +400,12 @@ def test_final_digest_is_the_same_at_every_world_size(tmp_path: Path, steps: int
 
 # -- the commit record's format -----------------------------------------------------------
 
+#: Part file names inside the rank's directory ('..' is refused by parse_commit, rightly)
+_NAMES = st.text("abcxyz/_-.0123456789", min_size=1, max_size=30).filter(
+    lambda name: ".." not in Path(name).parts
+)
 _PARTS = st.lists(
-    st.tuples(st.text("abcxyz/_-.0123456789", min_size=1, max_size=30), st.integers(0, 1 << 40)),
+    st.tuples(_NAMES, st.integers(0, 1 << 40)),
     min_size=1,
     max_size=5,
 )

@@ -57,12 +57,23 @@ def test_a_store_opened_as_another_rank_is_refused(tmp_path: Path) -> None:
     assert isinstance(info.value, ValueError)
 
 
+def _says_what_to_do(message: str, base: Path, stored: int, current: int) -> None:
+    """The world-size refusal names the directory, both sizes and the three ways on."""
+    assert f"NVMe directory {base} holds store" in message
+    assert f"world size {stored}" in message and f"this run has world size {current}" in message
+    assert f"run at world size {stored}" in message  # (1) resume where it was made
+    assert "export_dcp" in message and "import_dcp" in message  # (2) reshard
+    assert "another nvme_dirs or store_name" in message  # (3) afresh
+    assert f"rank*of{stored}" in message and "remove_store" in message
+
+
 def test_world_size_changed_under_an_existing_store_is_refused(tmp_path: Path) -> None:
     bases = [tmp_path / "a", tmp_path / "b"]
     claim_store_identity(bases, "store", 0, 2)
     with pytest.raises(StoreIdentityError, match=r"world size 2.*world size 4") as info:
         claim_store_identity(bases, "store", 0, 4)
     assert info.value.found == (0, 2) and info.value.expected == (0, 4)
+    _says_what_to_do(str(info.value), tmp_path / "a", 2, 4)
     assert not (tmp_path / "a" / "rank0of4").exists()  # refused before anything was made
     claim_store_identity(bases, "fresh", 0, 4)  # another store name is fine
 
@@ -90,3 +101,30 @@ def test_bad_arguments(tmp_path: Path) -> None:
     for name in ("", "a/b", ".hidden"):
         with pytest.raises(SwapConfigError, match="store_name"):
             claim_store_identity([tmp_path], name, 0, 1)
+
+
+def _wrap_without_resume(rank: int, world: int, tmp: str) -> str:
+    import torch.distributed as dist
+    from dist_ckpt_train import config, model
+
+    import swapper
+
+    with swapper.offload(model(), config(Path(tmp) / "swap"), dist.group.WORLD):
+        pass
+    return "wrapped"  # (not reached: refused)
+
+
+@pytest.mark.dist
+def test_wrapping_at_a_new_world_size_over_a_store_says_what_to_do(tmp_path: Path) -> None:
+    """Two ranks wrap (no resume) over the store four ranks left: every rank is refused
+    with a StoreIdentityError naming the directory, 4 against 2, and the ways on."""
+    from dist_ckpt_train import spawn
+
+    swap = tmp_path / "swap"
+    for r in range(4):  # what four ranks' wrap leaves: a store per rank{r}of4
+        claim_store_identity([swap], "swapper-offload", r, 4)
+    results = spawn(_wrap_without_resume, 2, tmp_path, join_s=120.0)
+    for res in results:
+        assert res.get("error") == "StoreIdentityError", res
+        _says_what_to_do(res["message"], swap, 4, 2)
+    assert not (swap / "rank0of2").exists()  # refused before anything was made

@@ -312,7 +312,9 @@ def _import_one(tmp: Path, source: Path, hidden: int = HIDDEN) -> tuple[Exceptio
     return info.value, refused
 
 
-@pytest.mark.parametrize("damage", ["missing", "truncated", "corrupt", "shape", "not_dcp"])
+@pytest.mark.parametrize(
+    "damage", ["missing", "truncated", "corrupt", "shape", "not_dcp", "metadata_truncated"]
+)
 def test_bad_checkpoints_are_refused_naming_the_file(
     exported: Any, damage: str, tmp_path: Path
 ) -> None:
@@ -332,6 +334,8 @@ def test_bad_checkpoints_are_refused_naming_the_file(
         victim.write_bytes(bytes(raw))
     elif damage == "shape":
         hidden = HIDDEN + 8
+    elif damage == "metadata_truncated":
+        os.truncate(broken / ".metadata", (broken / ".metadata").stat().st_size // 2)
     else:
         (broken / ".metadata").unlink()
     error, refused = _import_one(tmp_path, broken, hidden)
@@ -348,5 +352,113 @@ def test_bad_checkpoints_are_refused_naming_the_file(
     elif damage == "shape":
         assert error.path == str(broken) and "model.fc1.weight" in message
         assert "another model" in message and not refused
-    else:
-        assert error.path == str(broken / ".metadata")
+    else:  # missing, or not decodable: named, before anything was written
+        assert error.path == str(broken / ".metadata"), message
+        assert not refused
+
+
+def import_bad_run(
+    rank: int, world: int, tmp: str, cases: list[tuple[str, str, int]]
+) -> dict[str, Any]:
+    """For each ``(label, checkpoint, hidden)``: a fresh wrap of ``_model(hidden)``
+    at this world size imports it; the error (type, message, ``.path``), and whether
+    ``step()`` then refuses."""
+    out: dict[str, Any] = {}
+    for label, source, hidden in cases:
+        # (another model's shape: in memory, its gathers are over the tight device floor)
+        config = _config(tmp, {"name": f"bad-{label}", "tight": hidden == HIDDEN})
+        with swapper.offload(_model(hidden), config, dist.group.WORLD) as wrapped:
+            optimizer = OffloadAdamW(wrapped.parameters(), lr=LR, tiers=wrapped)
+            try:
+                import_dcp(wrapped, source, optimizer)
+                got: tuple[str, str, str | None] = ("no error", "", None)
+            except Exception as exc:
+                got = (type(exc).__name__, str(exc), getattr(exc, "path", None))
+            try:
+                optimizer.step()  # no gradients: a plain step, unless refused
+                refused = False
+            except StateDictError:
+                refused = True
+            out[label] = (*got, refused)
+            optimizer.close()
+    return out
+
+
+def test_bad_checkpoints_are_refused_on_every_rank_at_two_ranks(
+    exported: Any, tmp_path: Path
+) -> None:
+    """The bad inputs of the one-process test, imported at 2 ranks: a typed error on every
+    rank (the rank that found it: DcpCheckpointError naming the file; the other its own
+    or PeerFailedError), no hang, and no partial state used."""
+    tmp, _ = exported
+    cases: list[tuple[str, str, int]] = []
+    for damage in ("truncated", "corrupt", "shape"):
+        broken = tmp_path / damage
+        shutil.copytree(tmp / "dcp", broken)
+        victim = broken / "__1_0.distcp"
+        if damage == "truncated":
+            os.truncate(victim, victim.stat().st_size // 2)
+        elif damage == "corrupt":
+            offset, length = _item_in(broken, victim.name)
+            raw = bytearray(victim.read_bytes())
+            raw[offset + length // 2] ^= 0x40
+            victim.write_bytes(bytes(raw))
+        cases.append((damage, str(broken), HIDDEN + 8 if damage == "shape" else HIDDEN))
+    seen = _spawn(import_bad_run, 2, tmp_path / "run", cases)
+    for rank, out in enumerate(seen):
+        kind, message, path, refused = out["truncated"]
+        assert kind == "DcpCheckpointError", (rank, message)  # checked on every rank alike
+        assert path == str(tmp_path / "truncated" / "__1_0.distcp") and "truncated" in message
+        assert not refused  # refused before anything was written
+        kind, message, path, refused = out["shape"]
+        assert kind == "DcpCheckpointError" and path == str(tmp_path / "shape"), (rank, message)
+        assert "model.fc1.weight" in message and "another model" in message
+        assert not refused
+        kind, message, path, refused = out["corrupt"]
+        # found while loading, by the rank(s) whose slices cover the damaged bytes
+        assert kind in ("DcpCheckpointError", "PeerFailedError"), (rank, kind, message)
+        if kind == "DcpCheckpointError":
+            assert path == str(tmp_path / "corrupt" / "__1_0.distcp") and "CRC-32" in message
+        assert refused  # part old, part new: the optimizer refuses to step until a load
+    assert any(out["corrupt"][0] == "DcpCheckpointError" for out in seen)
+
+
+def frozen_run(rank: int, world: int, tmp: str) -> dict[str, Any]:
+    """Frozen fc1 and pos (left out of the optimizer): train 2 steps, export, train 1;
+    then a fresh wrap of other weights (the same frozen set) imports and trains the 1."""
+    from swapper.zero.checkpoint import final_digest
+
+    def frozen(bump: float) -> torch.nn.Module:
+        model = _model()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(bump)  # other weights: the import must bring the frozen ones too
+        for p in (*model.fc1.parameters(), model.pos.weight):  # type: ignore[union-attr]
+            p.requires_grad_(False)
+        return model
+
+    data = _batches()[:3]
+    out: dict[str, Any] = {}
+    for label, bump in (("export", 0.0), ("import", 1.0)):
+        config = _config(tmp, _variant(world, f"frozen-{label}"))
+        with swapper.offload(frozen(bump), config, dist.group.WORLD) as wrapped:
+            trainable = [p for p in wrapped.parameters() if p.requires_grad]
+            optimizer = OffloadAdamW(trainable, lr=LR, tiers=wrapped)
+            if label == "export":
+                _steps(wrapped, optimizer, rank, world, data[:2])
+                export_dcp(wrapped, Path(tmp, "frozen-dcp"), optimizer)
+            else:
+                import_dcp(wrapped, Path(tmp, "frozen-dcp"), optimizer)
+            out[f"{label}_state"] = wrapped.state_dict()
+            out[f"{label}_digest"] = final_digest(wrapped, optimizer)
+            _steps(wrapped, optimizer, rank, world, data[2:])
+            out[f"{label}_after"] = final_digest(wrapped, optimizer)
+            optimizer.close()
+    return out
+
+
+def test_frozen_parameters_round_trip_bitwise_at_two_ranks(tmp_path: Path) -> None:
+    for out in _spawn(frozen_run, 2, tmp_path):
+        _same(out["import_state"], out["export_state"])  # frozen and trained alike
+        assert out["import_digest"] == out["export_digest"]
+        assert out["import_after"] == out["export_after"]  # and training goes on the same

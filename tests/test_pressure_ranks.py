@@ -135,7 +135,6 @@ def test_nproc_2_checkpoints_and_resumes_to_the_same_digest(
         ["--nproc", "65"],
         ["--nproc", "x"],
         ["--nproc", "3"],  # the default batch of 4 does not split over 3 ranks
-        ["--nproc", "2", "--export", "somewhere"],
         ["--fetch-collective", "all_reduce"],  # one process: no collectives
         ["--reduce-dtype", "float32"],
         ["--nproc", "2", "--reduce-dtype", "float64"],
@@ -237,3 +236,35 @@ def test_sigterm_stops_the_ranks_and_removes_the_files(tmp_path: Path) -> None:
     assert not [r for r in ranks if _alive(r)]  # killed by the parent, not left training
     assert list(swap.iterdir()) == []
     assert os.path.isdir(swap)
+
+
+def test_nproc_2_resume_passes_over_bad_snapshots_to_the_last_good_one(tmp_path: Path) -> None:
+    """``--resume`` over a newest snapshot with a truncated rank part, and a commit record
+    without its parts newer still: both passed over, the run continues from the last
+    good snapshot and ends with the uninterrupted run's final_digest."""
+    from swapper.zero.snapshot_commit import commit_path, encode_commit, read_commits
+
+    swap = tmp_path / "swap"
+    swap.mkdir()
+    first, second = tmp_path / "first.json", tmp_path / "second.json"
+    base = ["--nproc", "2", "--params", str(PARAMS), "--steps", "3", "--seq", "16"]
+    base += ["--dir", str(swap), "--checkpoint-every", "1"]
+    assert main([*base, "--json", str(first)]) == 0
+    data = json.loads(first.read_text())
+    kept = swap / "swapper-pressure-checkpoint"
+    store = "swapper-offload"
+    part = kept / "rank1of2" / f"{store}.step-000000003.snap"
+    part.write_bytes(part.read_bytes()[: part.stat().st_size // 2])  # truncated
+    newest = read_commits(kept, store)[0][0]
+    assert newest.name == "step-000000003"
+    fake = encode_commit(
+        store=store, name="step-000000009", seq=newest.seq + 1, step=9, world_size=2,
+        created=newest.created, parts=list(newest.parts),
+    )  # fmt: skip
+    commit_path(kept, store, "step-000000009").write_bytes(fake)  # its parts: nowhere
+    assert main([*base, "--resume", "--json", str(second)]) == 0
+    again = json.loads(second.read_text())
+    assert again["resumed_from_step"] == 2
+    assert again["identical"] is True
+    assert again["losses"] == data["losses"][2:]
+    assert again["final_digest"] == data["final_digest"]

@@ -192,7 +192,9 @@ def test_cli_checkpoint_every_and_resume(
     assert again["resumed_from_step"] == 2
     assert len(again["losses"]) == 1 and again["losses"] == data["losses"][2:]
     assert again["final_digest"] == data["final_digest"]
-    assert "resumed from step 2" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "resumed from step 2" in out
+    assert "export: safetensors 100%" in out and "export: DCP 100%" in out  # progress
     assert again["export_seconds"] > 0
     assert (export / "model.safetensors.index.json").exists()
 
@@ -200,3 +202,23 @@ def test_cli_checkpoint_every_and_resume(
 def test_cli_resume_needs_a_dir(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--resume"]) == 2
     assert "--dir" in capsys.readouterr().err
+
+
+def test_cli_resume_passes_over_a_damaged_newest_snapshot(tmp_path: Path) -> None:
+    """``--resume`` with the newest snapshot truncated: the one before is used, and the run
+    ends with the uninterrupted run's final_digest."""
+    swap = tmp_path / "swap"
+    swap.mkdir()
+    first, second = tmp_path / "first.json", tmp_path / "second.json"
+    base = ["--params", "300k", "--steps", "3", "--seq", "16", "--dir", str(swap)]
+    base += ["--checkpoint-every", "1"]
+    assert main([*base, "--json", str(first)]) == 0
+    data = json.loads(first.read_text(encoding="utf-8"))
+    [newest] = (swap / "swapper-pressure-checkpoint").glob("*.step-000000003.snap")
+    newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])
+    assert main([*base, "--resume", "--json", str(second)]) == 0
+    again = json.loads(second.read_text(encoding="utf-8"))
+    assert again["resumed_from_step"] == 2
+    assert again["identical"] is True
+    assert again["losses"] == data["losses"][2:]
+    assert again["final_digest"] == data["final_digest"]

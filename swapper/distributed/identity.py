@@ -21,9 +21,11 @@ Refused (:class:`~swapper.distributed.errors.StoreIdentityError`, nothing writte
   e.g. a wrong ``nvme_dirs`` or a rank renumbering);
 - the directory holds the store's files but no identity file (made by something else);
 - another ``rank*of{M}`` directory with ``M != N`` beside it holds a store of that name:
-  the world size changed under an existing store. Resharding N → M belongs to the
-  checkpoint path (PyTorch Distributed Checkpoint); remove the old store with
-  ``tiers.nvme.remove_store`` or choose another ``store_name``.
+  the world size changed under an existing store. The message names the directory,
+  both world sizes and the ways on: run at the old world size (its snapshots resume
+  there), reshard through the portable form (``export_dcp`` there, ``import_dcp`` here
+  over a fresh directory), or start afresh (another directory or ``store_name``, or
+  remove the old store).
 """
 
 from __future__ import annotations
@@ -104,6 +106,24 @@ def _read(path: Path) -> tuple[int, int, str] | None:
         ) from exc  # fmt: skip
 
 
+def _world_size_changed(base: Path, rank_dir: str, store_name: str, world_size: int) -> str:
+    """The message for a store of another world size found in ``base / rank_dir``: the
+    directory, both world sizes, and the three ways on."""
+    stored = int(_RANK_DIR.match(rank_dir).group(2))  # type: ignore[union-attr]  # matched
+    return (
+        f"NVMe directory {base} holds store {store_name!r} made by a run of world size "
+        f"{stored} ({base / rank_dir}, ...), but this run has world size {world_size}; a "
+        "store cannot change its world size. Either (1) run at world size "
+        f"{stored} (offload(..., resume=True) continues from its newest committed "
+        f"snapshot); or (2) reshard: at world size {stored}, resume and "
+        "swapper.zero.export_dcp(wrapped, DIR, optimizer), then here, over a fresh "
+        "directory, swapper.zero.import_dcp(wrapped, DIR, optimizer); or (3) start "
+        f"afresh: another nvme_dirs or store_name, or delete the old store (each "
+        f"{base}/rank*of{stored} directory, tiers.nvme.remove_store) if nothing in it "
+        "is needed"
+    )
+
+
 def claim_store_identity(
     nvme_dirs: Sequence[str | os.PathLike[str]], store_name: str, rank: int, world_size: int
 ) -> tuple[Path, ...]:
@@ -136,10 +156,7 @@ def claim_store_identity(
             m = _RANK_DIR.match(name)
             if m and int(m.group(2)) != world_size and _has_store(base / name, store_name):
                 raise StoreIdentityError(
-                    f"{base / name} holds store {store_name!r} of a run with world size "
-                    f"{m.group(2)}, but this run has world size {world_size}: resharding a "
-                    "store is not supported (load a checkpoint instead); remove the old "
-                    "store with tiers.nvme.remove_store, or choose another store_name",
+                    _world_size_changed(base, name, store_name, world_size),
                     path=str(base / name), expected=expected,
                     found=(int(m.group(1)), int(m.group(2))),
                 )  # fmt: skip

@@ -40,6 +40,7 @@ from swapper.cli_args import (
     size_arg,
     write_json,
 )
+from swapper.pressure.export import DCP_SUBDIR, existing_export
 from tiers.config import AioConfig
 
 if TYPE_CHECKING:
@@ -136,7 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--export",
         type=Path,
         metavar="DIR",
-        help="after the run, write its weights to DIR as safetensors shards + index",
+        help="after the run, write its final state to DIR: the 16-bit weights as "
+        f"safetensors shards + index, and weights + optimizer state as a PyTorch "
+        f"Distributed Checkpoint in DIR/{DCP_SUBDIR} (with --nproc N: every rank takes part)",
     )
     p.add_argument(
         "--nproc",
@@ -189,11 +192,13 @@ def _run(argv: list[str]) -> int:
     check_output_path("--json", args.json)
     if (args.checkpoint_every is not None or args.resume) and not args.dirs:
         parser.error("--checkpoint-every and --resume need --dir (the snapshots outlive the run)")
+    if args.export is not None and args.export.exists() and not args.export.is_dir():
+        parser.error(f"--export {args.export}: not a directory")
+    if args.export is not None and (found := existing_export(args.export)) is not None:
+        parser.error(f"--export {args.export}: {found} exists; export into an empty directory")
     if args.nproc == 1 and (args.fetch_collective or args.reduce_dtype):
         parser.error("--fetch-collective and --reduce-dtype need --nproc N > 1 (collectives)")
     if args.nproc > 1:
-        if args.export is not None:
-            parser.error("--export is single-process for now (--nproc 1)")
         if args.overlap:
             parser.error("--overlap is single-process for now (--nproc 1)")
         if args.moments != "fp32":
@@ -301,6 +306,8 @@ def _ranks_summary(res: RanksResult) -> str:
             f"{show_nbytes(r.offload_nbytes)} during backward; stalled "
             f"{100 * r.stall_fraction:.1f}% of {r.seconds:.2f} s"
         )
+    if res.export_seconds is not None:
+        lines.append(_export_line(res.settings.export_dir, res.export_seconds))
     lines.append(f"final_digest {res.final_digest}")
     balance = res.offload_balance
     lines.append(
@@ -360,9 +367,7 @@ def _summary(res: PressureResult) -> str:
             f"{show_nbytes(snap.nbytes)} of state in {snap.seconds:.3f} s"
         )
     if res.export_seconds is not None:
-        lines.append(
-            f"export: {show_nbytes(2 * res.num_params)} of weights in {res.export_seconds:.2f} s"
-        )
+        lines.append(_export_line(res.settings.export_dir, res.export_seconds))
     lines.append(f"final digest {res.final_digest}")
     lines.append(
         "result: "
@@ -370,3 +375,10 @@ def _summary(res: PressureResult) -> str:
         + (", within budgets" if res.within_budgets else ", OVER BUDGET")
     )
     return "\n".join(lines)
+
+
+def _export_line(directory: Path | None, seconds: float) -> str:
+    return (
+        f"export: safetensors and a Distributed Checkpoint ({DCP_SUBDIR}/) in {directory}, "
+        f"{seconds:.2f} s"
+    )

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from swapper.manager import Kind, Tier
+from swapper.pressure.export import export_final
 from swapper.pressure.memory import peak_rss
 from swapper.pressure.model import GPT, GPTConfig, batches, materialize_
 from swapper.pressure.ranks_report import (
@@ -212,6 +213,12 @@ def _train(
                 if keep_params:
                     params[name] = tensor.clone()
         digest = final_digest(wrapped, optimizer)  # type: ignore[arg-type]  # duck-typed
+        export_s = None
+        if dirs is not None and settings.export_dir is not None:  # every rank alike
+            shown = _say_flushed if rank == 0 else None
+            export_s = export_final(wrapped, optimizer, settings.export_dir, shown)
+            if shown is not None:
+                shown(f"  pressure: exported to {settings.export_dir} in {export_s:.2f} s")
         report = RankReport(
             rank=rank,
             losses=losses,
@@ -229,11 +236,16 @@ def _train(
             model_s=model_s,
             optimizer_s=optimizer_s,
             snapshots=snapshots,
+            export_seconds=export_s,
         )
         return _Trained(report, params)
     finally:
         optimizer.close()
         wrapped.close()
+
+
+def _say_flushed(line: str) -> None:
+    print(line, flush=True)  # (a rank's stdout is a pipe: flushed per line)
 
 
 def _state_nbytes(wrapped: Any, model_config: GPTConfig) -> dict[str, int]:

@@ -113,12 +113,13 @@ def run_ranks(
     ``<dir>/swapper-pressure-checkpoint``; kept after the run, as the single-process
     runner keeps its store); with ``settings.resume`` they continue from the newest
     committed snapshot of the same world size (or start afresh) and their losses are
-    those of the steps after it. Export is not supported here.
+    those of the steps after it. With ``settings.export_dir`` the budgeted ranks export
+    their final state there together (:func:`~swapper.pressure.export.export_final`:
+    safetensors written by rank 0, a Distributed Checkpoint with a part per rank).
 
     Raises:
         SwapConfigError: ``nproc`` out of 2..MAX_NPROC, the batch not a multiple of it,
-            export asked for, or a bad ``fetch_collective`` /
-            ``reduce_dtype``.
+            or a bad ``fetch_collective`` / ``reduce_dtype``.
         RankFailedError: a rank failed (its error in the message).
         SwapError, OSError: the single-process run failed.
     """
@@ -129,8 +130,6 @@ def run_ranks(
             f"batch={settings.batch} must be a multiple of nproc={nproc} (each rank trains "
             "batch / nproc sequences of every step)"
         )
-    if settings.export_dir is not None:
-        raise SwapConfigError("export is single-process for now (nproc 1)")
     distributed = DistributedConfig(  # checked here, before any rank starts
         timeout_s=timeout_s, fetch_collective=fetch_collective, reduce_dtype=reduce_dtype
     )

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from swapper.distributed.balance import BalanceReport, balance_report
+from swapper.pressure.export import export_json
 from swapper.pressure.model import GPTConfig
 from swapper.pressure.runner import PressureSettings
 
@@ -46,6 +47,8 @@ class RankReport:
     optimizer_s: list[float] = dataclasses.field(default_factory=list)
     #: the snapshots taken (name, step, seconds, written_bytes, state_bytes: this rank's)
     snapshots: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    #: seconds this rank spent in the export (``--export``; None: no export)
+    export_seconds: float | None = None
 
     @property
     def stall_fraction(self) -> float:
@@ -91,6 +94,12 @@ class RanksResult:
         """The budgeted ranks' :func:`~swapper.zero.checkpoint.final_digest` (the same on
         every rank, and at any world size for the same training)."""
         return self.per_rank[0].digest
+
+    @property
+    def export_seconds(self) -> float | None:
+        """The slowest rank's export seconds (None: no export)."""
+        times = [r.export_seconds for r in self.per_rank if r.export_seconds is not None]
+        return max(times) if times else None
 
     @property
     def offload_balance(self) -> BalanceReport:
@@ -144,6 +153,8 @@ class RanksResult:
                 "optimizer_seconds": self.per_rank[0].optimizer_s,
             },
             "snapshots": self.per_rank[0].snapshots,
+            # the slowest rank's: the export is done when every rank's part is
+            **export_json(self.settings.export_dir, self.export_seconds),
             "offload_balance": {
                 "max_over_mean": self.offload_balance.max_over_mean,
                 "worst_window": self.offload_balance.worst_window,
@@ -165,6 +176,7 @@ class RanksResult:
                     "reference_seconds": ref.seconds,
                     "peak_rss_bytes": r.peak_rss_bytes,
                     "final_digest": r.digest,
+                    "export_seconds": r.export_seconds,
                     "reference_final_digest": ref.digest,
                 }
                 for r, ref in zip(self.per_rank, self.reference_per_rank, strict=True)

@@ -45,13 +45,13 @@ import torch
 from swapper.cli_args import show_nbytes
 from swapper.interrupts import critical
 from swapper.manager import Kind, Tier
+from swapper.pressure.export import export_final, export_json
 from swapper.pressure.memory import SavedBytes, peak_rss, reset_peak_rss, return_freed_memory
 from swapper.pressure.model import GPT, GPTConfig, batches, materialize_
 from swapper.pressure.timing import Phases, Timing, measure_disk, plain_run
 from swapper.step import DynamicLossScaler, OffloadAdamW, StepConfig
 from swapper.zero.checkpoint import SnapshotReport, final_digest, save_snapshot
 from swapper.zero.config import OffloadConfig
-from swapper.zero.export import export_safetensors
 from swapper.zero.offload import OffloadedModel
 from tiers.config import AioConfig
 from tiers.errors import SwapConfigError
@@ -84,7 +84,8 @@ class PressureSettings:
         checkpoint_every: take a training snapshot every this many steps (None: never).
         resume: continue from the newest usable snapshot in the checkpoint store.
         keep_last: snapshots kept.
-        export_dir: after the pressure run, export its weights there as safetensors.
+        export_dir: after the pressure run, export its final state there: safetensors of
+            the weights and a Distributed Checkpoint (:mod:`swapper.pressure.export`).
         overlap: the budgeted run overlaps each optimizer step with the next forward
             (``StepConfig(overlap=True)``); the unlimited reference does not, so the
             comparison checks that it changes no result.
@@ -179,7 +180,7 @@ class PressureResult:
     reference_final_digest: str = ""
     resumed_from_step: int = 0
     snapshots: tuple[SnapshotReport, ...] = ()
-    export_seconds: float | None = None  # (of 2 B x num_params)
+    export_seconds: float | None = None  # safetensors + DCP (swapper.pressure.export)
     timing: Timing | None = None  # seconds per step, I/O floor, stall split
     #: optimizer state bytes per parameter read from / written to NVMe by the last step
     state_read_bytes_per_param: float = 0.0
@@ -262,7 +263,7 @@ class PressureResult:
             "final_digest": self.final_digest,
             "reference_final_digest": self.reference_final_digest,
             "resumed_from_step": self.resumed_from_step,
-            "export_seconds": self.export_seconds,
+            **export_json(self.settings.export_dir, self.export_seconds),
             "snapshots": [
                 {
                     "name": s.name,
@@ -452,9 +453,8 @@ def _train(
         digest = final_digest(wrapped, optimizer)
         export_s = None
         if checkpoint and settings.export_dir is not None:
-            export_s = time.perf_counter()
-            export_safetensors(wrapped, settings.export_dir)
-            export_s = time.perf_counter() - export_s
+            export_s = export_final(wrapped, optimizer, settings.export_dir, say)
+            say(f"  {label}: exported to {settings.export_dir} in {export_s:.2f} s")
         # close rather than give the whole model back into memory (leaving the block would)
         optimizer.close()
         wrapped.close()

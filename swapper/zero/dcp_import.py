@@ -29,15 +29,31 @@ def check(
     metadata: Metadata, where: Path, owned: list[_Owned], optimizer: OffloadAdamW | None
 ) -> None:
     """Every tensor the model (and optimizer) needs is in the checkpoint, of its shape
-    and dtype, and the checkpoint holds no parameter the model lacks."""
+    and dtype, and the checkpoint holds no parameter the model lacks.
+
+    Optimizer rows are needed only for the parameters the optimizer holds: a frozen
+    parameter (``requires_grad=False``, left out of it) is exported without them, and
+    imported as a weight only; rows the checkpoint has for a parameter this optimizer
+    does not hold are not read."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     tensors = metadata.state_dict_metadata
     needed = [(f"model.{o.name}", o.shape, o.dtype) for o in owned]
     if optimizer is not None:
-        needed += [
-            (f"optim.{r}.{o.name}", o.shape, torch.float32) for o in owned for r in STATE_ROWS
-        ]
+        held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        for o in owned:
+            if id(o.param) not in held:
+                continue
+            missing = [r for r in STATE_ROWS if f"optim.{r}.{o.name}" not in tensors]
+            if missing and f"model.{o.name}" in tensors:
+                raise DcpCheckpointError(
+                    where,
+                    f"has no optimizer state for {o.name} (optim.{missing[0]}.{o.name} is "
+                    "missing: was it frozen, left out of the optimizer, when exported?); "
+                    "leave it out of this optimizer too, or import the weights alone "
+                    "(optimizer=None)",
+                )
+            needed += [(f"optim.{r}.{o.name}", o.shape, torch.float32) for r in STATE_ROWS]
         if "optim.step" not in tensors:
             raise DcpCheckpointError(
                 where, "optim.step is missing (exported without an optimizer?)"
