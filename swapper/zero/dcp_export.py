@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 import warnings
 from collections.abc import Callable
@@ -54,7 +55,7 @@ from swapper.distributed import DistGroup, agree
 from swapper.step.layout import STATE_ROWS
 from swapper.zero.dcp_reshard import Box, DcpCheckpointError, flat_boxes
 from swapper.zero.sharded import ShardedModel
-from swapper.zero.weights import _held, write_through
+from swapper.zero.weights import _held, _rw_tier, check_unwritten, write_through
 from tiers import signals
 from tiers.errors import SwapConfigError
 
@@ -87,6 +88,9 @@ class _Owned:
     end: int
     read: Callable[[int, torch.Tensor], None]  # (local start, 1-D out): out filled
     write: Callable[[torch.Tensor], None]  # the whole local part, 1-D
+    # (local start, numel): the values in the tier's memory, held until the returned
+    # call; None where it cannot be held (then ``read`` copies them)
+    hold: Callable[[int, int], tuple[torch.Tensor, Callable[[], None]] | None] | None = None
 
 
 def _owned(model: OffloadedModel | ShardedModel) -> tuple[list[_Owned], DistGroup | None]:
@@ -117,9 +121,25 @@ def _owned(model: OffloadedModel | ShardedModel) -> tuple[list[_Owned], DistGrou
         def write_one(flat: torch.Tensor, s: Any = slot) -> None:
             write_through(model, s, flat.view(s.shape))
 
+        def hold_one(
+            at: int, n: int, s: Any = slot
+        ) -> tuple[torch.Tensor, Callable[[], None]] | None:
+            # as _held, for a parameter no forward holds (else a copy: ``read``), kept
+            # fetched until the writer is done with it (the export's own record)
+            if model._closed or s.users:
+                return None
+            if model._param_gate is not None:
+                model._param_gate(s.param)
+            check_unwritten(s)
+            manager = model.manager
+            with signals.at_waits:  # fetched and recorded in one section
+                tensor = manager.fetch(s.key, _rw_tier(model))
+                done = functools.partial(manager.release, s.key, modified=False)
+            return tensor.view(-1)[at : at + n], done
+
         numel = slot.shape.numel()
         out.append(_Owned(slot.name, slot.param, slot.shape, slot.dtype, 0, numel, read_one,
-                          write_one))  # fmt: skip
+                          write_one, hold_one))  # fmt: skip
     return out, None
 
 
@@ -162,6 +182,8 @@ class _SubGroupCache:
         self._index = -1
         self._state: torch.Tensor | None = None
         self._key: str | None = None
+        # called before a sub-group is let go: the writer's requests reading it end
+        self.before_release: Callable[[], None] | None = None
 
     def get(self, index: int) -> torch.Tensor:
         if index != self._index or self._state is None:
@@ -183,10 +205,14 @@ class _SubGroupCache:
         return self._state
 
     def release_all(self) -> None:
-        key, self._key = self._key, None
-        self._state, self._index = None, -1
-        if key is not None:
-            self._pipeline.manager.release(key, modified=False)
+        try:
+            if self._state is not None and self.before_release is not None:
+                self.before_release()  # views of it may be in flight (zero-copy writes)
+        finally:  # (a failed drain waited for every request before raising)
+            key, self._key = self._key, None
+            self._state, self._index = None, -1
+            if key is not None:
+                self._pipeline.manager.release(key, modified=False)
 
 
 def _spans(optimizer: OffloadAdamW) -> dict[int, list[tuple[int, int, int, int]]]:
@@ -230,17 +256,19 @@ def _optimizer_sources(
             for box in boxes:
                 for row, row_name in enumerate(STATE_ROWS):
 
-                    def gather(
-                        dest: torch.Tensor, row: int = row, index: int = index,
-                        offset: int = offset, at: int = at, box: Any = box, o: Any = o,
-                    ) -> None:  # fmt: skip
-                        if not box.numel:
-                            return
+                    def view(
+                        row: int = row, index: int = index, offset: int = offset,
+                        at: int = at, box: Any = box, o: Any = o,
+                    ) -> torch.Tensor:  # fmt: skip
                         start = offset + box.flat_start - o.start - at  # in the sub-group
-                        dest.copy_(cache.get(index)[row, start : start + box.numel])
+                        return cache.get(index)[row, start : start + box.numel]
+
+                    def gather(dest: torch.Tensor, view: Any = view, box: Any = box) -> None:
+                        if box.numel:
+                            dest.copy_(view())
 
                     out.append(BoxSource(f"optim.{row_name}.{o.name}", box, o.shape,
-                                         torch.float32, gather))  # fmt: skip
+                                         torch.float32, gather, view))  # fmt: skip
     return out
 
 
@@ -283,10 +311,9 @@ def export_dcp(
         and what the tiers raise.
     """
     # (imported here: torch.distributed.checkpoint is heavy, and only an export needs it)
-    from torch.distributed.checkpoint.filesystem import FileSystemWriter
     from torch.distributed.checkpoint.state_dict_saver import save
 
-    from swapper.zero.dcp_io import AioFileSystem
+    from swapper.zero.dcp_io import AioStorageWriter
     from swapper.zero.dcp_planners import BoxSource, StreamingSavePlanner
 
     out = Path(directory)
@@ -304,7 +331,11 @@ def export_dcp(
                 def fill(dest: torch.Tensor, o: _Owned = o, box: Any = box) -> None:
                     o.read(box.flat_start - o.start, dest)
 
-                sources.append(BoxSource(f"model.{o.name}", box, o.shape, o.dtype, fill))
+                hold = None
+                if o.hold is not None:
+                    hold = functools.partial(o.hold, box.flat_start - o.start, box.numel)
+                sources.append(BoxSource(f"model.{o.name}", box, o.shape, o.dtype, fill,
+                                         hold=hold))  # fmt: skip
         if optimizer is not None and cache is not None:
             if optimizer.manager is not model.manager:
                 raise SwapConfigError("export_dcp: the optimizer keeps its state elsewhere")
@@ -315,14 +346,12 @@ def export_dcp(
     sources = _agreed(group, "export_dcp: checking what to write", plan)
     state_dict = _meta(optimizer) if optimizer is not None else {}
     out.mkdir(parents=True, exist_ok=True)
-    # one thread, nothing copied ahead: DCP's serial loader (the planner's staging
-    # buffers rely on it); the files written through the AIO engine (dcp_io)
-    writer = FileSystemWriter(
-        out, single_file_per_rank=True, thread_count=1, sync_files=True, per_thread_copy_ahead=0
-    )
-    fs = AioFileSystem()
-    writer.fs = fs
-    planner = StreamingSavePlanner(sources, progress, fs.position)
+    # each rank's file through the AIO engine, the optimizer state straight from the
+    # sub-group (dcp_io); a sub-group is let go only once its writes completed
+    writer = AioStorageWriter(out)
+    if cache is not None:
+        cache.before_release = writer.drain
+    planner = StreamingSavePlanner(sources, progress)
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=_IGNORED)
@@ -334,10 +363,11 @@ def export_dcp(
                 no_dist=group is None,
             )
     finally:
-        if cache is not None:
-            cache.release_all()
-        fs.close()  # the engine first (requests in flight end), then the blocks
-        planner.close()
+        try:
+            if cache is not None:
+                cache.release_all()  # (after the writer's requests ended)
+        finally:
+            writer.close()  # the engine first (requests in flight end), then the slots
     return out
 
 
