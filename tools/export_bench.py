@@ -14,7 +14,10 @@ disk of the same round, and the median over rounds is printed (goal: >= 0.8).
 it (the export then reads every byte it writes from the same disk). A progress line
 (bytes, percent, MB/s, on stderr) is printed during each export, about once a second.
 
-    python tools/export_bench.py --dir /mnt/nvme --params 100M --rounds 2 --state host
+    python tools/export_bench.py --dir /mnt/nvme --params 100M --rounds 3 --state host
+
+Round 1 also pays what a process pays once (importing torch.distributed.checkpoint,
+the archive templates): the median over rounds is the steady figure.
 """
 
 from __future__ import annotations
@@ -90,6 +93,11 @@ def _config(work: Path, state: str, n_params: int) -> OffloadConfig:
     )
 
 
+def loadavg() -> float:
+    """The 1-minute load average (other processes competing for the CPUs and the disk)."""
+    return float(Path("/proc/loadavg").read_text().split()[0])
+
+
 def export_once(work: Path, model: Any, optimizer: OffloadAdamW, round_: int) -> tuple[int, float]:
     """(bytes on disk, seconds) of one export into a fresh directory (removed after)."""
     target = work / f"export{round_}"
@@ -107,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dir", type=Path, required=True, help="the disk's directory")
     p.add_argument("--params", type=size_arg, default=100_000_000, help="model size (elements)")
     p.add_argument("--disk-size", type=size_arg, default=1 << 30, help="swapper-bench --size")
-    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--state", choices=("host", "nvme"), default="host")
     p.add_argument("--json", type=Path, help="write the figures as JSON")
     args = p.parse_args(argv)
@@ -128,12 +136,14 @@ def main(argv: list[str] | None = None) -> int:
                 disk = disk_write_gbps(args.dir, args.disk_size, work)
                 nbytes, seconds = export_once(work, model, optimizer, r)
                 gbps = nbytes / seconds / 1e9
+                load = loadavg()
                 rows.append({"disk_write_gbps": disk, "export_gbps": gbps,
                              "export_nbytes": nbytes, "export_seconds": seconds,
-                             "ratio": gbps / disk})  # fmt: skip
+                             "ratio": gbps / disk, "loadavg_1min": load})  # fmt: skip
                 print(
                     f"round {r + 1}: disk write {disk:.2f} GB/s, export {nbytes / 1e9:.2f} GB "
-                    f"in {seconds:.2f} s = {gbps:.2f} GB/s, ratio {gbps / disk:.2f}",
+                    f"in {seconds:.2f} s = {gbps:.2f} GB/s, ratio {gbps / disk:.2f} "
+                    f"(load {load:.1f})",
                     flush=True,
                 )
     finally:

@@ -23,9 +23,13 @@ dimension, as a ``ShardedTensor`` with several local shards has them) through DC
 planner, writer and collectives; the metadata file records every chunk of every rank.
 One file per rank (``__<rank>_0.distcp``) plus ``.metadata``.
 
-Streamed: a chunk's values are fetched from the tiers only when the writer asks for
-them; a sub-group's optimizer state is read once for the parameters in it that come in a
-row. No rank ever holds more than one parameter's local part and one sub-group. The
+Streamed, without copies: a chunk's values are fetched from the tiers only when the
+writer asks for them, and written from the tier's memory (:mod:`swapper.zero.dcp_io`:
+O_DIRECT, XXH3 checksums in a sidecar per file); a sub-group's optimizer state is read
+once for the parameters in it that come in a row, and let go once its writes completed.
+No rank ever holds more than a few parameters' local parts (those being written,
+:data:`~swapper.zero.dcp_io.HELD_LEASES`) and two sub-groups (the one being written, the
+one being read). The
 import reads, per parameter, only the slices the rank owns under the new partition
 (``M``'s), from whichever saved chunks overlap them, in batches of at most
 :data:`LOAD_BATCH_NBYTES`.
@@ -173,17 +177,18 @@ def _agreed(group: DistGroup | None, what: str, work: Callable[[], Any]) -> Any:
 
 
 class _SubGroupCache:
-    """The sub-group being read, fetched (pinned in memory, not copied: on a VM a fresh
-    copy costs more in page faults than the disk write) until another is needed, so one
-    at a time, within any budget; :meth:`release_all` at the end."""
+    """The sub-group being read, fetched (pinned in memory, not copied: the writer
+    sends its rows to the disk from there) until another is needed; then let go once the
+    writes reading it completed (``release_later``), so at most the one being written
+    and the one being read are held; :meth:`release_all` at the end."""
 
     def __init__(self, optimizer: OffloadAdamW) -> None:
         self._pipeline = optimizer._pipeline
         self._index = -1
         self._state: torch.Tensor | None = None
         self._key: str | None = None
-        # called before a sub-group is let go: the writer's requests reading it end
-        self.before_release: Callable[[], None] | None = None
+        # how a sub-group is let go: after the writer's requests reading it completed
+        self.release_later: Callable[[Callable[[], None]], None] | None = None
 
     def get(self, index: int) -> torch.Tensor:
         if index != self._index or self._state is None:
@@ -205,14 +210,15 @@ class _SubGroupCache:
         return self._state
 
     def release_all(self) -> None:
-        try:
-            if self._state is not None and self.before_release is not None:
-                self.before_release()  # views of it may be in flight (zero-copy writes)
-        finally:  # (a failed drain waited for every request before raising)
-            key, self._key = self._key, None
-            self._state, self._index = None, -1
-            if key is not None:
-                self._pipeline.manager.release(key, modified=False)
+        key, self._key = self._key, None
+        self._state, self._index = None, -1
+        if key is None:  # (one the pipeline keeps, or decoded: nothing fetched)
+            return
+        release = functools.partial(self._pipeline.manager.release, key, modified=False)
+        if self.release_later is not None:  # views of it may be in flight (zero-copy)
+            self.release_later(release)
+        else:
+            release()
 
 
 def _spans(optimizer: OffloadAdamW) -> dict[int, list[tuple[int, int, int, int]]]:
@@ -350,7 +356,7 @@ def export_dcp(
     # sub-group (dcp_io); a sub-group is let go only once its writes completed
     writer = AioStorageWriter(out)
     if cache is not None:
-        cache.before_release = writer.drain
+        cache.release_later = writer.after_writes
     planner = StreamingSavePlanner(sources, progress)
     try:
         with warnings.catch_warnings():

@@ -42,7 +42,9 @@ import dataclasses
 import functools
 import io
 import json
+import logging
 import os
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO, cast
@@ -66,6 +68,8 @@ from tiers.config import DIRECT_ALIGNMENT, AioConfig
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.planner import WriteItem
 
+_log = logging.getLogger(__name__)
+
 __all__ = [
     "DIRECT_MIN_NBYTES",
     "IN_FLIGHT_NBYTES",
@@ -88,7 +92,7 @@ HELD_LEASES = 4
 #: The checksum file of data file ``F`` is ``F + SIDECAR_SUFFIX``.
 SIDECAR_SUFFIX = ".xxh3.json"
 _ALGORITHM = "xxh3_64"
-_AIO = AioConfig(block_size=4 << 20, queue_depth=32)
+_AIO = AioConfig(block_size=8 << 20, queue_depth=32)  # (swapper-bench disk's defaults)
 
 
 def item_digest(data: Any) -> str:
@@ -190,11 +194,12 @@ class _File:
         self.end = 0  # bytes placed (the file's length at the end)
         self.pending = bytearray()  # buffered bytes for [pending_at, end)
         self.pending_at = 0
+        # (future, bytes, staging slot's release, whether it holds tier memory)
         self.flight: collections.deque[tuple[IOFuture, int, Callable[[], None] | None, bool]] = (
             collections.deque()
         )
         self.flight_nbytes = 0
-        self.held = 0  # requests in flight whose release lets tier memory go
+        self.held = 0  # requests in flight holding tier memory
 
     def put(self, data: Any) -> None:
         """Buffered bytes at the end."""
@@ -214,19 +219,48 @@ class _File:
         self.pending_at = self.end
 
     def direct(
-        self, body: torch.Tensor, release: Callable[[], None] | None, held: bool = False
+        self,
+        body: torch.Tensor,
+        release: Callable[[], None] | None,
+        free: Callable[[], None] | None,
     ) -> None:
-        """``body`` (aligned address and length) written at the end, from its memory."""
+        """``body`` (aligned address and length) written at the end, from its memory;
+        ``release`` called by :meth:`wait_one` (this thread), ``free`` (tier memory) as
+        soon as the request completed, by whichever thread completes it: this thread
+        may be waiting for that memory in a fetch meanwhile."""
         self.flush()  # (the region before it: it may share no page with the body)
         nbytes = body.numel()
         while self.flight and self.flight_nbytes + nbytes > IN_FLIGHT_NBYTES:
             self.wait_one()
         future = self.engine.pwrite(body, self.file, self.end, nbytes)
-        self.flight.append((future, nbytes, release, held))
+        self.flight.append((future, nbytes, release, free is not None))
+        if free is not None:
+            future.add_done_callback(_quietly(free))
         self.flight_nbytes += nbytes
-        self.held += held
+        self.held += free is not None
         self.end += nbytes
         self.pending_at = self.end
+
+    def after_writes(self, call: Callable[[], None]) -> None:
+        """``call()`` once every request in flight now completed (at once if none is),
+        from whichever thread completes the last."""
+        futures = [f for f, *_ in self.flight if not f.done()]
+        if not futures:
+            call()
+            return
+        left = [len(futures)]
+        lock = threading.Lock()
+        quiet = _quietly(call)
+
+        def one(_: Any) -> None:
+            with lock:
+                left[0] -= 1
+                last = left[0] == 0
+            if last:
+                quiet(_)
+
+        for future in futures:
+            future.add_done_callback(one)
 
     def wait_one(self) -> None:
         future, nbytes, release, held = self.flight.popleft()
@@ -307,10 +341,14 @@ class AioStorageWriter(FileSystemWriter):
         self._file: _File | None = None
         self._staging: _Staging | None = None
 
-    def drain(self) -> None:
-        """Every write in flight completed: tier memory leased to it may be let go."""
-        if self._file is not None:
-            self._file.drain()
+    def after_writes(self, call: Callable[[], None]) -> None:
+        """``call()`` once the writes in flight now completed (at once if there are
+        none), perhaps from the engine's thread: how a lease's owner lets its memory go
+        (the export's sub-group cache), without waiting for them here."""
+        if self._file is None:
+            call()
+        else:
+            self._file.after_writes(call)
 
     def close(self) -> None:
         """Close the engine (requests in flight end), then free the staging slots."""
@@ -382,11 +420,13 @@ class AioStorageWriter(FileSystemWriter):
             hasher = xxhash.xxh3_64(template.prefix)
             # (hashed after a direct request is submitted: the disk writes meanwhile;
             # the memory stays until the request completed, which is waited for later)
-            left = self._write_tensor(file, template, raw, _chain(release, done), done is not None)
+            direct = self._write_tensor(file, template, raw, release, done)
             hasher.update(raw.numpy().data)
             hasher.update(template.suffix)
-            if left is not None:
-                left()
+            if not direct:
+                for call in (release, done):
+                    if call is not None:
+                        call()
             record(item, file.end - template.length, template.length, hasher.hexdigest())
         file.finish(self.sync_files)
         sidecar = path.with_name(name + SIDECAR_SUFFIX)
@@ -408,17 +448,17 @@ class AioStorageWriter(FileSystemWriter):
         template: _Template,
         raw: torch.Tensor,
         release: Callable[[], None] | None,
-        held: bool,
-    ) -> Callable[[], None] | None:
-        """The archive of ``raw`` at the end of ``file``: its aligned body directly from
-        ``raw``'s memory when it is large, ``release`` called once that request completed;
-        else copied, and ``release`` returned (the caller's to call when done with it)."""
+        free: Callable[[], None] | None,
+    ) -> bool:
+        """The archive of ``raw`` at the end of ``file``: True, its aligned body directly
+        from ``raw``'s memory (large), ``release`` and ``free`` called when that request
+        completed (:meth:`_File.direct`); False: copied, both the caller's to call."""
         nbytes = raw.numel()
         if nbytes < DIRECT_MIN_NBYTES:
             file.put(template.prefix)
             file.put(raw.numpy())
             file.put(template.suffix)
-            return release
+            return False
         # the data's file offset gets the phase of its address: its body goes direct
         address = raw.data_ptr()
         start = file.end + (address - file.end - len(template.prefix)) % DIRECT_ALIGNMENT
@@ -427,20 +467,22 @@ class AioStorageWriter(FileSystemWriter):
         head = -address % DIRECT_ALIGNMENT
         body = (nbytes - head) // DIRECT_ALIGNMENT * DIRECT_ALIGNMENT
         file.put(raw[:head].numpy())
-        file.direct(raw[head : head + body], release, held)
+        file.direct(raw[head : head + body], release, free)
         file.put(raw[head + body :].numpy())
         file.put(template.suffix)
-        return None
+        return True
 
 
-def _chain(*calls: Callable[[], None] | None) -> Callable[[], None] | None:
-    todo = [c for c in calls if c is not None]
-    if not todo:
-        return None
+def _quietly(call: Callable[[], None]) -> Callable[[Any], None]:
+    """``call`` as a future's done-callback: run whatever the future's outcome (the
+    memory is no longer read either way); a failure logged, as the completing thread
+    has no one to raise it to."""
 
-    def run() -> None:
-        for call in todo:
+    def run(_: Any) -> None:
+        try:
             call()
+        except Exception:
+            _log.exception("export: releasing tier memory after a write failed")
 
     return run
 

@@ -4,9 +4,11 @@
 
 Built on DCP's extension points, not on a format of our own: a ``SavePlanner`` whose
 plan adds SHARD write items (as DCP makes for a ``ShardedTensor``'s local shards) and
-resolves their data late; a ``LoadPlanner`` whose read items come from DCP's
-``create_read_items_for_chunk_list`` (its resharding rule); a ``FileSystemReader``
-that checks each item's CRC-32 and names the file at fault.
+resolves their data late (lent to :class:`~swapper.zero.dcp_io.AioStorageWriter`
+without a copy where the source allows); a ``LoadPlanner`` whose read items come from
+DCP's ``create_read_items_for_chunk_list`` (its resharding rule); a
+``FileSystemReader`` that checks each item's checksum (the writer's XXH3-64 sidecar, or
+the zip CRC-32 without one) and names the file at fault.
 """
 
 from __future__ import annotations
@@ -58,10 +60,10 @@ class BoxSource:
 
     ``fill(dest)`` writes the box's values into a flat tensor (a copy); ``view()``, when
     given, is preferred by writers that can use it: the box's values in the memory they
-    live in (flat, contiguous), valid until the writer's ``drain()`` (whoever owns that
-    memory calls it before letting the memory go); ``hold()``, when given and it returns
-    something, likewise but held until the call returned with it (the writer calls it
-    once it is done with the memory)."""
+    live in (flat, contiguous), valid until the writes in flight complete (whoever owns
+    that memory lets it go through the writer's ``after_writes``); ``hold()``, when given
+    and it returns something, likewise but held until the call returned with it (the
+    writer calls it once it is done with the memory)."""
 
     fqn: str
     box: Box
