@@ -82,13 +82,13 @@ __all__ = [
 #: ones are copied into the buffered writes (a 4 KiB gap each would cost more).
 DIRECT_MIN_NBYTES = 256 << 10
 #: Bytes of direct writes in flight at most (the disk wants many requests queued).
-IN_FLIGHT_NBYTES = 128 << 20
+IN_FLIGHT_NBYTES = 512 << 20
 #: Staging slots for items that are copied (a sharded model's 16-bit weights): each
 #: reused once its write completed.
 STAGING_SLOTS = 4
 #: Items whose tier memory is held for their write (a parameter fetched), in flight at
 #: most: what the tiers must fit besides what they already hold.
-HELD_LEASES = 4
+HELD_LEASES = 16
 #: The checksum file of data file ``F`` is ``F + SIDECAR_SUFFIX``.
 SIDECAR_SUFFIX = ".xxh3.json"
 _ALGORITHM = "xxh3_64"
