@@ -438,6 +438,10 @@ class AioStorageWriter(FileSystemWriter):
                 os.fsync(f.fileno())
         file.close()
         self._file = None
+        # nothing in flight: the engine closes meanwhile (io_destroy waits out an RCU
+        # grace period, ~20-40 ms measured), while DCP writes the metadata
+        engine, self._engine = self._engine, None
+        threading.Thread(target=engine.close, name="swapper-dcp-engine-close", daemon=True).start()
         done_future: Future[list[WriteResult]] = Future()
         done_future.set_result(results)
         return done_future
