@@ -155,3 +155,29 @@ def test_a_damaged_sidecar_is_named(tmp_path: Path) -> None:
         _load(tmp_path, {"t": torch.Size([10])}, CheckedReader(tmp_path))
     inner = [f[0] for f in getattr(info.value, "failures", {}).values()] or [info.value]
     assert any(isinstance(e, DcpCheckpointError) and e.path == str(sidecar) for e in inner), inner
+
+
+def test_a_failing_source_ends_the_export_with_every_held_buffer_released(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(dcp_io, "DIRECT_MIN_NBYTES", 4096)
+    memory = torch.randn(6 * 4096)
+    taken: list[int] = []
+    released: list[int] = []
+    sources = []
+    for i in range(6):
+        flat = memory[i * 4096 + 3 : (i + 1) * 4096 - 5]
+        box = flat_boxes((flat.numel(),), 0, flat.numel())[0]
+
+        def hold(flat: torch.Tensor = flat, i: int = i) -> tuple[torch.Tensor, object]:
+            if i == 4:
+                raise RuntimeError("source failed")
+            taken.append(i)
+            return flat, lambda: released.append(i)
+
+        sources.append(BoxSource(f"t{i}", box, flat.shape, torch.float32,
+                                 lambda out: None, None, hold))  # fmt: skip
+    with pytest.raises(BaseException, match="source failed"):
+        _save(tmp_path, sources, {"step": 1})
+    assert taken == [0, 1, 2, 3] and sorted(released) == taken
+    assert not (tmp_path / ".metadata").exists()

@@ -194,12 +194,13 @@ class _File:
         self.end = 0  # bytes placed (the file's length at the end)
         self.pending = bytearray()  # buffered bytes for [pending_at, end)
         self.pending_at = 0
-        # (future, bytes, staging slot's release, whether it holds tier memory)
-        self.flight: collections.deque[tuple[IOFuture, int, Callable[[], None] | None, bool]] = (
-            collections.deque()
-        )
+        # (future, bytes, staging slot's release, tier memory's release)
+        self.flight: collections.deque[
+            tuple[IOFuture, int, Callable[[], None] | None, _Once | None]
+        ] = collections.deque()
         self.flight_nbytes = 0
         self.held = 0  # requests in flight holding tier memory
+        self.deferred: list[_Once] = []  # after_writes calls (run by drain at the latest)
 
     def put(self, data: Any) -> None:
         """Buffered bytes at the end."""
@@ -233,9 +234,10 @@ class _File:
         while self.flight and self.flight_nbytes + nbytes > IN_FLIGHT_NBYTES:
             self.wait_one()
         future = self.engine.pwrite(body, self.file, self.end, nbytes)
-        self.flight.append((future, nbytes, release, free is not None))
-        if free is not None:
-            future.add_done_callback(_quietly(free))
+        once = _Once(free) if free is not None else None
+        self.flight.append((future, nbytes, release, once))
+        if once is not None:
+            future.add_done_callback(once)
         self.flight_nbytes += nbytes
         self.held += free is not None
         self.end += nbytes
@@ -243,43 +245,49 @@ class _File:
 
     def after_writes(self, call: Callable[[], None]) -> None:
         """``call()`` once every request in flight now completed (at once if none is),
-        from whichever thread completes the last."""
+        from whichever thread completes the last, or :meth:`drain`, whichever is first."""
         futures = [f for f, *_ in self.flight if not f.done()]
         if not futures:
             call()
             return
         left = [len(futures)]
         lock = threading.Lock()
-        quiet = _quietly(call)
+        once = _Once(call)
+        self.deferred.append(once)
 
         def one(_: Any) -> None:
             with lock:
                 left[0] -= 1
                 last = left[0] == 0
             if last:
-                quiet(_)
+                once()
 
         for future in futures:
             future.add_done_callback(one)
 
     def wait_one(self) -> None:
-        future, nbytes, release, held = self.flight.popleft()
+        future, nbytes, release, once = self.flight.popleft()
         self.flight_nbytes -= nbytes
-        self.held -= held
+        self.held -= once is not None
         try:
             future.result()  # raises the write's SwapIOError
         finally:
             if release is not None:
                 release()
+            if once is not None:  # (its callback may not have run yet: done here then)
+                once()
 
     def drain(self) -> None:
-        """Every direct request completed (and its buffer released)."""
+        """Every direct request completed, and whatever waited for them released."""
         error: BaseException | None = None
         while self.flight:
             try:
                 self.wait_one()
             except BaseException as exc:  # every request waited on before raising
                 error = error or exc
+        deferred, self.deferred = self.deferred, []
+        for once in deferred:
+            once()
         if error is not None:
             raise error
 
@@ -477,18 +485,24 @@ class AioStorageWriter(FileSystemWriter):
         return True
 
 
-def _quietly(call: Callable[[], None]) -> Callable[[Any], None]:
-    """``call`` as a future's done-callback: run whatever the future's outcome (the
-    memory is no longer read either way); a failure logged, as the completing thread
-    has no one to raise it to."""
+class _Once:
+    """A release run once, by whichever comes first: the request's completion (a future's
+    done-callback, in the engine's thread) or the writer waiting for it; a failure is
+    logged (the completing thread has no one to raise it to)."""
 
-    def run(_: Any) -> None:
+    def __init__(self, call: Callable[[], None]) -> None:
+        self._call: Callable[[], None] | None = call
+        self._lock = threading.Lock()
+
+    def __call__(self, _: Any = None) -> None:
+        with self._lock:
+            call, self._call = self._call, None
+        if call is None:
+            return
         try:
             call()
         except Exception:
             _log.exception("export: releasing tier memory after a write failed")
-
-    return run
 
 
 def _dtype(item: WriteItem) -> torch.dtype:
