@@ -203,12 +203,20 @@ class _SubGroupCache:
                     self._state = self._pipeline.manager.fetch(key)
                     self._key = key
             self._index = index
+            self._read_ahead(index + 1)
             codec = self._pipeline.codec
             if codec.compressed:  # moments stored bf16/int8: export them decoded, fp32
                 decoded = codec.decode(self._pipeline.sub_groups[index], self._state)
                 self.release_all()
                 self._state, self._index = decoded, index
         return self._state
+
+    def _read_ahead(self, index: int) -> None:
+        """The next sub-group (the export visits them in order) starts coming from NVMe
+        while this one is written, where the budget has room for it (else the request
+        is dropped: the manager's prefetch never blocks)."""
+        if index < len(self._pipeline.sub_groups) and index not in self._pipeline._held:
+            self._pipeline.manager.prefetch([self._pipeline.key(index)])
 
     def release_all(self) -> None:
         key, self._key = self._key, None
