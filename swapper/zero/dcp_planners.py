@@ -4,20 +4,23 @@
 
 Built on DCP's extension points, not on a format of our own: a ``SavePlanner`` whose
 plan adds SHARD write items (as DCP makes for a ``ShardedTensor``'s local shards) and
-resolves their data late; a ``LoadPlanner`` whose read items come from DCP's
-``create_read_items_for_chunk_list`` (its resharding rule); a ``FileSystemReader``
-that checks each item's CRC-32 and names the file at fault.
+resolves their data late (lent to :class:`~swapper.zero.dcp_io.AioStorageWriter`
+without a copy where the source allows); a ``LoadPlanner`` whose read items come from
+DCP's ``create_read_items_for_chunk_list`` (its resharding rule); a
+``FileSystemReader`` that checks each item's checksum (the writer's XXH3-64 sidecar, or
+the zip CRC-32 without one) and names the file at fault.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import io
+import json
 import os
 import zipfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, cast
 
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
@@ -43,8 +46,6 @@ from torch.futures import Future
 
 from swapper.step.state import StateDictError
 from swapper.zero.dcp_reshard import Box, DcpCheckpointError
-from tiers.buffers import allocate
-from tiers.errors import SwapConfigError
 
 __all__ = ["BoxSource", "CheckedReader", "SliceLoadPlanner", "StreamingSavePlanner"]
 
@@ -55,13 +56,22 @@ def chunk_of(box: Box) -> ChunkStorageMetadata:
 
 @dataclasses.dataclass(frozen=True)
 class BoxSource:
-    """One write item of a rank: where its values come from when the writer asks."""
+    """One write item of a rank: where its values come from when the writer asks.
+
+    ``fill(dest)`` writes the box's values into a flat tensor (a copy); ``view()``, when
+    given, is preferred by writers that can use it: the box's values in the memory they
+    live in (flat, contiguous), valid until the writes in flight complete (whoever owns
+    that memory lets it go through the writer's ``after_writes``); ``hold()``, when given
+    and it returns something, likewise but held until the call returned with it (the
+    writer calls it once it is done with the memory)."""
 
     fqn: str
     box: Box
     shape: torch.Size
     dtype: torch.dtype
-    fill: Callable[[torch.Tensor], None]  # writes the box's values into a flat tensor
+    fill: Callable[[torch.Tensor], None]
+    view: Callable[[], torch.Tensor] | None = None
+    hold: Callable[[], tuple[torch.Tensor, Callable[[], None]] | None] | None = None
 
     def write_item(self) -> WriteItem:
         offsets = torch.Size(self.box.offsets)
@@ -76,39 +86,11 @@ class BoxSource:
         )
 
 
-class _Staging:
-    """Two page-aligned host buffers (prefaulted once: a fresh allocation per item costs
-    a page fault per 4 KiB, which on a VM is slower than the disk), used in turn: item
-    k's tensor lives in buffer k % 2. Safe only under DCP's serial loader, which writes
-    item k before it resolves item k + 1 (``FileSystemWriter(thread_count=1,
-    per_thread_copy_ahead=0)``, which :func:`~swapper.zero.dcp_export.export_dcp` uses),
-    so item k's buffer is free again when item k + 2 is resolved."""
-
-    def __init__(self, nbytes: int) -> None:
-        self._buffers = [allocate(nbytes), allocate(nbytes)] if nbytes else []
-        self._next = 0
-
-    def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        nbytes = numel * dtype.itemsize
-        if not nbytes:
-            return torch.empty(numel, dtype=dtype)
-        buffer = self._buffers[self._next]
-        self._next ^= 1
-        view = buffer.tensor.numpy().data.cast("B")[:nbytes]
-        # a storage of exactly the item's bytes: DCP clones a view of a larger storage
-        return torch.frombuffer(view, dtype=dtype)
-
-    def close(self) -> None:
-        for buffer in self._buffers:
-            buffer.close()
-        self._buffers.clear()
-
-
 class StreamingSavePlanner(DefaultSavePlanner):
     """DCP's default planner for the non-tensor entries of the state dict, plus one
-    SHARD write item per :class:`BoxSource`, resolved (filled) only when written, into
-    one of two staging buffers (:class:`_Staging`; needs DCP's serial loader). Call
-    :meth:`close` after the save.
+    SHARD write item per :class:`BoxSource`, resolved only when written: by
+    :meth:`lease` for :class:`~swapper.zero.dcp_io.AioStorageWriter` (no copy where the
+    source has a view), by :meth:`resolve_data` (a fresh tensor) for any other writer.
 
     Args:
         sources: this rank's boxes.
@@ -120,23 +102,12 @@ class StreamingSavePlanner(DefaultSavePlanner):
         self,
         sources: Sequence[BoxSource],
         progress: Callable[[int, int], None] | None = None,
-        position: Callable[[], int | None] | None = None,
     ) -> None:
         super().__init__()
-        # bytes the file being written holds (None: not known): a check that DCP wrote
-        # the previous item before asking for the next (the staging buffers rely on it)
-        self._position = position
-        self._last: int | None = None
         self._sources = {MetadataIndex(s.fqn, torch.Size(s.box.offsets)): s for s in sources}
         self._progress = progress
         self._total = sum(s.box.numel * s.dtype.itemsize for s in sources)
         self._done = 0
-        largest = max((s.box.numel * s.dtype.itemsize for s in sources), default=0)
-        self._staging = _Staging(largest)
-
-    def close(self) -> None:
-        """Free the staging buffers (after the save returned or raised)."""
-        self._staging.close()
 
     def create_local_plan(self) -> SavePlan:
         plan = super().create_local_plan()
@@ -144,24 +115,40 @@ class StreamingSavePlanner(DefaultSavePlanner):
         self.plan = dataclasses.replace(plan, items=items)
         return self.plan
 
+    def _handed(self, source: BoxSource) -> None:
+        self._done += source.box.numel * source.dtype.itemsize
+        if self._progress is not None:
+            self._progress(self._done, self._total)
+
+    def lease(
+        self, write_item: WriteItem, stage: Callable[[int, torch.dtype], torch.Tensor]
+    ) -> tuple[torch.Tensor, Callable[[], None] | None]:
+        """The item's values, flat: the source's own memory where it has a view, else
+        filled into ``stage(numel, dtype)`` (a writer's buffer); and what to call once
+        they are written (a held source's release; nothing for a view, whose memory is
+        its owner's, see :class:`BoxSource`)."""
+        source = self._sources.get(write_item.index)
+        if source is None:
+            return cast(torch.Tensor, super().resolve_data(write_item)).contiguous().view(-1), None
+        held = source.hold() if source.hold is not None and source.box.numel else None
+        if held is not None:
+            self._handed(source)
+            return held
+        if source.view is not None and source.box.numel:
+            out = source.view()
+        else:
+            out = stage(source.box.numel, source.dtype)
+            source.fill(out)
+        self._handed(source)
+        return out, None
+
     def resolve_data(self, write_item: WriteItem) -> Any:
         source = self._sources.get(write_item.index)
         if source is None:
             return super().resolve_data(write_item)
-        if self._position is not None:
-            now = self._position()
-            if now is not None and self._last is not None and now <= self._last:
-                raise SwapConfigError(
-                    "export_dcp: DCP asked for an item before writing the previous one; "
-                    "the staging buffers need its serial loader (thread_count=1, "
-                    "per_thread_copy_ahead=0): a torch change? (nothing was overwritten)"
-                )
-            self._last = now
-        out = self._staging.take(source.box.numel, source.dtype)
+        out = torch.empty(source.box.numel, dtype=source.dtype)
         source.fill(out)
-        self._done += out.numel() * out.element_size()
-        if self._progress is not None:
-            self._progress(self._done, self._total)
+        self._handed(source)
         return out.view(source.box.sizes)
 
 
@@ -211,13 +198,14 @@ class SliceLoadPlanner(DefaultLoadPlanner):
 class CheckedReader(FileSystemReader):
     """DCP's file-system reader whose metadata is read once, and whose failures name
     the file: a missing file, one shorter than the items the metadata places in it, an
-    item whose CRC-32 does not match its bytes, one that does not decode
+    item whose checksum does not match its bytes, one that does not decode
     (:class:`DcpCheckpointError`)."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         super().__init__(path)
         self._where = Path(path)
         self._metadata: Metadata | None = None
+        self._sidecars: dict[str, dict[str, str] | None] = {}
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if self._metadata is None:
@@ -259,17 +247,53 @@ class CheckedReader(FileSystemReader):
                     path, f"truncated: {size} bytes, the metadata places {need[name]} in it"
                 )
 
+    def _digests(self, name: str) -> dict[str, str] | None:
+        """The sidecar's digests of the items of data file ``name`` (by offset), or None
+        when it has none (a checkpoint written by another writer)."""
+        if name not in self._sidecars:
+            from swapper.zero.dcp_io import SIDECAR_SUFFIX
+
+            path = self._where / (name + SIDECAR_SUFFIX)
+            try:
+                loaded = json.loads(path.read_bytes())
+                digests = loaded["items"] if loaded.get("algorithm") == "xxh3_64" else None
+                if not isinstance(digests, dict):
+                    raise ValueError(f"algorithm {loaded.get('algorithm')!r} or no items")
+            except FileNotFoundError:
+                digests = None
+            except (ValueError, KeyError, TypeError, AttributeError) as exc:
+                raise DcpCheckpointError(path, f"unreadable checksum file ({exc})") from None
+            self._sidecars[name] = digests
+        return self._sidecars[name]
+
     def _slice_file(self, file: Any, sinfo: Any) -> IO[bytes]:
-        """The item's bytes, checked: DCP stores each item as a ``torch.save`` zip
-        archive whose records carry a CRC-32, which ``torch.load`` does not check; a
-        damaged byte would load as a wrong value. Checked here before it is decoded."""
+        """The item's bytes, checked before they are decoded (``torch.load`` checks
+        nothing: a damaged byte would load as a wrong value): against the XXH3-64
+        digest in the data file's checksum sidecar (:mod:`swapper.zero.dcp_io`), or,
+        without one, the CRC-32 of its ``torch.save`` zip records."""
+        from swapper.zero.dcp_io import SIDECAR_SUFFIX, item_digest
+
         data = super()._slice_file(file, sinfo).read()
         path = self._where / sinfo.relative_path
         if len(data) != sinfo.length:
             raise DcpCheckpointError(
                 path, f"truncated: {len(data)} of {sinfo.length} bytes at offset {sinfo.offset}"
             )
-        if data[:4] == b"PK\x03\x04":  # a zip archive (no stream transform applied)
+        where = f"the item at offset {sinfo.offset} ({sinfo.length} bytes)"
+        digests = self._digests(sinfo.relative_path)
+        if digests is not None:
+            expected = digests.get(str(sinfo.offset))
+            if expected is None:
+                raise DcpCheckpointError(
+                    path, f"corrupt: {where} has no checksum in {path.name + SIDECAR_SUFFIX}"
+                )
+            if item_digest(data) != expected:
+                raise DcpCheckpointError(
+                    path,
+                    f"corrupt: {where} fails its checksum (XXH3-64, in "
+                    f"{path.name + SIDECAR_SUFFIX})",
+                )
+        elif data[:4] == b"PK\x03\x04":  # a zip archive (no stream transform applied)
             try:
                 bad = zipfile.ZipFile(io.BytesIO(data)).testzip()
             except (zipfile.BadZipFile, OSError, EOFError, ValueError) as exc:
@@ -277,8 +301,8 @@ class CheckedReader(FileSystemReader):
             if bad is not None:
                 raise DcpCheckpointError(
                     path,
-                    f"corrupt: the item at offset {sinfo.offset} ({sinfo.length} bytes) fails "
-                    f"its CRC-32 check in {bad}",
+                    f"corrupt: {where} fails its checksum (CRC-32, in {bad}; no "
+                    f"{path.name + SIDECAR_SUFFIX} beside it)",
                 )
         return io.BytesIO(data)
 

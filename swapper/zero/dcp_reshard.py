@@ -18,7 +18,7 @@ values are fetched from the tiers only when the writer asks for them, so one box
 most one parameter's local part) and one optimizer sub-group are in memory at a time.
 Read side: the read items come from DCP's own ``create_read_items_for_chunk_list`` for
 the boxes a rank owns under *its* partition (any world size), and land in slices of a
-flat buffer of that rank's part; a missing, short, CRC-failing or undecodable file is a
+flat buffer of that rank's part; a missing, short, checksum-failing or undecodable file is a
 :class:`DcpCheckpointError` naming it.
 """
 
