@@ -17,6 +17,7 @@ import swapper
 from swapper import OffloadAdamW
 from swapper.manager import EntryState, TierManager
 from swapper.zero.checkpoint import final_digest, save_snapshot
+from tiers.nvme import NvmeStore
 
 
 def _steps(gpt: torch.nn.Module, optimizer: OffloadAdamW, n: int, seed: int = 1) -> None:
@@ -86,3 +87,41 @@ def test_ctrl_c_as_a_left_out_param_is_fetched_leaves_no_entry_in_use(
         save_snapshot(wrapped, optimizer, name="last")
         expected = final_digest(wrapped, optimizer)
     assert _resume_digest(swap) == (expected, 3)
+
+
+def test_ctrl_c_during_a_snapshot_keeps_the_kept_sub_groups_in_memory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Ctrl-C arriving while the store snapshot was taken was delivered at the first
+    re-fetch of kept_released (the sub-groups kept in memory, host_fraction): the others
+    stayed released, the pipeline streamed them from then on (fix: the re-fetches run
+    with signals held, each tried even when one fails; the Ctrl-C comes after them)."""
+    swap = tmp_path / "swap"
+    gpt = model()
+    with (
+        swapper.offload(gpt, config(swap, host_fraction=0.1)) as wrapped,
+        OffloadAdamW(wrapped.parameters(), lr=1e-2, tiers=wrapped) as optimizer,
+    ):
+        pipeline = optimizer._pipeline
+        assert pipeline.kept >= 2
+        _steps(gpt, optimizer, 2)
+        kept = dict(pipeline._held)
+        real = NvmeStore.snapshot
+
+        def snapshot(store: NvmeStore, *args: Any, **kwargs: Any) -> Any:
+            signal.raise_signal(signal.SIGINT)  # arrives mid-snapshot: recorded
+            return real(store, *args, **kwargs)
+
+        with monkeypatch.context() as patch:
+            patch.setattr(NvmeStore, "snapshot", snapshot)
+            with pytest.raises(KeyboardInterrupt):
+                save_snapshot(wrapped, optimizer, name="cut")
+        assert sorted(pipeline._held) == sorted(kept)
+        ctx = wrapped.manager._ctx
+        with ctx.cond:
+            users = {k: ctx.entries[pipeline.key(k)].users for k in kept}
+        assert users == dict.fromkeys(kept, 1)
+        _steps(gpt, optimizer, 1, seed=2)
+        save_snapshot(wrapped, optimizer, name="last")
+        expected = final_digest(wrapped, optimizer)
+    assert _resume_digest(swap, host_fraction=0.1) == (expected, 3)

@@ -210,7 +210,10 @@ def adopt(optimizer: OffloadAdamW, pipeline: StepPipeline, resumed: ResumedState
 def kept_released(pipeline: StepPipeline) -> Iterator[None]:
     """Inside the block, the sub-groups kept in memory are released (as modified: a step
     changed them in place), so that a manager snapshot writes and names them like any
-    other; they are fetched again at the end."""
+    other; they are fetched again at the end, all of them whatever happened inside.
+
+    Raises (at the end): the first re-fetch's error, once every other was tried.
+    """
     manager = pipeline.manager
     released: list[int] = []
     with signals.at_waits:
@@ -221,5 +224,15 @@ def kept_released(pipeline: StepPipeline) -> Iterator[None]:
                 released.append(index)
             yield
         finally:
-            for index in released:
-                pipeline._held[index] = manager.fetch(pipeline.key(index))
+            # Signals held: a Ctrl-C that came during the block is delivered at the first
+            # wait point, which would be the first re-fetch, and the others would stay
+            # released (streamed from then on). It comes once all are back.
+            error: BaseException | None = None
+            with signals.held:
+                for index in released:
+                    try:
+                        pipeline._held[index] = manager.fetch(pipeline.key(index))
+                    except Exception as exc:  # the others are still fetched
+                        error = error or exc
+            if error is not None:
+                raise error
