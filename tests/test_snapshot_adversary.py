@@ -5,6 +5,7 @@ copy-on-write invariant. Each test here failed before the fix its docstring name
 
 from __future__ import annotations
 
+import errno
 import signal
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,10 @@ import swapper
 from swapper import OffloadAdamW
 from swapper.manager import EntryState, TierManager
 from swapper.zero.checkpoint import final_digest, save_snapshot
-from tiers.nvme import NvmeStore
+from tiers.aio import AioEngine
+from tiers.config import AioConfig
+from tiers.errors import SwapIOError
+from tiers.nvme import NvmeStore, SnapshotExistsError, snapshotting
 
 
 def _steps(gpt: torch.nn.Module, optimizer: OffloadAdamW, n: int, seed: int = 1) -> None:
@@ -125,3 +129,81 @@ def test_ctrl_c_during_a_snapshot_keeps_the_kept_sub_groups_in_memory(
         save_snapshot(wrapped, optimizer, name="last")
         expected = final_digest(wrapped, optimizer)
     assert _resume_digest(swap, host_fraction=0.1) == (expected, 3)
+
+
+def test_a_snapshot_that_fails_keeps_the_one_of_the_same_name_it_was_to_replace(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Taking a snapshot under a name that exists (the default name, twice at one step:
+    a periodic snapshot, then one at exit; or after a step skipped for overflow, which
+    does not count) dropped the old one first: a failure (here the disk full as its file
+    is written) or a kill before the new one was durable left none of that name, and
+    with keep_last=1 no snapshot at all, so a resume started afresh and deleted the store
+    (fix: NvmeStore.snapshot(replace=True) renames the new file over the old one, and
+    the old one's extents are freed only after)."""
+    swap = tmp_path / "swap"
+    gpt = model()
+    with (
+        swapper.offload(gpt, config(swap)) as wrapped,
+        OffloadAdamW(wrapped.parameters(), lr=1e-2, tiers=wrapped) as optimizer,
+    ):
+        _steps(gpt, optimizer, 2)
+        first = save_snapshot(wrapped, optimizer, keep_last=1)
+        expected = final_digest(wrapped, optimizer)
+
+        def full(path: Path, data: bytes, what: str, **kw: Any) -> None:
+            raise SwapIOError(errno.ENOSPC, f"cannot write the {what}: No space left", str(path))
+
+        with monkeypatch.context() as patch:
+            patch.setattr(snapshotting, "replace_file", full)
+            with pytest.raises(SwapIOError, match="No space"):
+                save_snapshot(wrapped, optimizer, keep_last=1)  # the same name
+        store = wrapped.manager._ctx.store
+        assert store is not None
+        assert [s.name for s in store.snapshots()] == [first.name]
+        assert first.path.exists()
+        again = save_snapshot(wrapped, optimizer, keep_last=1)  # and now it works
+        assert again.name == first.name
+        assert again.dropped == (first.name,)
+        assert [s.name for s in store.snapshots()] == [first.name]
+    assert _resume_digest(swap) == (expected, 2)
+
+
+def test_a_snapshot_replaced_under_its_name_frees_only_what_the_old_one_alone_held(
+    tmp_path: Path,
+) -> None:
+    """NvmeStore.snapshot(replace=True): the new file takes the old one's place in one
+    rename; the old one's extents stay pinned until then and are freed after, except
+    those the live state or another snapshot still names (copy-on-write)."""
+    kib = 1024
+    a0, a1, a2, b = (torch.full((64 * kib,), v, dtype=torch.uint8) for v in (1, 2, 3, 4))
+    out = torch.empty(64 * kib, dtype=torch.uint8)
+    with AioEngine(AioConfig(num_threads=2, block_size=64 * kib)) as engine:
+        with NvmeStore([tmp_path], engine, stripe_nbytes=64 * kib) as store:
+            store.write("a", a0).result()
+            store.write("b", b).result()
+            store.snapshot("x")
+            store.snapshot("keep")
+            store.write("a", a1).result()  # "x" and "keep" hold a0
+            with pytest.raises(SnapshotExistsError):
+                store.snapshot("x")
+            store.sync()
+            assert store.dir_usage()[0].allocated_nbytes == 192 * kib
+            info = store.snapshot("x", replace=True)
+            assert info.keys == ("a", "b")
+            assert [s.name for s in store.snapshots()] == ["keep", "x"]
+            assert store.dir_usage()[0].allocated_nbytes == 192 * kib  # a0 is "keep"'s
+            store.read_snapshot("keep", "a", out).result()
+            assert torch.equal(out, a0)
+            store.drop_snapshot("keep")  # a0 named by nothing now
+            assert store.dir_usage()[0].allocated_nbytes == 128 * kib
+            store.write("a", a2).result()  # a1 stays: it is x's
+            store.sync()
+            store.read_snapshot("x", "a", out).result()
+            assert torch.equal(out, a1)
+            assert store.dir_usage()[0].allocated_nbytes == 192 * kib
+        with NvmeStore.open([tmp_path], engine) as store:
+            assert [s.name for s in store.snapshots()] == ["x"]
+            assert store.damaged_snapshots() == {}
+            store.read_snapshot("x", "a", out).result()
+            assert torch.equal(out, a1)
