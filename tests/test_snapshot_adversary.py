@@ -17,6 +17,7 @@ from ckpt_train import config, model
 import swapper
 from swapper import OffloadAdamW
 from swapper.manager import EntryState, TierManager
+from swapper.zero import checkpoint
 from swapper.zero.checkpoint import final_digest, save_snapshot
 from tiers.aio import AioEngine
 from tiers.config import AioConfig
@@ -207,3 +208,35 @@ def test_a_snapshot_replaced_under_its_name_frees_only_what_the_old_one_alone_he
             assert store.damaged_snapshots() == {}
             store.read_snapshot("x", "a", out).result()
             assert torch.equal(out, a1)
+
+
+@pytest.mark.parametrize("where", ["open_at_snapshot", "open_manager"])
+def test_ctrl_c_as_a_resume_opens_its_manager_leaves_the_store_closed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    """A Ctrl-C just as the resumed manager was opened (after open_at_snapshot returned,
+    before open_manager's try; or after open_manager returned, before OffloadedModel's)
+    left the manager open with nobody to close it: its store stayed locked by this
+    process, and the next resume failed with StoreLockedError (fix: both in a signal
+    section whose end is inside the try that closes the manager)."""
+    swap = tmp_path / "swap"
+    gpt = model()
+    with (
+        swapper.offload(gpt, config(swap)) as wrapped,
+        OffloadAdamW(wrapped.parameters(), lr=1e-2, tiers=wrapped) as optimizer,
+    ):
+        _steps(gpt, optimizer, 2)
+        save_snapshot(wrapped, optimizer, name="a")
+        expected = final_digest(wrapped, optimizer)
+    real = getattr(checkpoint, where)  # (offload.py calls checkpoint.open_manager)
+
+    def opened(*args: Any, **kwargs: Any) -> Any:
+        result = real(*args, **kwargs)
+        signal.raise_signal(signal.SIGINT)  # arrives as it returns
+        return result
+
+    with monkeypatch.context() as patch:
+        patch.setattr(checkpoint, where, opened)
+        with pytest.raises(KeyboardInterrupt):
+            swapper.offload(model(), config(swap), resume=True)
+    assert _resume_digest(swap) == (expected, 2)
