@@ -240,3 +240,57 @@ def test_ctrl_c_as_a_resume_opens_its_manager_leaves_the_store_closed(
         with pytest.raises(KeyboardInterrupt):
             swapper.offload(model(), config(swap), resume=True)
     assert _resume_digest(swap) == (expected, 2)
+
+
+def _ctrl_c_while_placing_on_resume(rank: int, world: int, tmp: str) -> dict[str, Any]:
+    """One rank: train 2 steps with a snapshot at 2, then resume with a Ctrl-C (on every
+    rank, as a terminal's) once the shards are placed; then resume again."""
+    import dist_ckpt_train
+    import torch.distributed as dist
+
+    from swapper.zero import shard_setup
+
+    swap = str(Path(tmp) / "swap")
+    first = dist_ckpt_train.train(rank, world, swap, steps=2, every=2)
+    gpt = dist_ckpt_train.model()
+    values = {n: p.detach().clone() for n, p in gpt.named_parameters()}
+    real = shard_setup._place
+
+    def placed(*args: Any, **kwargs: Any) -> Any:
+        result = real(*args, **kwargs)
+        signal.raise_signal(signal.SIGINT)
+        return result
+
+    shard_setup._place = placed
+    cut = ""
+    try:
+        swapper.offload(gpt, dist_ckpt_train.config(swap), dist.group.WORLD, resume=True)
+    except KeyboardInterrupt:
+        cut = "KeyboardInterrupt"
+    finally:
+        shard_setup._place = real
+    intact = all(torch.equal(p, values[n]) for n, p in gpt.named_parameters())
+    again = dist_ckpt_train.train(rank, world, swap, steps=2, every=2)
+    return {
+        "cut": cut,
+        "intact": intact,
+        "digest": (first["digest"], again["digest"]),
+        "resumed": again["resumed"],
+    }
+
+
+def test_ctrl_c_while_a_resume_places_the_shards_gives_the_params_back(tmp_path: Path) -> None:
+    """Several ranks: place_model caught only Exception, so a Ctrl-C while the shards
+    were placed skipped its clean-up: the parameters stayed emptied and the resumed
+    manager open (its store locked), and the next resume in the process failed (fix:
+    a KeyboardInterrupt is agreed on and cleaned up like an error, then raised)."""
+    import dist_ckpt_train
+
+    runs = dist_ckpt_train.values(
+        dist_ckpt_train.spawn(_ctrl_c_while_placing_on_resume, 2, tmp_path, join_s=150)
+    )
+    for run in runs:
+        assert run["cut"] == "KeyboardInterrupt"
+        assert run["intact"]
+        assert run["resumed"] == 2
+        assert run["digest"][0] == run["digest"][1]
