@@ -242,33 +242,36 @@ def test_ctrl_c_as_a_resume_opens_its_manager_leaves_the_store_closed(
     assert _resume_digest(swap) == (expected, 2)
 
 
-def _ctrl_c_while_placing_on_resume(rank: int, world: int, tmp: str) -> dict[str, Any]:
+def _ctrl_c_in_a_resume(rank: int, world: int, tmp: str, where: str) -> dict[str, Any]:
     """One rank: train 2 steps with a snapshot at 2, then resume with a Ctrl-C (on every
-    rank, as a terminal's) once the shards are placed; then resume again."""
+    rank, as a terminal's) at ``where``; then resume again."""
     import dist_ckpt_train
     import torch.distributed as dist
 
-    from swapper.zero import shard_setup
+    from swapper.zero import shard_resume, shard_setup
 
     swap = str(Path(tmp) / "swap")
     first = dist_ckpt_train.train(rank, world, swap, steps=2, every=2)
     gpt = dist_ckpt_train.model()
     values = {n: p.detach().clone() for n, p in gpt.named_parameters()}
-    real = shard_setup._place
+    # "place": once the shards are placed; "open": as the store's parts are digested
+    module: Any = shard_setup if where == "place" else shard_resume
+    name = "_place" if where == "place" else "read_metadata"
+    real = getattr(module, name)
 
-    def placed(*args: Any, **kwargs: Any) -> Any:
+    def cut_after(*args: Any, **kwargs: Any) -> Any:
         result = real(*args, **kwargs)
         signal.raise_signal(signal.SIGINT)
         return result
 
-    shard_setup._place = placed
+    setattr(module, name, cut_after)
     cut = ""
     try:
         swapper.offload(gpt, dist_ckpt_train.config(swap), dist.group.WORLD, resume=True)
     except KeyboardInterrupt:
         cut = "KeyboardInterrupt"
     finally:
-        shard_setup._place = real
+        setattr(module, name, real)
     intact = all(torch.equal(p, values[n]) for n, p in gpt.named_parameters())
     again = dist_ckpt_train.train(rank, world, swap, steps=2, every=2)
     return {
@@ -279,15 +282,19 @@ def _ctrl_c_while_placing_on_resume(rank: int, world: int, tmp: str) -> dict[str
     }
 
 
-def test_ctrl_c_while_a_resume_places_the_shards_gives_the_params_back(tmp_path: Path) -> None:
-    """Several ranks: place_model caught only Exception, so a Ctrl-C while the shards
-    were placed skipped its clean-up: the parameters stayed emptied and the resumed
-    manager open (its store locked), and the next resume in the process failed (fix:
-    a KeyboardInterrupt is agreed on and cleaned up like an error, then raised)."""
+@pytest.mark.parametrize("where", ["place", "open"])
+def test_ctrl_c_in_a_resume_over_ranks_leaves_nothing_open(tmp_path: Path, where: str) -> None:
+    """Several ranks: a Ctrl-C while the resume's stores were opened and their parts
+    digested (choose_sharded caught only Exception there, and closed its store only
+    around the decision), or while the shards were placed (place_model caught only
+    Exception: its clean-up was skipped, the parameters stayed emptied): the store
+    stayed open, locked, and the next resume in the process failed with
+    StoreLockedError (fix: the store closed on any exception; place_model agrees on a
+    KeyboardInterrupt and cleans up as for an error, then raises it)."""
     import dist_ckpt_train
 
     runs = dist_ckpt_train.values(
-        dist_ckpt_train.spawn(_ctrl_c_while_placing_on_resume, 2, tmp_path, join_s=150)
+        dist_ckpt_train.spawn(_ctrl_c_in_a_resume, 2, tmp_path, where, join_s=150)
     )
     for run in runs:
         assert run["cut"] == "KeyboardInterrupt"
