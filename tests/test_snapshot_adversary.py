@@ -15,7 +15,7 @@ import torch
 from ckpt_train import config, model
 
 import swapper
-from swapper import OffloadAdamW
+from swapper import OffloadAdamW, SwapConfigError
 from swapper.manager import EntryState, TierManager
 from swapper.zero import checkpoint
 from swapper.zero.checkpoint import final_digest, save_snapshot
@@ -301,3 +301,24 @@ def test_ctrl_c_in_a_resume_over_ranks_leaves_nothing_open(tmp_path: Path, where
         assert run["intact"]
         assert run["resumed"] == 2
         assert run["digest"][0] == run["digest"][1]
+
+
+def test_keep_last_zero_is_refused_not_a_snapshot_dropped_as_it_is_taken(tmp_path: Path) -> None:
+    """save_snapshot(keep_last=0) with one process took the snapshot, then pruned every
+    snapshot, itself included, and returned its report as if it had been kept: the run
+    believed it had a checkpoint and had none (several ranks refused it already).
+    Fix: refused (SwapConfigError) before anything is taken, at any world size."""
+    swap = tmp_path / "swap"
+    gpt = model()
+    with (
+        swapper.offload(gpt, config(swap)) as wrapped,
+        OffloadAdamW(wrapped.parameters(), lr=1e-2, tiers=wrapped) as optimizer,
+    ):
+        _steps(gpt, optimizer, 1)
+        kept = save_snapshot(wrapped, optimizer, name="kept")
+        for bad in (0, -1, True, 1.0):
+            with pytest.raises(SwapConfigError, match="keep_last"):
+                save_snapshot(wrapped, optimizer, name="zero", keep_last=bad)  # type: ignore[arg-type]
+        store = wrapped.manager._ctx.store
+        assert store is not None
+        assert [s.name for s in store.snapshots()] == [kept.name]

@@ -134,8 +134,8 @@ def save_snapshot(
         name: default ``step-<step, 9 digits>``; a snapshot of that name is replaced.
         extra: the caller's JSON-able metadata (str keys; lists, not tuples), returned at
             resume as ``model.resumed.extra``.
-        keep_last: keep only this many newest snapshots (several ranks: >= 1, applied to
-            the records and every rank's parts once the new record is durable).
+        keep_last: keep only this many newest snapshots (>= 1; several ranks: applied
+            to the records and every rank's parts once the new record is durable).
 
     Raises:
         SwapConfigError: the model has no NVMe tier, or the optimizer is not the model's;
@@ -153,6 +153,9 @@ def save_snapshot(
         from swapper.zero.shard_snapshot import save_sharded
 
         return save_sharded(model, optimizer, name=name, extra=extra, keep_last=keep_last)
+    if keep_last is not None and (type(keep_last) is not int or keep_last < 1):
+        # (0 would drop the snapshot just taken, and report it as kept)
+        raise SwapConfigError(f"keep_last={keep_last!r} must be None or an int >= 1")
     check_saveable(model, optimizer)
     started = time.perf_counter()
     step = optimizer.step_count if optimizer is not None else 0
