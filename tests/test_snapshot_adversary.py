@@ -15,8 +15,9 @@ import torch
 from ckpt_train import config, model
 
 import swapper
-from swapper import OffloadAdamW, SwapConfigError
+from swapper import OffloadAdamW, StepConfig, SwapConfigError
 from swapper.manager import EntryState, TierManager
+from swapper.step import optimizer as optimizer_module
 from swapper.zero import checkpoint
 from swapper.zero.checkpoint import final_digest, save_snapshot
 from tiers.aio import AioEngine
@@ -322,3 +323,36 @@ def test_keep_last_zero_is_refused_not_a_snapshot_dropped_as_it_is_taken(tmp_pat
         store = wrapped.manager._ctx.store
         assert store is not None
         assert [s.name for s in store.snapshots()] == [kept.name]
+
+
+def test_an_optimizer_that_fails_after_adopting_a_resume_leaves_the_state_for_the_next(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """OffloadAdamW over a resumed model that failed after adopting the state (e.g.
+    StepConfig(overlap=True) refused over several ranks, raised once adopt had run) closed
+    its pipeline, which deleted the adopted state tensors, with the resume marked taken:
+    the next OffloadAdamW started afresh, step 0 and zero moments, silently (fix: a
+    failed constructor gives the adopted state back, untouched, for the next one)."""
+    swap = tmp_path / "swap"
+    gpt = model()
+    with (
+        swapper.offload(gpt, config(swap, host_fraction=0.1)) as wrapped,
+        OffloadAdamW(wrapped.parameters(), lr=1e-2, tiers=wrapped) as optimizer,
+    ):
+        _steps(gpt, optimizer, 2)
+        save_snapshot(wrapped, optimizer, name="a")
+        expected = final_digest(wrapped, optimizer)
+
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise SwapConfigError("overlap refused (as over several ranks)")
+
+    gpt = model()
+    with swapper.offload(gpt, config(swap, host_fraction=0.1), resume=True) as wrapped:
+        with monkeypatch.context() as patch:
+            patch.setattr(optimizer_module, "DeferredSteps", refuse)
+            with pytest.raises(SwapConfigError, match="overlap refused"):
+                OffloadAdamW(
+                    wrapped.parameters(), lr=1e-2, tiers=wrapped, config=StepConfig(overlap=True)
+                )
+        with OffloadAdamW(wrapped.parameters(), lr=1e-2, tiers=wrapped) as optimizer:
+            assert (final_digest(wrapped, optimizer), optimizer.step_count) == (expected, 2)

@@ -35,7 +35,7 @@ from swapper.step.deferred import DeferredStepError, DeferredSteps
 from swapper.step.layout import SubGroup, plan_sub_groups
 from swapper.step.params import check_params, fp32_accumulators
 from swapper.step.pipeline import PipelineClosedError, StepPipeline, StepTraffic
-from swapper.step.resume import adopt, resumed_of
+from swapper.step.resume import ResumedState, adopt, resumed_of, unadopt
 from swapper.step.scaler import DynamicLossScaler
 from swapper.step.sources import LocalParams, ParamSource, SharedStep, TieredModel
 from swapper.step.state import (
@@ -208,6 +208,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         else:
             self.manager = tiers.manager
         pipeline: StepPipeline | None = None
+        resumed: ResumedState | None = None
         try:
             pipeline = StepPipeline(
                 self.manager,
@@ -231,6 +232,8 @@ class OffloadAdamW(torch.optim.Optimizer):
             for hook in self._hooks:
                 hook.remove()
             if pipeline is not None:
+                if resumed is not None:  # the adopted state stays, for the next optimizer
+                    unadopt(pipeline, resumed)
                 pipeline.close()
             if self._owns_manager:
                 self.manager.close(remove=True)

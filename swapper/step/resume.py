@@ -33,7 +33,14 @@ if TYPE_CHECKING:
 
     from swapper.step.optimizer import OffloadAdamW
 
-__all__ = ["ResumedState", "adopt", "kept_released", "optimizer_meta", "resumed_of"]
+__all__ = [
+    "ResumedState",
+    "adopt",
+    "kept_released",
+    "optimizer_meta",
+    "resumed_of",
+    "unadopt",
+]
 
 
 @dataclasses.dataclass
@@ -204,6 +211,21 @@ def adopt(optimizer: OffloadAdamW, pipeline: StepPipeline, resumed: ResumedState
     if optimizer.loss_scaler is not None and scaler is not None:
         optimizer.loss_scaler.load_state_dict(scaler)
     resumed.taken = True
+
+
+def unadopt(pipeline: StepPipeline, resumed: ResumedState) -> None:
+    """Undo :func:`adopt` (wholly or in part) for an optimizer whose construction failed:
+    the kept sub-groups it fetched are released unmodified and the pipeline forgets the
+    state tensors without deleting them, so the next optimizer adopts them as they are
+    (closing the pipeline would delete them, and a resume marked taken would make the
+    next optimizer start afresh)."""
+    manager = pipeline.manager
+    with signals.at_waits:  # each undo and its record go together
+        for index in list(pipeline._held):
+            manager.release(pipeline.key(index), modified=False)
+            del pipeline._held[index]
+        pipeline._registered = 0
+    resumed.taken = False
 
 
 @contextlib.contextmanager
