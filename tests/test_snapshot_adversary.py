@@ -356,3 +356,39 @@ def test_an_optimizer_that_fails_after_adopting_a_resume_leaves_the_state_for_th
                 )
         with OffloadAdamW(wrapped.parameters(), lr=1e-2, tiers=wrapped) as optimizer:
             assert (final_digest(wrapped, optimizer), optimizer.step_count) == (expected, 2)
+
+
+def test_a_replace_whose_rename_may_not_be_durable_keeps_both_versions_held(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NvmeStore.snapshot(replace=True) whose file was renamed in but whose directory
+    fsync failed: either file may be the one a crash leaves, so the extents of both stay
+    held (nothing freed or reused) until the store is reopened, which reads the file."""
+    kib = 1024
+    a0, a1 = (torch.full((64 * kib,), v, dtype=torch.uint8) for v in (1, 2))
+    out = torch.empty(64 * kib, dtype=torch.uint8)
+    real = snapshotting.replace_file
+
+    def renamed_then_failed(path: Path, data: bytes, what: str, **kw: Any) -> None:
+        real(path, data, what, **kw)
+        raise SwapIOError(errno.EIO, f"cannot sync the directory of the {what}", str(path))
+
+    with AioEngine(AioConfig(num_threads=2, block_size=64 * kib)) as engine:
+        with NvmeStore([tmp_path], engine, stripe_nbytes=64 * kib) as store:
+            store.write("a", a0).result()
+            store.snapshot("x")
+            store.write("a", a1).result()
+            with monkeypatch.context() as patch:
+                patch.setattr(snapshotting, "replace_file", renamed_then_failed)
+                with pytest.raises(SwapIOError, match="sync"):
+                    store.snapshot("x", replace=True)
+            store.write("a", a0 + 5).result()  # a1 is held by the new file: not reused
+            store.write("a", a0 + 6).result()
+            store.sync()
+            assert store.dir_usage()[0].allocated_nbytes == 192 * kib  # a0, a1, a0 + 6
+            store.read_snapshot("x", "a", out).result()  # the listing keeps the old one
+            assert torch.equal(out, a0)
+        with NvmeStore.open([tmp_path], engine) as store:
+            assert store.damaged_snapshots() == {}
+            store.read_snapshot("x", "a", out).result()  # the file is the new one
+            assert torch.equal(out, a1)
