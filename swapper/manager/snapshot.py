@@ -129,7 +129,8 @@ def snapshot_manager(
         extra: JSON-able metadata kept with it (see :meth:`NvmeStore.snapshot`).
         keep_last: then keep only this many newest snapshots.
         replace: a snapshot of that name (or a damaged file of that name, logged) is
-            dropped first; else it is an error.
+            replaced, atomically (:meth:`NvmeStore.snapshot` ``replace``); else it is
+            an error.
         timeout_s: for the transfers and writes (default ``config.close_timeout_s``).
         leave_out: key → modification counter (:func:`entry_versions`): each such tensor
             still at that counter and dirty in memory (:func:`dirty_in_memory`) is neither
@@ -199,20 +200,17 @@ def snapshot_manager(
                 errors={},
             )
         dropped: list[str] = []
-        if replace and any(s.name == name for s in store.snapshots()):
-            store.drop_snapshot(name)
-            dropped.append(name)
-        elif replace and name in store.damaged_snapshots():
+        damaged = store.damaged_snapshots()
+        if replace and name in damaged:
             # (found damaged at open, logged, and never used since: this one replaces it)
-            log.warning(
-                "snapshot %r replaces a damaged file of that name: %s",
-                name,
-                store.damaged_snapshots()[name],
-            )
-            store.drop_snapshot(name)
-            dropped.append(name)
+            log.warning("snapshot %r replaces a damaged file of that name: %s", name, damaged[name])
+        replaced = replace and (name in damaged or any(s.name == name for s in store.snapshots()))
         excluded = [store_key_of(ctx.entries[k]) for k in left]
-        info = store.snapshot(name, extra=extra, exclude=excluded)
+        # Replaced in one rename, not dropped first: a failure or a kill before the new
+        # one is durable must leave the old one (with keep_last=1, the only one).
+        info = store.snapshot(name, extra=extra, exclude=excluded, replace=replace)
+        if replaced:
+            dropped.append(name)
         if keep_last is not None:
             dropped.extend(store.prune_snapshots(keep_last=keep_last))
     seconds = time.perf_counter() - started

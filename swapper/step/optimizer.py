@@ -36,7 +36,7 @@ from swapper.step.flat_grads import FlatGrads
 from swapper.step.layout import SubGroup, plan_sub_groups
 from swapper.step.params import check_params, fp32_accumulators
 from swapper.step.pipeline import PipelineClosedError, StepPipeline, StepTraffic
-from swapper.step.resume import adopt, resumed_of
+from swapper.step.resume import ResumedState, adopt, resumed_of, unadopt
 from swapper.step.scaler import DynamicLossScaler
 from swapper.step.sources import (
     LocalParams,
@@ -216,6 +216,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         else:
             self.manager = tiers.manager
         pipeline: StepPipeline | None = None
+        resumed: ResumedState | None = None
         try:
             pipeline = StepPipeline(
                 self.manager,
@@ -239,6 +240,8 @@ class OffloadAdamW(torch.optim.Optimizer):
             for hook in self._hooks:
                 hook.remove()
             if pipeline is not None:
+                if resumed is not None:  # the adopted state stays, for the next optimizer
+                    unadopt(pipeline, resumed)
                 pipeline.close()
             if self._owns_manager:
                 self.manager.close(remove=True)

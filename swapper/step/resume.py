@@ -33,7 +33,14 @@ if TYPE_CHECKING:
 
     from swapper.step.optimizer import OffloadAdamW
 
-__all__ = ["ResumedState", "adopt", "kept_released", "optimizer_meta", "resumed_of"]
+__all__ = [
+    "ResumedState",
+    "adopt",
+    "kept_released",
+    "optimizer_meta",
+    "resumed_of",
+    "unadopt",
+]
 
 
 @dataclasses.dataclass
@@ -206,11 +213,29 @@ def adopt(optimizer: OffloadAdamW, pipeline: StepPipeline, resumed: ResumedState
     resumed.taken = True
 
 
+def unadopt(pipeline: StepPipeline, resumed: ResumedState) -> None:
+    """Undo :func:`adopt` (wholly or in part) for an optimizer whose construction failed:
+    the kept sub-groups it fetched are released unmodified and the pipeline forgets the
+    state tensors without deleting them, so the next optimizer adopts them as they are
+    (closing the pipeline would delete them, and a resume marked taken would make the
+    next optimizer start afresh)."""
+    manager = pipeline.manager
+    with signals.at_waits:  # each undo and its record go together
+        for index in list(pipeline._held):
+            manager.release(pipeline.key(index), modified=False)
+            del pipeline._held[index]
+        pipeline._registered = 0
+    resumed.taken = False
+
+
 @contextlib.contextmanager
 def kept_released(pipeline: StepPipeline) -> Iterator[None]:
     """Inside the block, the sub-groups kept in memory are released (as modified: a step
     changed them in place), so that a manager snapshot writes and names them like any
-    other; they are fetched again at the end."""
+    other; they are fetched again at the end, all of them whatever happened inside.
+
+    Raises (at the end): the first re-fetch's error, once every other was tried.
+    """
     manager = pipeline.manager
     released: list[int] = []
     with signals.at_waits:
@@ -221,5 +246,15 @@ def kept_released(pipeline: StepPipeline) -> Iterator[None]:
                 released.append(index)
             yield
         finally:
-            for index in released:
-                pipeline._held[index] = manager.fetch(pipeline.key(index))
+            # Signals held: a Ctrl-C that came during the block is delivered at the first
+            # wait point, which would be the first re-fetch, and the others would stay
+            # released (streamed from then on). It comes once all are back.
+            error: BaseException | None = None
+            with signals.held:
+                for index in released:
+                    try:
+                        pipeline._held[index] = manager.fetch(pipeline.key(index))
+                    except Exception as exc:  # the others are still fetched
+                        error = error or exc
+            if error is not None:
+                raise error

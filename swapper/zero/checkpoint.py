@@ -59,9 +59,11 @@ from swapper.zero.rebuild import Rebuilder, choose_left_out, register_rebuilt
 from swapper.zero.snapshot_rng import decode_rng as _decode_rng
 from swapper.zero.snapshot_rng import rng_state as _rng_state
 from swapper.zero.snapshot_rng import set_rng_state as _set_rng_state
+from tiers import signals
 from tiers.errors import SwapConfigError, SwapCorruptionError, SwapIOError
 from tiers.nvme import NvmeStore
 from tiers.nvme.snapshots import SnapshotDamagedError, SnapshotInfo, SnapshotNotFoundError
+from tiers.signals import wait_future
 
 if TYPE_CHECKING:
     from swapper.zero.offload import OffloadedModel
@@ -132,8 +134,8 @@ def save_snapshot(
         name: default ``step-<step, 9 digits>``; a snapshot of that name is replaced.
         extra: the caller's JSON-able metadata (str keys; lists, not tuples), returned at
             resume as ``model.resumed.extra``.
-        keep_last: keep only this many newest snapshots (several ranks: >= 1, applied to
-            the records and every rank's parts once the new record is durable).
+        keep_last: keep only this many newest snapshots (>= 1; several ranks: applied
+            to the records and every rank's parts once the new record is durable).
 
     Raises:
         SwapConfigError: the model has no NVMe tier, or the optimizer is not the model's;
@@ -151,6 +153,9 @@ def save_snapshot(
         from swapper.zero.shard_snapshot import save_sharded
 
         return save_sharded(model, optimizer, name=name, extra=extra, keep_last=keep_last)
+    if keep_last is not None and (type(keep_last) is not int or keep_last < 1):
+        # (0 would drop the snapshot just taken, and report it as kept)
+        raise SwapConfigError(f"keep_last={keep_last!r} must be None or an int >= 1")
     check_saveable(model, optimizer)
     started = time.perf_counter()
     step = optimizer.step_count if optimizer is not None else 0
@@ -262,7 +267,21 @@ def open_manager(
             chosen.append(resumed)
         return None if resumed is None else resumed.name
 
-    manager = open_at_snapshot(config, choose)
+    # In a section: a Ctrl-C as open_at_snapshot returns would leave the manager open
+    # (its store locked) with nobody to close it; it lands at a wait (the snapshot's
+    # reads) or at the section's end, inside the try that closes it. (The caller keeps
+    # the manager in a section of its own: see OffloadedModel.)
+    manager: TierManager | None = None
+    try:
+        with signals.at_waits:
+            manager = open_at_snapshot(config, choose)
+            if manager is not None:  # the parameters the snapshot left out, dirty in memory
+                register_rebuilt(manager, chosen[0].rebuilt)
+                chosen[0].rebuilt = {}
+    except BaseException:
+        if manager is not None:
+            manager.close()
+        raise
     if manager is None:
         if isinstance(resume, str):
             raise SnapshotNotFoundError(
@@ -270,12 +289,6 @@ def open_manager(
                 f"{[str(d) for d in config.nvme_dirs]} to resume from"
             )
         return TierManager(config), None
-    try:  # the parameters the snapshot left out, dirty in memory as they were
-        register_rebuilt(manager, chosen[0].rebuilt)
-    except BaseException:
-        manager.close()
-        raise
-    chosen[0].rebuilt = {}
     return manager, chosen[0]
 
 
@@ -346,7 +359,9 @@ def _check(store: NvmeStore, info: SnapshotInfo) -> ResumedState:
     scratch = torch.empty(largest, dtype=torch.uint8)
     for key in info.keys:
         nbytes = store.snapshot_tensor(info.name, key).nbytes
-        store.read_snapshot(info.name, key, scratch[:nbytes]).result()
+        future = store.read_snapshot(info.name, key, scratch[:nbytes])
+        wait_future(future, None, "resume.read")  # (Ctrl-C stops a long verification here)
+        future.result()
         rebuilder.feed(key, scratch[:nbytes])
     return ResumedState(
         name=info.name,

@@ -159,19 +159,24 @@ class OffloadedModel(nn.Module):
         self._closed = False
         self._param_gate: ParamGate | None = None  # an overlapped optimizer's (set_param_gate)
         self._check_modules(module)
-        self._manager, self.resumed = checkpoint.open_manager(config.manager, resume)
-        self._plan = FetchPlan(  # the fetch order and the read-ahead along it
-            self._manager,
-            self._use_tier,
-            manager_config.prefetch_window_nbytes,
-            lambda key: self._by_name[key.removeprefix("param/")].nbytes,
-            self._lock,
-        )
         #: until placed: each parameter emptied, its bytes (None: materialised), its slot
         self._originals: list[tuple[nn.Parameter, torch.Tensor | None, Slot]] = []
         self._had_values: dict[int, nn.Parameter] = {}
         self._weights: WeightHooks | None = None
+        opened = False
         try:
+            # In a section ending inside this try: a Ctrl-C as the manager is returned
+            # would leave it open (its store locked) with nobody to close it.
+            with signals.at_waits:
+                self._manager, self.resumed = checkpoint.open_manager(config.manager, resume)
+                opened = True
+            self._plan = FetchPlan(  # the fetch order and the read-ahead along it
+                self._manager,
+                self._use_tier,
+                manager_config.prefetch_window_nbytes,
+                lambda key: self._by_name[key.removeprefix("param/")].nbytes,
+                self._lock,
+            )
             self._place_all(module, materialize)
             # Whether a forward's holds are kept for its backward: the use tier holds
             # every parameter at once, so holding them costs no room that could be used.
@@ -200,7 +205,8 @@ class OffloadedModel(nn.Module):
                 if data is not None:
                     param.data = data
             back_to_meta(module, [(p, slot) for p, d, slot in self._originals if d is None])
-            self._manager.close(remove=self.resumed is None)  # snapshots are kept
+            if opened:
+                self._manager.close(remove=self.resumed is None)  # snapshots are kept
             raise
         finally:
             self._originals, self._had_values = [], {}

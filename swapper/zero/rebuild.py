@@ -63,6 +63,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from swapper.manager import Kind
 from swapper.manager.snapshot import dirty_in_memory, entry_versions
 from swapper.step.optimizer import OffloadAdamW
+from tiers import signals
 from tiers.nvme import NvmeStore, content_hash
 from tiers.nvme.snapshots import SnapshotDamagedError, SnapshotInfo
 
@@ -187,14 +188,18 @@ def choose_left_out(manager: TierManager, optimizer: OffloadAdamW | None) -> Lef
             or any(record.versions.get(p.state_key) != now.get(p.state_key) for p in streamed)
         ):
             continue  # written since the step: its bytes are its own
-        tensor = manager.fetch(key, tier)
-        try:
-            flat = tensor.detach().reshape(-1).cpu()
-            if not all(_equal_rounded(flat, p, held[p.state_key]) for p in mine if p.held):
-                continue
-            digest = content_hash(flat)
-        finally:
-            manager.release(key, modified=False)
+        # In a section: a Ctrl-C arriving between the fetch and the try would leave the
+        # entry in use with no holder (every later snapshot and step refused).
+        with signals.at_waits:
+            tensor = manager.fetch(key, tier)
+            try:
+                flat = tensor.detach().reshape(-1).cpu()
+                same = all(_equal_rounded(flat, p, held[p.state_key]) for p in mine if p.held)
+                digest = content_hash(flat) if same else 0
+            finally:
+                manager.release(key, modified=False)
+        if not same:
+            continue
         versions[key] = version
         nbytes += info.nbytes
         rows.append(

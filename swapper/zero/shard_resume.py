@@ -138,6 +138,9 @@ def choose_sharded(
     except Exception as exc:
         local.error = exc
         view = {"error": f"{type(exc).__name__}: {exc}", "parts": {}, "damaged": {}}
+    except BaseException:  # a Ctrl-C: its store must not stay open (locked) behind it
+        local.close()
+        raise
     everyone = all_gather_json(group, view, what)
     try:
         return _decide(local, everyone, group, resume, plan_digest)

@@ -160,7 +160,7 @@ def place_model(
     plan = _plan(infos, group.world_size, config)
     manager: TierManager | None = None
     originals: list[tuple[nn.Parameter, torch.Tensor]] = []
-    error: Exception | None = None
+    error: BaseException | None = None
     placed: Placed | None = None
     # Collectives on every rank alike, before anything is placed (raises alike everywhere).
     chosen = None if resume is False else choose_sharded(config, group, resume, plan.digest())
@@ -183,7 +183,9 @@ def place_model(
             finish_sharded_resume(manager, placed.slots, resumed)
             placed.resumed = resumed
         placed.device_floor = floor
-    except Exception as exc:  # every rank learns of it at the agreement, then it is raised
+    except BaseException as exc:  # every rank learns of it at the agreement, then it is raised
+        # (a KeyboardInterrupt too: else the parameters would stay emptied and the
+        # manager open, its store locked, with nobody to close it)
         error = exc
     try:
         agree(group, error is None, "wrapping the model (swapper.offload)")

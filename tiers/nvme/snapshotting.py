@@ -13,6 +13,8 @@ Life of a snapshot::
     RETAINED: its versions stay pinned: later writes of its keys take new extents and
       │       its extents are never handed out again (nor at a later open: the opener
       │       allocates every extent a snapshot file names)
+      ├─ snapshot(name, replace=True): a new snapshot of that name, its file renamed over
+      │    this one's (a crash leaves one of the two whole); then this one's pins released
       ├─ restore_snapshot(name): one journal record switches every key to the snapshot's
       │    version and deletes the keys it does not name (replayed whole or not at all)
       ▼ drop_snapshot(name): its file removed, the directory fsync'd
@@ -144,6 +146,7 @@ class SnapshotStore(StoreCore):
         extra: Mapping[str, Any] | bytes | None = None,
         keep_last: int | None = None,
         exclude: Collection[str] = (),
+        replace: bool = False,
     ) -> SnapshotInfo:
         """Durably retain every key's current version under ``name``, without copying.
 
@@ -161,13 +164,18 @@ class SnapshotStore(StoreCore):
                 or bytes, at most 16 MiB encoded.
             exclude: keys not retained (the caller keeps their bytes some other way);
                 restoring the snapshot deletes them.
+            replace: a snapshot of that name (or a damaged file of that name) is
+                replaced: the new file is renamed over the old one, so a crash or a
+                failure at any moment leaves one of the two whole; what only the old one
+                held is freed after the rename is durable.
 
         Raises:
             SwapConfigError: ``name`` or ``keep_last`` is not usable.
             TypeError, ValueError: ``extra`` is not JSON-able exactly, or too large.
             SnapshotExistsError: a snapshot (or a damaged snapshot file) of that name
-                exists; drop it first.
-            SwapIOError: the commit or the file write failed (no snapshot is made).
+                exists and not ``replace``; or another file is in its place.
+            SwapIOError: the commit or the file write failed (no snapshot is made; one
+                being replaced is kept).
             StoreClosedError: the store is closed.
         """
         name = check_snapshot_name(name, self._files.name)
@@ -176,11 +184,14 @@ class SnapshotStore(StoreCore):
         path = self._files.snapshot(name)
         with self._snapshot_op("snapshot"):
             with self._lock:
-                if name in self._snaps or name in self._damaged or os.path.lexists(path):
+                known = name in self._snaps or name in self._damaged
+                if (known and not replace) or (not known and os.path.lexists(path)):
                     raise SnapshotExistsError(
                         f"store {self._files.name!r} already has a snapshot {name!r} ({path}); "
-                        f"drop_snapshot({name!r}) first, or choose another name"
+                        f"drop_snapshot({name!r}) first, pass replace=True, or choose "
+                        "another name"
                     )
+                old = self._snaps.get(name)  # (replaced: pinned until its file is gone)
                 versions = self._table.currents()
                 for key in exclude:
                     versions.pop(key, None)
@@ -205,6 +216,9 @@ class SnapshotStore(StoreCore):
                 written = True  # from here the file may be in place
                 replace_file(path, data, "snapshot file")
             except BaseException:
+                if written and known:
+                    self._failed_replace(path, data, versions)
+                    raise
                 if written and os.path.lexists(path):
                     try:
                         path.unlink()
@@ -219,11 +233,37 @@ class SnapshotStore(StoreCore):
                 raise
             with self._lock:
                 self._snaps[name] = held
+                self._damaged.pop(name, None)
                 self._snap_seq += 1
+                if old is not None:  # its file is durably replaced: its pins go
+                    for version in old.versions.values():
+                        self._table.unpin(version)
                 info = self._info(held)
         if keep_last is not None:
             self.prune_snapshots(keep_last=keep_last)
         return info
+
+    def _failed_replace(self, path: Path, data: bytes, versions: dict[str, Version]) -> None:
+        """A replacing file write failed: if the new file may be in place (the rename
+        done, its directory fsync failed), both its versions and the old snapshot's stay
+        pinned (until the store is reopened), so whichever file survives is whole; else
+        the new versions are unpinned and the old snapshot is as it was."""
+        try:
+            maybe_new = path.read_bytes() == data
+        except FileNotFoundError:
+            maybe_new = False
+        except OSError:
+            maybe_new = True
+        if maybe_new:
+            log.error(
+                "snapshot file %s was replaced but the rename may not be durable: the "
+                "extents of both versions stay held until the store is reopened",
+                path,
+            )
+            return
+        with self._lock:
+            for version in versions.values():
+                self._table.unpin(version)
 
     def snapshots(self) -> list[SnapshotInfo]:
         """The retained snapshots, oldest first (damaged ones: :meth:`damaged_snapshots`)."""
