@@ -16,9 +16,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from swapper.zero import dcp_io
-from swapper.zero.dcp_io import SIDECAR_SUFFIX, AioStorageWriter, _template
+from swapper.zero.dcp_io import SIDECAR_SUFFIX, AioStorageWriter
 from swapper.zero.dcp_planners import BoxSource, CheckedReader, StreamingSavePlanner
 from swapper.zero.dcp_reshard import DcpCheckpointError, flat_boxes
+from swapper.zero.dcp_templates import template as _template
 
 _IGNORED = "torch.distributed is disabled"
 

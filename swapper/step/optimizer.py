@@ -1,6 +1,3 @@
-# Size: one class (~600 lines): torch.optim.Optimizer's surface and the step it runs;
-# the state dict, parameter checks, legacy swap and the overlapped step
-# (swapper.step.deferred) already live elsewhere.
 """``OffloadAdamW``: AdamW over 16-bit parameters with fp32 state streamed from the tiers.
 
 The 16-bit parameters and their 16-bit gradients stay where they are (ordinary tensors);
@@ -21,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
@@ -29,7 +25,6 @@ from typing import Any
 import torch
 
 from swapper.manager import ManagerConfig, TierManager
-from swapper.step.clip import clip_coefficient, grad_norm32, total_norm
 from swapper.step.config import DEFAULT_SUB_GROUP_NUMEL, StepConfig, check_hyper
 from swapper.step.deferred import DeferredStepError, DeferredSteps
 from swapper.step.flat_grads import FlatGrads
@@ -42,7 +37,6 @@ from swapper.step.sources import (
     LocalParams,
     ParamSource,
     ResidentSource,
-    SharedStep,
     TieredModel,
 )
 from swapper.step.state import (
@@ -51,6 +45,7 @@ from swapper.step.state import (
     load_state,
     saved_state,
 )
+from swapper.step.update import SubGroupMath
 from tiers import signals
 from tiers.errors import SwapConfigError, SwapError
 
@@ -90,7 +85,7 @@ class StepReport:
     traffic: StepTraffic
 
 
-class OffloadAdamW(torch.optim.Optimizer):
+class OffloadAdamW(SubGroupMath, torch.optim.Optimizer):
     """AdamW (decoupled weight decay) over 16-bit parameters, state in the tiers.
 
     Use it like ``torch.optim.AdamW``: ``loss.backward()``, ``optimizer.step()``,
@@ -249,11 +244,6 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._constructed = True
 
     # -- the public surface --------------------------------------------------------------
-
-    @property
-    def sub_groups(self) -> tuple[SubGroup, ...]:
-        """The sub-groups the state is cut into."""
-        return self._pipeline.sub_groups
 
     @property
     def step_count(self) -> int:
@@ -468,9 +458,6 @@ class OffloadAdamW(torch.optim.Optimizer):
 
     # -- set-up ---------------------------------------------------------------------------
 
-    def _all_params(self) -> list[torch.Tensor]:
-        return [p for g in self.param_groups for p in g["params"]]
-
     def _numels(self) -> list[list[int]]:
         """Per group, the element count of each parameter (from the source: an offloaded
         parameter's ``.data`` is a placeholder)."""
@@ -492,9 +479,6 @@ class OffloadAdamW(torch.optim.Optimizer):
                 f"{self.sub_group_numel}) or host_fraction, or raise the host budget"
             )
 
-    def _param(self, sg: SubGroup, param_index: int) -> torch.Tensor:
-        return self.param_groups[sg.group_index]["params"][param_index]
-
     def _initial_state(self, sg: SubGroup, state: torch.Tensor) -> None:
         master = state[0]
         for piece in sg.pieces:
@@ -503,160 +487,3 @@ class OffloadAdamW(torch.optim.Optimizer):
                 piece.param_offset,
                 master[piece.offset : piece.offset + piece.numel],
             )
-
-    # -- one step -------------------------------------------------------------------------
-
-    def _grad_norm(self) -> tuple[torch.Tensor | None, bool]:
-        """(unscaled global L2 norm as a 0-dim fp32 tensor, found inf/NaN), when clipping
-        or scaling needs it; computed as ``clip_grad_norm_`` does (see
-        :mod:`swapper.step.clip`)."""
-        if self.max_grad_norm is None and self.loss_scaler is None:
-            return None, False
-        if self._accumulators:
-            # per parameter, as the reference's fp32 .grad tensors would be
-            norms = [
-                n
-                for group, acc in zip(self.param_groups, self._accumulators, strict=True)
-                for n in grad_norm32(acc.split([p.numel() for p in group["params"]]))
-            ]
-        elif self._flat.filled:
-            norms = self._flat.norms
-        else:
-            norms = self._source.grad_norms(self._all_params())
-        if not norms:
-            return torch.tensor(0.0), False
-        total = total_norm(norms)  # one host sync below for the whole norm
-        if not math.isfinite(float(total)):
-            return total, True
-        if self.loss_scaler is not None:
-            # the scale is a power of two: dividing the norm is exact, and equals the
-            # norm of the unscaled gradients that GradScaler.unscale_ would give
-            total = total / self.loss_scaler.loss_scale
-        return total, False
-
-    def _grad_factor(self, grad_norm: torch.Tensor | None) -> float:
-        """What the fp32 gradients are multiplied by: 1/scale, times the clip coefficient
-        (computed in fp32 as ``clip_grad_norm_`` does; the returned float is that fp32
-        value exactly, so multiplying an fp32 tensor by it rounds as torch does)."""
-        factor = 1.0
-        if self.loss_scaler is not None:
-            factor = 1.0 / self.loss_scaler.loss_scale
-        if self.max_grad_norm is not None and grad_norm is not None:
-            factor *= float(clip_coefficient(grad_norm, self.max_grad_norm))
-        return factor
-
-    def _run_agreed(self, target: int, factor: float) -> None:
-        """:meth:`_run`; over a sharded model, then an agreement of every rank: a rank's
-        failure raises on every rank, and every rank keeps the step pending (done
-        sub-groups kept), so ``step()`` again on every rank finishes it everywhere."""
-        source = self._source
-        if not isinstance(source, SharedStep):
-            self._run(target, factor)
-            return
-        try:
-            self._run(target, factor)
-        except BaseException:
-            with contextlib.suppress(Exception):  # (it raises: this rank said it failed)
-                source.agree_step(False)
-            raise
-        source.agree_step(True)
-
-    def _run(self, target: int, factor: float) -> None:
-        threads = torch.get_num_threads()
-        try:
-            if self._pipeline.streams and threads > 1:
-                # The kernel runs while reads and writes are in flight, and O_DIRECT
-                # submission and completion take CPU too: on a small machine a kernel on
-                # every core starves them, and the step stops overlapping (measured in
-                # docs/benchmarks.md). So the step leaves one core to the I/O threads.
-                torch.set_num_threads(threads - 1)
-            self._run_pipeline(target, factor)
-        finally:
-            torch.set_num_threads(threads)
-
-    def _run_pipeline(self, target: int, factor: float) -> None:
-        """Every sub-group through the pipeline; a subclass may fetch more per sub-group
-        (``swapper.bench.legacy_step`` fetches the fp32 gradient it wrote)."""
-        self._pipeline.run(
-            target,
-            lambda sg, state, extras: self._update(sg, state, extras, target, factor),
-            self._publish,
-            order=self._run_order,
-        )
-
-    def _grad_buffer(self, device: torch.device, numel: int) -> torch.Tensor:
-        buffer = self._grad32.get(device)
-        if buffer is None:
-            largest = max(sg.numel for sg in self.sub_groups)
-            buffer = torch.empty(largest, dtype=torch.float32, device=device)
-            self._grad32[device] = buffer
-        return buffer[:numel]
-
-    def _build_grad(self, sg: SubGroup, out: torch.Tensor, factor: float) -> None:
-        """The fp32 gradient of ``sg`` from the retained 16-bit gradients, into ``out``."""
-        if self._accumulators:
-            accumulator = self._accumulators[sg.group_index]
-            out.copy_(accumulator[sg.flat_offset : sg.flat_offset + sg.numel])
-        else:
-            for piece in sg.pieces:
-                window = out[piece.offset : piece.offset + piece.numel]
-                param = self._param(sg, piece.param_index)
-                if not self._source.read_grad(param, piece.param_offset, window):
-                    window.zero_()
-        if factor != 1.0:
-            out.mul_(factor)
-
-    def _update(
-        self,
-        sg: SubGroup,
-        state: torch.Tensor,
-        extras: list[torch.Tensor],
-        step: int,
-        factor: float,
-    ) -> None:
-        group = (self._frozen_groups or self.param_groups)[sg.group_index]
-        grad = self._grad(sg, state, extras, factor)
-        beta1, beta2 = group["betas"]
-        # (fp32 moments: views of the state; compressed: decoded, and encoded after)
-        with self._pipeline.codec.rows(sg, state) as (master, exp_avg, exp_avg_sq):
-            torch._fused_adamw_(  # pyright: ignore[reportPrivateImportUsage]
-                [master],
-                [grad],
-                [exp_avg],
-                [exp_avg_sq],
-                [],
-                [torch.tensor(float(step), dtype=torch.float32, device=state.device)],
-                lr=float(group["lr"]),
-                beta1=float(beta1),
-                beta2=float(beta2),
-                weight_decay=float(group["weight_decay"]),
-                eps=float(group["eps"]),
-                amsgrad=False,
-                maximize=False,
-            )
-
-    def _grad(
-        self, sg: SubGroup, state: torch.Tensor, extras: list[torch.Tensor], factor: float
-    ) -> torch.Tensor:
-        """The fp32 gradient of ``sg``, built from the retained 16-bit one into a reused
-        buffer on the state's device (``extras``: what :meth:`_run_pipeline` fetched)."""
-        grad = self._flat.grad(sg, state.device)
-        if grad is not None:  # converted once for the step: a view, scaled in place
-            if factor != 1.0:
-                grad.mul_(factor)
-            return grad
-        grad = self._grad_buffer(state.device, sg.numel)
-        self._build_grad(sg, grad, factor)
-        return grad
-
-    def _publish(self, sg: SubGroup, state: torch.Tensor) -> None:
-        """Round the new master weights into the 16-bit parameters."""
-        master = self._pipeline.codec.master(sg, state)
-        for piece in sg.pieces:
-            self._source.write_param(
-                self._param(sg, piece.param_index),
-                piece.param_offset,
-                master[piece.offset : piece.offset + piece.numel],
-            )
-        if self._deferred is not None:
-            self._deferred.published(sg.index)

@@ -39,7 +39,6 @@ last snapshot is discarded at resume.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import time
 from collections.abc import Mapping
@@ -48,13 +47,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-import xxhash
 
 from swapper.manager import Kind, ManagerConfig, TierManager, UnknownKeyError
 from swapper.manager.snapshot import open_at_snapshot, snapshot_manager
 from swapper.step.optimizer import OffloadAdamW, StepPendingError
 from swapper.step.resume import ResumedState, kept_released, optimizer_meta
 from swapper.step.state import StateDictError
+from swapper.zero.digest import final_digest
 from swapper.zero.rebuild import Rebuilder, choose_left_out, register_rebuilt
 from swapper.zero.snapshot_rng import decode_rng as _decode_rng
 from swapper.zero.snapshot_rng import rng_state as _rng_state
@@ -447,59 +446,3 @@ def keeps_store(manager: TierManager) -> bool:
     """Whether the manager's store holds snapshots (then closing must keep its files)."""
     store = manager._ctx.store
     return store is not None and bool(store.snapshots() or store.damaged_snapshots())
-
-
-# -- final_digest ------------------------------------------------------------------------
-
-
-def final_digest(
-    model: OffloadedModel | ShardedModel, optimizer: OffloadAdamW | None = None
-) -> str:
-    """A hash over the 16-bit parameters and the optimizer's state, to compare two runs.
-
-    In a fixed order: each parameter by name (sorted), its name, shape, dtype and bytes;
-    then the optimizer's step count, loss scaler state and param group settings, and its
-    fp32 master weights, exp_avg and exp_avg_sq, each over all parameters in their flat
-    order (one streaming hash per row, so the sub-group size does not change it). Reads
-    one parameter or sub-group at a time. Returns ``"xxh3-128:<32 hex digits>"``.
-
-    With several ranks (call it on every rank alike; every rank gets the digest), each
-    parameter and its optimizer state are gathered whole, one parameter at a time, and
-    hashed in the same order: the digest of the same state is the same at every world
-    size (:func:`~swapper.zero.shard_checkpoint.iter_full_state`).
-    """
-    per_param: dict[str, int] = {}
-    for name, tensor in model.iter_state_dict():
-        h = xxhash.xxh3_64()
-        h.update(f"{name}|{list(tensor.shape)}|{tensor.dtype}|".encode())
-        h.update(_bytes(tensor))
-        per_param[name] = h.intdigest()
-    total = xxhash.xxh3_128()
-    for name in sorted(per_param):
-        total.update(b"%s=%016x;" % (name.encode(), per_param[name]))
-    if optimizer is not None:
-        optimizer.wait_pending()
-        meta = optimizer_meta(optimizer)
-        counters = {k: meta[k] for k in ("step", "groups", "loss_scaler")}
-        total.update(json.dumps(counters, sort_keys=True).encode())
-        rows = [xxhash.xxh3_64() for _ in range(3)]
-        from swapper.zero.sharded import ShardedModel  # (it imports this module)
-
-        if isinstance(model, ShardedModel):  # several ranks: gathered whole
-            from swapper.zero.shard_checkpoint import iter_full_state
-
-            for state in iter_full_state(model, optimizer):
-                for row, h in enumerate(rows):
-                    h.update(_bytes(state[row]))
-        else:
-            for sg, state in optimizer._pipeline.iter_states():
-                for row, h in enumerate(rows):
-                    h.update(_bytes(state[row, : sg.numel]))
-        for h in rows:
-            total.update(b"%016x;" % h.intdigest())
-    return f"xxh3-128:{total.hexdigest()}"
-
-
-def _bytes(tensor: torch.Tensor) -> bytes:
-    flat = tensor.detach().reshape(-1).contiguous().cpu()
-    return flat.view(torch.uint8).numpy().tobytes()

@@ -12,9 +12,9 @@ The format stays DCP's own, so a plain ``torch.distributed.checkpoint.load`` (it
 ``FileSystemReader``) reads it: every tensor item is a complete ``torch.save`` archive
 at the ``(offset, length)`` the metadata gives. The archive's small records are
 ``torch.save``'s own (written once per dtype and shape under
-``torch.serialization.skip_data``, :func:`_template`); the tensor record's bytes are the
-tensor's. As with ``skip_data`` (and ``torch.serialization.set_crc32_options(False)``),
-its CRC-32 field is 0: ``torch.load`` does not check it, and zip tools warn. The
+``torch.serialization.skip_data``, :func:`swapper.zero.dcp_templates.template`); the
+tensor record's bytes are the tensor's. As with ``skip_data`` (and
+``torch.serialization.set_crc32_options(False)``), its CRC-32 field is 0: ``torch.load`` does not check it, and zip tools warn. The
 integrity check that replaces it: an XXH3-64 digest of each item's bytes (archive, or
 pickled bytes for the non-tensor entries), in a sidecar file per data file
 (``<file>.xxh3.json``, :data:`SIDECAR_SUFFIX`), which swapper's import checks
@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import dataclasses
 import functools
 import io
 import json
@@ -47,7 +46,7 @@ import os
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import xxhash
@@ -61,6 +60,8 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+from swapper.zero.dcp_templates import Template as _Template
+from swapper.zero.dcp_templates import template as _template
 from tiers.aio import AioEngine, IOFuture
 from tiers.buffers import HostBuffer, allocate
 from tiers.config import DIRECT_ALIGNMENT, AioConfig
@@ -98,85 +99,6 @@ _AIO = AioConfig(block_size=8 << 20, queue_depth=32)  # (swapper-bench disk's de
 def item_digest(data: Any) -> str:
     """The XXH3-64 digest (hex) of a buffer, as the sidecar stores it."""
     return xxhash.xxh3_64_hexdigest(data)
-
-
-# -- torch.save archives without the data ---------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class _Template:
-    """``torch.save`` of a tensor of one dtype and shape: its bytes before the data
-    (``prefix``, whose length is the data's offset in the archive) and after it."""
-
-    prefix: bytes
-    suffix: bytes
-    nbytes: int  # the data's
-
-    @property
-    def length(self) -> int:
-        return len(self.prefix) + self.nbytes + len(self.suffix)
-
-
-class _Recorder(io.RawIOBase):
-    """A seekable sink that keeps what ``torch.save`` writes (it seeks over the data
-    under ``skip_data``)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.parts: dict[int, bytes] = {}
-        self.pos = 0
-
-    def writable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def write(self, b: Any) -> int:
-        data = bytes(memoryview(b).cast("B"))
-        self.parts[self.pos] = data
-        self.pos += len(data)
-        return len(data)
-
-    def seek(self, offset: int, whence: int = 0) -> int:
-        self.pos = offset if whence == 0 else self.pos + offset if whence == 1 else -1
-        if self.pos < 0:
-            raise OSError("unsupported seek")
-        return self.pos
-
-    def tell(self) -> int:
-        return self.pos
-
-
-@functools.lru_cache(maxsize=512)
-def _template(dtype: torch.dtype, sizes: tuple[int, ...]) -> _Template:
-    """The archive ``torch.save`` writes for a tensor of ``dtype`` and ``sizes``, its
-    data left out (written without reading a byte of it: ``skip_data``).
-
-    Raises:
-        RuntimeError: torch wrote something other than one data region between
-            contiguous records (a torch change: nothing of the export was written).
-    """
-    tensor = torch.empty(sizes, dtype=dtype)  # (its memory is never touched)
-    nbytes = tensor.numel() * tensor.element_size()
-    sink = _Recorder()
-    with torch.serialization.skip_data():
-        torch.save(tensor, cast(BinaryIO, sink))
-    runs = sorted(sink.parts.items())
-    blob = bytearray()
-    hole_at = -1
-    for at, data in runs:
-        if at != len(blob) + (nbytes if hole_at >= 0 else 0):
-            if hole_at < 0 and at == len(blob) + nbytes:
-                hole_at = len(blob)
-            else:
-                raise RuntimeError(f"torch.save wrote an unexpected layout (a record at {at})")
-        blob += data
-    if hole_at < 0:  # no record after the data (or no data): the data is at the end
-        if nbytes:
-            raise RuntimeError("torch.save wrote no records after the data")
-        hole_at = len(blob)
-    return _Template(bytes(blob[:hole_at]), bytes(blob[hole_at:]), nbytes)
 
 
 # -- the writer ----------------------------------------------------------------------

@@ -1,0 +1,210 @@
+"""One step's arithmetic for :class:`~swapper.step.optimizer.OffloadAdamW`: the global
+gradient norm, the factor the fp32 gradients are multiplied by, each sub-group's fp32
+gradient built from the retained 16-bit one, the fused AdamW update and the rounding of
+the new masters into the 16-bit parameters.
+
+Why a mixin: ``OffloadAdamW`` is torch's ``Optimizer`` surface (construction, state dict,
+``zero_grad``, closing) and the order of a step; what is computed per sub-group is a job of
+its own, and the overlapped step (:mod:`swapper.step.deferred`) calls the same methods from
+its thread. The attributes it reads are set by ``OffloadAdamW.__init__`` (declared below).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Any
+
+import torch
+
+from swapper.step.clip import clip_coefficient, grad_norm32, total_norm
+from swapper.step.deferred import DeferredSteps
+from swapper.step.flat_grads import FlatGrads
+from swapper.step.layout import SubGroup
+from swapper.step.pipeline import StepPipeline
+from swapper.step.scaler import DynamicLossScaler
+from swapper.step.sources import ParamSource, SharedStep
+
+__all__ = ["SubGroupMath"]
+
+
+class SubGroupMath:
+    """The per-step arithmetic of ``OffloadAdamW`` (module docstring)."""
+
+    param_groups: list[dict[str, Any]]
+    max_grad_norm: float | None
+    loss_scaler: DynamicLossScaler | None
+    _source: ParamSource
+    _pipeline: StepPipeline
+    _accumulators: list[torch.Tensor]
+    _flat: FlatGrads
+    _grad32: dict[torch.device, torch.Tensor]
+    _frozen_groups: list[dict[str, Any]] | None
+    _deferred: DeferredSteps | None
+    _run_order: tuple[int, ...] | None
+
+    @property
+    def sub_groups(self) -> tuple[SubGroup, ...]:
+        """The sub-groups the state is cut into."""
+        return self._pipeline.sub_groups
+
+    def _all_params(self) -> list[torch.Tensor]:
+        return [p for g in self.param_groups for p in g["params"]]
+
+    def _param(self, sg: SubGroup, param_index: int) -> torch.Tensor:
+        return self.param_groups[sg.group_index]["params"][param_index]
+
+    def _grad_norm(self) -> tuple[torch.Tensor | None, bool]:
+        """(unscaled global L2 norm as a 0-dim fp32 tensor, found inf/NaN), when clipping
+        or scaling needs it; computed as ``clip_grad_norm_`` does (see
+        :mod:`swapper.step.clip`)."""
+        if self.max_grad_norm is None and self.loss_scaler is None:
+            return None, False
+        if self._accumulators:
+            # per parameter, as the reference's fp32 .grad tensors would be
+            norms = [
+                n
+                for group, acc in zip(self.param_groups, self._accumulators, strict=True)
+                for n in grad_norm32(acc.split([p.numel() for p in group["params"]]))
+            ]
+        elif self._flat.filled:
+            norms = self._flat.norms
+        else:
+            norms = self._source.grad_norms(self._all_params())
+        if not norms:
+            return torch.tensor(0.0), False
+        total = total_norm(norms)  # one host sync below for the whole norm
+        if not math.isfinite(float(total)):
+            return total, True
+        if self.loss_scaler is not None:
+            # the scale is a power of two: dividing the norm is exact, and equals the
+            # norm of the unscaled gradients that GradScaler.unscale_ would give
+            total = total / self.loss_scaler.loss_scale
+        return total, False
+
+    def _grad_factor(self, grad_norm: torch.Tensor | None) -> float:
+        """What the fp32 gradients are multiplied by: 1/scale, times the clip coefficient
+        (computed in fp32 as ``clip_grad_norm_`` does; the returned float is that fp32
+        value exactly, so multiplying an fp32 tensor by it rounds as torch does)."""
+        factor = 1.0
+        if self.loss_scaler is not None:
+            factor = 1.0 / self.loss_scaler.loss_scale
+        if self.max_grad_norm is not None and grad_norm is not None:
+            factor *= float(clip_coefficient(grad_norm, self.max_grad_norm))
+        return factor
+
+    def _run_agreed(self, target: int, factor: float) -> None:
+        """:meth:`_run`; over a sharded model, then an agreement of every rank: a rank's
+        failure raises on every rank, and every rank keeps the step pending (done
+        sub-groups kept), so ``step()`` again on every rank finishes it everywhere."""
+        source = self._source
+        if not isinstance(source, SharedStep):
+            self._run(target, factor)
+            return
+        try:
+            self._run(target, factor)
+        except BaseException:
+            with contextlib.suppress(Exception):  # (it raises: this rank said it failed)
+                source.agree_step(False)
+            raise
+        source.agree_step(True)
+
+    def _run(self, target: int, factor: float) -> None:
+        threads = torch.get_num_threads()
+        try:
+            if self._pipeline.streams and threads > 1:
+                # The kernel runs while reads and writes are in flight, and O_DIRECT
+                # submission and completion take CPU too: on a small machine a kernel on
+                # every core starves them, and the step stops overlapping (measured in
+                # docs/benchmarks.md). So the step leaves one core to the I/O threads.
+                torch.set_num_threads(threads - 1)
+            self._run_pipeline(target, factor)
+        finally:
+            torch.set_num_threads(threads)
+
+    def _run_pipeline(self, target: int, factor: float) -> None:
+        """Every sub-group through the pipeline; a subclass may fetch more per sub-group
+        (``swapper.bench.legacy_step`` fetches the fp32 gradient it wrote)."""
+        self._pipeline.run(
+            target,
+            lambda sg, state, extras: self._update(sg, state, extras, target, factor),
+            self._publish,
+            order=self._run_order,
+        )
+
+    def _grad_buffer(self, device: torch.device, numel: int) -> torch.Tensor:
+        buffer = self._grad32.get(device)
+        if buffer is None:
+            largest = max(sg.numel for sg in self.sub_groups)
+            buffer = torch.empty(largest, dtype=torch.float32, device=device)
+            self._grad32[device] = buffer
+        return buffer[:numel]
+
+    def _build_grad(self, sg: SubGroup, out: torch.Tensor, factor: float) -> None:
+        """The fp32 gradient of ``sg`` from the retained 16-bit gradients, into ``out``."""
+        if self._accumulators:
+            accumulator = self._accumulators[sg.group_index]
+            out.copy_(accumulator[sg.flat_offset : sg.flat_offset + sg.numel])
+        else:
+            for piece in sg.pieces:
+                window = out[piece.offset : piece.offset + piece.numel]
+                param = self._param(sg, piece.param_index)
+                if not self._source.read_grad(param, piece.param_offset, window):
+                    window.zero_()
+        if factor != 1.0:
+            out.mul_(factor)
+
+    def _update(
+        self,
+        sg: SubGroup,
+        state: torch.Tensor,
+        extras: list[torch.Tensor],
+        step: int,
+        factor: float,
+    ) -> None:
+        group = (self._frozen_groups or self.param_groups)[sg.group_index]
+        grad = self._grad(sg, state, extras, factor)
+        beta1, beta2 = group["betas"]
+        # (fp32 moments: views of the state; compressed: decoded, and encoded after)
+        with self._pipeline.codec.rows(sg, state) as (master, exp_avg, exp_avg_sq):
+            torch._fused_adamw_(  # pyright: ignore[reportPrivateImportUsage]
+                [master],
+                [grad],
+                [exp_avg],
+                [exp_avg_sq],
+                [],
+                [torch.tensor(float(step), dtype=torch.float32, device=state.device)],
+                lr=float(group["lr"]),
+                beta1=float(beta1),
+                beta2=float(beta2),
+                weight_decay=float(group["weight_decay"]),
+                eps=float(group["eps"]),
+                amsgrad=False,
+                maximize=False,
+            )
+
+    def _grad(
+        self, sg: SubGroup, state: torch.Tensor, extras: list[torch.Tensor], factor: float
+    ) -> torch.Tensor:
+        """The fp32 gradient of ``sg``, built from the retained 16-bit one into a reused
+        buffer on the state's device (``extras``: what :meth:`_run_pipeline` fetched)."""
+        grad = self._flat.grad(sg, state.device)
+        if grad is not None:  # converted once for the step: a view, scaled in place
+            if factor != 1.0:
+                grad.mul_(factor)
+            return grad
+        grad = self._grad_buffer(state.device, sg.numel)
+        self._build_grad(sg, grad, factor)
+        return grad
+
+    def _publish(self, sg: SubGroup, state: torch.Tensor) -> None:
+        """Round the new master weights into the 16-bit parameters."""
+        master = self._pipeline.codec.master(sg, state)
+        for piece in sg.pieces:
+            self._source.write_param(
+                self._param(sg, piece.param_index),
+                piece.param_offset,
+                master[piece.offset : piece.offset + piece.numel],
+            )
+        if self._deferred is not None:
+            self._deferred.published(sg.index)
