@@ -15,10 +15,11 @@ at the ``(offset, length)`` the metadata gives. The archive's small records are
 ``torch.serialization.skip_data``, :func:`swapper.zero.dcp_templates.template`); the
 tensor record's bytes are the tensor's. As with ``skip_data`` (and
 ``torch.serialization.set_crc32_options(False)``), its CRC-32 field is 0: ``torch.load``
-does not check it, and zip tools warn. The integrity check that replaces it: an XXH3-64 digest of each item's bytes (archive, or
-pickled bytes for the non-tensor entries), in a sidecar file per data file
-(``<file>.xxh3.json``, :data:`SIDECAR_SUFFIX`), which swapper's import checks
-(:class:`~swapper.zero.dcp_planners.CheckedReader`) and plain DCP ignores.
+does not check it, and zip tools warn. The integrity check that replaces it: an XXH3-64
+digest of each item's bytes (archive, or pickled bytes for the non-tensor entries), in a
+sidecar file per data file (``<file>.xxh3.json``, :data:`SIDECAR_SUFFIX`), which
+swapper's import checks (:class:`~swapper.zero.dcp_planners.CheckedReader`) and plain
+DCP ignores.
 
 Layout of an item whose tensor is large (:data:`DIRECT_MIN_NBYTES`): it starts where its
 data's file offset has the same phase modulo 4 KiB as the data's address (a gap of at
