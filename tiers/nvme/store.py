@@ -376,6 +376,12 @@ class NvmeStore(SnapshotStore):
         """
         self._wait_committer("sync", checkpoint=False)
 
+    def hurry(self) -> None:
+        """Someone waits for a write: make the writes completed so far durable without
+        waiting, as a group commit otherwise does, for the other writes still in flight
+        (up to :data:`~tiers.nvme.committer.GATHER_S`). Returns at once; any thread."""
+        self._committer.hurry()
+
     def save_manifest(self) -> None:
         """Write the manifest of the durable state and start an empty journal.
 
