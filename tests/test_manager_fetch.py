@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import signal
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,8 +16,6 @@ import torch
 
 from swapper.manager import EntryState, Kind, ManagerConfig, NotDurableError, Tier, TierManager
 from swapper.manager.context import ManagerContext
-from tiers.aio import IOFuture
-from tiers.aio.engine import Op
 
 KiB = 1024
 
@@ -137,62 +133,3 @@ def test_signal_during_a_resident_fetch_leaves_nothing_pinned(
     assert manager.stats().fetches == 0
     assert torch.equal(manager.fetch("a"), _tensor(3))
     manager.release("a", modified=False)
-
-
-class _HeldWrites:
-    """The engine's pwrite held (issued for real only at ``release``) while ``holding``."""
-
-    def __init__(self, engine: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.real, self.holding, self.held = engine.pwrite, True, 0
-        self.gate = threading.Event()
-        monkeypatch.setattr(engine, "pwrite", self)
-
-    def __call__(self, buffer: Any, file: Any, offset: int = 0, nbytes: int | None = None) -> Any:
-        if not self.holding:
-            return self.real(buffer, file, offset, nbytes)
-        self.held += 1
-        proxy = IOFuture(Op.WRITE, str(file.path), offset, buffer.numel())
-
-        def later() -> None:
-            self.gate.wait(20)
-            try:
-                proxy.set_result(self.real(buffer, file, offset, nbytes).result())
-            except BaseException as exc:
-                proxy.set_exception(exc)
-
-        threading.Thread(target=later, daemon=True).start()
-        return proxy
-
-
-def test_a_fetch_of_a_key_being_written_hurries_its_commit(
-    manager: TierManager, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The store's group commit waits (up to GATHER_S) for other writes in flight; a fetch
-    waiting for a key's eviction to be durable must not wait for them."""
-    store = manager._ctx.nvme()  # pyright: ignore[reportPrivateUsage]
-    monkeypatch.setattr(store._committer, "_gather_s", 30.0)  # pyright: ignore[reportPrivateUsage]
-    a, b = _tensor(1), _tensor(2)
-    manager.register("a", a.clone(), Kind.OPTIM_STATE)
-    manager.register("b", b.clone(), Kind.OPTIM_STATE)
-    held = _HeldWrites(manager._ctx.engine, monkeypatch)  # pyright: ignore[reportPrivateUsage]
-    slow = manager.evict("b", Tier.NVME)
-    deadline = time.monotonic() + 10
-    while not held.held and time.monotonic() < deadline:
-        time.sleep(0.001)
-    time.sleep(0.1)  # the rest of b's pieces are issued in the same call
-    held.holding = False
-    start = time.monotonic()
-    manager.evict("a", Tier.NVME)  # not waited for: the fetch below waits for it
-    entry = manager._ctx.entries["a"]  # pyright: ignore[reportPrivateUsage]
-    while entry.state is not EntryState.WRITING and time.monotonic() < deadline:
-        time.sleep(0.001)  # the eviction is a mover job: wait until it has started
-    assert entry.state is EntryState.WRITING
-    fetched = manager.fetch("a", Tier.HOST)
-    assert time.monotonic() - start < 5
-    assert torch.equal(fetched, a)
-    manager.release("a")
-    assert not slow.done()  # b's write is still in flight: a committed without it
-    held.gate.set()
-    slow.result(timeout=10)
-    assert torch.equal(manager.fetch("b", Tier.HOST), b)
-    manager.release("b")
