@@ -370,11 +370,19 @@ class NvmeStore(SnapshotStore):
         """Wait until every write completed and every delete made before this call is
         durable (one group commit at most).
 
+        Also retries the directory sync of a snapshot drop that failed (see
+        :meth:`drop_snapshot`), unless a snapshot operation is under way.
+
         Raises:
             StoreClosedError: the store is closed.
             SwapIOError: durability failed (the store no longer writes).
         """
         self._wait_committer("sync", checkpoint=False)
+        if self._unsynced_drops and self._snap_mutex.acquire(blocking=False):
+            try:
+                self._settle_drops()
+            finally:
+                self._snap_mutex.release()
 
     def hurry(self) -> None:
         """Someone waits for a write: make the writes completed so far durable without
