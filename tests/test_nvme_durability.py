@@ -491,3 +491,28 @@ def test_the_gather_ends_at_its_bound_with_writes_still_in_flight(
         assert not second.done()
         held.release()
         assert second.result(timeout=10) == 4000
+
+
+def test_close_with_remove_drops_what_is_not_durable_yet(
+    tmp_path: Path, engine: AioEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = NvmeStore([tmp_path / "d"], engine)
+    store.write("old", torch.ones(1000)).result(timeout=10)
+    held = _HeldWrites(engine, monkeypatch, hold=lambda call: call == 0)
+    pending = store.write("k", torch.ones(1000))
+    syncs: list[int] = []
+    real = os.fdatasync
+
+    def fdatasync(fd: int) -> None:
+        syncs.append(fd)
+        real(fd)
+
+    monkeypatch.setattr(os, "fdatasync", fdatasync)
+    timer = threading.Timer(0.3, held.release)  # the write ends while close waits for it
+    timer.start()
+    store.close(remove=True)
+    timer.join()
+    assert syncs == []  # nothing flushed or journaled for files about to be deleted
+    with pytest.raises(SwapIOError, match="remove=True"):
+        pending.result(timeout=10)
+    assert not (tmp_path / "d").exists()

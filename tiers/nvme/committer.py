@@ -151,6 +151,7 @@ class GroupCommitter:
         self._error: BaseException | None = None
         self._stopped = False
         self._hurried = False  # hurry() since the last group was taken
+        self._discard: BaseException | None = None  # see discard()
         self.groups = 0  #: groups synced (for tests and stats)
 
     @property
@@ -179,6 +180,14 @@ class GroupCommitter:
         without waiting for the writes still in flight. Cheap; any thread, any lock held."""
         with self._queue.cond:
             self._hurried = True
+            self._queue.cond.notify()
+
+    def discard(self, error: BaseException) -> None:
+        """The store's files are about to be deleted: groups taken from now on are not
+        made durable (no flush, no journal, no checkpoint); their items complete with
+        ``error``. Any thread."""
+        with self._queue.cond:
+            self._discard = error
             self._queue.cond.notify()
 
     def stop(self) -> None:
@@ -216,6 +225,7 @@ class GroupCommitter:
         items = self._queue.items
         return (
             not self._hurried
+            and self._discard is None
             and all(i.payload is not None for i in items)
             and self._in_flight() > 0
         )
@@ -230,7 +240,7 @@ class GroupCommitter:
 
     def _commit(self, group: list[CommitItem]) -> None:
         records = [item for item in group if item.payload is not None]
-        error = self._error
+        error = self._error or self._discard
         if error is None and records:
             try:
                 self._sync_data({d for item in records for d in item.dirs})

@@ -75,6 +75,7 @@ from tiers.nvme.lock import StoreLock
 from tiers.nvme.metafiles import StoreFiles
 from tiers.nvme.records import (
     DirUsage,
+    StoreClosedError,
     StoredTensor,
     byte_view,
     check_dirs,
@@ -411,7 +412,9 @@ class NvmeStore(SnapshotStore):
 
     def close(self, *, remove: bool = False) -> None:
         """Wait for the requests in flight and make the deletes durable, then close the
-        files and release the lock. Idempotent.
+        files and release the lock. Idempotent. With ``remove``, changes not yet durable
+        are dropped instead: their writes' futures fail (``SwapIOError`` from a
+        ``StoreClosedError``) and nothing more is flushed before the files go.
 
         The store's files stay on disk unless ``remove``: then they are deleted (data
         files, manifest, journal, snapshot files, lock files) and the directories the
@@ -423,6 +426,15 @@ class NvmeStore(SnapshotStore):
         """
         with self._lock:
             self._closing = True
+            if remove and not self._closed:
+                # Nothing written is read again: the writes in flight still end (the
+                # kernel uses their buffers), but none is flushed or journaled.
+                self._committer.discard(
+                    StoreClosedError(
+                        f"store {self._files.name!r} was closed with remove=True before "
+                        "this change was durable; its files are deleted"
+                    )
+                )
             while self._ops:
                 self._idle.wait()
         if not self._closed:
