@@ -134,6 +134,7 @@ class Mover:
                 ctx.stats.end(Tier.HOST, Tier.NVME, None if error else entry.nbytes, entry.kind)
 
             try:
+                ctx.hurry_writes()  # the caller waits for this write to be durable
                 if not wait_future(future, max(0.0, deadline - time.monotonic()), "store.write"):
                     raise ManagerTimeout(
                         f"register of key={entry.key!r}: its write to NVMe did not end within "
