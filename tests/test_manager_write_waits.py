@@ -137,9 +137,9 @@ def test_a_registration_written_to_nvme_waits_at_most_timeout_s(
         held.holding = False
         # The abandoned write ends and undoes the registration: the key is free again.
         deadline = time.monotonic() + 20
-        while "k" in m.keys() and time.monotonic() < deadline:
+        while "k" in m and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert "k" not in m.keys()
+        assert "k" not in m
     finally:
         with contextlib.suppress(NotDurableError):
             m.close()
