@@ -16,9 +16,11 @@ records also waits, up to :data:`GATHER_S`, for the store's other writes still i
 (``in_flight()``) to join it, so that its flushes land once the disk's write queue has
 drained. A flush issued while writes are in flight is what costs: on the VM where this was
 measured a group commit took 5-25 ms with writes in flight against 1-3 ms after them, and
-it slows the writes around it; a 2 GiB burst of evictions committed in 10-13 groups (20 ms
-gather) reached 0.5-0.85 of the raw disk's write rate, in 1-2 groups 0.9-1.0 (see
-docs/benchmarks.md, "Durable evictions: the gather bound"). The wait ends at once when:
+it slows the writes around it. ``swapper-bench tiers`` (2 GiB evicted at once, timed until
+durable) committed each pass in about 11 groups with a 20 ms gather, 2 with 0.5 s and 1
+with 1 s, and reached 0.45-0.61, 0.54-0.63 and 0.75-0.97 of the raw disk's write rate
+(medians 0.52, 0.60, 0.78, one sitting on a loaded machine; see docs/benchmarks.md,
+"Durable evictions: the gather bound"). The wait ends at once when:
 
 - nothing else is in flight (a lone write's latency is unchanged);
 - a barrier, checkpoint or stop is queued (someone waits for everything queued);
@@ -27,12 +29,25 @@ docs/benchmarks.md, "Durable evictions: the gather bound"). The wait ends at onc
   that writes will free), so the bound applies only to nobody-waits write-behind.
 
 So a durable write's completion is delayed, past its own write, by at most ``GATHER_S``
-(0.5 s) plus one group commit, and only while other writes keep the disk busy; a caller
+(1 s) plus one group commit, and only while other writes keep the disk busy; a caller
 that bounds its writes in flight (the manager's ``write_behind_nbytes``) drains them, and
 commits, on its own. The gather holds each write's source buffer until the group is
 durable: the buffer cannot be released when its O_DIRECT write completes, because a failed
 flush must leave the caller its data (the store refuses further writes then, and the bytes
 on disk are not known to be there).
+
+Why two flushes per group and not one (the journal's, with each record carrying its data
+checksums so that replay could reject a record whose data did not reach the disk): a
+rejected record is a write whose future had succeeded, lost. And the journal's
+``fdatasync`` does not make the data files' metadata durable: the data files are reserved
+with ``posix_fallocate``, so the first write into an extent converts it from unwritten to
+written, a metadata change in the data file that only its own ``fsync``/``fdatasync`` (or
+a filesystem journal commit that happens to include it) persists; without it a power cut
+leaves that extent reading as zeros under a record that names it. The drive cache flush
+alone would be covered by the journal's ``fdatasync`` (ext4 flushes the device whether or
+not it commits), so a later refinement could skip a data file's sync when every extent of
+the group lies in space already written and synced; it would save about one of the two
+flushes of the steady state, not measured here.
 
 Items without a record are barriers: ``done`` runs once everything queued before them is
 durable (``NvmeStore.sync``, and writes superseded before they committed). A checkpoint
@@ -70,9 +85,9 @@ log = logging.getLogger("swapper.tiers.nvme")
 
 #: How long a group of records waits, at most, for the store's writes in flight to join it
 #: (seconds). Bounds the extra latency of a durable write on a disk kept busy by other writes
-#: when nobody hurries it; long enough for a 1-3 GiB burst of writes to land on a 2-7 GB/s
-#: disk, so that such a burst commits in one or two groups (module docstring).
-GATHER_S = 0.5
+#: when nobody hurries it; long enough for a 2-3 GiB burst of writes to land on a 3-7 GB/s
+#: disk, so that such a burst commits in one group (module docstring).
+GATHER_S = 1.0
 
 
 class _JournalLost(Exception):
