@@ -18,8 +18,8 @@ drained. A flush issued while writes are in flight is what costs: on the VM wher
 measured a group commit took 5-25 ms with writes in flight against 1-3 ms after them, and
 it slows the writes around it. ``swapper-bench tiers`` (2 GiB evicted at once, timed until
 durable) committed each pass in about 11 groups with a 20 ms gather, 2 with 0.5 s and 1
-with 1 s, and reached 0.45-0.61, 0.54-0.63 and 0.75-0.97 of the raw disk's write rate
-(medians 0.52, 0.60, 0.78, one sitting on a loaded machine; see docs/benchmarks.md,
+with 1 s, and reached 0.45-0.61, 0.54-0.63 and 0.69-0.97 of the raw disk's write rate
+(medians 0.53, 0.62, 0.77, one sitting on a loaded machine; see docs/benchmarks.md,
 "Durable evictions: the gather bound"). The wait ends at once when:
 
 - nothing else is in flight (a lone write's latency is unchanged);
