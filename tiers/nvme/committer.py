@@ -17,10 +17,11 @@ records also waits, up to :data:`GATHER_S`, for the store's other writes still i
 drained. A flush issued while writes are in flight is what costs: on the VM where this was
 measured a group commit took 5-25 ms with writes in flight against 1-3 ms after them, and
 it slows the writes around it. ``swapper-bench tiers`` (2 GiB evicted at once, timed until
-durable) committed each pass in about 11 groups with a 20 ms gather, 2 with 0.5 s and 1
-with 1 s, and reached 0.45-0.61, 0.54-0.63 and 0.69-0.97 of the raw disk's write rate
-(medians 0.53, 0.62, 0.77, one sitting on a loaded machine; see docs/benchmarks.md,
-"Durable evictions: the gather bound"). The wait ends at once when:
+durable) committed each pass in about 11 groups with a 20 ms gather and in 1 with 1 s
+(12-24 ``fdatasync`` a run against 108-132); its evict ratio to the raw disk went from a
+median 0.53 to 0.77 in one sitting, but a second sitting on the same loaded machine did
+not separate them (0.74 and 0.72): see docs/benchmarks.md, "Durable evictions: the gather
+bound", for the figures and the quiet retake. The wait ends at once when:
 
 - nothing else is in flight (a lone write's latency is unchanged);
 - a barrier, checkpoint or stop is queued (someone waits for everything queued);
