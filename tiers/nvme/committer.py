@@ -18,10 +18,10 @@ drained. A flush issued while writes are in flight is what costs: on the VM wher
 measured a group commit took 5-25 ms with writes in flight against 1-3 ms after them, and
 it slows the writes around it. ``swapper-bench tiers`` (2 GiB evicted at once, timed until
 durable) committed each pass in about 11 groups with a 20 ms gather and in 1 with 1 s
-(12-24 ``fdatasync`` a run against 108-132); its evict ratio to the raw disk went from a
-median 0.53 to 0.77 in one sitting, but a second sitting on the same loaded machine did
-not separate them (0.74 and 0.72): see docs/benchmarks.md, "Durable evictions: the gather
-bound", for the figures and the quiet retake. The wait ends at once when:
+(12-24 ``fdatasync`` a run against 108-132), and its evict ratio to the raw disk went from
+a median 0.91 to 1.17 on a nearly quiet machine (ahead in every round of three of four
+sittings; the second, at load 13-20, did not separate them): docs/benchmarks.md,
+"Durable evictions: the gather bound". The wait ends at once when:
 
 - nothing else is in flight (a lone write's latency is unchanged);
 - a barrier, checkpoint or stop is queued (someone waits for everything queued);
