@@ -453,3 +453,66 @@ def test_a_failed_write_in_flight_ends_the_wait(
         assert first.result(timeout=10) == 4000
         assert time.monotonic() - start < long_gather / 3
         assert "second" not in store and "first" in store
+
+
+def test_hurry_commits_without_waiting_for_writes_in_flight(
+    tmp_path: Path, engine: AioEngine, monkeypatch: pytest.MonkeyPatch, long_gather: float
+) -> None:
+    with NvmeStore([tmp_path / "d"], engine) as store:
+        held = _HeldWrites(engine, monkeypatch, hold=lambda call: call == 0)
+        second = store.write("second", torch.ones(1000))
+        first = store.write("first", torch.full((1000,), 3.0))
+        _pieces_done(first)
+        time.sleep(0.1)
+        assert not first.done()  # gathering: "second" is still in flight
+        start = time.monotonic()
+        store.hurry()  # someone waits for "first"
+        assert first.result(timeout=10) == 4000
+        assert time.monotonic() - start < long_gather / 3
+        assert not second.done()
+        held.release()
+        assert second.result(timeout=10) == 4000
+    with NvmeStore.open([tmp_path / "d"], engine) as store:
+        assert torch.equal(_read(store, "first"), torch.full((1000,), 3.0))
+
+
+def test_the_gather_ends_at_its_bound_with_writes_still_in_flight(
+    tmp_path: Path, engine: AioEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(tiers.nvme.committer, "GATHER_S", 0.3)
+    with NvmeStore([tmp_path / "d"], engine) as store:
+        held = _HeldWrites(engine, monkeypatch, hold=lambda call: call == 0)
+        second = store.write("second", torch.ones(1000))
+        first = store.write("first", torch.ones(1000))
+        _pieces_done(first)
+        start = time.monotonic()
+        assert first.result(timeout=10) == 4000  # without "second", which is held
+        assert 0.15 < time.monotonic() - start < 5
+        assert not second.done()
+        held.release()
+        assert second.result(timeout=10) == 4000
+
+
+def test_close_with_remove_drops_what_is_not_durable_yet(
+    tmp_path: Path, engine: AioEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = NvmeStore([tmp_path / "d"], engine)
+    store.write("old", torch.ones(1000)).result(timeout=10)
+    held = _HeldWrites(engine, monkeypatch, hold=lambda call: call == 0)
+    pending = store.write("k", torch.ones(1000))
+    syncs: list[int] = []
+    real = os.fdatasync
+
+    def fdatasync(fd: int) -> None:
+        syncs.append(fd)
+        real(fd)
+
+    monkeypatch.setattr(os, "fdatasync", fdatasync)
+    timer = threading.Timer(0.3, held.release)  # the write ends while close waits for it
+    timer.start()
+    store.close(remove=True)
+    timer.join()
+    assert syncs == []  # nothing flushed or journaled for files about to be deleted
+    with pytest.raises(SwapIOError, match="remove=True"):
+        pending.result(timeout=10)
+    assert not (tmp_path / "d").exists()

@@ -3,6 +3,7 @@ hostile snapshot files, and SIGKILL during write/snapshot/drop/restore loops."""
 
 from __future__ import annotations
 
+import errno
 import itertools
 import json
 import os
@@ -20,7 +21,7 @@ from hypothesis import strategies as st
 
 from tiers.aio import AioEngine
 from tiers.config import AioConfig
-from tiers.errors import SwapConfigError, SwapError
+from tiers.errors import SwapConfigError, SwapError, SwapIOError
 from tiers.nvme import (
     Extent,
     NvmeStore,
@@ -28,6 +29,7 @@ from tiers.nvme import (
     SnapshotNotFoundError,
     content_hash,
     remove_store,
+    snapshotting,
 )
 from tiers.nvme.snapshots import SnapshotDamagedError, parse_snapshot
 
@@ -248,6 +250,34 @@ def test_drop_frees_what_only_the_snapshot_held(tmp_path: Path, engine: AioEngin
         assert store.dir_usage()[0].allocated_nbytes == 96 * KiB
         with pytest.raises(SnapshotNotFoundError, match="no snapshot 's2'"):
             store.drop_snapshot("s2")
+        _check_space(store)
+
+
+def test_a_failed_directory_sync_of_a_drop_frees_its_extents_once_a_retry_succeeds(
+    tmp_path: Path, engine: AioEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = snapshotting.fsync_dir
+    failures = [1]
+
+    def fsync_dir(path: Path) -> None:
+        if failures[0]:
+            failures[0] -= 1
+            raise SwapIOError(errno.EIO, "cannot sync directory: injected", str(path))
+        real(path)
+
+    monkeypatch.setattr(snapshotting, "fsync_dir", fsync_dir)
+    with NvmeStore([tmp_path], engine, stripe_nbytes=64 * KiB) as store:
+        store.write("a", _tensor(64 * KiB, 1)).result()
+        store.snapshot("s")
+        store.write("a", _tensor(64 * KiB, 2)).result()  # old a: held by s only
+        store.sync()
+        assert store.dir_usage()[0].allocated_nbytes == 128 * KiB
+        with pytest.raises(SwapIOError, match="injected"):
+            store.drop_snapshot("s")
+        assert store.snapshots() == []
+        assert store.dir_usage()[0].allocated_nbytes == 128 * KiB  # the unlink may not last
+        store.sync()  # retries the directory sync, which now succeeds
+        assert store.dir_usage()[0].allocated_nbytes == 64 * KiB
         _check_space(store)
 
 

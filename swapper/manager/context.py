@@ -59,6 +59,8 @@ _S = EntryState
 
 #: States in which a fetch finds the tensor where it is and pins it (see ``pin_resident``).
 _HIT_STATES = frozenset({_S.RESIDENT, _S.IN_USE})
+# Transfers that end when a write to NVMe is durable: a waiter for one hurries the commit.
+_DURABLE_PENDING = frozenset({_S.NEW, _S.WRITING, _S.CLEANING})
 
 
 class ManagerContext:
@@ -248,7 +250,16 @@ class ManagerContext:
                 f"key={entry.key!r}: waited too long for its {entry.state.value} transfer "
                 f"(prefetch {entry.prefetch.value}) to end"
             )
+        if entry.state in _DURABLE_PENDING:
+            self.hurry_writes()
         wait_cond(self.cond, left, "manager.transfer")
+
+    def hurry_writes(self) -> None:
+        """A thread is about to wait for a transfer or for memory that writes to NVMe free:
+        their group commit goes ahead without waiting for the store's other writes in
+        flight (see :meth:`~tiers.nvme.store.NvmeStore.hurry`)."""
+        if self.store is not None:
+            self.store.hurry()
 
     def await_idle(self, entry: SwapEntry, deadline: float, doing: str) -> None:
         """Wait until no transfer of ``entry`` runs; it must be neither unregistered nor in

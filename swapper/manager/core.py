@@ -154,6 +154,8 @@ class TierManager:
             BudgetExceededError: it fits no tier on its list (names key, size, budget).
             BudgetTimeout: no room came free within ``timeout_s``.
             SwapIOError: the write to NVMe failed (names key and file); nothing is kept.
+            ManagerTimeout: the write to NVMe did not end within ``timeout_s``; the
+                registration is undone when it ends (a new ``register`` of the key waits).
             ManagerClosedError: the manager is closed.
         """
         check_key(key)

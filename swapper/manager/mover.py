@@ -79,6 +79,7 @@ from swapper.manager.context import (
     window_share,
 )
 from swapper.manager.entry import EntryState, Prefetch, SwapEntry
+from swapper.manager.errors import ManagerTimeout
 from swapper.manager.placement import Placement
 from tiers.budget import ByteBudget, Reservation
 from tiers.errors import SwapError
@@ -105,7 +106,8 @@ class Mover:
         """Write a NEW entry's tensor straight to NVMe (from the caller's memory if it can):
         ON_NVME, or on failure dropped (GONE) and it raises.
 
-        When the wait for the write is cut, the exception propagates at once and the
+        When the wait for the write is cut (an interrupt, or ``deadline`` passed:
+        :class:`~swapper.manager.ManagerTimeout`), the exception propagates at once and the
         write's completion finishes the job: it releases the write-behind window, lets
         the source go (the kernel reads it until then) and drops the entry, deleting what
         it wrote. The entry stays NEW meanwhile, so a new ``register`` of the key waits.
@@ -132,7 +134,14 @@ class Mover:
                 ctx.stats.end(Tier.HOST, Tier.NVME, None if error else entry.nbytes, entry.kind)
 
             try:
-                wait_future(future, None, "store.write")
+                ctx.hurry_writes()  # the caller waits for this write to be durable
+                if not wait_future(future, max(0.0, deadline - time.monotonic()), "store.write"):
+                    raise ManagerTimeout(
+                        f"register of key={entry.key!r}: its write to NVMe did not end within "
+                        f"timeout_s={ctx.config.timeout_s}; the registration is undone when "
+                        "the write ends (the key is then free). Check the swap disk, or "
+                        "raise ManagerConfig.timeout_s"
+                    )
             except BaseException:
                 outcome = "handed"
 

@@ -217,6 +217,7 @@ class Placement:
                         if read_ahead:
                             return None
                         raise self._room_timeout(tier, nbytes, what, waited_s)
+                    ctx.hurry_writes()  # the room may be held by writes not yet durable
                     wait_cond(ctx.cond, left, "manager.room")
             issued = 0
             try:

@@ -13,10 +13,42 @@ group at a time, make them durable in this order:
 A group is whatever was queued while the previous one was being synced: many writes
 completing together share one flush, and a lone write waits for one flush only. A group of
 records also waits, up to :data:`GATHER_S`, for the store's other writes still in flight
-(``in_flight()``) to join it: writes issued together land one after another, and without
-the wait each would take a flush of its own (two ``fdatasync`` calls, a drive cache flush
-each), which on a busy disk costs a fifth of the write bandwidth. A store with nothing else
-in flight commits at once, so a lone write's latency is unchanged.
+(``in_flight()``) to join it, so that its flushes land once the disk's write queue has
+drained. A flush issued while writes are in flight is what costs: on the VM where this was
+measured a group commit took 5-25 ms with writes in flight against 1-3 ms after them, and
+it slows the writes around it. ``swapper-bench tiers`` (2 GiB evicted at once, timed until
+durable) committed each pass in about 11 groups with a 20 ms gather and in 1 with 1 s
+(12-24 ``fdatasync`` a run against 108-132), and its evict ratio to the raw disk went from
+a median 0.91 to 1.17 on a nearly quiet machine (ahead in every round of three of four
+sittings; the second, at load 13-20, did not separate them): docs/benchmarks.md,
+"Durable evictions: the gather bound". The wait ends at once when:
+
+- nothing else is in flight (a lone write's latency is unchanged);
+- a barrier, checkpoint or stop is queued (someone waits for everything queued);
+- :meth:`GroupCommitter.hurry` was called since the last group: a caller waits for a write
+  in particular (the tier manager does when it waits for an entry's transfer or for memory
+  that writes will free), so the bound applies only to nobody-waits write-behind.
+
+So a durable write's completion is delayed, past its own write, by at most ``GATHER_S``
+(1 s) plus one group commit, and only while other writes keep the disk busy; a caller
+that bounds its writes in flight (the manager's ``write_behind_nbytes``) drains them, and
+commits, on its own. The gather holds each write's source buffer until the group is
+durable: the buffer cannot be released when its O_DIRECT write completes, because a failed
+flush must leave the caller its data (the store refuses further writes then, and the bytes
+on disk are not known to be there).
+
+Why two flushes per group and not one (the journal's, with each record carrying its data
+checksums so that replay could reject a record whose data did not reach the disk): a
+rejected record is a write whose future had succeeded, lost. And the journal's
+``fdatasync`` does not make the data files' metadata durable: the data files are reserved
+with ``posix_fallocate``, so the first write into an extent converts it from unwritten to
+written, a metadata change in the data file that only its own ``fsync``/``fdatasync`` (or
+a filesystem journal commit that happens to include it) persists; without it a power cut
+leaves that extent reading as zeros under a record that names it. The drive cache flush
+alone would be covered by the journal's ``fdatasync`` (ext4 flushes the device whether or
+not it commits), so a later refinement could skip a data file's sync when every extent of
+the group lies in space already written and synced; it would save about one of the two
+flushes of the steady state, not measured here.
 
 Items without a record are barriers: ``done`` runs once everything queued before them is
 durable (``NvmeStore.sync``, and writes superseded before they committed). A checkpoint
@@ -52,10 +84,11 @@ __all__ = ["GATHER_S", "CommitItem", "GroupCommitter"]
 log = logging.getLogger("swapper.tiers.nvme")
 
 
-#: How long a group of records waits for the store's writes in flight to join it (seconds).
-#: Bounds the extra latency of a durable write on a disk kept busy by other writes; long
-#: enough for a few 8-64 MiB writes to land on a 2-7 GB/s disk.
-GATHER_S = 0.02
+#: How long a group of records waits, at most, for the store's writes in flight to join it
+#: (seconds). Bounds the extra latency of a durable write on a disk kept busy by other writes
+#: when nobody hurries it; long enough for a 2-3 GiB burst of writes to land on a 3-7 GB/s
+#: disk, so that such a burst commits in one group (module docstring).
+GATHER_S = 1.0
 
 
 class _JournalLost(Exception):
@@ -133,6 +166,8 @@ class GroupCommitter:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._stopped = False
+        self._hurried = False  # hurry() since the last group was taken
+        self._discard: BaseException | None = None  # see discard()
         self.groups = 0  #: groups synced (for tests and stats)
 
     @property
@@ -156,6 +191,21 @@ class GroupCommitter:
         with self._queue.cond:
             self._queue.cond.notify()
 
+    def hurry(self) -> None:
+        """Someone waits for a write: the next group (or the one gathering now) commits
+        without waiting for the writes still in flight. Cheap; any thread, any lock held."""
+        with self._queue.cond:
+            self._hurried = True
+            self._queue.cond.notify()
+
+    def discard(self, error: BaseException) -> None:
+        """The store's files are about to be deleted: groups taken from now on are not
+        made durable (no flush, no journal, no checkpoint); their items complete with
+        ``error``. Any thread."""
+        with self._queue.cond:
+            self._discard = error
+            self._queue.cond.notify()
+
     def stop(self) -> None:
         """Complete everything queued, then end the thread. Idempotent."""
         with self._queue.cond:
@@ -177,6 +227,7 @@ class GroupCommitter:
             while self._gathering() and (left := deadline - time.monotonic()) > 0:
                 self._queue.cond.wait(left)
             items = self._queue.items
+            self._hurried = False
             for i, item in enumerate(items):
                 if item.checkpoint or item.stop:
                     group, self._queue.items = items[: i + 1], items[i + 1 :]
@@ -186,9 +237,14 @@ class GroupCommitter:
 
     def _gathering(self) -> bool:
         """Whether the queue holds only records and more writes may join them (a barrier,
-        checkpoint or stop is someone waiting: commit at once)."""
+        checkpoint, stop or :meth:`hurry` is someone waiting: commit at once)."""
         items = self._queue.items
-        return all(i.payload is not None for i in items) and self._in_flight() > 0
+        return (
+            not self._hurried
+            and self._discard is None
+            and all(i.payload is not None for i in items)
+            and self._in_flight() > 0
+        )
 
     def _run(self) -> None:
         while True:
@@ -200,7 +256,7 @@ class GroupCommitter:
 
     def _commit(self, group: list[CommitItem]) -> None:
         records = [item for item in group if item.payload is not None]
-        error = self._error
+        error = self._error or self._discard
         if error is None and records:
             try:
                 self._sync_data({d for item in records for d in item.dirs})

@@ -89,6 +89,9 @@ class SnapshotStore(StoreCore):
                 c.name, c.seq, c.created, versions, c.extra, loaded.path, loaded.file_nbytes
             )
         self._damaged = dict(opened.damaged)
+        # Dropped snapshots whose unlink could not be synced: (directory, versions pinned).
+        # Their pins go once a later sync of the directory succeeds (_settle_drops).
+        self._unsynced_drops: list[tuple[Path, list[Version]]] = []
         self._snap_seq = max((h.seq for h in self._snaps.values()), default=-1) + 1
 
     @contextlib.contextmanager
@@ -99,6 +102,7 @@ class SnapshotStore(StoreCore):
                 self._check_writable(what, None)
                 self._ops += 1
             try:
+                self._settle_drops()
                 yield
             finally:
                 with self._lock:
@@ -323,7 +327,8 @@ class SnapshotStore(StoreCore):
             SnapshotNotFoundError: no snapshot (nor damaged snapshot file) ``name``.
             SwapIOError: the file could not be removed (the snapshot is kept), or the
                 removal could not be synced (the snapshot is gone from the listing but its
-                extents stay held until the store is reopened).
+                extents stay held until a later snapshot operation or :meth:`sync` syncs
+                the directory, or the store is reopened).
             StoreClosedError: the store is closed.
         """
         with self._snapshot_op("drop_snapshot"):
@@ -343,11 +348,35 @@ class SnapshotStore(StoreCore):
             with self._lock:
                 self._snaps.pop(name, None)
                 self._damaged.pop(name, None)
-            fsync_dir(path.parent)  # raises before the pins go: the file might come back
+            try:
+                fsync_dir(path.parent)
+            except BaseException:
+                # The unlink may not survive a crash, and the file names these extents:
+                # keep them until a later sync of the directory succeeds.
+                if held is not None:
+                    with self._lock:
+                        self._unsynced_drops.append((path.parent, list(held.versions.values())))
+                raise
             if held is not None:
                 with self._lock:
                     for version in held.versions.values():
                         self._table.unpin(version)
+
+    def _settle_drops(self) -> None:
+        """Retry the directory syncs that failed in :meth:`drop_snapshot`; unpin what each
+        success makes safe. A failure again keeps them for the next try (no error: the
+        drop raised already). Caller holds ``_snap_mutex``."""
+        while self._unsynced_drops:
+            directory, versions = self._unsynced_drops[0]
+            try:
+                fsync_dir(directory)
+            except SwapIOError as exc:
+                log.warning("snapshot directory still cannot be synced: %s", exc)
+                return
+            with self._lock:
+                for version in versions:
+                    self._table.unpin(version)
+            self._unsynced_drops.pop(0)
 
     def prune_snapshots(self, *, keep_last: int) -> list[str]:
         """Drop all but the ``keep_last`` newest snapshots (by ``seq``).

@@ -75,6 +75,7 @@ from tiers.nvme.lock import StoreLock
 from tiers.nvme.metafiles import StoreFiles
 from tiers.nvme.records import (
     DirUsage,
+    StoreClosedError,
     StoredTensor,
     byte_view,
     check_dirs,
@@ -370,11 +371,25 @@ class NvmeStore(SnapshotStore):
         """Wait until every write completed and every delete made before this call is
         durable (one group commit at most).
 
+        Also retries the directory sync of a snapshot drop that failed (see
+        :meth:`drop_snapshot`), unless a snapshot operation is under way.
+
         Raises:
             StoreClosedError: the store is closed.
             SwapIOError: durability failed (the store no longer writes).
         """
         self._wait_committer("sync", checkpoint=False)
+        if self._unsynced_drops and self._snap_mutex.acquire(blocking=False):
+            try:
+                self._settle_drops()
+            finally:
+                self._snap_mutex.release()
+
+    def hurry(self) -> None:
+        """Someone waits for a write: make the writes completed so far durable without
+        waiting, as a group commit otherwise does, for the other writes still in flight
+        (up to :data:`~tiers.nvme.committer.GATHER_S`). Returns at once; any thread."""
+        self._committer.hurry()
 
     def save_manifest(self) -> None:
         """Write the manifest of the durable state and start an empty journal.
@@ -397,7 +412,9 @@ class NvmeStore(SnapshotStore):
 
     def close(self, *, remove: bool = False) -> None:
         """Wait for the requests in flight and make the deletes durable, then close the
-        files and release the lock. Idempotent.
+        files and release the lock. Idempotent. With ``remove``, changes not yet durable
+        are dropped instead: their writes' futures fail (``SwapIOError`` from a
+        ``StoreClosedError``) and nothing more is flushed before the files go.
 
         The store's files stay on disk unless ``remove``: then they are deleted (data
         files, manifest, journal, snapshot files, lock files) and the directories the
@@ -409,6 +426,15 @@ class NvmeStore(SnapshotStore):
         """
         with self._lock:
             self._closing = True
+            if remove and not self._closed:
+                # Nothing written is read again: the writes in flight still end (the
+                # kernel uses their buffers), but none is flushed or journaled.
+                self._committer.discard(
+                    StoreClosedError(
+                        f"store {self._files.name!r} was closed with remove=True before "
+                        "this change was durable; its files are deleted"
+                    )
+                )
             while self._ops:
                 self._idle.wait()
         if not self._closed:
