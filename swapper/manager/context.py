@@ -42,12 +42,13 @@ from swapper.manager.errors import (
     UnknownKeyError,
 )
 from swapper.manager.policy import AccessOrder
+from swapper.manager.shared import entry_view, forget_view
 from swapper.manager.stats import StatsRecorder, TierStats
 from tiers.aio import AioEngine
 from tiers.budget import ByteBudget
 from tiers.config import check_swap_dirs
 from tiers.device import DeviceTier
-from tiers.errors import SwapConfigError, SwapIOError
+from tiers.errors import SwapConfigError
 from tiers.host import HostTier
 from tiers.nvme import ManifestError, NvmeStore, StoreExistsError
 from tiers.protocols import MemoryTier
@@ -435,73 +436,3 @@ class ManagerContext:
 
     def timeout(self, timeout_s: float | None) -> float:
         return self.config.timeout_s if timeout_s is None else timeout_s
-
-
-# -- small pure helpers shared by the parts --------------------------------------------
-
-
-def check_key(key: object) -> None:
-    if not isinstance(key, str) or not key:
-        raise TypeError(f"key must be a non-empty str, got {key!r}")
-
-
-def to_kind(kind: Kind | str) -> Kind:
-    if type(kind) is Kind:
-        return kind  # (Kind(kind) costs an enum lookup per registration)
-    try:
-        return Kind(kind)
-    except ValueError:
-        names = ", ".join(k.value for k in Kind)
-        raise ValueError(f"kind={kind!r} is not one of: {names}") from None
-
-
-def to_tier(tier: Tier | str) -> Tier:
-    try:
-        return Tier(tier)
-    except ValueError:
-        names = ", ".join(t.value for t in Tier)
-        raise ValueError(f"tier={tier!r} is not one of: {names}") from None
-
-
-def store_key_of(entry: SwapEntry) -> str:
-    """The store's key: the kind rides along so that a reopened store knows it."""
-    return f"{entry.kind.value}/{entry.key}"
-
-
-def window_share(budget: ByteBudget, nbytes: int) -> int:
-    """What one request takes of a window: its size, or the whole window if larger (a
-    tensor larger than the window then goes alone rather than never)."""
-    limit = budget.limit_nbytes
-    return nbytes if limit is None else min(nbytes, limit)
-
-
-def named_error(error: BaseException, doing: str, key: str) -> BaseException:
-    """An I/O error re-raised with the manager's key in its message; the file stays."""
-    if not isinstance(error, OSError):
-        return error
-    cls = type(error) if isinstance(error, SwapIOError) else SwapIOError
-    code = error.errno if error.errno is not None else errno.EIO
-    named = cls(code, f"{doing} key={key!r} failed: {error.strerror or error}", error.filename)
-    named.__cause__ = error
-    return named
-
-
-def entry_view(entry: SwapEntry) -> torch.Tensor:
-    """The tensor of an entry that is in memory (lock held): one view per block, made at
-    its first fetch and handed to every fetch after (two ``Tensor.view`` calls, ~3 µs,
-    were a tenth of a resident fetch's cost). Callers must not change its metadata
-    (``resize_``, ``set_``, in-place ``unsqueeze_``): it is shared."""
-    block = entry.block
-    if block is None:
-        raise RuntimeError(f"key={entry.key!r} is {entry.state.value} without memory")
-    view = entry.view
-    if view is None or entry.view_block is not block:
-        view = block.view(entry.dtype, entry.shape)
-        entry.view, entry.view_block = view, block
-    return view
-
-
-def forget_view(entry: SwapEntry) -> None:
-    """Drop the cached view of a block that is being released (lock held): a view keeps
-    the block's memory alive (on CUDA the allocator could not reuse it)."""
-    entry.view = entry.view_block = None

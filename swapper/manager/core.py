@@ -57,14 +57,7 @@ from concurrent.futures import Future
 import torch
 
 from swapper.manager.config import Kind, ManagerConfig, Tier
-from swapper.manager.context import (
-    ManagerContext,
-    check_key,
-    store_key_of,
-    to_kind,
-    to_tier,
-    window_share,
-)
+from swapper.manager.context import ManagerContext
 from swapper.manager.entry import EntryInfo, EntryState, Prefetch, SwapEntry
 from swapper.manager.errors import (
     EntryInUseError,
@@ -76,6 +69,7 @@ from swapper.manager.jobs import MoverJobs
 from swapper.manager.mover import Mover
 from swapper.manager.placement import Placement
 from swapper.manager.policy import AccessOrder
+from swapper.manager.shared import check_key, store_key_of, to_kind, to_tier, window_share
 from swapper.manager.stats import ManagerStats
 from tiers.errors import SwapConfigError
 from tiers.protocols import MemoryBlock

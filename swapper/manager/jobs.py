@@ -27,11 +27,12 @@ from collections.abc import Callable
 from concurrent.futures import Future
 
 from swapper.manager.config import Tier
-from swapper.manager.context import ManagerContext, named_error, store_key_of
+from swapper.manager.context import ManagerContext
 from swapper.manager.entry import EntryState, Prefetch, SwapEntry
 from swapper.manager.errors import NotDurableError
 from swapper.manager.mover import Mover
 from swapper.manager.placement import Placement
+from swapper.manager.shared import named_error, store_key_of
 from tiers.budget import Reservation
 from tiers.protocols import MemoryBlock
 from tiers.signals import wait_cond, wait_future

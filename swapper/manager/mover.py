@@ -70,17 +70,11 @@ from concurrent.futures import Future
 import torch
 
 from swapper.manager.config import Tier
-from swapper.manager.context import (
-    ManagerContext,
-    entry_view,
-    forget_view,
-    named_error,
-    store_key_of,
-    window_share,
-)
+from swapper.manager.context import ManagerContext
 from swapper.manager.entry import EntryState, Prefetch, SwapEntry
 from swapper.manager.errors import ManagerTimeout
 from swapper.manager.placement import Placement
+from swapper.manager.shared import entry_view, forget_view, named_error, store_key_of, window_share
 from tiers.budget import ByteBudget, Reservation
 from tiers.errors import SwapError
 from tiers.protocols import MemoryBlock

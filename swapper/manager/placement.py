@@ -27,9 +27,10 @@ from typing import Protocol
 import torch
 
 from swapper.manager.config import Tier
-from swapper.manager.context import ManagerContext, to_tier
+from swapper.manager.context import ManagerContext
 from swapper.manager.entry import EntryState, Prefetch, SwapEntry
 from swapper.manager.policy import choose_victims
+from swapper.manager.shared import to_tier
 from tiers.budget import BudgetExceededError, BudgetTimeout
 from tiers.protocols import MemoryBlock
 from tiers.signals import deliver_pending, wait_cond

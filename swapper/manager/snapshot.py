@@ -26,10 +26,10 @@ from pathlib import Path
 from typing import Any
 
 from swapper.manager.config import ManagerConfig, Tier
-from swapper.manager.context import store_key_of
 from swapper.manager.core import TierManager
 from swapper.manager.entry import EntryState, SwapEntry
 from swapper.manager.errors import EntryInUseError, NotDurableError
+from swapper.manager.shared import store_key_of
 from tiers.aio import AioEngine
 from tiers.errors import SwapConfigError
 from tiers.nvme import NvmeStore, remove_store
