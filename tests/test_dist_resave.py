@@ -22,10 +22,21 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from dist_ckpt_train import CONFIG, PER_RANK, config, model, spawn, values
+from hypothesis import given
+from hypothesis import strategies as st
 
 import swapper
 from swapper import OffloadAdamW
 from swapper.zero.checkpoint import final_digest, save_snapshot
+from swapper.zero.snapshot_commit import (
+    CommitRecordError,
+    RankPart,
+    encode_commit,
+    parse_commit,
+    part_name,
+    read_commits,
+)
+from tiers.nvme.snapshots import check_snapshot_name
 
 pytestmark = pytest.mark.dist
 
@@ -158,3 +169,63 @@ def test_a_snapshot_saved_again_under_its_name_survives_a_kill_at_every_point(
     assert digest == (old, new)[step - 1], f"kill at {point}: the digest is not step {step}'s"
     if (run / "committed").exists():  # the new record was written: it is the one chosen
         assert step == 2
+
+
+# -- the record's part name ---------------------------------------------------------------
+
+
+def _record(part: str | None, name: str = "s") -> bytes:
+    digest = "sha256:" + "0" * 64
+    parts = [RankPart(r, f"rank{r}of2/x.{part or name}.snap", digest, 1) for r in (0, 1)]
+    return encode_commit(
+        store="x", name=name, seq=3, step=2, world_size=2, created=1.0, parts=parts, part=part
+    )
+
+
+def test_a_record_names_its_parts_only_when_they_are_not_under_its_own_name() -> None:
+    plain = _record(None)
+    assert b'"part"' not in plain  # (the format of the records before: they still read)
+    assert parse_commit(plain, Path("r"), store="x", name="s").part == "s"
+    assert b'"part"' not in _record("s")
+    assert parse_commit(_record("s--g1"), Path("r"), store="x", name="s").part == "s--g1"
+    for bad in ("../s", "-s", "a" * 65, "s.snap"):
+        with pytest.raises(CommitRecordError, match="part"):
+            parse_commit(_record(bad), Path("r"), store="x", name="s")
+
+
+@given(st.from_regex(r"[A-Za-z0-9_][A-Za-z0-9_-]{0,63}", fullmatch=True), st.integers(0, 5))
+def test_part_name_is_a_snapshot_name_not_taken(name: str, generations: int) -> None:
+    taken: set[str] = set()
+    for _ in range(generations):
+        taken.add(part_name(name, taken))
+    chosen = part_name(name, taken)
+    assert chosen not in taken
+    assert check_snapshot_name(chosen, "x") == chosen
+    assert part_name(name, set()) == name
+
+
+def _resave_three_times(rank: int, world: int, tmp: str, swap: str) -> list[list[str]]:
+    torch.manual_seed(1234)
+    wrapped = swapper.offload(model(), config(swap), dist.group.WORLD, resume=False)
+    optimizer = OffloadAdamW(wrapped.parameters(), lr=1e-2, tiers=wrapped)
+    store = wrapped.manager._ctx.nvme()
+    try:
+        listed = []
+        for _ in range(3):
+            _step(wrapped, optimizer, rank)
+            save_snapshot(wrapped, optimizer, name="s", keep_last=None)
+            listed.append(sorted(i.name for i in store.snapshots()))
+        return listed
+    finally:
+        optimizer.close()
+        wrapped.close()
+
+
+def test_saved_again_without_keep_last_the_replaced_parts_are_dropped(tmp_path: Path) -> None:
+    swap = tmp_path / "swap"
+    listed = values(spawn(_resave_three_times, WORLD, tmp_path / "run", str(swap), join_s=90))
+    assert listed[0] == listed[1] == [["s"], ["s--g1"], ["s"]]
+    records, damaged = read_commits(swap, "swapper-offload")
+    assert not damaged and [(r.name, r.part) for r in records] == [("s", "s")]
+    resumed = values(spawn(_resume, WORLD, tmp_path / "resume", str(swap), join_s=90))
+    assert [step for step, _ in resumed] == [3, 3]
