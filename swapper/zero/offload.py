@@ -390,8 +390,11 @@ class OffloadedModel(nn.Module):
         training snapshots: then everything is made durable and kept, for a later
         ``resume``); the parameters stay placeholders, and ``state_dict()`` of the model
         raises ``ManagerClosedError`` rather than save them empty (:meth:`unwrap` gives the
-        weights back instead). Idempotent."""
+        weights back instead). Idempotent; a close cut by a Ctrl-C (while the manager
+        writes what the kept store needs) is finished by calling it again."""
         if self._closed:
+            if self._manager_open:  # an interrupt cut the manager's close: its store is
+                self._close_manager()  # still locked against the next swapper.offload
             return
         if self._param_gate is not None:
             with contextlib.suppress(Exception):  # (the optimizer raises it at its next call)
@@ -401,7 +404,14 @@ class OffloadedModel(nn.Module):
             handle.remove()
         self._handles.clear()
         unguard(self._by_name.values())
+        self._close_manager()
+
+    #: False once the manager's close() returned (see close())
+    _manager_open = True
+
+    def _close_manager(self) -> None:
         self._manager.close(remove=not checkpoint.keeps_store(self._manager))
+        self._manager_open = False
         _WRAPPED.discard(self.module)
 
     def __enter__(self) -> OffloadedModel:

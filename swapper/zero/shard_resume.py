@@ -128,8 +128,8 @@ def choose_sharded(
         if group.rank == 0:
             records, damaged = read_commits(base, mc.store_name)
             view["commits"] = [
-                {"name": r.name, "seq": r.seq, "world_size": r.world_size, "path": str(r.path),
-                 "parts": [[p.path, p.digest] for p in r.parts]}
+                {"name": r.name, "part": r.part, "seq": r.seq, "world_size": r.world_size,
+                 "path": str(r.path), "parts": [[p.path, p.digest] for p in r.parts]}
                 for r in records
             ]  # fmt: skip
             view["damaged_commits"] = damaged
@@ -236,7 +236,7 @@ def _decide(
                 try:
                     if local.store is None:  # unreachable: a part was verified in it
                         raise SwapConfigError("resume: this rank's store is not open")
-                    local.store.restore_snapshot(c["name"])
+                    local.store.restore_snapshot(c["part"])
                 except Exception as exc:
                     error = exc
                 agree_or_raise(group, error, f"resume: switching the stores to {c['name']!r}")
@@ -252,7 +252,7 @@ def _decide(
 
 def _parts_missing(commit: dict[str, Any], everyone: list[Any]) -> str | None:
     """Why a record's parts are not all there as it digested them (None: they are)."""
-    name = commit["name"]
+    name = commit["part"]
     for r, (path, digest) in enumerate(commit["parts"]):
         view = everyone[r]
         found = view["parts"].get(name)
@@ -277,7 +277,7 @@ def _verify_everywhere(
         StateDictError: the part is of another partition (on every rank).
         the part's own error when ``fatal`` (on its rank; PeerFailedError elsewhere).
     """
-    name = commit["name"]
+    name = commit["part"]  # (the store snapshot name: the record's, unless saved again)
     resumed: ResumedState | None = None
     error: Exception | None = None
     other_model = False
@@ -290,6 +290,7 @@ def _verify_everywhere(
             rest = {k: v for k, v in info.extra.items() if k != "shard"}
             info = dataclasses.replace(info, extra=rest)
         resumed = verify_snapshot(local.store, info)
+        resumed.name = commit["name"]  # (the snapshot's name, not its parts')
         expected = {"rank": group.rank, "world_size": group.world_size, "plan": plan}
         if not isinstance(shard, dict) or shard.keys() != expected.keys():
             raise SnapshotDamagedError(f"snapshot file {info.path}: no shard record")

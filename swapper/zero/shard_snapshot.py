@@ -3,21 +3,26 @@
 Job: :func:`save_sharded`, what :func:`swapper.zero.checkpoint.save_snapshot` does for a
 :class:`~swapper.zero.sharded.ShardedModel`. On every rank alike, in this order::
 
-    checks (local) ──► agree ──► rank 0 removes a commit record of the same name
-      ──► agree ──► each rank: its store snapshot (its *part*: dirty tensors written,
-          every extent durable, the part's file renamed in and its directory fsync'd)
+    checks (local) ──► agree ──► rank 0 reads the commit records and names the parts
+      (the snapshot's name, or ``<name>--g<k>`` when a record uses it: a snapshot saved
+      again under its name) ──► agree ──► each rank: its store snapshot under that
+          name (its *part*: dirty tensors written, every extent durable, the part's
+          file renamed in and its directory fsync'd)
       ──► all_gather of (ok, digest of the part's file) = the barrier
-      ──► rank 0: the commit record (tmp + fsync + rename + dir fsync) ──► agree
+      ──► rank 0: the commit record (tmp + fsync + rename over a record of the same
+          name + dir fsync) ──► agree
       ──► keep_last: rank 0 removes the records beyond the newest K (durably), then
-          tells the names kept; each rank drops its parts not among them
+          tells the parts kept; each rank drops its parts not among them (without
+          keep_last: each drops the parts of the record just replaced, if any)
 
 Every step that can fail locally is followed by an agreement (one small all_gather with
 the group's timeout), so a failure on one rank is an error on all, never a hang: the
 failing rank raises its own error, the others :class:`~swapper.distributed.
 PeerFailedError` naming it and its message. A kill at any moment leaves either no
 commit record for the new snapshot (its parts are never chosen for resume, and are
-dropped by the next ``keep_last``) or a complete one; retention only ever drops a
-record after the newest record is durable, and a record before its parts.
+dropped by the next ``keep_last``; a snapshot it replaces keeps its record and parts)
+or a complete one; retention only ever drops a record after the newest record is
+durable, and a record before its parts.
 
 :func:`all_gather_json` is the one collective used (JSON values, two all_gathers: sizes,
 then the bytes), also by :mod:`swapper.zero.shard_resume`.
@@ -46,6 +51,7 @@ from swapper.zero.snapshot_commit import (
     commit_path,
     encode_commit,
     part_digest,
+    part_name,
     read_commits,
     remove_commit,
     remove_orphan_commits,
@@ -195,12 +201,26 @@ def save_sharded(
     agree_or_raise(group, error, f"{what}: checks")
     base = Path(manager_config.nvme_dirs[0])
     record = commit_path(base, store, name)
+    # The parts go under a store snapshot name no record uses (part_name): a snapshot of
+    # this name already committed keeps its record and parts whole until the new record
+    # has replaced it (one rename), so a kill at any moment leaves one of the two.
+    plan: dict[str, Any] = {"error": None}
     if group.rank == 0:
-        try:  # a snapshot of this name is replaced: its record goes first
-            remove_commit(record)
+        try:
+            records, damaged = read_commits(base, store)
+            old = next((r.part for r in records if r.name == name), None)
+            plan = {
+                "error": None,
+                "part": part_name(name, {r.part for r in records} | set(damaged)),
+                "old": old,
+            }
         except Exception as exc:
             error = exc
-    agree_or_raise(group, error, f"{what}: removing an older commit record of that name")
+            plan = {"error": f"{type(exc).__name__}: {exc}"}
+    plans = all_gather_json(group, plan, f"{what}: naming the parts")
+    raise_failed(group, error, [p["error"] for p in plans], f"{what}: reading the commit records")
+    part: str = plans[0]["part"]
+    replaced: str | None = plans[0]["old"]
 
     manager = model.manager
     mine: dict[str, Any] = {"error": None}
@@ -210,7 +230,8 @@ def save_sharded(
         model.drain()  # gathers started ahead hold shards
         kept = kept_released(optimizer._pipeline) if optimizer is not None else nullcontext()
         with kept:
-            done = snapshot_manager(manager, name, extra=meta, replace=True)
+            # (replace: a part of that name is one no record names, left by a kill)
+            done = snapshot_manager(manager, part, extra=meta, replace=True)
         data = read_metadata(done.info.path, "snapshot file")
         mine = {
             "error": None,
@@ -224,7 +245,7 @@ def save_sharded(
     parts = all_gather_json(group, mine, f"{what}: the parts are durable")  # the barrier
     if any(p["error"] is not None for p in parts):
         if done is not None:  # never committed: this rank's part is of no use
-            _drop_parts(model, [name])
+            _drop_parts(model, [part])
         raise_failed(group, error, [p["error"] for p in parts], f"{what}: writing the parts")
     if group.rank == 0:
         try:
@@ -235,12 +256,18 @@ def save_sharded(
             data = encode_commit(
                 store=store, name=name, seq=max((r.seq for r in records), default=-1) + 1,
                 step=step, world_size=group.world_size, created=time.time(), parts=rank_parts,
+                part=part,
             )  # fmt: skip
-            write_commit(base, data, store, name)
+            write_commit(base, data, store, name)  # (renamed over the replaced one's)
         except Exception as exc:
             error = exc
     agree_or_raise(group, error, f"{what}: writing the commit record {record}")
-    dropped = _retain(model, base, name, keep_last) if keep_last is not None else []
+    if keep_last is not None:
+        dropped = _retain(model, base, part, keep_last)
+    elif replaced is not None and replaced != part:  # no record names it any more
+        dropped = _drop_parts(model, [replaced])
+    else:
+        dropped = []
     if done is None:  # unreachable: a failed part raised above
         raise SwapConfigError(f"{what}: no part was written")
     info = done.info
@@ -264,19 +291,22 @@ def save_sharded(
 
 def _retain(model: ShardedModel, base: Path, newest: str, keep_last: int) -> list[str]:
     """keep_last over the ranks: rank 0 removes the records beyond the newest
-    ``keep_last`` (each durably, before any part), all ranks learn which are kept, and
-    each drops its parts of every other snapshot (older ones, and parts that never got
-    a record). ``newest`` (just committed) is kept whatever the listing says. Returns
-    the names this rank dropped."""
+    ``keep_last`` (each durably, before any part), all ranks learn which parts are kept
+    (store snapshot names), and each drops its parts of every other snapshot (older ones,
+    replaced ones, and parts that never got a record). ``newest`` (the part just
+    committed) is kept whatever the listing says. Returns the part names this rank
+    dropped."""
     group = model.group
     store = model.config.manager.store_name
     keep: list[str] = []
+    damaged_names: list[str] = []
     error: Exception | None = None
     if group.rank == 0:
         try:
             records, damaged = read_commits(base, store)
-            others = [r for r in records if r.name != newest]
-            keep = [newest] + [r.name for r in others[: keep_last - 1]]
+            damaged_names = sorted(damaged)
+            others = [r for r in records if r.part != newest]
+            keep = [newest] + [r.part for r in others[: keep_last - 1]]
             remove_orphan_commits(base, store)  # (a record's write cut off by a crash)
             for old in others[keep_last - 1 :]:
                 remove_commit(old.path)
@@ -287,7 +317,11 @@ def _retain(model: ShardedModel, base: Path, newest: str, keep_last: int) -> lis
             error = exc
     decided = all_gather_json(
         group,
-        {"error": None if error is None else f"{type(error).__name__}: {error}", "keep": keep},
+        {
+            "error": None if error is None else f"{type(error).__name__}: {error}",
+            "keep": keep,
+            "damaged": damaged_names,
+        },
         "snapshot retention (keep_last)",
     )
     if decided[0]["error"] is not None:
@@ -296,7 +330,10 @@ def _retain(model: ShardedModel, base: Path, newest: str, keep_last: int) -> lis
         return []
     store_ = model.manager._ctx.nvme()
     kept = set(decided[0]["keep"])
-    doomed = [s.name for s in store_.snapshots() if s.name not in kept]
+    damaged = tuple(f"{n}--g" for n in decided[0]["damaged"])  # (their parts: unknown)
+    doomed = [
+        s.name for s in store_.snapshots() if s.name not in kept and not s.name.startswith(damaged)
+    ]
     return _drop_parts(model, doomed)
 
 

@@ -15,6 +15,10 @@ A snapshot over N ranks is N store snapshots (each rank's ``<dir>/rank{r}of{N}/<
                 "digest": "sha256:<64 hex>", "nbytes": 5123}, ...]}
     #sha256=<64 hex digits: SHA-256 of every byte before this line>
 
+``part`` (present only when it differs from ``snapshot``) is the store snapshot name the
+parts were taken under: a snapshot saved again under its name takes its new parts under
+a fresh name (``<name>--g<k>``, :func:`part_name`) so that the old parts, which the old
+record names, stay whole until the new record has replaced it.
 ``digest`` is the SHA-256 of the part's file (its metadata: the extents, checksums and
 training fields it names; the tensors' bytes are covered by the store's own checksums).
 ``seq`` orders the snapshots (larger: newer). The record is written with
@@ -32,7 +36,7 @@ import json
 import math
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +56,7 @@ __all__ = [
     "encode_commit",
     "parse_commit",
     "part_digest",
+    "part_name",
     "read_commits",
     "refuse_other_world_size",
     "remove_commit",
@@ -68,6 +73,8 @@ _TRAILER = re.compile(rb"\n#sha256=([0-9a-f]{64})\n\Z")
 _FIELDS = frozenset(
     {"format", "version", "store", "snapshot", "seq", "step", "world_size", "created", "parts"}
 )
+_OPTIONAL_FIELDS = frozenset({"part"})
+_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_-]{0,63}$")
 _PART_FIELDS = frozenset({"rank", "path", "digest", "nbytes"})
 _DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
 
@@ -151,6 +158,12 @@ class CommitRecord:
     created: float
     parts: tuple[RankPart, ...]
     path: Path
+    #: the store snapshot name of the parts (``name`` unless saved again under it)
+    part: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.part:
+            object.__setattr__(self, "part", self.name)
 
 
 def commit_path(base: Path, store: str, name: str) -> Path:
@@ -163,12 +176,28 @@ def part_digest(data: bytes) -> str:
     return "sha256:" + hashlib.sha256(data).hexdigest()
 
 
+def part_name(name: str, taken: Collection[str]) -> str:
+    """The store snapshot name for the parts of snapshot ``name``: ``name`` itself, or
+    the first ``<name>--g<k>`` (``name`` shortened to keep 64 characters) not in
+    ``taken`` (the part names of every existing record, and the names of damaged ones):
+    the parts of a snapshot being replaced are never overwritten before its new record
+    is durable."""
+    k = 0
+    candidate = name
+    while candidate in taken:
+        k += 1
+        suffix = f"--g{k}"
+        candidate = name[: 64 - len(suffix)] + suffix
+    return candidate
+
+
 def encode_commit(
     *, store: str, name: str, seq: int, step: int, world_size: int, created: float,
-    parts: list[RankPart],
+    parts: list[RankPart], part: str | None = None,
 ) -> bytes:  # fmt: skip
-    """The record's bytes (see the module docstring)."""
-    document = {
+    """The record's bytes (see the module docstring); ``part``: the parts' store
+    snapshot name, when not ``name``."""
+    document: dict[str, Any] = {
         "format": COMMIT_FORMAT,
         "version": COMMIT_VERSION,
         "store": store,
@@ -179,6 +208,8 @@ def encode_commit(
         "created": created,
         "parts": [dataclasses.asdict(p) for p in parts],
     }
+    if part is not None and part != name:  # (else the format of records before it)
+        document["part"] = part
     body = json.dumps(document, indent=1).encode()
     return body + b"\n#sha256=%s\n" % hashlib.sha256(body).hexdigest().encode()
 
@@ -266,8 +297,8 @@ def parse_commit(data: bytes, path: Path, *, store: str, name: str) -> CommitRec
         raise CommitRecordError(str(exc)) from None
     if not isinstance(document, dict) or document.get("format") != COMMIT_FORMAT:
         raise CommitRecordError(f"{where} is not a commit record (no format {COMMIT_FORMAT!r})")
-    if document.keys() != _FIELDS:
-        odd = sorted(document.keys() ^ _FIELDS)
+    if not _FIELDS <= document.keys() <= _FIELDS | _OPTIONAL_FIELDS:
+        odd = sorted((document.keys() ^ _FIELDS) - _OPTIONAL_FIELDS)
         raise CommitRecordError(f"{where}: field {odd[0]!r} is missing or unknown")
     if document["version"] != COMMIT_VERSION or type(document["version"]) is not int:
         raise CommitRecordError(
@@ -276,6 +307,9 @@ def parse_commit(data: bytes, path: Path, *, store: str, name: str) -> CommitRec
     for key, value in (("store", store), ("snapshot", name)):
         if document[key] != value:
             raise CommitRecordError(f"{where}.{key}: {document[key]!r}, expected {value!r}")
+    part = document.get("part", name)
+    if not isinstance(part, str) or not _NAME.match(part):
+        raise CommitRecordError(f"{where}.part: {part!r} is not a snapshot name")
     seq, step = _int(document, "seq", where), _int(document, "step", where)
     world = _int(document, "world_size", where, low=1)
     created = document["created"]
@@ -297,7 +331,7 @@ def parse_commit(data: bytes, path: Path, *, store: str, name: str) -> CommitRec
         if not isinstance(raw["digest"], str) or not _DIGEST.match(raw["digest"]):
             raise CommitRecordError(f"{at}.digest: {raw['digest']!r} is not 'sha256:<hex>'")
         parts.append(RankPart(r, rel, raw["digest"], _int(raw, "nbytes", at)))
-    return CommitRecord(name, seq, step, world, float(created), tuple(parts), path)
+    return CommitRecord(name, seq, step, world, float(created), tuple(parts), path, part)
 
 
 def read_commits(base: Path, store: str) -> tuple[list[CommitRecord], dict[str, str]]:

@@ -325,12 +325,21 @@ def unwrap(model: OffloadedModel) -> nn.Module:
 def leave(model: OffloadedModel, *, block_raised: bool) -> None:
     """Leaving ``with swapper.offload(...)``: :func:`unwrap`. If that fails, the wrapper
     stays open with the weights in the tiers: the error is raised, or, when the block
-    itself raised, logged (the block's exception is the one that propagates)."""
+    itself raised, logged (the block's exception is the one that propagates).
+
+    A Ctrl-C (any BaseException) while the weights are fetched back stops it: the
+    wrapper is closed as by ``close()`` (the weights not given back are dropped with the
+    tiers; a store holding training snapshots is kept, durable), then it propagates.
+    Left open, nobody could close it: its store stayed locked by this process, and the
+    next ``swapper.offload`` on that directory failed with StoreLockedError."""
     if model._closed:
         return
     try:
         unwrap(model)
-    except Exception as error:
+    except BaseException as error:
+        if not isinstance(error, Exception):
+            _close_interrupted(model)
+            raise
         if not block_raised:
             raise
         log.error(
@@ -338,6 +347,18 @@ def leave(model: OffloadedModel, *, block_raised: bool) -> None:
             "still in the tiers: wrapped.iter_state_dict(), then wrapped.close()",
             error,
         )
+
+
+def _close_interrupted(model: OffloadedModel) -> None:
+    """``model.close()`` after an interrupt cut :func:`unwrap`. In a ``held`` section: a
+    second Ctrl-C waits until the close is done (then replaces the first), rather than
+    leave the manager half closed. A failure to close is logged: the interrupt is what
+    propagates."""
+    with signals.held:
+        try:
+            model.close()
+        except Exception:
+            log.exception("offload: closing the wrapper after an interrupt failed")
 
 
 def _does_not_fit(device: torch.device, nbytes: int, why: str) -> WeightsDoNotFitError:
