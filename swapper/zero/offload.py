@@ -74,6 +74,7 @@ from swapper.zero.placing import back_to_meta, check_modules, check_overlap_room
 from swapper.zero.readahead import FetchPlan
 from swapper.zero.recompute import no_room
 from swapper.zero.resident import acquire_resident
+from swapper.zero.saved import SavedParams
 from swapper.zero.settings import tiers_of
 from swapper.zero.weights import (
     WeightHooks,
@@ -156,6 +157,7 @@ class OffloadedModel(nn.Module):
         #: raises an Exception too) or, for a KeyboardInterrupt, by forward()
         self._forward_holds: list[tuple[nn.Module, list[Slot]]] = []
         self._holds = Holds()  # the counters the hooks change
+        self._saved = SavedParams()  # saved views of parameters kept as where they are
         self._closed = False
         self._param_gate: ParamGate | None = None  # an overlapped optimizer's (set_param_gate)
         self._check_modules(module)
@@ -307,6 +309,7 @@ class OffloadedModel(nn.Module):
         """Release the slots fetched by the modules whose forward began above ``depth``
         and never finished."""
         dropped = 0
+        self._saved.pop_from(depth)
         while len(self._forward_holds) > depth:
             for slot in self._forward_holds.pop()[1]:
                 self._release(slot)
@@ -515,6 +518,12 @@ class OffloadedModel(nn.Module):
                 for slot in slots:
                     self._acquire(slot)
                     taken.append(slot)
+                if not self._keep_held:
+                    # Parameters can move before the backward: autograd must not keep
+                    # views of their blocks (swapper.zero.saved). Never pushed where
+                    # they are kept: the same in a recompute as in its forward, or
+                    # checkpointing's count of saved tensors would differ.
+                    self._saved.push(len(self._forward_holds) - 1, taken)
 
         return hook
 
@@ -549,6 +558,7 @@ class OffloadedModel(nn.Module):
                     at -= 1
                 own: list[Slot] = []
                 if at >= 0:
+                    self._saved.pop_from(at)
                     self._drop_forward_holds(at + 1)
                     own = self._forward_holds.pop()[1]
                 carry = False

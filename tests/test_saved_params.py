@@ -1,0 +1,174 @@
+"""Tests of swapper.zero.saved: autograd's saved views of parameters under budgets that
+cannot hold every parameter (the blocks move between a module's forward and backward).
+
+Before the fix, ``addmm`` kept ``weight.t()``, a view of the block the forward fetched;
+the forward hook released it, another entry was given the block (host tier: carved from
+a reused arena) and the backward read that entry's bytes: the final weights differed
+from the unlimited run, from run to run. On the device tier (its CPU stand-in) the view
+kept the released block alive outside the budget instead.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from test_step_overlap import ADAM, _data, _host_use_config, _loss, _mlp
+from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils.checkpoint import checkpoint
+
+import swapper
+from swapper import OffloadAdamW, OffloadConfig, StepConfig
+from swapper.zero import final_digest
+from swapper.zero.saved import SavedParamError
+
+
+def _run(
+    model: nn.Module, config: OffloadConfig, steps: int = 3, around: Any = None
+) -> tuple[str, list[float], bool]:
+    losses = []
+    with (
+        swapper.offload(model, config) as wrapped,
+        OffloadAdamW(wrapped.parameters(), **ADAM, tiers=wrapped) as opt,
+    ):
+        for ((x, y),) in _data(1, torch.bfloat16)[:steps]:
+            if around is None:
+                loss = _loss(wrapped, x, y)
+            else:
+                with around():
+                    loss = _loss(wrapped, x, y)
+            loss.backward()
+            losses.append(loss.item())
+            opt.step()
+            opt.zero_grad()
+        return final_digest(wrapped, opt), losses, wrapped._keep_held
+
+
+@pytest.mark.parametrize("host", [90_000, 95_000])
+def test_host_use_tier_with_a_tight_budget_matches_the_unlimited_run(
+    tmp_path: Path, host: int
+) -> None:
+    """Bitwise: the digest of weights and optimizer state, and the losses (3 steps, bf16),
+    twice (the corruption varied from run to run)."""
+    expected = _run(_mlp(), _host_use_config(tmp_path, "all", None))
+    assert expected[2]  # (the unlimited run keeps its holds: nothing moves)
+    for attempt in range(2):
+        got = _run(_mlp(), _host_use_config(tmp_path, f"h{host}-{attempt}", host))
+        assert not got[2]
+        assert got[:2] == expected[:2]
+
+
+class _Checkpointed(nn.Module):
+    """The MLP's layers in two activation-checkpointed blocks."""
+
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        layers = list(_mlp())
+        self.a, self.b = nn.Sequential(*layers[:4]), nn.Sequential(*layers[4:])
+        self.reentrant = reentrant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.reentrant:  # (reentrant checkpointing computes no gradient otherwise)
+            x = x.detach().requires_grad_()
+        for block in (self.a, self.b):
+            x = checkpoint(block, x, use_reentrant=self.reentrant)
+        return x
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_activation_checkpointing_with_a_tight_budget_matches_the_unlimited_run(
+    tmp_path: Path, reentrant: bool
+) -> None:
+    """The recompute fetches and releases parameters inside the backward: its saved views
+    are kept as positions too, and non-reentrant checkpointing (whose own hooks count the
+    tensors saved in both passes) still matches them up."""
+    expected = _run(_Checkpointed(reentrant), _host_use_config(tmp_path, "all", None))
+    got = _run(_Checkpointed(reentrant), _host_use_config(tmp_path, "tight", 90_000))
+    assert not got[2]
+    assert got[:2] == expected[:2]
+    # and the same losses as without checkpointing (the digest names the parameters)
+    assert expected[1] == _run(_mlp(), _host_use_config(tmp_path, "plain", None))[1]
+
+
+def test_a_users_saved_tensor_hooks_still_see_the_other_tensors(tmp_path: Path) -> None:
+    """torch applies only the innermost pair: the model's pair passes every tensor that
+    is not a parameter view to the user's (here ``save_on_cpu``, and a counting pair),
+    which then unpacks it; results unchanged."""
+    seen: dict[str, int] = {"pack": 0, "unpack": 0}
+
+    def pack(tensor: torch.Tensor) -> Any:
+        seen["pack"] += 1
+        return ("mine", tensor)
+
+    def unpack(packed: Any) -> torch.Tensor:
+        seen["unpack"] += 1
+        assert packed[0] == "mine"
+        return packed[1]
+
+    def counting() -> Any:
+        return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+    expected = _run(_mlp(), _host_use_config(tmp_path, "all", None))
+    got = _run(_mlp(), _host_use_config(tmp_path, "tight", 90_000), around=counting)
+    assert got[:2] == expected[:2]
+    assert seen["pack"] > 0 and seen["unpack"] == seen["pack"]
+    cpu = _run(
+        _mlp(),
+        _host_use_config(tmp_path, "cpu", 90_000),
+        around=lambda: torch.autograd.graph.save_on_cpu(),
+    )
+    assert cpu[:2] == expected[:2]
+
+
+def test_device_stand_in_does_not_keep_released_blocks_alive(tmp_path: Path) -> None:
+    """Device tier (CPU stand-in) with room for about one module: after the forward,
+    every block whose parameter was evicted from the device is freed (before, the graph's
+    saved ``weight.t()`` kept each one alive, outside the budget)."""
+    config = OffloadConfig.create(
+        nvme_dirs=[tmp_path / "d"],
+        device="cpu",
+        device_nbytes=40_000,  # about the largest module's parameters (33 024 B)
+        host_nbytes=None,
+        step=StepConfig(sub_group_numel=4096),
+    )
+    model = _mlp()
+    linears = [m for m in model if isinstance(m, nn.Linear)]
+    blocks: list[tuple[nn.Linear, StorageWeakRef]] = []
+    with swapper.offload(model, config) as wrapped:
+        assert not wrapped._keep_held
+        for linear in linears:  # registered after the wrap's: runs with the weight fetched
+
+            def note(module: nn.Module, args: Any) -> None:
+                assert isinstance(module, nn.Linear)
+                blocks.append((module, StorageWeakRef(module.weight.untyped_storage())))
+
+            linear.register_forward_pre_hook(note)
+        ((x, y),) = _data(1, torch.bfloat16)[0]
+        loss = _loss(wrapped, x, y)
+        assert len(blocks) == len(linears)
+        # Only the last Linear's block can still be in the 40 KB device tier; the others
+        # were evicted and are freed (before the fix only the first was: its input needs
+        # no gradient, so addmm saved no weight.t() of it).
+        assert [linears.index(m) for m, ref in blocks if ref.expired()] == [0, 1, 2]
+        loss.backward()  # unpacked from the blocks fetched again: it still works
+        assert all(slot.has_grad for slot in wrapped._by_name.values())
+
+
+def test_a_saved_view_used_after_its_module_is_refused_not_read(tmp_path: Path) -> None:
+    """A saved view whose parameter is not held when the backward unpacks it raises
+    :class:`SavedParamError` instead of reading a block that is not the parameter's."""
+    model = _mlp()
+    first = model[3]  # (its input requires grad: addmm saves weight.t())
+    with swapper.offload(model, _host_use_config(tmp_path, "t", 90_000)) as wrapped:
+        ((x, y),) = _data(1, torch.bfloat16)[0]  # (its input requires grad: addmm saves weight.t())
+        captured: list[torch.Tensor] = []
+        first.register_forward_hook(lambda m, a, out: captured.append(out) and None)
+        loss = _loss(wrapped, x, y)
+        node = captured[0].grad_fn
+        assert node is not None
+        with pytest.raises(SavedParamError, match="not fetched now"):
+            getattr(node, "_saved_mat2")  # (addmm's weight.t(), read outside the backward)  # noqa: B009
+        loss.backward()
