@@ -27,7 +27,11 @@ from swapper.zero.saved import SavedParamError
 
 
 def _run(
-    model: nn.Module, config: OffloadConfig, steps: int = 3, around: Any = None
+    model: nn.Module,
+    config: OffloadConfig,
+    steps: int = 3,
+    around: Any = None,
+    backwards: int = 1,
 ) -> tuple[str, list[float], bool]:
     losses = []
     with (
@@ -40,7 +44,8 @@ def _run(
             else:
                 with around():
                     loss = _loss(wrapped, x, y)
-            loss.backward()
+            for i in range(backwards):  # (through the retained graph again)
+                loss.backward(retain_graph=i < backwards - 1)
             losses.append(loss.item())
             opt.step()
             opt.zero_grad()
@@ -59,6 +64,17 @@ def test_host_use_tier_with_a_tight_budget_matches_the_unlimited_run(
         got = _run(_mlp(), _host_use_config(tmp_path, f"h{host}-{attempt}", host))
         assert not got[2]
         assert got[:2] == expected[:2]
+
+
+def test_a_second_backward_through_a_retained_graph_matches_the_unlimited_run(
+    tmp_path: Path,
+) -> None:
+    """Each backward pass fetches the parameters again and unpacks the saved views from
+    that fetch (the blocks of the first pass were released at its end)."""
+    expected = _run(_mlp(), _host_use_config(tmp_path, "all", None), backwards=2)
+    got = _run(_mlp(), _host_use_config(tmp_path, "tight", 90_000), backwards=2)
+    assert got[:2] == expected[:2]
+    assert expected[:2] != _run(_mlp(), _host_use_config(tmp_path, "once", None))[:2]
 
 
 class _Checkpointed(nn.Module):
