@@ -188,3 +188,45 @@ def test_a_saved_view_used_after_its_module_is_refused_not_read(tmp_path: Path) 
         with pytest.raises(SavedParamError, match="not fetched now"):
             getattr(node, "_saved_mat2")  # (addmm's weight.t(), read outside the backward)  # noqa: B009
         loss.backward()
+
+
+def saved_views_rank(rank: int, world: int, tmp: str) -> dict[str, Any]:
+    """Rank body of the sharded test: which gathered buffers of fc1 and fc2 are still
+    alive after the forward (released by then), and the loss and its gradient's effect."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from test_dist_train import VOCAB, _batches, _config, _model
+
+    model = _model()
+    fcs = [model.fc1, model.fc2]
+    blocks: list[StorageWeakRef] = []
+    wrapped = swapper.offload(model, _config(tmp, {"tight": True, "name": "s"}), dist.group.WORLD)
+    try:
+        for fc in fcs:  # registered after the wrap's pre-hook: runs with the weight gathered
+
+            def note(module: nn.Module, args: Any) -> None:
+                assert isinstance(module, nn.Linear)
+                blocks.append(StorageWeakRef(module.weight.untyped_storage()))
+
+            fc.register_forward_pre_hook(note)
+        tokens = _batches()[0][rank * 4 : rank * 4 + 4]
+        logits = wrapped(tokens[:, :-1])
+        loss = F.cross_entropy(logits.float().reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+        alive = [not ref.expired() for ref in blocks]
+        loss.backward()  # the saved views read from the backward's gathers
+        return {"alive": alive, "loss": float(loss)}
+    finally:
+        wrapped.close()
+
+
+@pytest.mark.dist
+def test_sharded_forward_does_not_keep_released_buffers_alive(tmp_path: Path) -> None:
+    """Two gloo ranks, tight budgets: after the forward, fc1's and fc2's gathered
+    buffers are freed (before, addmm's saved ``weight.t()`` kept each one alive outside
+    the device budget until the backward), and the backward still runs."""
+    from test_dist_train import _spawn
+
+    results = _spawn(saved_views_rank, 2, tmp_path, join_s=90.0)
+    for result in results:
+        assert result["alive"] == [False, False]
+        assert result["loss"] > 0

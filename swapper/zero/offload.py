@@ -157,7 +157,8 @@ class OffloadedModel(nn.Module):
         #: raises an Exception too) or, for a KeyboardInterrupt, by forward()
         self._forward_holds: list[tuple[nn.Module, list[Slot]]] = []
         self._holds = Holds()  # the counters the hooks change
-        self._saved = SavedParams()  # saved views of parameters kept as where they are
+        #: autograd's saved views of parameters, kept as where they are (swapper.zero.saved)
+        self._saved = SavedParams(lambda slot: slot.users > 0)
         self._closed = False
         self._param_gate: ParamGate | None = None  # an overlapped optimizer's (set_param_gate)
         self._check_modules(module)

@@ -51,22 +51,32 @@ it is not recognised here (documented in docs/architecture.md's limits).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+import contextlib
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, Protocol
 
 import torch
+from torch import nn
 from torch._C import _autograd
 
 from tiers.errors import SwapError
 
-if TYPE_CHECKING:
-    from swapper.zero.params import Slot
-
-__all__ = ["SavedParamError", "SavedParams"]
+__all__ = ["SavedParamError", "SavedParams", "SlotLike"]
 
 _push = _autograd._push_saved_tensors_default_hooks
 _pop = _autograd._pop_saved_tensors_default_hooks
 _top = _autograd._top_saved_tensors_default_hooks
+
+Hooks = tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]]
+
+
+class SlotLike(Protocol):
+    """What is read of a parameter's record (:class:`~swapper.zero.params.Slot`,
+    :class:`~swapper.zero.shard_state.ShardSlot`)."""
+
+    name: str
+    param: nn.Parameter
+    dtype: torch.dtype
 
 
 def _saved_hooks_enabled() -> bool:
@@ -83,7 +93,7 @@ class _ParamView:
 
     __slots__ = ("offset", "size", "slot", "stride")
 
-    def __init__(self, slot: Slot, offset: int, size: torch.Size, stride: tuple[int, ...]):
+    def __init__(self, slot: Any, offset: int, size: torch.Size, stride: tuple[int, ...]):
         self.slot = slot
         self.offset = offset  # elements from the start of the parameter's data
         self.size = size
@@ -100,41 +110,50 @@ class _Outer:
         self.value = value
 
 
-def _unpack(packed: Any) -> torch.Tensor:
-    kind = type(packed)
-    if kind is _ParamView:
-        slot = packed.slot
-        if not slot.users:
-            raise SavedParamError(
-                f"offload: the backward needs a view of parameter {slot.name!r} that "
-                "autograd saved in its module's forward, but the parameter is not fetched "
-                "now (used outside that module's backward, e.g. a view of the weight the "
-                "module returned): compute it inside the module, or use budgets that hold "
-                "every parameter"
-            )
-        data = slot.param.data
-        return data.as_strided(packed.size, packed.stride, data.storage_offset() + packed.offset)
-    if kind is _Outer:
-        return packed.unpack(packed.value)
-    return packed
+def _unpack_for(held: Callable[[Any], bool]) -> Callable[[Any], torch.Tensor]:
+    def unpack(packed: Any) -> torch.Tensor:
+        kind = type(packed)
+        if kind is _ParamView:
+            slot = packed.slot
+            if not held(slot):
+                raise SavedParamError(
+                    f"offload: the backward needs a view of parameter {slot.name!r} that "
+                    "autograd saved in its module's forward, but the parameter is not "
+                    "fetched now (used outside that module's backward, e.g. a view of the "
+                    "weight the module returned): compute it inside the module, or use "
+                    "budgets that hold every parameter"
+                )
+            data = slot.param.data
+            offset = data.storage_offset() + packed.offset
+            return data.as_strided(packed.size, packed.stride, offset)
+        if kind is _Outer:
+            return packed.unpack(packed.value)
+        return packed
+
+    return unpack
+
+
+def _ranges(slots: Iterable[SlotLike]) -> list[tuple[int, int, torch.device, SlotLike]]:
+    """(start, end) in bytes of each parameter's block now, its device, the slot."""
+    ranges = []
+    for slot in slots:
+        param = slot.param
+        start = param.data_ptr()
+        ranges.append((start, start + param.numel() * param.element_size(), param.device, slot))
+    return ranges
 
 
 def _pack_for(
-    slots: Sequence[Slot], outer: tuple[Callable[..., Any], Callable[..., Any]] | None
+    ranges: Callable[[], list[tuple[int, int, torch.device, SlotLike]]], outer: Hooks | None
 ) -> Callable[[torch.Tensor], Any]:
-    # (start, end) in bytes of each parameter's block now, its device, the slot
-    ranges = []
-    for slot in slots:
-        start = slot.param.data_ptr()
-        ranges.append((start, start + slot.nbytes, slot.param.device, slot))
     outer_pack, outer_unpack = outer if outer is not None else (None, None)
 
     def pack(tensor: torch.Tensor) -> Any:
         if tensor.layout is torch.strided and not tensor.is_meta:
             ptr = tensor.data_ptr()
-            for start, end, device, slot in ranges:
+            for start, end, device, slot in ranges():
                 if start <= ptr < end and tensor.device == device:
-                    return _locate(tensor, ptr - start, slot)
+                    return _locate(tensor, ptr - start, end - start, slot)
         if outer_pack is None:
             return tensor
         return _Outer(outer_unpack, outer_pack(tensor))  # type: ignore[arg-type]
@@ -142,10 +161,10 @@ def _pack_for(
     return pack
 
 
-def _locate(tensor: torch.Tensor, byte_offset: int, slot: Slot) -> Any:
+def _locate(tensor: torch.Tensor, byte_offset: int, nbytes: int, slot: SlotLike) -> Any:
     """The :class:`_ParamView` of ``tensor`` (its memory starts ``byte_offset`` bytes into
-    the slot's block); a copy where it cannot be one (another dtype, not within the
-    block): right values, outside the budget, never a reference to the block."""
+    the slot's block of ``nbytes``); a copy where it cannot be one (another dtype, not
+    within the block): right values, outside the budget, never a reference to the block."""
     itemsize = slot.dtype.itemsize
     size, stride = tensor.size(), tensor.stride()
     extent = 1 + sum((n - 1) * s for n, s in zip(size, stride, strict=True) if n > 0)
@@ -154,10 +173,22 @@ def _locate(tensor: torch.Tensor, byte_offset: int, slot: Slot) -> Any:
         tensor.dtype == slot.dtype
         and not rest
         and tensor.numel()
-        and (offset + extent) * itemsize <= slot.nbytes
+        and (offset + extent) * itemsize <= nbytes
     ):
         return _ParamView(slot, offset, size, stride)
     return tensor.clone()
+
+
+def _check_enabled() -> None:
+    if not _saved_hooks_enabled():
+        raise SavedParamError(
+            "offload: saved-tensor hooks are disabled here ("
+            f"{_autograd._saved_tensors_hooks_get_disabled_error_message()}); "
+            "with budgets that cannot hold every parameter the forward needs them to "
+            "keep autograd from saving views of parameter blocks that are given to "
+            "other tensors before the backward: enable them, or raise the budget of the "
+            "tier parameters are used in to hold every parameter"
+        )
 
 
 class SavedParams:
@@ -166,11 +197,14 @@ class SavedParams:
     thread-local), by the module hooks of :class:`~swapper.zero.offload.OffloadedModel`.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, held: Callable[[Any], bool]) -> None:
+        """``held(slot)``: whether the slot's parameter is fetched now (its ``.data`` the
+        block the backward may read)."""
+        self._unpack = _unpack_for(held)
         #: (forward depth, pack hook) of each pair pushed and not popped yet, innermost last
         self._pushed: list[tuple[int, Callable[[torch.Tensor], Any]]] = []
 
-    def push(self, depth: int, slots: Sequence[Slot]) -> None:
+    def push(self, depth: int, slots: Sequence[SlotLike]) -> None:
         """Push the hooks for the forward at ``depth`` (its index among the forwards that
         run now), whose pre-hook fetched ``slots`` (their ``.data`` are the blocks now).
 
@@ -178,17 +212,10 @@ class SavedParams:
             SavedParamError: saved-tensor hooks are disabled (e.g. by
                 ``torch.autograd.graph.disable_saved_tensors_hooks``).
         """
-        if not _saved_hooks_enabled():
-            raise SavedParamError(
-                "offload: saved-tensor hooks are disabled here ("
-                f"{_autograd._saved_tensors_hooks_get_disabled_error_message()}); "
-                "with budgets that cannot hold every parameter the forward needs them to "
-                "keep autograd from saving views of parameter blocks that are given to "
-                "other tensors before the backward: enable them, or raise the budget of the "
-                "tier parameters are used in to hold every parameter"
-            )
-        pack = _pack_for(slots, _top(False))
-        _push(pack, _unpack)
+        _check_enabled()
+        ranges = _ranges(slots)
+        pack = _pack_for(lambda: ranges, _top(False))
+        _push(pack, self._unpack)
         self._pushed.append((depth, pack))
 
     def pop_from(self, depth: int) -> None:
@@ -201,3 +228,18 @@ class SavedParams:
             top = _top(False)
             if top is not None and top[0] is pack:
                 _pop()
+
+    @contextlib.contextmanager
+    def around(self, held_now: Callable[[], Iterable[SlotLike]]) -> Iterator[None]:
+        """The hooks around a whole forward, for the parameters ``held_now()`` gives at
+        each save (those of the modules whose forward runs then): the sharded path
+        (:mod:`swapper.zero.sharded`), whose module hooks do not run when a module's
+        forward raises, so a pair pushed per module could be left on the stack.
+
+        Raises:
+            SavedParamError: as :meth:`push`.
+        """
+        _check_enabled()
+        pack = _pack_for(lambda: _ranges(held_now()), _top(False))
+        with torch.autograd.graph.saved_tensors_hooks(pack, self._unpack):
+            yield
