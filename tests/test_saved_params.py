@@ -190,6 +190,27 @@ def test_a_saved_view_used_after_its_module_is_refused_not_read(tmp_path: Path) 
         loss.backward()
 
 
+def test_disabled_saved_tensor_hooks_are_refused_with_a_tight_budget(tmp_path: Path) -> None:
+    """Where saved-tensor hooks are disabled the views cannot be kept safely: the forward
+    raises :class:`SavedParamError` (naming the budget), releases what it fetched, and
+    the next forward runs."""
+    with swapper.offload(_mlp(), _host_use_config(tmp_path, "t", 90_000)) as wrapped:
+        ((x, y),) = _data(1, torch.bfloat16)[0]
+        with (
+            torch.autograd.graph.disable_saved_tensors_hooks("not here"),
+            pytest.raises(SavedParamError, match=r"not here.*hold every parameter"),
+        ):
+            wrapped(x)
+        assert not any(slot.users for slot in wrapped._by_name.values())
+        _loss(wrapped, x, y).backward()
+    # budgets that hold every parameter need no hooks: allowed
+    with (
+        swapper.offload(_mlp(), _host_use_config(tmp_path, "all", None)) as wrapped,
+        torch.autograd.graph.disable_saved_tensors_hooks("not here"),
+    ):
+        wrapped(x)
+
+
 def saved_views_rank(rank: int, world: int, tmp: str) -> dict[str, Any]:
     """Rank body of the sharded test: which gathered buffers of fc1 and fc2 are still
     alive after the forward (released by then), and the loss and its gradient's effect."""

@@ -44,7 +44,9 @@ Layout: the parameter records and the optimizer's view of them are in
 :mod:`swapper.zero.params`, the autograd plumbing in :mod:`swapper.zero.autograd`, the
 read-ahead plan in :mod:`swapper.zero.readahead`, the checks before placement and the undo
 of a failed meta wrap in :mod:`swapper.zero.placing`, real weights in
-:mod:`swapper.zero.weights`. What stays here (~610 lines) is one state machine: the hooks,
+:mod:`swapper.zero.weights`, autograd's saved views of parameters (kept as positions
+while a module's forward runs under budgets that cannot hold every parameter) in
+:mod:`swapper.zero.saved`. What stays here (~610 lines) is one state machine: the hooks,
 the hold counts they share (``users``, ``backward_holds``, the forward depth, the recorded
 order) and the placement that registers the slots the hooks then move; split further, each
 part would have to reach into the others' counters, which is what a reader must follow in

@@ -44,9 +44,21 @@ Reentrant checkpointing recomputes under the module hooks likewise. Where saved-
 hooks are disabled (``torch.autograd.graph.disable_saved_tensors_hooks``), a limited
 budget cannot be made safe: :class:`SavedParamError` says so.
 
+The sharded path (:mod:`swapper.zero.sharded`) frees a module's gathered buffer at its
+forward hook (a fresh allocation each gather: the saved view kept it alive outside the
+device budget, values right). Its forward hooks do not run when a module raises, so a
+pair pushed per module could be left on the stack; one pair is pushed around the whole
+forward instead (:meth:`SavedParams.around`), recognising the parameters of every module
+whose forward runs at the save. Inside a checkpointed block checkpointing's hooks are
+then innermost: the first forward saves nothing, and the recompute's views are kept as
+tensors (right values, a buffer alive until its use: not covered there).
+
 Not covered: a parameter view saved after its module's forward returned (the module
 returned a view of its weight and a later op saved it): the block was released by then;
-it is not recognised here (documented in docs/architecture.md's limits).
+it is not recognised here. With the hooks, autograd's version check of a saved parameter
+(an in-place write between forward and backward) is skipped, as for any packed tensor;
+the module hooks and an overlapped optimizer's gate order the writes to parameters.
+(Both in docs/architecture.md.)
 """
 
 from __future__ import annotations
