@@ -11,10 +11,13 @@ kept the released block alive outside the budget instead.
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_step_overlap import ADAM, _data, _host_use_config, _loss, _mlp
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -23,7 +26,7 @@ from torch.utils.checkpoint import checkpoint
 import swapper
 from swapper import OffloadAdamW, OffloadConfig, StepConfig
 from swapper.zero import final_digest
-from swapper.zero.saved import SavedParamError
+from swapper.zero.saved import SavedParamError, SavedParams
 
 
 def _run(
@@ -251,3 +254,47 @@ def test_sharded_forward_does_not_keep_released_buffers_alive(tmp_path: Path) ->
     for result in results:
         assert result["alive"] == [False, False]
         assert result["loss"] > 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    rows=st.integers(1, 6),
+    cols=st.integers(1, 6),
+    view=st.sampled_from(["whole", "t", "row", "col", "slice", "diag", "flat", "float"]),
+    at=st.integers(0, 5),
+)
+def test_pack_then_unpack_gives_the_same_view_of_the_current_block(
+    rows: int, cols: int, view: str, at: int
+) -> None:
+    """Round trip through the hooks: any view of a parameter is rebuilt with its size,
+    strides and values from the parameter's data *at unpack* (a new block); a tensor
+    that cannot be a view of it (another dtype) is copied, never kept as a reference."""
+    param = nn.Parameter(torch.arange(rows * cols, dtype=torch.bfloat16).reshape(rows, cols))
+    slot = SimpleNamespace(name="w", param=param, dtype=param.dtype, users=1)
+    saved = SavedParams(lambda s: s.users > 0)
+    data = param.data
+    tensor = {
+        "whole": lambda: data,
+        "t": lambda: data.t(),
+        "row": lambda: data[min(at, rows - 1)],
+        "col": lambda: data[:, min(at, cols - 1)],
+        "slice": lambda: data[min(at, rows - 1) :, ::2],
+        "diag": lambda: data.diagonal(),
+        "flat": lambda: data.view(-1)[min(at, rows * cols - 1) :],
+        "float": lambda: data.float(),
+    }[view]()
+    saved.push(0, [slot])
+    try:
+        pack, unpack = torch._C._autograd._top_saved_tensors_default_hooks(False)  # type: ignore[misc]
+        packed = pack(tensor)
+    finally:
+        saved.pop_from(0)
+    expected = tensor.clone()
+    param.data = (data.float() + 100).to(torch.bfloat16) - 100  # a new block, same values
+    data.fill_(-1)  # the old block given to another entry
+    got = unpack(packed)
+    assert torch.equal(got, expected)
+    assert got.size() == expected.size()
+    if view != "float":
+        assert got.stride() == tensor.stride()
+        assert got.untyped_storage().data_ptr() == param.untyped_storage().data_ptr()
