@@ -1,4 +1,4 @@
-# Size: one state machine (~630 lines): the hooks, their hold counts, the overlap gate.
+# Size: one state machine (~700 lines): the hooks, their hold counts, the overlap gate.
 """``swapper.offload(model, config)`` in one process: a module's 16-bit parameters live in
 the tiers (:func:`swapper.zero.wrap.offload` builds an :class:`OffloadedModel`).
 
@@ -46,7 +46,7 @@ read-ahead plan in :mod:`swapper.zero.readahead`, the checks before placement an
 of a failed meta wrap in :mod:`swapper.zero.placing`, real weights in
 :mod:`swapper.zero.weights`, autograd's saved views of parameters (kept as positions
 while a module's forward runs under budgets that cannot hold every parameter) in
-:mod:`swapper.zero.saved`. What stays here (~610 lines) is one state machine: the hooks,
+:mod:`swapper.zero.saved`. What stays here (~680 lines) is one state machine: the hooks,
 the hold counts they share (``users``, ``backward_holds``, the forward depth, the recorded
 order) and the placement that registers the slots the hooks then move; split further, each
 part would have to reach into the others' counters, which is what a reader must follow in

@@ -1,4 +1,4 @@
-# Size: one state machine (~510 lines), as offload.py: the hooks and the holds they share.
+# Size: one state machine (~530 lines), as offload.py: the hooks and the holds they share.
 """``swapper.offload(model, config, process_group)`` over N > 1 ranks: ZeRO-3.
 
 Each rank holds 1/N of every 16-bit parameter (:mod:`swapper.distributed.partition`: flat
