@@ -517,15 +517,16 @@ class OffloadedModel(nn.Module):
             with signals.at_waits:  # each one fetched and recorded, or neither
                 if acquire_resident(self, slots):  # (budgets holding every parameter)
                     taken.extend(slots)
-                    return
-                for slot in slots:
-                    self._acquire(slot)
-                    taken.append(slot)
-                if not self._keep_held:
-                    # Parameters can move before the backward: autograd must not keep
-                    # views of their blocks (swapper.zero.saved). Never pushed where
-                    # they are kept: the same in a recompute as in its forward, or
-                    # checkpointing's count of saved tensors would differ.
+                else:
+                    for slot in slots:
+                        self._acquire(slot)
+                        taken.append(slot)
+                if self._room_limit is not None:
+                    # Parameters can move before the backward (a limited use tier: even
+                    # where all fit, a recompute's holds are not kept, and the tier holds
+                    # other kinds): autograd must not keep views of their blocks
+                    # (swapper.zero.saved). Decided by the budget alone, so the same in a
+                    # recompute as in its forward (checkpointing counts saved tensors).
                     self._saved.push(len(self._forward_holds) - 1, taken)
 
         return hook

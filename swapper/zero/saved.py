@@ -12,8 +12,10 @@ stand-in) blocks are separate allocations, so the saved view kept the released b
 alive outside the budget (right values, budget silently exceeded).
 
 The fix, as ZeRO-3 systems do it: while a module's forward runs with parameters that
-can move (its pre-hook fetched them; budgets that hold every parameter keep the fast
-path unhooked, since their blocks are never given away), a
+can move (its pre-hook fetched them; only an unlimited use tier keeps the fast path
+unhooked: its blocks are never given away. A limited one that holds every parameter
+still moves them: a recompute's holds are not kept for its backward, and the tier holds
+other kinds too; a reentrant recompute read evicted blocks there), a
 ``torch.autograd.graph.saved_tensors_hooks`` pair is pushed (:meth:`SavedParams.push`,
 popped by the module's forward hook). Its pack hook recognises a tensor whose memory
 lies in one of the module's parameter blocks and keeps ``(slot, offset, sizes, strides)``
