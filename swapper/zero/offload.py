@@ -1,4 +1,4 @@
-# Size: one state machine (~630 lines): the hooks, their hold counts, the overlap gate.
+# Size: one state machine (~700 lines): the hooks, their hold counts, the overlap gate.
 """``swapper.offload(model, config)`` in one process: a module's 16-bit parameters live in
 the tiers (:func:`swapper.zero.wrap.offload` builds an :class:`OffloadedModel`).
 
@@ -44,7 +44,9 @@ Layout: the parameter records and the optimizer's view of them are in
 :mod:`swapper.zero.params`, the autograd plumbing in :mod:`swapper.zero.autograd`, the
 read-ahead plan in :mod:`swapper.zero.readahead`, the checks before placement and the undo
 of a failed meta wrap in :mod:`swapper.zero.placing`, real weights in
-:mod:`swapper.zero.weights`. What stays here (~610 lines) is one state machine: the hooks,
+:mod:`swapper.zero.weights`, autograd's saved views of parameters (kept as positions
+while a module's forward runs under budgets that cannot hold every parameter) in
+:mod:`swapper.zero.saved`. What stays here (~680 lines) is one state machine: the hooks,
 the hold counts they share (``users``, ``backward_holds``, the forward depth, the recorded
 order) and the placement that registers the slots the hooks then move; split further, each
 part would have to reach into the others' counters, which is what a reader must follow in
@@ -74,6 +76,7 @@ from swapper.zero.placing import back_to_meta, check_modules, check_overlap_room
 from swapper.zero.readahead import FetchPlan
 from swapper.zero.recompute import no_room
 from swapper.zero.resident import acquire_resident
+from swapper.zero.saved import SavedParams
 from swapper.zero.settings import tiers_of
 from swapper.zero.weights import (
     WeightHooks,
@@ -156,6 +159,8 @@ class OffloadedModel(nn.Module):
         #: raises an Exception too) or, for a KeyboardInterrupt, by forward()
         self._forward_holds: list[tuple[nn.Module, list[Slot]]] = []
         self._holds = Holds()  # the counters the hooks change
+        #: autograd's saved views of parameters, kept as where they are (swapper.zero.saved)
+        self._saved = SavedParams(lambda slot: slot.users > 0)
         self._closed = False
         self._param_gate: ParamGate | None = None  # an overlapped optimizer's (set_param_gate)
         self._check_modules(module)
@@ -307,6 +312,7 @@ class OffloadedModel(nn.Module):
         """Release the slots fetched by the modules whose forward began above ``depth``
         and never finished."""
         dropped = 0
+        self._saved.pop_from(depth)
         while len(self._forward_holds) > depth:
             for slot in self._forward_holds.pop()[1]:
                 self._release(slot)
@@ -521,10 +527,17 @@ class OffloadedModel(nn.Module):
             with signals.at_waits:  # each one fetched and recorded, or neither
                 if acquire_resident(self, slots):  # (budgets holding every parameter)
                     taken.extend(slots)
-                    return
-                for slot in slots:
-                    self._acquire(slot)
-                    taken.append(slot)
+                else:
+                    for slot in slots:
+                        self._acquire(slot)
+                        taken.append(slot)
+                if self._room_limit is not None:
+                    # Parameters can move before the backward (a limited use tier: even
+                    # where all fit, a recompute's holds are not kept, and the tier holds
+                    # other kinds): autograd must not keep views of their blocks
+                    # (swapper.zero.saved). Decided by the budget alone, so the same in a
+                    # recompute as in its forward (checkpointing counts saved tensors).
+                    self._saved.push(len(self._forward_holds) - 1, taken)
 
         return hook
 
@@ -559,6 +572,7 @@ class OffloadedModel(nn.Module):
                     at -= 1
                 own: list[Slot] = []
                 if at >= 0:
+                    self._saved.pop_from(at)
                     self._drop_forward_holds(at + 1)
                     own = self._forward_holds.pop()[1]
                 carry = False

@@ -1,4 +1,4 @@
-# Size: one state machine (~510 lines), as offload.py: the hooks and the holds they share.
+# Size: one state machine (~530 lines), as offload.py: the hooks and the holds they share.
 """``swapper.offload(model, config, process_group)`` over N > 1 ranks: ZeRO-3.
 
 Each rank holds 1/N of every 16-bit parameter (:mod:`swapper.distributed.partition`: flat
@@ -16,7 +16,10 @@ Around each module that owns parameters (``recurse=False``):
   parameters' ``.data``; then the next ``fetch_ahead`` modules along the order recorded
   in the first step are started. Forward hook: released (the buffer freed, the shards
   stay), the outputs marked (:class:`~swapper.zero.autograd.BeforeBackward`) so the
-  module is gathered again before its backward;
+  module is gathered again before its backward. Autograd's saved views of a gathered
+  parameter are kept as positions and read from the backward's gather
+  (:meth:`~swapper.zero.saved.SavedParams.around`): kept as tensors, they kept each freed
+  buffer alive outside the device budget until the backward;
 - a module's backward holds are released when every one of its parameters that
   requires grad has had its gradient accumulated (a tied parameter: after its last use);
 - gradients are collected per :class:`~swapper.zero.shard_state.GradGroup` (the
@@ -61,6 +64,7 @@ from swapper.zero.autograd import in_autograd, mark_outputs
 from swapper.zero.checkpoint import keeps_store
 from swapper.zero.config import OffloadConfig
 from swapper.zero.gather_budget import GatherBudget, charges_device, gather_need
+from swapper.zero.saved import SavedParams
 from swapper.zero.settings import tiers_of
 from swapper.zero.shard_checkpoint import consolidated, iter_full, load_sharded, sharded
 from swapper.zero.shard_grads import GradReducer
@@ -129,6 +133,10 @@ class ShardedModel(nn.Module):
         self._position: dict[ModuleState, list[int]] = {}
         self._cursor = -1
         self._forward_holds: list[ModuleState | None] = []
+        #: autograd's saved views of gathered parameters (swapper.zero.saved)
+        self._saved = SavedParams(
+            lambda slot: any(state.gathered is not None for state in slot.modules)
+        )
         self._forward_depth = 0
         self._in_backward = False
         self._manager_recording: contextlib.AbstractContextManager[None] | None = None
@@ -206,13 +214,18 @@ class ShardedModel(nn.Module):
         depth = len(self._forward_holds)
         self._forward_depth += 1
         try:
-            return self.module(*args, **kwargs)
+            with self._saved.around(self._gathered_now):
+                return self.module(*args, **kwargs)
         except BaseException:
             with signals.held:
                 self._drop_forward_holds(depth)
             raise
         finally:
             self._forward_depth -= 1
+
+    def _gathered_now(self) -> list[ShardSlot]:
+        """The parameters of the modules whose forward runs now (gathered)."""
+        return [slot for state in self._forward_holds if state is not None for slot in state.slots]
 
     def release_stale_holds(self) -> int:
         """Release what a forward or backward that raised left gathered; returns how many
