@@ -56,6 +56,25 @@ def model(*, d_model: int = 32) -> GPT:
     return gpt
 
 
+def steps(gpt: torch.nn.Module, optimizer: OffloadAdamW, n: int, seed: int = 1) -> None:
+    """``n`` training steps of ``gpt`` on seeded random tokens (its own generator)."""
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(n):
+        gpt.loss(torch.randint(0, 64, (2, 9), generator=g)).backward()  # type: ignore[operator]
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def resume_digest(swap: Path, resume: bool | str = True, **kw: float | int) -> tuple[str, int]:
+    """A fresh model resumed from ``swap``: its ``final_digest`` and step count."""
+    gpt = model()
+    with (
+        swapper.offload(gpt, config(swap, **kw), resume=resume) as wrapped,  # type: ignore[arg-type]
+        OffloadAdamW(wrapped.parameters(), lr=1e-2, tiers=wrapped) as optimizer,
+    ):
+        return final_digest(wrapped, optimizer), optimizer.step_count
+
+
 def _say(*words: object) -> None:
     print(*words, flush=True)
 

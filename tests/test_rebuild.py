@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from ckpt_train import config, model
+from ckpt_train import config, model, resume_digest, steps
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -30,14 +30,6 @@ from tiers.nvme import NvmeStore, SnapshotDamagedError
 STORE = "swapper-offload"
 
 
-def _steps(gpt: torch.nn.Module, optimizer: OffloadAdamW, n: int, seed: int = 1) -> None:
-    g = torch.Generator().manual_seed(seed)
-    for _ in range(n):
-        gpt.loss(torch.randint(0, 64, (2, 9), generator=g)).backward()  # type: ignore[operator]
-        optimizer.step()
-        optimizer.zero_grad()
-
-
 def _store_keys(swap: Path, name: str) -> tuple[str, ...]:
     engine = AioEngine(AioConfig())
     try:
@@ -45,15 +37,6 @@ def _store_keys(swap: Path, name: str) -> tuple[str, ...]:
             return next(s.keys for s in store.snapshots() if s.name == name)
     finally:
         engine.close()
-
-
-def _resume_digest(swap: Path, resume: bool | str = True, **kw: object) -> tuple[str, int]:
-    gpt = model()
-    with (
-        swapper.offload(gpt, config(swap, **kw), resume=resume) as wrapped,  # type: ignore[arg-type]
-        OffloadAdamW(wrapped.parameters(), lr=1e-2, tiers=wrapped) as optimizer,
-    ):
-        return final_digest(wrapped, optimizer), optimizer.step_count
 
 
 @pytest.mark.parametrize("host_fraction", [0.0, 0.1])
@@ -69,7 +52,7 @@ def test_params_a_step_left_dirty_are_left_out_and_rebuilt_exactly(
         # before any step: nothing is known to equal its master; all is written
         first = save_snapshot(wrapped, optimizer, name="first")
         assert first.rebuilt_nbytes == 0
-        _steps(gpt, optimizer, 2)
+        steps(gpt, optimizer, 2)
         report: SnapshotReport = save_snapshot(wrapped, optimizer, name="after")
         expected = final_digest(wrapped, optimizer)
     assert report.rebuilt_nbytes > 0
@@ -79,7 +62,7 @@ def test_params_a_step_left_dirty_are_left_out_and_rebuilt_exactly(
     assert sum("/param/" in k for k in keys) < sum(
         "/param/" in k for k in _store_keys(swap, "first")
     )
-    assert _resume_digest(swap, host_fraction=host_fraction) == (expected, 2)
+    assert resume_digest(swap, host_fraction=host_fraction) == (expected, 2)
 
 
 def test_a_param_written_outside_the_step_is_written_by_the_snapshot(tmp_path: Path) -> None:
@@ -89,7 +72,7 @@ def test_a_param_written_outside_the_step_is_written_by_the_snapshot(tmp_path: P
         swapper.offload(gpt, config(swap)) as wrapped,
         OffloadAdamW(wrapped.parameters(), lr=1e-2, tiers=wrapped) as optimizer,
     ):
-        _steps(gpt, optimizer, 1)
+        steps(gpt, optimizer, 1)
         # the user's own value, which is not its master rounded
         wrapped.load_state_dict(
             {"ln_f.weight": torch.full((32,), 0.5, dtype=torch.bfloat16)}, strict=False
@@ -97,7 +80,7 @@ def test_a_param_written_outside_the_step_is_written_by_the_snapshot(tmp_path: P
         save_snapshot(wrapped, optimizer, name="s")
         expected = final_digest(wrapped, optimizer)
     assert "param16/param/ln_f.weight" in _store_keys(swap, "s")
-    assert _resume_digest(swap)[0] == expected
+    assert resume_digest(swap)[0] == expected
 
 
 def test_an_optimizer_load_since_the_step_makes_the_snapshot_write_the_params(
@@ -109,15 +92,15 @@ def test_an_optimizer_load_since_the_step_makes_the_snapshot_write_the_params(
         swapper.offload(gpt, config(swap)) as wrapped,
         OffloadAdamW(wrapped.parameters(), lr=1e-2, tiers=wrapped) as optimizer,
     ):
-        _steps(gpt, optimizer, 1)
+        steps(gpt, optimizer, 1)
         lazy = optimizer.state_dict()
         saved = {**lazy, "state": dict(lazy["state"].items())}  # read now
-        _steps(gpt, optimizer, 1, seed=2)
+        steps(gpt, optimizer, 1, seed=2)
         optimizer.load_state_dict(saved)  # masters of step 1, params of step 2
         report = save_snapshot(wrapped, optimizer, name="s")
         expected = final_digest(wrapped, optimizer)
     assert report.rebuilt_nbytes == 0
-    assert _resume_digest(swap)[0] == expected
+    assert resume_digest(swap)[0] == expected
 
 
 def test_a_skipped_step_keeps_the_params_left_out(tmp_path: Path) -> None:
@@ -156,7 +139,7 @@ def test_frozen_params_are_written(tmp_path: Path) -> None:
     with swapper.offload(gpt, config(swap)) as wrapped:
         trained = [p for p in wrapped.parameters() if p.requires_grad]
         with OffloadAdamW(trained, lr=1e-2, tiers=wrapped) as optimizer:
-            _steps(gpt, optimizer, 1)
+            steps(gpt, optimizer, 1)
             report = save_snapshot(wrapped, optimizer, name="s")
     assert report.rebuilt_nbytes > 0
     keys = _store_keys(swap, "s")
@@ -173,17 +156,17 @@ def test_a_rebuilt_param_that_differs_refuses_its_snapshot_and_the_one_before_is
         swapper.offload(gpt, config(swap)) as wrapped,
         OffloadAdamW(wrapped.parameters(), lr=1e-2, tiers=wrapped) as optimizer,
     ):
-        _steps(gpt, optimizer, 1)
+        steps(gpt, optimizer, 1)
         save_snapshot(wrapped, optimizer, name="good")
         good = final_digest(wrapped, optimizer)
-        _steps(gpt, optimizer, 1, seed=2)
+        steps(gpt, optimizer, 1, seed=2)
         with monkeypatch.context() as m:  # a digest that no rebuild can match
             m.setattr(rebuild, "content_hash", lambda t: 0x0123456789ABCDEF)
             save_snapshot(wrapped, optimizer, name="bad")
     path = swap / f"{STORE}.bad.snap"
     with pytest.raises(SnapshotDamagedError, match=re.escape(str(path)) + ".*rebuilt from"):
-        _resume_digest(swap, resume="bad")
-    assert _resume_digest(swap) == (good, 1)
+        resume_digest(swap, resume="bad")
+    assert resume_digest(swap) == (good, 1)
 
 
 class _Store:
@@ -268,7 +251,7 @@ def test_params_left_out_over_compressed_moments_resume_bit_exactly(
             swapper.offload(gpt, cfg(host_fraction)) as wrapped,
             OffloadAdamW(wrapped.parameters(), lr=1e-2, tiers=wrapped) as optimizer,
         ):
-            _steps(gpt, optimizer, 2)
+            steps(gpt, optimizer, 2)
             report = save_snapshot(wrapped, optimizer, name="s")
             expected = final_digest(wrapped, optimizer)
         assert report.rebuilt_nbytes > 0

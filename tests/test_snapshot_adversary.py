@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import torch
-from ckpt_train import config, model
+from ckpt_train import config, model, resume_digest, steps
 
 import swapper
 from swapper import OffloadAdamW, StepConfig, SwapConfigError
@@ -24,14 +24,6 @@ from tiers.aio import AioEngine
 from tiers.config import AioConfig
 from tiers.errors import SwapIOError
 from tiers.nvme import NvmeStore, SnapshotExistsError, snapshotting
-
-
-def _steps(gpt: torch.nn.Module, optimizer: OffloadAdamW, n: int, seed: int = 1) -> None:
-    g = torch.Generator().manual_seed(seed)
-    for _ in range(n):
-        gpt.loss(torch.randint(0, 64, (2, 9), generator=g)).backward()  # type: ignore[operator]
-        optimizer.step()
-        optimizer.zero_grad()
 
 
 def _sigint_after_fetch(
@@ -56,15 +48,6 @@ def _sigint_after_fetch(
     return calls
 
 
-def _resume_digest(swap: Path, **kw: Any) -> tuple[str, int]:
-    gpt = model()
-    with (
-        swapper.offload(gpt, config(swap, **kw), resume=True) as wrapped,
-        OffloadAdamW(wrapped.parameters(), lr=1e-2, tiers=wrapped) as optimizer,
-    ):
-        return final_digest(wrapped, optimizer), optimizer.step_count
-
-
 def test_ctrl_c_as_a_left_out_param_is_fetched_leaves_no_entry_in_use(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -77,7 +60,7 @@ def test_ctrl_c_as_a_left_out_param_is_fetched_leaves_no_entry_in_use(
         swapper.offload(gpt, config(swap)) as wrapped,
         OffloadAdamW(wrapped.parameters(), lr=1e-2, tiers=wrapped) as optimizer,
     ):
-        _steps(gpt, optimizer, 2)
+        steps(gpt, optimizer, 2)
         with monkeypatch.context() as patch:
             calls = _sigint_after_fetch(patch, wrapped.manager)
             with pytest.raises(KeyboardInterrupt):
@@ -89,10 +72,10 @@ def test_ctrl_c_as_a_left_out_param_is_fetched_leaves_no_entry_in_use(
         assert in_use == []
         report = save_snapshot(wrapped, optimizer, name="again")
         assert report.rebuilt_nbytes > 0
-        _steps(gpt, optimizer, 1, seed=2)
+        steps(gpt, optimizer, 1, seed=2)
         save_snapshot(wrapped, optimizer, name="last")
         expected = final_digest(wrapped, optimizer)
-    assert _resume_digest(swap) == (expected, 3)
+    assert resume_digest(swap) == (expected, 3)
 
 
 def test_ctrl_c_during_a_snapshot_keeps_the_kept_sub_groups_in_memory(
@@ -110,7 +93,7 @@ def test_ctrl_c_during_a_snapshot_keeps_the_kept_sub_groups_in_memory(
     ):
         pipeline = optimizer._pipeline
         assert pipeline.kept >= 2
-        _steps(gpt, optimizer, 2)
+        steps(gpt, optimizer, 2)
         kept = dict(pipeline._held)
         real = NvmeStore.snapshot
 
@@ -127,10 +110,10 @@ def test_ctrl_c_during_a_snapshot_keeps_the_kept_sub_groups_in_memory(
         with ctx.cond:
             users = {k: ctx.entries[pipeline.key(k)].users for k in kept}
         assert users == dict.fromkeys(kept, 1)
-        _steps(gpt, optimizer, 1, seed=2)
+        steps(gpt, optimizer, 1, seed=2)
         save_snapshot(wrapped, optimizer, name="last")
         expected = final_digest(wrapped, optimizer)
-    assert _resume_digest(swap, host_fraction=0.1) == (expected, 3)
+    assert resume_digest(swap, host_fraction=0.1) == (expected, 3)
 
 
 def test_a_snapshot_that_fails_keeps_the_one_of_the_same_name_it_was_to_replace(
@@ -149,7 +132,7 @@ def test_a_snapshot_that_fails_keeps_the_one_of_the_same_name_it_was_to_replace(
         swapper.offload(gpt, config(swap)) as wrapped,
         OffloadAdamW(wrapped.parameters(), lr=1e-2, tiers=wrapped) as optimizer,
     ):
-        _steps(gpt, optimizer, 2)
+        steps(gpt, optimizer, 2)
         first = save_snapshot(wrapped, optimizer, keep_last=1)
         expected = final_digest(wrapped, optimizer)
 
@@ -168,7 +151,7 @@ def test_a_snapshot_that_fails_keeps_the_one_of_the_same_name_it_was_to_replace(
         assert again.name == first.name
         assert again.dropped == (first.name,)
         assert [s.name for s in store.snapshots()] == [first.name]
-    assert _resume_digest(swap) == (expected, 2)
+    assert resume_digest(swap) == (expected, 2)
 
 
 def test_a_snapshot_replaced_under_its_name_frees_only_what_the_old_one_alone_held(
@@ -226,7 +209,7 @@ def test_ctrl_c_as_a_resume_opens_its_manager_leaves_the_store_closed(
         swapper.offload(gpt, config(swap)) as wrapped,
         OffloadAdamW(wrapped.parameters(), lr=1e-2, tiers=wrapped) as optimizer,
     ):
-        _steps(gpt, optimizer, 2)
+        steps(gpt, optimizer, 2)
         save_snapshot(wrapped, optimizer, name="a")
         expected = final_digest(wrapped, optimizer)
     real = getattr(checkpoint, where)  # (offload.py calls checkpoint.open_manager)
@@ -240,7 +223,7 @@ def test_ctrl_c_as_a_resume_opens_its_manager_leaves_the_store_closed(
         patch.setattr(checkpoint, where, opened)
         with pytest.raises(KeyboardInterrupt):
             swapper.offload(model(), config(swap), resume=True)
-    assert _resume_digest(swap) == (expected, 2)
+    assert resume_digest(swap) == (expected, 2)
 
 
 def _ctrl_c_in_a_resume(rank: int, world: int, tmp: str, where: str) -> dict[str, Any]:
@@ -315,7 +298,7 @@ def test_keep_last_zero_is_refused_not_a_snapshot_dropped_as_it_is_taken(tmp_pat
         swapper.offload(gpt, config(swap)) as wrapped,
         OffloadAdamW(wrapped.parameters(), lr=1e-2, tiers=wrapped) as optimizer,
     ):
-        _steps(gpt, optimizer, 1)
+        steps(gpt, optimizer, 1)
         kept = save_snapshot(wrapped, optimizer, name="kept")
         for bad in (0, -1, True, 1.0):
             with pytest.raises(SwapConfigError, match="keep_last"):
@@ -339,7 +322,7 @@ def test_an_optimizer_that_fails_after_adopting_a_resume_leaves_the_state_for_th
         swapper.offload(gpt, config(swap, host_fraction=0.1)) as wrapped,
         OffloadAdamW(wrapped.parameters(), lr=1e-2, tiers=wrapped) as optimizer,
     ):
-        _steps(gpt, optimizer, 2)
+        steps(gpt, optimizer, 2)
         save_snapshot(wrapped, optimizer, name="a")
         expected = final_digest(wrapped, optimizer)
 
