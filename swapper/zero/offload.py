@@ -1,4 +1,5 @@
-# Size: one state machine (~700 lines): the hooks, their hold counts, the overlap gate.
+# Size: ~500 lines: the wrap's set-up with its undo, and the surface the optimizer and the
+# user see (the hooks themselves are in swapper.zero.offload_hooks).
 """``swapper.offload(model, config)`` in one process: a module's 16-bit parameters live in
 the tiers (:func:`swapper.zero.wrap.offload` builds an :class:`OffloadedModel`).
 
@@ -40,17 +41,17 @@ Activation checkpointing runs the hooks again inside the backward (a recompute);
 holds is checked in :mod:`swapper.zero.recompute`, and the forward hooks run when a forward
 raises (``always_call``), so a recompute stopped early releases what it fetched.
 
-Layout: the parameter records and the optimizer's view of them are in
+Layout: the hooks and the fetch and release of one parameter are in
+:mod:`swapper.zero.offload_hooks` (a mixin: the state machine the forward and backward
+drive); the parameter records and the optimizer's view of them are in
 :mod:`swapper.zero.params`, the autograd plumbing in :mod:`swapper.zero.autograd`, the
-read-ahead plan in :mod:`swapper.zero.readahead`, the checks before placement and the undo
-of a failed meta wrap in :mod:`swapper.zero.placing`, real weights in
+read-ahead plan in :mod:`swapper.zero.readahead`, the checks before placement and the
+undo of a failed meta wrap in :mod:`swapper.zero.placing`, real weights in
 :mod:`swapper.zero.weights`, autograd's saved views of parameters (kept as positions
 while a module's forward runs under budgets that cannot hold every parameter) in
-:mod:`swapper.zero.saved`. What stays here (~680 lines) is one state machine: the hooks,
-the hold counts they share (``users``, ``backward_holds``, the forward depth, the recorded
-order) and the placement that registers the slots the hooks then move; split further, each
-part would have to reach into the others' counters, which is what a reader must follow in
-one place.
+:mod:`swapper.zero.saved`. What stays here is the wrap's set-up (and its undo), the
+placement that registers the slots the hooks then move, and the surface the optimizer
+and the user see.
 """
 
 from __future__ import annotations
@@ -69,18 +70,16 @@ from swapper.manager import Kind, ManagerStats, Tier, TierManager
 from swapper.step.config import StepConfig
 from swapper.step.sources import ParamGate, ParamSource
 from swapper.zero import checkpoint
-from swapper.zero.autograd import hook_outputs, in_autograd
+from swapper.zero.autograd import in_autograd
 from swapper.zero.config import OffloadConfig
-from swapper.zero.params import Holds, Slot, TieredParams, retain_grad
+from swapper.zero.offload_hooks import ModuleHooks
+from swapper.zero.params import Holds, Slot, TieredParams
 from swapper.zero.placing import back_to_meta, check_modules, check_overlap_room
 from swapper.zero.readahead import FetchPlan
-from swapper.zero.recompute import no_room
-from swapper.zero.resident import acquire_resident
 from swapper.zero.saved import SavedParams
 from swapper.zero.settings import tiers_of
 from swapper.zero.weights import (
     WeightHooks,
-    check_unwritten,
     fetch_copy,
     guard,
     leave,
@@ -106,7 +105,7 @@ def is_wrapped(module: nn.Module) -> bool:
     return module in _WRAPPED
 
 
-class OffloadedModel(nn.Module):
+class OffloadedModel(ModuleHooks, nn.Module):
     """A module whose 16-bit parameters live in a :class:`TierManager`.
 
     Args:
@@ -308,17 +307,6 @@ class OffloadedModel(nn.Module):
             )
         return dropped
 
-    def _drop_forward_holds(self, depth: int) -> int:
-        """Release the slots fetched by the modules whose forward began above ``depth``
-        and never finished."""
-        dropped = 0
-        self._saved.pop_from(depth)
-        while len(self._forward_holds) > depth:
-            for slot in self._forward_holds.pop()[1]:
-                self._release(slot)
-                dropped += 1
-        return dropped
-
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop the retained 16-bit gradients (the optimizer's ``zero_grad`` does the
         same): the next backward starts them afresh rather than adding to them."""
@@ -515,197 +503,3 @@ class OffloadedModel(nn.Module):
                 self._handles.append(
                     slot.param.register_post_accumulate_grad_hook(self._grad_hook(slot))
                 )
-
-    # -- hooks ----------------------------------------------------------------------------
-
-    def _pre_forward_hook(self, slots: list[Slot]) -> Callable[..., None]:
-        def hook(module: nn.Module, args: Any) -> None:
-            self._plan.step_boundary()
-            self._check_room(slots)
-            taken: list[Slot] = []
-            self._forward_holds.append((module, taken))
-            with signals.at_waits:  # each one fetched and recorded, or neither
-                if acquire_resident(self, slots):  # (budgets holding every parameter)
-                    taken.extend(slots)
-                else:
-                    for slot in slots:
-                        self._acquire(slot)
-                        taken.append(slot)
-                if self._room_limit is not None:
-                    # Parameters can move before the backward (a limited use tier: even
-                    # where all fit, a recompute's holds are not kept, and the tier holds
-                    # other kinds): autograd must not keep views of their blocks
-                    # (swapper.zero.saved). Decided by the budget alone, so the same in a
-                    # recompute as in its forward (checkpointing counts saved tensors).
-                    self._saved.push(len(self._forward_holds) - 1, taken)
-
-        return hook
-
-    def _post_forward_hook(self, slots: list[Slot]) -> Callable[..., Any]:
-        def before_backward() -> None:
-            if self._param_gate is not None:
-                # An overlapped update still running reads the gradients this backward is
-                # about to add to (and drops them at its end): wait for it here, also
-                # when every hold is carried over from the forward and nothing is fetched
-                # (no fetch, no gate: the update dropped this backward's gradients).
-                self._param_gate(None)
-            self._backward_started()
-            self._check_room(slots)
-            with signals.at_waits:  # each one fetched and recorded, or neither
-                for slot in slots:
-                    if slot.carried:  # held since its forward: taken over, nothing fetched
-                        with self._lock:
-                            slot.carried -= 1
-                            self._holds.carried -= 1
-                            slot.backward_holds += 1
-                        continue
-                    self._acquire(slot)
-                    with self._lock:
-                        slot.backward_holds += 1
-
-        def hook(module: nn.Module, args: Any, output: Any) -> Any:
-            with signals.held:
-                # This module's entry, and above it those of forwards that began inside
-                # it and never finished (abandoned: nothing else will release them).
-                at = len(self._forward_holds) - 1
-                while at >= 0 and self._forward_holds[at][0] is not module:
-                    at -= 1
-                own: list[Slot] = []
-                if at >= 0:
-                    self._saved.pop_from(at)
-                    self._drop_forward_holds(at + 1)
-                    own = self._forward_holds.pop()[1]
-                carry = False
-                try:
-                    if output is not None and torch.is_grad_enabled():
-                        hooked = hook_outputs(output, before_backward)
-                        # Kept for the backward when the use tier holds every parameter
-                        # anyway (the release and the fetch again cost more than a narrow
-                        # module's work); never inside a backward (a recompute's holds
-                        # end with it).
-                        carry = hooked and self._keep_held and not in_autograd()
-                    return output
-                finally:
-                    if carry:
-                        with self._lock:
-                            for slot in own:
-                                slot.carried += 1
-                            self._holds.carried += len(own)
-                    else:
-                        for slot in own:
-                            self._release(slot)
-
-        return hook
-
-    def _grad_hook(self, slot: Slot) -> Callable[[torch.Tensor], None]:
-        def hook(param: torch.Tensor) -> None:
-            grad = param.grad
-            if grad is not None:
-                retain_grad(self._manager, slot, grad, self._lock, lazy_norm=self._lazy_norms)
-                param.grad = None  # moved: the retained buffer holds it now
-            with signals.held:
-                with self._lock:
-                    holds, slot.backward_holds = slot.backward_holds, 0
-                for _ in range(holds):
-                    self._release(slot)
-
-        return hook
-
-    def _backward_started(self) -> None:
-        if self._holds.in_backward:
-            return  # (every module's backward asks: no lock for the common answer)
-        with self._lock:
-            if self._holds.in_backward:
-                return
-            self._holds.in_backward = True
-        torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
-
-    def _backward_ended(self) -> None:
-        with signals.held:
-            with self._lock:
-                self._holds.in_backward = False
-            # (kept holds whose backward did not run in this one: fetched again if it does)
-            self._release_backward_holds()
-        self._plan.backward_ended()
-
-    def _release_backward_holds(self) -> tuple[int, int]:
-        """Release every backward hold and every hold kept from a forward for its
-        backward; returns how many of each. Signals held by the caller."""
-        with self._lock:
-            leftovers = [
-                (s, s.backward_holds, s.carried)
-                for s in self._by_name.values()
-                if s.backward_holds or s.carried
-            ]
-            for slot, _, kept in leftovers:
-                slot.backward_holds = 0
-                slot.carried -= kept
-                self._holds.carried -= kept
-        for slot, holds, kept in leftovers:
-            for _ in range(holds + kept):
-                self._release(slot)
-        return sum(h for _, h, _ in leftovers), sum(k for _, _, k in leftovers)
-
-    # -- fetching and releasing -------------------------------------------------------------
-
-    def _acquire(self, slot: Slot) -> None:
-        """Count a user of the slot, fetching it for the first. Cut (Ctrl-C at a wait of
-        the fetch, an error), nothing is counted or held; a signal arriving after the fetch
-        waits for the caller's section, which records the hold first."""
-        with signals.at_waits:
-            if self._param_gate is not None:
-                self._param_gate(slot.param)  # an overlapped step's update of it first
-            with self._lock:
-                slot.users += 1
-                if slot.users > 1:
-                    return
-            try:
-                check_unwritten(slot)  # a write to the placeholder: raised, not lost quietly
-                tensor = self._manager.fetch(slot.key, self._use_tier)
-            except BaseException:
-                with self._lock:
-                    slot.users -= 1
-                raise
-            with self._lock:
-                slot.param.data = tensor
-                slot.version = slot.param._version
-                self._holds.held_nbytes += slot.nbytes
-            self._plan.fetched(slot.key)
-
-    def _release(self, slot: Slot) -> None:
-        with signals.held:  # uncounted and released, or neither
-            with self._lock:
-                slot.users -= 1
-                if slot.users > 0:
-                    return
-                # an in-place write while fetched landed in the tiers' bytes: keep it
-                modified = slot.param._version != slot.version
-                slot.param.data = slot.placeholder
-                slot.version = slot.param._version
-                self._holds.held_nbytes -= slot.nbytes
-            self._manager.release(slot.key, modified=modified)
-
-    def _keeps_held(self, reserve: int) -> bool:
-        """Whether a forward's holds are kept for its backward: the use tier holds every
-        parameter at once (and ``reserve`` bytes beside them), so holding them costs no
-        room that could be used."""
-        total = sum(slot.nbytes for slot in self._by_name.values())
-        return self._room_limit is None or total + reserve <= self._room_limit
-
-    def _check_room(self, slots: list[Slot]) -> None:
-        """Raise at once if the use tier cannot hold what is held now and the slots'
-        parameters: held parameters are released only by the work that waits for this
-        fetch, so it would wait for the budget's timeout and fail anyway.
-
-        Raises:
-            SwapConfigError: from :func:`~swapper.zero.recompute.no_room`.
-        """
-        limit = self._room_limit
-        if limit is None:
-            return
-        need = sum(slot.nbytes for slot in slots if not slot.users)
-        if need and self._holds.held_nbytes + need > limit:
-            with self._lock:
-                held = [(s.name, s.nbytes) for s in self._by_name.values() if s.users]
-            module_name = slots[0].name.rpartition(".")[0] or "(the model)"
-            raise no_room(module_name, need, held, limit, self._use_tier.value)

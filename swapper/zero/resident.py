@@ -12,13 +12,13 @@ from typing import TYPE_CHECKING
 from swapper.zero.weights import check_unwritten
 
 if TYPE_CHECKING:
-    from swapper.zero.offload import OffloadedModel
+    from swapper.zero.offload_hooks import ModuleHooks
     from swapper.zero.params import Slot
 
 __all__ = ["acquire_resident"]
 
 
-def acquire_resident(model: OffloadedModel, slots: Sequence[Slot]) -> bool:
+def acquire_resident(model: ModuleHooks, slots: Sequence[Slot]) -> bool:
     """A module's forward pre-hook, when its use tier holds every parameter
     (``_keep_held``), no overlapped update gates the parameters, none of ``slots`` has a
     user and all are in the use tier now: all fetched in one manager call
