@@ -78,7 +78,6 @@ from swapper.distributed.groups import (
 )
 from swapper.distributed.layout import ModuleLayout
 from tiers.errors import InvalidArgumentError
-from tiers.signals import wait_point
 
 __all__ = [
     "FETCH_METHODS",
@@ -175,7 +174,6 @@ class PendingFetch:
         """
         if self._done:
             return self.views
-        wait_point("gather")  # (a test hook may cut here: the collective still in flight)
         try:
             wait_work(self._dg, self._work, self.method, self.what)
         except BaseException:

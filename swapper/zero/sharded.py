@@ -311,6 +311,9 @@ class ShardedModel(nn.Module):
             pending = state.pending
             if pending is None:
                 continue
+            # (not in PendingFetch.wait: a signal held by _acquire's section would be
+            # delivered there, and _acquire frees the buffer of an interrupted gather)
+            signals.wait_point("gather")  # a Ctrl-C here keeps it in flight, for close()
             with contextlib.suppress(Exception):
                 pending.wait()
             pending.settle()  # never free a buffer the backend may still write
