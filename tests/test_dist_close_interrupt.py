@@ -80,6 +80,19 @@ def _close_cut(swap: str, at: int | str | None) -> dict[str, Any]:
             real(*args, **kwargs)
 
         wrapped._manager.close = cut_close  # type: ignore[method-assign]
+    if at == "collective":  # a Ctrl-C in the wait of a gather: the group marked failed,
+        # the collective left unwaited (the next wait raises at once)
+        from swapper.distributed import collectives
+
+        real_wait = collectives.wait_work
+
+        def cut_wait(dg: Any, work: Any, collective: str, what: str) -> None:
+            collectives.wait_work = real_wait
+            cut.hit = "wait_work"
+            dg._failed.append(f"{collective} for {what} interrupted (test)")
+            raise KeyboardInterrupt
+
+        collectives.wait_work = cut_wait
     previous = signals.set_wait_hook(cut)
     raised = ""
     try:
@@ -108,6 +121,7 @@ def _every_cut(rank: int, world: int, tmp: str) -> list[dict[str, Any]]:
         runs = [_close_cut(str(Path(tmp, f"rank{rank}", "clean")), None)]
         for at in range(1, min(len(runs[0]["passed"]), MAX_CUTS) + 1):
             runs.append(_close_cut(str(Path(tmp, f"rank{rank}", f"cut{at}")), at))
+        runs.append(_close_cut(str(Path(tmp, f"rank{rank}", "cut-collective")), "collective"))
         runs.append(_close_cut(str(Path(tmp, f"rank{rank}", "cut-manager")), "manager"))
         return runs
     finally:
@@ -131,5 +145,7 @@ def test_ctrl_c_at_each_wait_of_a_sharded_close_leaves_the_store_reusable(
                 assert run["raised"] == "KeyboardInterrupt", run
             if run["hit"] == "gather":
                 assert run["left"] >= 1, run
+        assert cuts[-2]["hit"] == "wait_work", cuts[-2]
+        assert cuts[-2]["left"] >= 1, cuts[-2]  # kept until settled by the next close
         assert cuts[-1]["hit"] == "manager.close", cuts[-1]
     print([(r["hit"], r["raised"]) for r in ranks[0]])
