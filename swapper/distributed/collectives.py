@@ -58,6 +58,7 @@ result, equal on every rank, decides clipping and skipped steps on every rank al
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from collections.abc import Mapping
@@ -150,6 +151,20 @@ class PendingFetch:
     def done(self) -> bool:
         """Whether :meth:`wait` has returned."""
         return self._done
+
+    def settle(self) -> None:
+        """Wait (at most the group's timeout) until the backend is done with the buffers,
+        whatever the outcome, so they may be freed: a :meth:`wait` that raised left the
+        collective unwaited (a failed group raises at once). Errors are swallowed (the
+        failure was, or will be, raised by :meth:`wait`); an interrupt propagates and
+        leaves it to call again."""
+        if self._work is None:
+            return
+        # failed or timed out: the backend gave up on it too
+        with contextlib.suppress(RuntimeError, ValueError):
+            self._work.wait(timeout=self._dg.timeout)
+        self._work = None
+        self._staging = None
 
     def wait(self) -> dict[int, torch.Tensor]:
         """Wait for the collective (at most the group's timeout) and fill the views.

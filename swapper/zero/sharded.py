@@ -287,12 +287,38 @@ class ShardedModel(nn.Module):
         """Wait for every gather started ahead of use and drop it (the collectives were
         issued on every rank, so waiting pairs them; the buffers are freed)."""
         for state in self._states.values():
-            pending, state.pending = state.pending, None
-            if pending is not None:
-                try:
-                    pending.wait()
-                finally:
-                    self._budget.release(pending)
+            pending = state.pending
+            if pending is None:
+                continue
+            try:
+                pending.wait()
+            except Exception:
+                state.pending = None
+                self._budget.release(pending)
+                raise
+            # an interrupt (BaseException) keeps it and its buffers: the collective may be
+            # in flight; close() settles it
+            state.pending = None
+            self._budget.release(pending)
+
+    def _settle_gathers(self) -> None:
+        """For close: every gather started ahead of use waited for, whatever the group's
+        state (a broken group fails a wait at once, its collective still unwaited), then
+        its buffers freed; a failure is dropped (nothing is left to pair with). An
+        interrupt keeps the gathers not yet settled (and their buffers) for the next
+        close()."""
+        for state in self._states.values():
+            pending = state.pending
+            if pending is None:
+                continue
+            # (not in PendingFetch.wait: a signal held by _acquire's section would be
+            # delivered there, and _acquire frees the buffer of an interrupted gather)
+            signals.wait_point("gather")  # a Ctrl-C here keeps it in flight, for close()
+            with contextlib.suppress(Exception):
+                pending.wait()
+            pending.settle()  # never free a buffer the backend may still write
+            state.pending = None
+            self._budget.release(pending)
 
     @property
     def slots(self) -> tuple[ShardSlot, ...]:
@@ -334,17 +360,26 @@ class ShardedModel(nn.Module):
     def close(self) -> None:
         """Remove the hooks and drop this rank's tiers (its files deleted, unless its
         store holds snapshots: kept for ``resume``). Idempotent; waits for gathers in
-        flight first."""
+        flight first. A close cut by a Ctrl-C (while gathers are waited for or the manager
+        closes) is finished by calling it again: the store stays locked until then."""
         if self._closed:
+            if self._manager_open:  # an interrupt cut the close: finish it
+                self._close_manager()
             return
         self._closed = True
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
         self._writes.close()
-        with contextlib.suppress(Exception):  # a broken group: nothing left to pair with
-            self.drain()
+        self._close_manager()
+
+    #: False once the manager's close() returned (see close())
+    _manager_open = True
+
+    def _close_manager(self) -> None:
+        self._settle_gathers()  # their buffers are the manager's blocks
         self._manager.close(remove=not keeps_store(self._manager))  # snapshots are kept
+        self._manager_open = False
         _WRAPPED.discard(self.module)
 
     def __enter__(self) -> ShardedModel:

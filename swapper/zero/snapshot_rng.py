@@ -29,11 +29,20 @@ def _b64(state: torch.Tensor) -> str:
     return base64.b64encode(state.numpy().tobytes()).decode("ascii")
 
 
+#: byte lengths torch accepts for one CUDA (Philox) generator state: seed + offset
+#: (8 + 8), or the seed alone (older snapshots); get_rng_state() gives the former
+_CUDA_STATE_NBYTES = (16, 8)
+
+
 def decode_rng(raw: object, where: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """The states :func:`rng_state` recorded, as uint8 tensors (CPU, then per device).
+    """The states :func:`rng_state` recorded, as uint8 tensors (CPU, then per device),
+    checked so that :func:`set_rng_state` cannot fail on them: the CPU state is tried on
+    a scratch generator (its byte length and mt19937 content, as this torch expects),
+    each CUDA state's byte length is checked (no device is needed for that).
 
     Raises:
-        SnapshotDamagedError: ``raw`` is not such a record (names ``where``).
+        SnapshotDamagedError: ``raw`` is not such a record, or a state is not one torch
+            takes (names ``where`` and what is wrong).
     """
     if (
         not isinstance(raw, dict)
@@ -49,9 +58,23 @@ def decode_rng(raw: object, where: str) -> tuple[torch.Tensor, list[torch.Tensor
             data = base64.b64decode(text.encode("ascii"), validate=True)
         except (binascii.Error, UnicodeEncodeError):
             raise SnapshotDamagedError(f"{where}: an RNG state is not base64") from None
+        if not data:  # frombuffer refuses an empty buffer (ValueError)
+            return torch.empty(0, dtype=torch.uint8)
         return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
-    return one(raw["cpu"]), [one(t) for t in raw["cuda"]]
+    cpu = one(raw["cpu"])
+    try:  # a scratch generator: this process's RNG is untouched if the state is bad
+        torch.Generator().set_state(cpu)
+    except RuntimeError as e:  # torch's words say what is wrong (size or content)
+        raise SnapshotDamagedError(f"{where}: the CPU RNG state is not valid: {e}") from None
+    cuda = [one(t) for t in raw["cuda"]]
+    for device, state in enumerate(cuda):
+        if state.numel() not in _CUDA_STATE_NBYTES:
+            raise SnapshotDamagedError(
+                f"{where}: the CUDA RNG state of device {device} has {state.numel()} "
+                f"bytes, not {' or '.join(map(str, _CUDA_STATE_NBYTES))}"
+            )
+    return cpu, cuda
 
 
 def set_rng_state(states: tuple[torch.Tensor, list[torch.Tensor]]) -> None:
