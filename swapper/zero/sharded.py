@@ -1,4 +1,5 @@
-# Size: one state machine (~530 lines), as offload.py: the hooks and the holds they share.
+# Size: one state machine (~560 lines): the hooks, the holds they share and a close
+# that settles the gathers in flight.
 """``swapper.offload(model, config, process_group)`` over N > 1 ranks: ZeRO-3.
 
 Each rank holds 1/N of every 16-bit parameter (:mod:`swapper.distributed.partition`: flat
