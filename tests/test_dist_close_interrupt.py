@@ -10,31 +10,14 @@ close() again, and a new wrap of the same directories.
 from __future__ import annotations
 
 import signal
-import threading
 from pathlib import Path
 from typing import Any
 
+from sigint_cut import SigintAt as _Cut
 from torch import nn
 
 #: wait points: a cut past these is not tried (the close has fewer)
 MAX_CUTS = 12
-
-
-class _Cut:
-    """Wait hook: counts the main thread's wait points, sends SIGINT at the ``at``-th."""
-
-    def __init__(self, at: int | None) -> None:
-        self.at = at
-        self.passed: list[str] = []
-        self.hit: str | None = None
-
-    def __call__(self, name: str) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            return
-        self.passed.append(name)
-        if len(self.passed) == self.at:
-            self.hit = name
-            signal.raise_signal(signal.SIGINT)
 
 
 class _Stop(Exception):

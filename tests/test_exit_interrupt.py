@@ -9,7 +9,6 @@ code's signal sections deliver it.
 from __future__ import annotations
 
 import signal
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 from ckpt_train import config, model
+from sigint_cut import SigintAt as _Cut
 
 import swapper
 from swapper import OffloadAdamW
@@ -32,24 +32,6 @@ def sigint_raises() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGINT, previous)
-
-
-class _Cut:
-    """Wait hook: counts the main thread's wait points, sends SIGINT at the ``at``-th
-    (from 1; None: never)."""
-
-    def __init__(self, at: int | None) -> None:
-        self.at = at
-        self.passed: list[str] = []
-        self.hit: str | None = None
-
-    def __call__(self, name: str) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            return
-        self.passed.append(name)
-        if len(self.passed) == self.at:
-            self.hit = name
-            signal.raise_signal(signal.SIGINT)
 
 
 def _leave(swap: Path, at: int | None) -> tuple[_Cut, BaseException | None, bool]:
