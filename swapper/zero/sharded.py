@@ -286,7 +286,15 @@ class ShardedModel(nn.Module):
 
     def drain(self) -> None:
         """Wait for every gather started ahead of use and drop it (the collectives were
-        issued on every rank, so waiting pairs them; the buffers are freed)."""
+        issued on every rank, so waiting pairs them; the buffers are freed only once the
+        backend is done writing them).
+
+        Raises:
+            CollectiveError: a gather failed or timed out; it is settled
+                (:meth:`~swapper.distributed.PendingFetch.settle`, at most the group's
+                timeout) before its buffers are freed, the gathers after it are left for
+                the next drain() or close().
+        """
         for state in self._states.values():
             pending = state.pending
             if pending is None:
@@ -294,13 +302,23 @@ class ShardedModel(nn.Module):
             try:
                 pending.wait()
             except Exception:
-                state.pending = None
-                self._budget.release(pending)
+                # A wait that raised left the collective unwaited (a failed group raises
+                # at once): the backend may still write into the buffers.
+                self._settle_and_free(state, pending)
                 raise
             # an interrupt (BaseException) keeps it and its buffers: the collective may be
             # in flight; close() settles it
             state.pending = None
             self._budget.release(pending)
+
+    def _settle_and_free(self, state: ModuleState, pending: PendingFetch) -> None:
+        """Free the buffers of a gather whose wait raised, once the backend is done with
+        them. ``state.pending`` holds it until then: an interrupt in the settle leaves it
+        for close() (never freed with the collective in flight)."""
+        state.pending = pending
+        pending.settle()
+        state.pending = None
+        self._budget.release(pending)
 
     def _settle_gathers(self) -> None:
         """For close: every gather started ahead of use waited for, whatever the group's
@@ -312,8 +330,8 @@ class ShardedModel(nn.Module):
             pending = state.pending
             if pending is None:
                 continue
-            # (not in PendingFetch.wait: a signal held by _acquire's section would be
-            # delivered there, and _acquire frees the buffer of an interrupted gather)
+            # (not in PendingFetch.wait: a signal held by _acquire's section is delivered
+            # there; _acquire keeps an interrupted gather in state.pending, for here)
             signals.wait_point("gather")  # a Ctrl-C here keeps it in flight, for close()
             with contextlib.suppress(Exception):
                 pending.wait()
@@ -510,15 +528,17 @@ class ShardedModel(nn.Module):
                 pending, state.pending = state.pending, None
                 if pending is None:
                     pending = self.start_gather(state.layout, state.slots, f"module {state.name!r}")
-                try:
-                    pending.wait()
-                finally:
-                    self._budget.waited(pending)  # the staging buffer is gone either way
-            except BaseException:
+                pending.wait()
+            except BaseException as exc:
                 with self._lock:
                     state.users -= 1
-                self._budget.release(pending)
+                if pending is not None:
+                    if isinstance(exc, Exception) or pending.done:
+                        self._settle_and_free(state, pending)
+                    else:  # interrupted mid-collective: close() settles it, then frees
+                        state.pending = pending
                 raise
+            self._budget.waited(pending)  # the staging buffer: its copy is done
             with self._lock:
                 state.gathered = pending
                 for slot in state.slots:
