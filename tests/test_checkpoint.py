@@ -6,6 +6,7 @@ by name and the last good one is used. The SIGKILL test is tests/test_checkpoint
 
 from __future__ import annotations
 
+import errno
 import json
 import re
 from pathlib import Path
@@ -23,6 +24,7 @@ from swapper.step.resume import _decode_value, _encode_value
 from swapper.zero.checkpoint import final_digest, save_snapshot
 from tiers.aio import AioEngine
 from tiers.config import AioConfig
+from tiers.errors import SwapEOFError, SwapIOError
 from tiers.nvme import NvmeStore, SnapshotDamagedError, SnapshotNotFoundError
 
 STORE = "swapper-offload"
@@ -258,3 +260,38 @@ def test_resume_needs_an_nvme_tier_and_a_bool_or_name(tmp_path: Path) -> None:
         pytest.raises(SwapConfigError, match="NVMe tier"),  # nothing to snapshot into
     ):
         save_snapshot(wrapped)
+
+
+def test_a_transient_read_error_is_raised_not_rolled_back(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    whole_bf16: str,
+) -> None:
+    """An EIO reading the newest snapshot proves nothing of its bytes: resume=True raises
+    it, naming the snapshot and its file, instead of falling back to the one before (a
+    silent roll-back of two steps); once the error is gone the newest is resumed."""
+    swap = tmp_path / "b"
+    train(swap, steps=6, every=2, stop_after=4)
+    newest = "step-000000004"
+    real = NvmeStore.read_snapshot
+    injected: list[str] = []
+
+    def flaky(self: NvmeStore, name: str, key: str, out: torch.Tensor) -> object:
+        if name == newest and not injected:  # one transient failure
+            injected.append(key)
+            raise SwapIOError(errno.EIO, "Input/output error (injected)", str(swap / "x.bin"))
+        return real(self, name, key, out)
+
+    monkeypatch.setattr(NvmeStore, "read_snapshot", flaky)
+    capsys.readouterr()
+    with pytest.raises(SwapIOError) as info:
+        train(swap, steps=6, every=2)
+    assert injected, "no read of the newest snapshot: nothing is tested"
+    assert "resumed " not in capsys.readouterr().out  # nothing trained from step 2
+    assert info.value.errno == errno.EIO and not isinstance(info.value, SwapEOFError)
+    message = str(info.value)
+    assert newest in message and str(_snap_file(swap, 4)) in message, message
+    assert "does not fall back" in message and "resume='<its name>'" in message
+    assert train(swap, steps=6, every=2) == whole_bf16  # the error gone: from step 4
+    assert _resumed_step(capsys.readouterr().out) == 4

@@ -468,3 +468,49 @@ def test_records_on_disk_listed_newest_first_damaged_named_orphans_removed(
     assert remove_orphan_commits(tmp_path, STORE) == [orphan]
     assert not orphan.exists() and torn.exists()
     assert read_commits(tmp_path / "absent", STORE) == ([], {})
+
+
+def _transient(rank: int, world: int, tmp: str) -> dict[str, Any]:
+    """A transient EIO reading rank 1's part of the newest snapshot: resume=True raises
+    on every rank (rank 1 naming the snapshot and file) instead of passing it over; once
+    the error is gone the newest is resumed."""
+    import errno
+
+    import torch.distributed as dist
+
+    from tiers.errors import SwapIOError
+    from tiers.nvme import NvmeStore
+
+    swap = Path(tmp) / "swap"
+    train(rank, world, str(swap), steps=4, every=2, keep_last=None)
+    real = NvmeStore.read_snapshot
+    injected: list[str] = []
+
+    def flaky(self: NvmeStore, name: str, key: str, out: Any) -> Any:
+        if name == _name(4) and not injected:
+            injected.append(key)
+            raise SwapIOError(errno.EIO, "Input/output error (injected)", str(swap / "x.bin"))
+        return real(self, name, key, out)
+
+    if rank == 1:
+        NvmeStore.read_snapshot = flaky  # type: ignore[method-assign]
+    try:
+        failed = _resume(rank, world, swap, True)
+    finally:
+        NvmeStore.read_snapshot = real  # type: ignore[method-assign]
+    dist.barrier()
+    return {"failed": failed, "injected": injected, "again": _resume(rank, world, swap, True)}
+
+
+@pytest.mark.dist
+def test_a_transient_read_error_fails_the_resume_on_every_rank(tmp_path: Path) -> None:
+    ranks = values(spawn(_transient, WORLD, tmp_path, join_s=150))
+    assert ranks[1]["injected"], "no read of the newest part: nothing is tested"
+    assert ranks[1]["failed"]["error"] == "SwapIOError", ranks[1]
+    message = ranks[1]["failed"]["message"]
+    assert _name(4) in message and str(_part(tmp_path / "swap", 1, 4)) in message, message
+    assert "does not fall back" in message
+    assert ranks[0]["failed"]["error"] == "PeerFailedError", ranks[0]
+    for r in ranks:
+        assert "step" not in r["failed"], r  # nothing resumed from step 2
+        assert r["again"]["step"] == 4, r

@@ -2,13 +2,24 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import stat
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
+from torch import nn
 
-from swapper.distributed import StoreIdentityError, claim_store_identity, identity_path, rank_dirs
+from swapper.distributed import (
+    StoreIdentityError,
+    StoreLayoutError,
+    claim_store_identity,
+    identity_path,
+    rank_dirs,
+)
+from swapper.manager import TierManager
 from tiers.errors import SwapConfigError
 
 
@@ -128,3 +139,74 @@ def test_wrapping_at_a_new_world_size_over_a_store_says_what_to_do(tmp_path: Pat
         assert res.get("error") == "StoreIdentityError", res
         _says_what_to_do(res["message"], swap, 4, 2)
     assert not (swap / "rank0of2").exists()  # refused before anything was made
+
+
+# -- one process and several ranks in one directory ------------------------------------
+
+
+def _one_process_config(swap: Path) -> Any:
+    from swapper import OffloadConfig
+
+    return OffloadConfig.create(device="cpu", host_nbytes=1 << 20, nvme_dirs=[swap])
+
+
+def _tiny() -> nn.Module:
+    return nn.Linear(8, 8).to(torch.bfloat16)
+
+
+def _names_both_layouts(exc: StoreLayoutError, swap: Path, ranks: int) -> None:
+    message = str(exc)
+    assert f"NVMe directory {swap} holds store 'swapper-offload'" in message, message
+    assert exc.directory == str(swap)
+    assert {exc.existing, exc.wanted} == {"one process", f"{ranks} ranks"}, exc
+    assert "one process" in message and f"{ranks} ranks" in message
+    assert "another nvme_dirs or store_name" in message  # the ways on
+    assert "resume=True" in message and "export_dcp" in message and "remove_store" in message
+
+
+def test_ranks_refused_where_one_process_has_the_store(tmp_path: Path) -> None:
+    """A store of one process open in a directory (and then left there on disk): a rank's
+    claim of the same store name there is refused before anything is made."""
+    import swapper
+
+    swap = tmp_path / "swap"
+    config = _one_process_config(swap)
+    wrapped = swapper.offload(_tiny(), config)
+    try:
+        with pytest.raises(StoreLayoutError) as info:
+            claim_store_identity([swap], "swapper-offload", 0, 2)
+        _names_both_layouts(info.value, swap, 2)
+        assert info.value.existing == "one process" and info.value.found == (0, 1)
+        assert not (swap / "rank0of2").exists()  # refused before anything was made
+    finally:
+        wrapped.close()  # no snapshot: its files are deleted
+    claim_store_identity([swap], "swapper-offload", 0, 2)  # nothing left: fine now
+    # a one-process store left on disk (closed, kept) is refused as well
+    other = tmp_path / "kept"
+    manager = TierManager(_one_process_config(other).manager)
+    manager.register("w", torch.ones(4), "param16")
+    manager.close()
+    with pytest.raises(StoreLayoutError, match="left on disk"):
+        claim_store_identity([other], "swapper-offload", 1, 2)
+
+
+def test_one_process_refused_where_ranks_have_the_store(tmp_path: Path) -> None:
+    """Rank 0 of 2 has its store open in the directory: a one-process offload of the same
+    store name there is refused, with or without resume, and makes no file."""
+    import swapper
+
+    swap = tmp_path / "swap"
+    config = _one_process_config(swap)
+    dirs = claim_store_identity([swap], "swapper-offload", 0, 2)
+    rank = TierManager(dataclasses.replace(config.manager, nvme_dirs=dirs))
+    try:
+        rank.register("w", torch.ones(4), "param16")
+        for resume in (False, True):
+            with pytest.raises(StoreLayoutError) as info:
+                swapper.offload(_tiny(), config, resume=resume)
+            _names_both_layouts(info.value, swap, 2)
+            assert info.value.existing == "2 ranks" and info.value.found == (0, 2)
+            assert info.value.wanted == "one process"
+            assert sorted(p.name for p in swap.iterdir()) == ["rank0of2"]  # nothing made
+    finally:
+        rank.close(remove=True)

@@ -28,6 +28,7 @@ from swapper.distributed.errors import (
     ModelMismatchError,
     PeerFailedError,
     StoreIdentityError,
+    StoreLayoutError,
 )
 from swapper.distributed.groups import (
     DEFAULT_TIMEOUT,
@@ -36,7 +37,12 @@ from swapper.distributed.groups import (
     check_same_model,
     check_same_settings,
 )
-from swapper.distributed.identity import claim_store_identity, identity_path, rank_dirs
+from swapper.distributed.identity import (
+    claim_store_identity,
+    identity_path,
+    rank_dirs,
+    refuse_other_layout,
+)
 from swapper.distributed.layout import ModuleLayout, Piece, module_layout
 from swapper.distributed.partition import (
     ALIGN_NUMEL,
@@ -66,6 +72,7 @@ __all__ = [
     "Piece",
     "ReduceScatterStats",
     "StoreIdentityError",
+    "StoreLayoutError",
     "agree",
     "balance_report",
     "check_same_model",
@@ -82,6 +89,7 @@ __all__ = [
     "rank_dirs",
     "reduce_norm_and_overflow",
     "reduce_scatter_grads",
+    "refuse_other_layout",
     "shard_of",
     "start_fetch",
 ]

@@ -15,6 +15,7 @@ __all__ = [
     "ModelMismatchError",
     "PeerFailedError",
     "StoreIdentityError",
+    "StoreLayoutError",
 ]
 
 
@@ -111,3 +112,33 @@ class StoreIdentityError(SwapConfigError):
         self.path = path
         self.expected = expected
         self.found = found
+
+
+class StoreLayoutError(StoreIdentityError):
+    """A store of one process and a store of several ranks, under one name in one NVMe
+    directory: opening one while the other is open there, or left there on disk.
+
+    One process keeps its files in ``<dir>/<store>.*``, rank r of N in
+    ``<dir>/rank{r}of{N}/<store>.*``; neither would see the other's lock, so without this
+    check two runs would share the directory (and its snapshots' names) unawares.
+
+    Attributes (besides :class:`StoreIdentityError`'s, ``path`` being the file or
+    directory found): ``directory`` (the configured NVMe directory), ``wanted`` and
+    ``existing`` (the two layouts in words, e.g. ``"one process"``, ``"2 ranks"``).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        directory: str,
+        path: str,
+        wanted: str,
+        existing: str,
+        expected: tuple[int, int],
+        found: tuple[int, int] | None,
+    ) -> None:
+        super().__init__(message, path=path, expected=expected, found=found)
+        self.directory = directory
+        self.wanted = wanted
+        self.existing = existing

@@ -20,6 +20,9 @@ Refused (:class:`~swapper.distributed.errors.StoreIdentityError`, nothing writte
 - the identity file names another rank or world size (a rank opening another's files,
   e.g. a wrong ``nvme_dirs`` or a rank renumbering);
 - the directory holds the store's files but no identity file (made by something else);
+- the configured directory itself holds a store of that name made by one process
+  (:func:`refuse_other_layout`, a :class:`~swapper.distributed.errors.StoreLayoutError`;
+  the one-process path makes the converse check before it opens its store);
 - another ``rank*of{M}`` directory with ``M != N`` beside it holds a store of that name:
   the world size changed under an existing store. The message names the directory,
   both world sizes and the ways on: run at the old world size (its snapshots resume
@@ -36,18 +39,26 @@ import re
 from collections.abc import Sequence
 from pathlib import Path
 
-from swapper.distributed.errors import StoreIdentityError
-from tiers.errors import SwapConfigError
+from swapper.distributed.errors import StoreIdentityError, StoreLayoutError
+from tiers.errors import SwapConfigError, SwapIOError
 from tiers.files import make_private_dir
 from tiers.nvme.metafiles import read_metadata, replace_file
 from tiers.nvme.records import ManifestError
 
-__all__ = ["IDENTITY_FORMAT", "claim_store_identity", "identity_path", "rank_dirs"]
+__all__ = [
+    "IDENTITY_FORMAT",
+    "claim_store_identity",
+    "identity_path",
+    "rank_dirs",
+    "refuse_other_layout",
+]
 
 IDENTITY_FORMAT = 1
 _RANK_DIR = re.compile(r"^rank(\d+)of(\d+)$")
 #: Files whose presence means a store of that name lives in a directory.
 _STORE_SUFFIXES = (".bin", ".json", ".journal", ".identity")
+#: The same for a store of one process (no identity record; ``.lock`` alone may be stale).
+_ONE_PROCESS_SUFFIXES = (".bin", ".json", ".journal")
 
 
 def _check_rank(rank: int, world_size: int) -> None:
@@ -124,6 +135,86 @@ def _world_size_changed(base: Path, rank_dir: str, store_name: str, world_size: 
     )
 
 
+def _layout(world_size: int | None) -> str:
+    if world_size is None:
+        return "one process"
+    return f"{world_size} rank{'s' if world_size > 1 else ''}"
+
+
+def refuse_other_layout(
+    nvme_dirs: Sequence[str | os.PathLike[str]],
+    store_name: str,
+    world_size: int | None,
+    *,
+    rank: int = 0,
+) -> None:
+    """Refuse to open store ``store_name`` as ``world_size`` ranks (None: one process, its
+    files straight in each directory) where the other layout has it, open or on disk
+    (``rank``: this process's, for the error's ``expected``).
+
+    One process keeps ``<d>/<store>.*``; rank r of N keeps ``<d>/rank{r}of{N}/<store>.*``.
+    Their locks are different files, so without this check both would run in one
+    directory unawares. Files on disk are the test (an open store has written its
+    manifest, or a rank its identity record, before it is used), so a store left by a
+    stopped run is refused as one still open is. (Two runs starting at the same instant
+    may both pass: each checks before it creates its files.)
+
+    Raises:
+        StoreLayoutError: naming the directory, both layouts and the ways on.
+        SwapIOError: a directory cannot be listed.
+    """
+    for base in map(Path, nvme_dirs):
+        try:
+            names = sorted(os.listdir(base))
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            raise SwapIOError(exc.errno, f"cannot list: {exc.strerror}", str(base)) from exc
+        found: tuple[Path, int, int | None] | None = None
+        if world_size is not None:
+            hits = [base / f"{store_name}{s}" for s in _ONE_PROCESS_SUFFIXES]
+            present = [p for p in hits if p.exists()]
+            if present:
+                found = (present[0], 0, None)
+        else:
+            for name in names:
+                m = _RANK_DIR.match(name)
+                if m and _has_store(base / name, store_name):
+                    found = (base / name, int(m.group(1)), int(m.group(2)))
+                    break
+        if found is None:
+            continue
+        path, their_rank, theirs = found
+        raise StoreLayoutError(
+            _layout_message(base, store_name, path, theirs, world_size),
+            directory=str(base), path=str(path), wanted=_layout(world_size),
+            existing=_layout(theirs), expected=(rank, world_size or 1),
+            found=(their_rank, theirs or 1),
+        )  # fmt: skip
+
+
+def _layout_message(
+    base: Path, store: str, path: Path, theirs: int | None, mine: int | None
+) -> str:
+    where = f"{base}/{store}.*" if theirs is None else f"{base}/rank*of{theirs}/{store}.*"
+    old = (
+        f"tiers.nvme.remove_store([{str(base)!r}], name={store!r})"
+        if theirs is None
+        else f"tiers.nvme.remove_store on each {base}/rank*of{theirs} directory"
+    )
+    return (
+        f"NVMe directory {base} holds store {store!r} in the layout of "
+        f"{_layout(theirs)} ({where}; found {path}), open in another process or left on "
+        f"disk, but this run opens it as {_layout(mine)}; two layouts of one store in one "
+        "directory would be two processes sharing it unawares. Either (1) give this run "
+        "another nvme_dirs or store_name; or (2) stop the other run and continue it as it "
+        f"was ({_layout(theirs)}; offload(..., resume=True) continues from its newest "
+        "snapshot); or (3) move its state over through the portable form "
+        "(swapper.zero.export_dcp there, swapper.zero.import_dcp here); or (4) if nothing "
+        f"in it is needed, delete it: {old}"
+    )
+
+
 def claim_store_identity(
     nvme_dirs: Sequence[str | os.PathLike[str]], store_name: str, rank: int, world_size: int
 ) -> tuple[Path, ...]:
@@ -136,6 +227,7 @@ def claim_store_identity(
     Raises:
         StoreIdentityError: the directories belong to another rank or world size, or hold
             the store's files without an identity (see the module docstring).
+        StoreLayoutError: a store of that name made by one process is in a directory.
         SwapConfigError: a bad rank, world size or store name; no NVMe directory.
         UnsafeSwapDirError, SwapIOError: a directory cannot be made or is unsafe, or the
             record cannot be written.
@@ -146,6 +238,7 @@ def claim_store_identity(
         raise SwapConfigError(f"store_name={store_name!r} must be a plain file name")
     _check_rank(rank, world_size)
     expected = (rank, world_size)
+    refuse_other_layout(nvme_dirs, store_name, world_size, rank=rank)
     for base in nvme_dirs:
         base = Path(base)
         try:

@@ -124,7 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--resume",
         action="store_true",
-        help="continue from the newest usable snapshot there (or start afresh)",
+        help="continue from the newest usable snapshot there (or start afresh); an "
+        "older one only if the newer are damaged: an I/O error reading one stops the run",
     )
     p.add_argument(
         "--keep-last",

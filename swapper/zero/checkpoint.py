@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from swapper.distributed.identity import refuse_other_layout
 from swapper.manager import Kind, ManagerConfig, TierManager, UnknownKeyError
 from swapper.manager.snapshot import open_at_snapshot, snapshot_manager
 from swapper.step.optimizer import OffloadAdamW, StepPendingError
@@ -59,7 +60,7 @@ from swapper.zero.snapshot_rng import decode_rng as _decode_rng
 from swapper.zero.snapshot_rng import rng_state as _rng_state
 from swapper.zero.snapshot_rng import set_rng_state as _set_rng_state
 from tiers import signals
-from tiers.errors import SwapConfigError, SwapCorruptionError, SwapIOError
+from tiers.errors import SwapConfigError, SwapCorruptionError, SwapEOFError, SwapIOError
 from tiers.nvme import NvmeStore
 from tiers.nvme.snapshots import SnapshotDamagedError, SnapshotInfo, SnapshotNotFoundError
 from tiers.signals import wait_future
@@ -240,7 +241,9 @@ def open_manager(
     snapshot with what the model and optimizer adopt.
 
     ``resume=True``: the newest usable snapshot; a new store when there is none (no store,
-    or one without any snapshot). ``resume="name"``: that snapshot, or an error.
+    or one without any snapshot). An older snapshot is used only when the newer ones are
+    proven damaged (:func:`proves_damage`); an I/O error reading one is raised.
+    ``resume="name"``: that snapshot, or an error.
 
     Raises:
         SwapConfigError: ``resume`` is not a bool or str, or there is no NVMe tier.
@@ -249,15 +252,22 @@ def open_manager(
         SnapshotNotFoundError: no snapshot of that name (the message lists them).
         WorldSizeMismatchError: the store holds snapshots of several ranks (their commit
             records), none of one process.
+        StoreLayoutError: a store of that name in several ranks' layout is in a directory
+            (open in another process or left on disk; names both layouts).
+        SwapIOError: reading the newest snapshot failed with an I/O error that does not
+            prove it damaged (EIO, EAGAIN...): names the snapshot and its file; nothing is
+            rolled back (run again, or name an older snapshot).
         and what :class:`TierManager` and :meth:`TierManager.open` raise.
     """
     if resume is False:
+        refuse_other_layout(config.nvme_dirs, config.store_name, None)  # several ranks'?
         return TierManager(config), None
     if not isinstance(resume, (bool, str)):
         raise SwapConfigError(f"resume={resume!r} must be True, False or a snapshot name")
     from swapper.zero.snapshot_commit import refuse_other_world_size
 
     refuse_other_world_size(config.nvme_dirs, config.store_name)  # several ranks' store?
+    refuse_other_layout(config.nvme_dirs, config.store_name, None)  # (and not resumed)
     chosen: list[ResumedState] = []
 
     def choose(store: NvmeStore) -> str | None:
@@ -321,9 +331,42 @@ def _choose(store: NvmeStore, resume: bool | str) -> ResumedState | None:
         except (SnapshotDamagedError, SwapCorruptionError, SwapIOError) as exc:
             if isinstance(resume, str):
                 raise
+            if isinstance(exc, SwapIOError) and not proves_damage(exc):
+                # a transient read error must not silently roll training back
+                raise not_proven_damaged(exc, info.name, info.path) from exc
             log.warning("resume: snapshot %r is unusable, trying an older one: %s", info.name, exc)
             failures.append(exc)
     raise failures[0]  # (the newest's; the others are logged)
+
+
+#: What proves a snapshot damaged or incomplete: its file torn or not a training
+#: snapshot's, bytes failing their checksum, a file shorter than its extents. Only these
+#: let ``resume=True`` fall back to an older snapshot.
+DAMAGE_ERRORS: tuple[type[BaseException], ...] = (
+    SnapshotDamagedError,
+    SwapCorruptionError,
+    SwapEOFError,
+)
+
+
+def proves_damage(exc: BaseException) -> bool:
+    """Whether ``exc``, raised while checking a snapshot, proves it damaged or incomplete
+    (:data:`DAMAGE_ERRORS`); any other error (EIO, EAGAIN, ...) says nothing of its bytes."""
+    return isinstance(exc, DAMAGE_ERRORS)
+
+
+def not_proven_damaged(exc: SwapIOError, name: str, path: Path) -> SwapIOError:
+    """The error ``resume=True`` raises instead of falling back to an older snapshot when
+    reading snapshot ``name`` (file ``path``) failed with an I/O error that proves
+    nothing of its bytes: falling back would silently roll training back."""
+    return SwapIOError(
+        exc.errno,
+        f"resume: reading snapshot {name!r} (file {path}) failed: {exc} -- an I/O error, "
+        "not proof that the snapshot is damaged, so resume does not fall back to an older "
+        "one (that would roll training back). Check the disk and run again; to resume "
+        "from an older snapshot on purpose, pass resume='<its name>'",
+        exc.filename or str(path),
+    )
 
 
 def _check(store: NvmeStore, info: SnapshotInfo) -> ResumedState:
@@ -332,7 +375,7 @@ def _check(store: NvmeStore, info: SnapshotInfo) -> ResumedState:
     Raises:
         SnapshotDamagedError: its metadata is not a training snapshot's (names the file).
         SwapCorruptionError, SwapIOError: a tensor's bytes fail their checksum or cannot
-            be read (named).
+            be read (named; :func:`proves_damage` tells which prove it damaged).
     """
     where = f"snapshot file {info.path}"
     meta = info.extra

@@ -41,7 +41,7 @@ from swapper.distributed.identity import claim_store_identity
 from swapper.manager import Kind, ManagerConfig, TierManager, UnknownKeyError
 from swapper.step.resume import ResumedState
 from swapper.step.state import StateDictError
-from swapper.zero.checkpoint import restore_rng, verify_snapshot
+from swapper.zero.checkpoint import not_proven_damaged, proves_damage, restore_rng, verify_snapshot
 from swapper.zero.config import OffloadConfig
 from swapper.zero.shard_snapshot import agree_or_raise, all_gather_json, raise_failed
 from swapper.zero.snapshot_commit import (
@@ -52,7 +52,7 @@ from swapper.zero.snapshot_commit import (
     reshard_advice,
 )
 from tiers.aio import AioEngine
-from tiers.errors import SwapConfigError
+from tiers.errors import SwapConfigError, SwapIOError
 from tiers.nvme import NvmeStore, remove_store
 from tiers.nvme.metafiles import StoreFiles, read_metadata
 from tiers.nvme.records import ManifestError
@@ -112,7 +112,9 @@ def choose_sharded(
             or the named one's part fails its checks (names the file).
         StateDictError: the snapshot is of another model partition (names the file).
         StoreIdentityError, ManifestError, SwapIOError, ...: this rank's own failure to
-            open its store; PeerFailedError: another rank's (quoted).
+            open its store, or to read its part of the newest snapshot with an I/O error
+            that does not prove it damaged (never passed over); PeerFailedError: another
+            rank's (quoted).
         CollectiveError: a collective failed or timed out.
     """
     what = "choosing the snapshot to resume from"
@@ -273,18 +275,27 @@ def _verify_everywhere(
     """Every rank reads its part back and checks it; one all_gather of the verdicts.
     Returns (this rank's resumed state, "") when all passed, else (None, the reasons).
 
+    Only a part proven damaged or incomplete (:func:`~swapper.zero.checkpoint.proves_damage`,
+    or missing) lets the caller pass the snapshot over: any other error (a transient
+    EIO reading a part) is raised on every rank, never a silent roll-back.
+
     Raises:
         StateDictError: the part is of another partition (on every rank).
+        SwapIOError: reading a part failed without proving it damaged (on its rank, naming
+            the snapshot and file; PeerFailedError elsewhere).
         the part's own error when ``fatal`` (on its rank; PeerFailedError elsewhere).
     """
     name = commit["part"]  # (the store snapshot name: the record's, unless saved again)
     resumed: ResumedState | None = None
     error: Exception | None = None
     other_model = False
+    unproven = False  # an error that proves nothing of the part: raised everywhere
+    path: Path | None = None
     try:
         if local.store is None:
             raise SnapshotNotFoundError(f"snapshot {name!r}: this rank has no store")
         info = next(i for i in local.store.snapshots() if i.name == name)
+        path = info.path
         shard = info.extra.get("shard") if isinstance(info.extra, dict) else None
         if isinstance(info.extra, dict):  # checked as one process's, less the shard
             rest = {k: v for k, v in info.extra.items() if k != "shard"}
@@ -307,11 +318,16 @@ def _verify_everywhere(
             )
     except Exception as exc:  # (damaged, corrupt, unreadable: said at the agreement below)
         error = exc
+        if not (other_model or proves_damage(exc) or isinstance(exc, SnapshotNotFoundError)):
+            unproven = True
+            if isinstance(exc, SwapIOError):
+                error = not_proven_damaged(exc, commit["name"], path or Path(name))
+                error.__cause__ = exc
     mine = {"error": None if error is None else f"{type(error).__name__}: {error}",
-            "other_model": other_model}  # fmt: skip
+            "other_model": other_model, "unproven": unproven}  # fmt: skip
     verdicts = all_gather_json(group, mine, f"resume: checking snapshot {name!r}")
     messages = [v["error"] for v in verdicts]
-    if any(v["other_model"] for v in verdicts) or fatal:
+    if any(v["other_model"] or v["unproven"] for v in verdicts) or fatal:
         raise_failed(group, error, messages, f"resume: snapshot {name!r}")
     failed = [f"rank {r}: {m}" for r, m in enumerate(messages) if m is not None]
     if failed:

@@ -67,6 +67,8 @@ def offload(
 
     ``resume=True`` continues from the newest usable training snapshot in the store
     (:func:`swapper.zero.checkpoint.save_snapshot`), or starts afresh when there is none;
+    an older snapshot is used only when the newer ones are proven damaged or incomplete
+    (an I/O error reading one is raised, never a silent roll-back);
     ``resume="name"`` from that snapshot. With several ranks, every rank must pass the
     same ``resume``; they agree on the newest snapshot whose commit record is valid and
     whose parts every rank reads back whole, at the same world size
@@ -78,6 +80,10 @@ def offload(
             and the bytes it needs); torch.distributed not initialised while a group is
             given.
         WorldSizeMismatchError: ``resume`` finds snapshots of another world size.
+        StoreLayoutError: the NVMe directory holds this store in the other layout (one
+            process against several ranks), open elsewhere or left on disk.
+        SwapIOError: ``resume=True`` could not read the newest snapshot (an I/O error that
+            does not prove it damaged; names the snapshot and file).
         ModelMismatchError, StoreIdentityError, CollectiveError: with several ranks, see
             :class:`~swapper.zero.sharded.ShardedModel`.
         and what :class:`TierManager` raises.
