@@ -16,6 +16,7 @@ import torch
 from swapper.manager import (
     EntryState,
     Kind,
+    ManagerClosedError,
     ManagerConfig,
     ManagerTimeout,
     NotDurableError,
@@ -143,3 +144,76 @@ def test_a_registration_written_to_nvme_waits_at_most_timeout_s(
     finally:
         with contextlib.suppress(NotDurableError):
             m.close()
+
+
+def test_close_remove_frees_nothing_while_a_write_is_in_flight(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """close(remove=True) past close_timeout_s with an eviction's write still in flight
+    used to free the entry's memory (and close the store) under the write; it now raises,
+    keeps everything open, and a second close() finishes once the write has ended."""
+    m = TierManager(_config(tmp_path, close_timeout_s=0.3))
+    m.register("b", _tensor(2), Kind.OPTIM_STATE)
+    held = _HeldWrites(m._ctx.engine, monkeypatch)  # pyright: ignore[reportPrivateUsage]
+    timer = threading.Timer(15, held.gate.set)  # ends the write if nothing else does
+    timer.start()
+    try:
+        evicted = m.evict("b", Tier.NVME)
+        held.wait_held()
+        entry = m._ctx.entries["b"]  # pyright: ignore[reportPrivateUsage]
+        block = entry.block
+        assert entry.state is EntryState.WRITING and block is not None
+        with pytest.raises(NotDurableError, match=r"remove=True.*'b'.*close\(\) again") as info:
+            m.close(remove=True)
+        assert info.value.keys == ["b"]
+        assert entry.block is block and entry.state is EntryState.WRITING  # not freed
+        assert (tmp_path / "nvme").exists() and any((tmp_path / "nvme").iterdir())
+        held.gate.set()
+        evicted.result(timeout=10)
+        m.close(remove=True)
+        assert entry.block is None
+    finally:
+        held.gate.set()
+        timer.cancel()
+        with contextlib.suppress(NotDurableError):
+            m.close(remove=True)
+    nvme = tmp_path / "nvme"  # the store deleted (its directory too, made by it)
+    assert not nvme.exists() or not [p for p in nvme.iterdir() if p.suffix in (".bin", ".json")]
+
+
+def test_close_remove_cancels_queued_evictions(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Evictions queued behind busy mover threads when close(remove=True) begins are not
+    run (their writes would go into a store about to be deleted): their futures fail
+    naming remove=True, and nothing is written."""
+    m = TierManager(_config(tmp_path, mover_threads=1))
+    ctx = m._ctx  # pyright: ignore[reportPrivateUsage]
+    for i in range(3):
+        m.register(f"k{i}", _tensor(i), Kind.OPTIM_STATE)
+    gate = threading.Event()
+    with ctx.cond:  # the only mover thread busy: the evictions below stay queued
+        m._jobs.submit(gate.wait, 20)  # pyright: ignore[reportPrivateUsage]
+    writes: list[int] = []
+    real = ctx.engine.pwrite  # type: ignore[union-attr]
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        writes.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ctx.engine, "pwrite", counting)
+    futures = [m.evict(f"k{i}", Tier.NVME) for i in range(3)]
+    closer = threading.Thread(target=m.close, kwargs={"remove": True})
+    closer.start()
+    deadline = time.monotonic() + 10
+    while not ctx.closing and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert ctx.closing
+    gate.set()
+    closer.join(20)
+    assert not closer.is_alive()
+    for future in futures:
+        with pytest.raises(ManagerClosedError, match=r"cancelled: close\(remove=True\)"):
+            future.result(timeout=10)
+    assert writes == []
+    assert ctx.closed

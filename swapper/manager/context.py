@@ -98,6 +98,7 @@ class ManagerContext:
         self.recorded: list[str] | None = None
         self.stats = StatsRecorder()
         self.closing = False
+        self.removing = False  # close(remove=True) began: queued evictions are cancelled
         self.closed = False
         self.jobs = 0  # evict and prefetch requests submitted and not yet ended
         #: entries that left a memory tier so far (freed, or moved to another tier): while

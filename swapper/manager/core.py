@@ -422,13 +422,16 @@ class TierManager:
         Waits for requests queued and writes in flight (up to ``config.close_timeout_s``).
         Tensors still in use are released first, as modified (logged as a warning).
         Without NVMe the tensors are simply dropped. With ``remove`` nothing is written:
-        every tensor is dropped and the store's files are deleted (a scratch manager).
+        every tensor is dropped and the store's files are deleted (a scratch manager);
+        evictions queued and not yet started are cancelled (their futures raise
+        ManagerClosedError naming ``remove=True``), those started are waited for, and no
+        memory is freed while a transfer still uses it.
 
         Raises:
             NotDurableError: some tensors could not be written (named): everything is
-                closed anyway and their bytes are gone; or writes were still in flight at
-                the deadline (named): then nothing is closed, and calling ``close()``
-                again waits for them again.
+                closed anyway and their bytes are gone; or writes (with ``remove``: any
+                transfer) were still in flight at the deadline (named): then nothing is
+                closed, and calling ``close()`` again waits for them again.
         """
         with at_waits:
             self._jobs.shutdown(remove=remove)

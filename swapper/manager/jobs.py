@@ -6,6 +6,11 @@ Invariants:
 * A request is counted in ``ctx.jobs`` from :meth:`MoverJobs.submit` until it has ended,
   whatever happened to it; ``close`` waits for 0 before shutting the pool, so no job
   ever runs against a closed store.
+* ``close(remove=True)`` writes nothing: an eviction queued and not yet started when it
+  begins is cancelled (its future fails with ManagerClosedError naming remove=True);
+  one already started is waited for, and its write too, before any memory is freed
+  (memory with I/O in flight is never freed: past ``close_timeout_s`` the close raises
+  and keeps everything open).
 * A read-ahead claims nothing until it runs (``Prefetch.QUEUED``); a fetch that comes
   first takes the entry over and the queued read-ahead does nothing. A running read-ahead
   (``Prefetch.RUNNING``) is waited for by a fetch of the same key, never duplicated.
@@ -29,7 +34,7 @@ from concurrent.futures import Future
 from swapper.manager.config import Tier
 from swapper.manager.context import ManagerContext
 from swapper.manager.entry import EntryState, Prefetch, SwapEntry
-from swapper.manager.errors import NotDurableError
+from swapper.manager.errors import ManagerClosedError, NotDurableError
 from swapper.manager.mover import Mover
 from swapper.manager.placement import Placement
 from swapper.manager.shared import named_error, store_key_of
@@ -69,6 +74,16 @@ class MoverJobs:
         """An ``evict`` request: move ``entry`` down to ``to``, then resolve ``future``."""
         ctx = self._ctx
         # The future is resolved outside the lock: its callbacks may call the manager.
+        with ctx.cond:
+            cancelled = ctx.removing
+        if cancelled:  # a write into a store about to be deleted would be wasted
+            future.set_exception(
+                ManagerClosedError(
+                    f"evict of key={entry.key!r} cancelled: close(remove=True) began before "
+                    "it started (nothing is written; the store's files are deleted)"
+                )
+            )
+            return
         try:
             with ctx.cond:
                 ctx.await_idle(entry, deadline, "evict")
@@ -276,9 +291,10 @@ class MoverJobs:
             if ctx.closed:
                 return
             ctx.closing = True
+            ctx.removing = ctx.removing or remove
             ctx.notify()
-            # Queued evictions run; queued read-aheads give up. (Waited for here, not in
-            # the pool's shutdown, so that Ctrl-C can stop the wait.)
+            # Queued evictions run (with ``remove``: are cancelled); queued read-aheads give
+            # up. (Waited for here, not in the pool's shutdown, so that Ctrl-C can stop it.)
             while ctx.jobs:
                 wait_cond(ctx.cond, None, "manager.close")
         ctx.pool.shutdown(wait=True)
@@ -287,6 +303,17 @@ class MoverJobs:
             with ctx.cond:
                 # Nothing is written, but memory that I/O uses is freed only once it ends.
                 ctx.wait_for_transfers(deadline)
+                busy = sorted(e.key for e in ctx.entries.values() if e.state.transient)
+            if busy:  # never free a buffer with I/O in flight: keep everything open
+                raise NotDurableError(
+                    f"close(remove=True): {len(busy)} transfer(s) still in flight after "
+                    f"close_timeout_s={ctx.config.close_timeout_s} s: "
+                    + ", ".join(repr(k) for k in busy[:10])
+                    + (" ..." if len(busy) > 10 else "")
+                    + "; nothing was freed or deleted: call close() again to keep waiting",
+                    keys=busy,
+                    errors={},
+                )
             ctx.release_all(remove=True)
             return
         failed: NotDurableError | None = None
