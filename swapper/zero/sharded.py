@@ -1,5 +1,3 @@
-# Size: one state machine (~560 lines): the hooks, the holds they share and a close
-# that settles the gathers in flight.
 """``swapper.offload(model, config, process_group)`` over N > 1 ranks: ZeRO-3.
 
 Each rank holds 1/N of every 16-bit parameter (:mod:`swapper.distributed.partition`: flat
@@ -33,7 +31,8 @@ Around each module that owns parameters (``recurse=False``):
 Every rank must run the same modules in the same order: the collectives are paired by
 the order they are issued in. A gather started by read-ahead is never used after the
 parameters changed: the optimizer's first write waits for (and drops) every gather in
-flight. Writes outside the hooks: :mod:`swapper.zero.shard_writes`.
+flight. Writes outside the hooks: :mod:`swapper.zero.shard_writes`; a gather's life
+(start, read-ahead, wait, settle, free): :mod:`swapper.zero.shard_gathers`.
 
 :class:`~swapper.step.OffloadAdamW` steps only this rank's shards
 (:class:`~swapper.zero.shard_state.ShardedParams`); the global gradient norm and the
@@ -54,9 +53,7 @@ from torch import nn
 
 from swapper.distributed import (
     DistGroup,
-    ModuleLayout,
     PartitionPlan,
-    PendingFetch,
 )
 from swapper.manager import Kind, ManagerStats, TierManager
 from swapper.step.config import StepConfig
@@ -64,10 +61,11 @@ from swapper.step.sources import ParamSource
 from swapper.zero.autograd import in_autograd, mark_outputs
 from swapper.zero.checkpoint import keeps_store
 from swapper.zero.config import OffloadConfig
-from swapper.zero.gather_budget import GatherBudget, charges_device, gather_need
+from swapper.zero.gather_budget import GatherBudget, charges_device
 from swapper.zero.saved import SavedParams
 from swapper.zero.settings import tiers_of
 from swapper.zero.shard_checkpoint import consolidated, iter_full, load_sharded, sharded
+from swapper.zero.shard_gathers import GatherMixin
 from swapper.zero.shard_grads import GradReducer
 from swapper.zero.shard_setup import Materialize, place_model
 from swapper.zero.shard_state import ModuleState, ShardedParams, ShardSlot
@@ -84,7 +82,7 @@ log = logging.getLogger(__name__)
 _WRAPPED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 
-class ShardedModel(nn.Module):
+class ShardedModel(GatherMixin, nn.Module):
     """A module whose 16-bit parameters are partitioned over the ranks of ``group``.
 
     Built by :func:`swapper.offload` when its process group has more than one rank; see
@@ -284,61 +282,6 @@ class ShardedModel(nn.Module):
                 "(inside a forward or backward?)"
             )
 
-    def drain(self) -> None:
-        """Wait for every gather started ahead of use and drop it (the collectives were
-        issued on every rank, so waiting pairs them; the buffers are freed only once the
-        backend is done writing them).
-
-        Raises:
-            CollectiveError: a gather failed or timed out; it is settled
-                (:meth:`~swapper.distributed.PendingFetch.settle`, at most the group's
-                timeout) before its buffers are freed, the gathers after it are left for
-                the next drain() or close().
-        """
-        for state in self._states.values():
-            pending = state.pending
-            if pending is None:
-                continue
-            try:
-                pending.wait()
-            except Exception:
-                # A wait that raised left the collective unwaited (a failed group raises
-                # at once): the backend may still write into the buffers.
-                self._settle_and_free(state, pending)
-                raise
-            # an interrupt (BaseException) keeps it and its buffers: the collective may be
-            # in flight; close() settles it
-            state.pending = None
-            self._budget.release(pending)
-
-    def _settle_and_free(self, state: ModuleState, pending: PendingFetch) -> None:
-        """Free the buffers of a gather whose wait raised, once the backend is done with
-        them. ``state.pending`` holds it until then: an interrupt in the settle leaves it
-        for close() (never freed with the collective in flight)."""
-        state.pending = pending
-        pending.settle()
-        state.pending = None
-        self._budget.release(pending)
-
-    def _settle_gathers(self) -> None:
-        """For close: every gather started ahead of use waited for, whatever the group's
-        state (a broken group fails a wait at once, its collective still unwaited), then
-        its buffers freed; a failure is dropped (nothing is left to pair with). An
-        interrupt keeps the gathers not yet settled (and their buffers) for the next
-        close()."""
-        for state in self._states.values():
-            pending = state.pending
-            if pending is None:
-                continue
-            # (not in PendingFetch.wait: a signal held by _acquire's section is delivered
-            # there; _acquire keeps an interrupted gather in state.pending, for here)
-            signals.wait_point("gather")  # a Ctrl-C here keeps it in flight, for close()
-            with contextlib.suppress(Exception):
-                pending.wait()
-            pending.settle()  # never free a buffer the backend may still write
-            state.pending = None
-            self._budget.release(pending)
-
     @property
     def slots(self) -> tuple[ShardSlot, ...]:
         """Every parameter's record, in plan (forward) order."""
@@ -488,97 +431,4 @@ class ShardedModel(nn.Module):
                 self._position.setdefault(state, []).append(i)
             log.info("offload: recorded a gather order of %d modules", len(self._order))
 
-    # -- gathering and releasing ----------------------------------------------------------
-
-    def start_gather(self, layout: ModuleLayout, slots: list[ShardSlot], what: str) -> PendingFetch:
-        """Start the gather of ``slots`` (their layout): this rank's shards are read from
-        the tiers, copied into the collective's buffer (charged to the device budget
-        until :meth:`_release`: :class:`~swapper.zero.gather_budget.GatherBudget`), and
-        released.
-
-        Raises:
-            BudgetTimeout: no device room for the buffers within the manager's timeout.
-            CollectiveError: the collective failed to start.
-        """
-        shards: dict[int, torch.Tensor] = {}
-        held: list[str] = []
-        try:
-            for piece in layout.rank_pieces(self.group.rank):
-                slot = self._by_index[piece.index]
-                tensor = self._manager.fetch(slot.key, self._use_tier)
-                held.append(slot.key)
-                shards[piece.index] = tensor.view(-1).to(self._device)
-            return self._budget.start(layout, shards, slots[0].dtype, what)
-        finally:
-            for key in held:
-                self._manager.release(key, modified=False)
-
-    def end_gather(self, pending: PendingFetch) -> None:
-        """A gather from :meth:`start_gather` is no longer used: its buffers' device
-        bytes go back to the budget (the memory itself once no view is left)."""
-        self._budget.release(pending)
-
-    def _acquire(self, state: ModuleState) -> None:
-        with signals.at_waits:
-            with self._lock:
-                state.users += 1
-                if state.users > 1:
-                    return
-            try:
-                pending, state.pending = state.pending, None
-                if pending is None:
-                    pending = self.start_gather(state.layout, state.slots, f"module {state.name!r}")
-                pending.wait()
-            except BaseException as exc:
-                with self._lock:
-                    state.users -= 1
-                if pending is not None:
-                    if isinstance(exc, Exception) or pending.done:
-                        self._settle_and_free(state, pending)
-                    else:  # interrupted mid-collective: close() settles it, then frees
-                        state.pending = pending
-                raise
-            self._budget.waited(pending)  # the staging buffer: its copy is done
-            with self._lock:
-                state.gathered = pending
-                for slot in state.slots:
-                    slot.param.data = state.view(slot)
-            self._note_fetch(state)
-
-    def _release(self, state: ModuleState) -> None:
-        with signals.held, self._lock:
-            state.users -= 1
-            if state.users > 0:
-                return
-            self._budget.release(state.gathered)  # charged no more: nothing reads it now
-            state.gathered = None  # the buffer is freed once no view is left
-            for slot in state.slots:
-                self._point(slot)
-
-    def _point(self, slot: ShardSlot) -> None:
-        """``.data`` of a parameter: a view of a module's gathered buffer that holds it
-        (a tied parameter may be held by another), else the empty placeholder."""
-        for other in slot.modules:
-            if other.gathered is not None:
-                slot.param.data = other.view(slot)
-                return
-        self._writes.rest(slot)
-
-    def _note_fetch(self, state: ModuleState) -> None:
-        """Record the gather order (first step), or start the next gathers along it."""
-        if self._recording is not None:
-            self._recording.append(state)
-            return
-        order = self._order
-        positions = self._position.get(state)
-        if not order or not positions:
-            return
-        after = [i for i in positions if i > self._cursor]
-        self._cursor = after[0] if after else positions[0]
-        # Not past the end of the step: the optimizer changes the parameters after it.
-        world, method = self.group.world_size, self._dist.fetch_collective
-        for nxt in order[self._cursor + 1 : self._cursor + 1 + self._dist.fetch_ahead]:
-            if nxt.pending is None and nxt.gathered is None:
-                if not self._budget.may_start_ahead(gather_need(nxt.layout, world, method, False)):
-                    break  # fewer ahead: the gather needed next must always find room
-                nxt.pending = self.start_gather(nxt.layout, nxt.slots, f"module {nxt.name!r}")
+    # -- gathering and releasing: swapper.zero.shard_gathers (GatherMixin) ---------------
