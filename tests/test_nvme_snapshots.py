@@ -568,3 +568,34 @@ def test_sigkill_during_snapshot_loop_keeps_complete_snapshots(
     finally:
         zygote.close()
     assert made >= 3 and verified > 0  # the kills did land among snapshots that count
+
+
+def test_a_snapshot_file_that_cannot_be_read_fails_the_open_not_listed_damaged(
+    tmp_path: Path, engine: AioEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An I/O error reading a snapshot file at open (EIO) proves nothing of its bytes:
+    listed as damaged, a resume would pass over it to an older snapshot. The open fails
+    naming the file; once it reads again, the snapshot is there."""
+    from tiers.nvme import opening
+    from tiers.nvme.records import ManifestError
+
+    with NvmeStore([tmp_path], engine) as store:
+        store.write("a", _tensor(5000, 1)).result()
+        store.snapshot("old")
+        store.snapshot("new")
+    real = opening.read_metadata
+
+    def eio(path: Path, what: str, **kwargs: object) -> bytes:
+        if path.name.endswith(".new.snap"):  # as read_metadata reports an EIO
+            cause = OSError(errno.EIO, os.strerror(errno.EIO))
+            raise ManifestError(f"cannot read the {what} {path}: {cause.strerror}") from cause
+        return real(path, what, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(opening, "read_metadata", eio)
+    with pytest.raises(SwapIOError, match="not proof of damage") as info:
+        NvmeStore.open([tmp_path], engine)
+    assert info.value.errno == errno.EIO and info.value.filename.endswith(".new.snap")
+    monkeypatch.setattr(opening, "read_metadata", real)
+    with NvmeStore.open([tmp_path], engine) as store:  # the lock was released
+        assert [i.name for i in store.snapshots()] == ["old", "new"]
+        assert store.damaged_snapshots() == {}

@@ -21,6 +21,8 @@ Invariants of a reopened state:
   snapshot) names for the same tensor, or overlapping nothing; its extents are allocated
   in the free lists too. A snapshot that fails a check is listed as damaged (logged,
   ignored, its file left for ``drop_snapshot``): it never stops the store from opening.
+  A snapshot file that cannot be read at all (an I/O error: EIO, EACCES...) proves
+  nothing of its bytes: the open fails with a SwapIOError naming it instead.
 """
 
 from __future__ import annotations
@@ -239,6 +241,17 @@ def _load_snapshots(
         except FileNotFoundError:
             continue
         except ManifestError as exc:  # SnapshotDamagedError is one
+            cause = exc.__cause__
+            if isinstance(cause, OSError) and cause.errno != errno.ELOOP:
+                # Not read (EIO, EAGAIN, EACCES...): that proves nothing of its bytes, and
+                # listed as damaged it would let a resume roll back past it.
+                raise SwapIOError(
+                    cause.errno,
+                    f"cannot read snapshot file {name!r}: {cause.strerror} (an I/O error, "
+                    "not proof of damage: the store is not opened; retry once the disk "
+                    "reads again)",
+                    str(path),
+                ) from cause
             damaged[name] = (path, str(exc))
             continue
         found.append(LoadedSnapshot(content, path, len(data)))
