@@ -514,3 +514,38 @@ def test_a_transient_read_error_fails_the_resume_on_every_rank(tmp_path: Path) -
     for r in ranks:
         assert "step" not in r["failed"], r  # nothing resumed from step 2
         assert r["again"]["step"] == 4, r
+
+
+def test_a_commit_record_that_cannot_be_read_is_raised_not_listed_damaged(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An EIO reading a commit record proves nothing of it: listed as damaged, resume
+    would pass over the newest snapshot to an older one."""
+    import errno
+    import os
+
+    from swapper.zero import snapshot_commit
+    from tiers.errors import SwapIOError
+    from tiers.nvme.records import ManifestError
+
+    part = RankPart(0, "rank0of1/a.snap", "sha256:" + "a" * 64, 3)
+    for seq, name in [(0, "old"), (1, "new")]:
+        data = encode_commit(
+            store=STORE, name=name, seq=seq, step=seq, world_size=1, created=0.0, parts=[part]
+        )
+        write_commit(tmp_path, data, STORE, name)
+    real = snapshot_commit.read_metadata
+
+    def eio(path: Path, what: str, **kwargs: Any) -> bytes:
+        if path.name.endswith(".new.commit"):  # as read_metadata reports an EIO
+            cause = OSError(errno.EIO, os.strerror(errno.EIO))
+            raise ManifestError(f"cannot read the {what} {path}: {cause.strerror}") from cause
+        return real(path, what, **kwargs)
+
+    monkeypatch.setattr(snapshot_commit, "read_metadata", eio)
+    with pytest.raises(SwapIOError, match="not proof of damage") as info:
+        read_commits(tmp_path, STORE)
+    assert info.value.errno == errno.EIO
+    assert info.value.filename == str(commit_path(tmp_path, STORE, "new"))
+    monkeypatch.setattr(snapshot_commit, "read_metadata", real)
+    assert [r.name for r in read_commits(tmp_path, STORE)[0]] == ["new", "old"]

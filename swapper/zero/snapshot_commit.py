@@ -42,7 +42,13 @@ from typing import Any
 
 from tiers.errors import SwapConfigError, SwapIOError
 from tiers.nvme.manifest import loads_strict
-from tiers.nvme.metafiles import StoreFiles, fsync_dir, read_metadata, replace_file
+from tiers.nvme.metafiles import (
+    StoreFiles,
+    fsync_dir,
+    io_error_of,
+    read_metadata,
+    replace_file,
+)
 from tiers.nvme.records import ManifestError
 from tiers.nvme.snapshots import SnapshotDamagedError
 
@@ -339,7 +345,8 @@ def read_commits(base: Path, store: str) -> tuple[list[CommitRecord], dict[str, 
     (largest ``seq``) first, and the damaged ones by snapshot name (what is wrong).
 
     Raises:
-        SwapIOError: ``base`` cannot be listed.
+        SwapIOError: ``base`` cannot be listed, or a record cannot be read (EIO...: not
+            listed as damaged, which would let a resume pass over it).
     """
     pattern = re.compile(rf"^{re.escape(store)}\.([A-Za-z0-9_][A-Za-z0-9_-]*)\.commit$")
     try:
@@ -361,6 +368,14 @@ def read_commits(base: Path, store: str) -> tuple[list[CommitRecord], dict[str, 
         except FileNotFoundError:
             continue  # removed meanwhile
         except (CommitRecordError, ManifestError) as exc:
+            cause = io_error_of(exc)
+            if cause is not None:  # not read: no proof of damage, never passed over
+                raise SwapIOError(
+                    cause.errno,
+                    f"cannot read commit record {m.group(1)!r}: {cause.strerror} (an I/O "
+                    "error, not proof of damage; retry once the disk reads again)",
+                    str(path),
+                ) from cause
             damaged[m.group(1)] = str(exc)
     records.sort(key=lambda r: r.seq, reverse=True)
     return records, damaged

@@ -111,6 +111,17 @@ def _kind(mode: int) -> str:
     return "not a regular file"
 
 
+def io_error_of(exc: BaseException) -> OSError | None:
+    """The OSError behind a :func:`read_metadata` refusal when the file could not be read
+    at all (EIO, EAGAIN, EACCES...): that proves nothing of its bytes, so a caller must not
+    take the file for damaged. None for a refusal of what the file is (a symbolic link,
+    too large, not a regular file) or of what it says."""
+    cause = exc.__cause__
+    if isinstance(cause, OSError) and cause.errno != errno.ELOOP:
+        return cause
+    return None
+
+
 def read_metadata(path: Path, what: str, *, limit: int = MAX_METADATA_NBYTES) -> bytes:
     """The bytes of the regular file at ``path``, refusing anything else.
 

@@ -48,7 +48,13 @@ from tiers.nvme.journal import (
 )
 from tiers.nvme.lock import StoreLock
 from tiers.nvme.manifest import ManifestSpec, encode_manifest, parse_manifest
-from tiers.nvme.metafiles import StoreFiles, read_metadata, remove_orphans, replace_file
+from tiers.nvme.metafiles import (
+    StoreFiles,
+    io_error_of,
+    read_metadata,
+    remove_orphans,
+    replace_file,
+)
 from tiers.nvme.placement import Placement
 from tiers.nvme.records import Extent, ManifestError, StoredTensor, check_distinct
 from tiers.nvme.snapshots import SnapshotDamagedError, SnapshotFile, parse_snapshot
@@ -241,8 +247,8 @@ def _load_snapshots(
         except FileNotFoundError:
             continue
         except ManifestError as exc:  # SnapshotDamagedError is one
-            cause = exc.__cause__
-            if isinstance(cause, OSError) and cause.errno != errno.ELOOP:
+            cause = io_error_of(exc)
+            if cause is not None:
                 # Not read (EIO, EAGAIN, EACCES...): that proves nothing of its bytes, and
                 # listed as damaged it would let a resume roll back past it.
                 raise SwapIOError(
