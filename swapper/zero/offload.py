@@ -74,6 +74,8 @@ from swapper.zero.autograd import in_autograd
 from swapper.zero.config import OffloadConfig
 from swapper.zero.offload_hooks import ModuleHooks
 from swapper.zero.params import Holds, Slot, TieredParams
+from swapper.zero.persist import Persistence, install, remove_all
+from swapper.zero.persist import leave as unpersist
 from swapper.zero.placing import back_to_meta, check_modules, check_overlap_room
 from swapper.zero.readahead import FetchPlan
 from swapper.zero.saved import SavedParams
@@ -162,6 +164,7 @@ class OffloadedModel(ModuleHooks, nn.Module):
         self._saved = SavedParams(lambda slot: slot.users > 0)
         self._closed = False
         self._param_gate: ParamGate | None = None  # an overlapped optimizer's (set_param_gate)
+        self._persist = Persistence()  # parameters kept fetched (swapper.zero.persist)
         self._check_modules(module)
         #: until placed: each parameter emptied, its bytes (None: materialised), its slot
         self._originals: list[tuple[nn.Parameter, torch.Tensor | None, Slot]] = []
@@ -201,6 +204,7 @@ class OffloadedModel(ModuleHooks, nn.Module):
         except BaseException:
             for handle in self._handles:
                 handle.remove()
+            remove_all(self)
             if self._weights is not None:
                 self._weights.remove()
             # Nothing lost: the parameters emptied so far get their own bytes back.
@@ -247,6 +251,8 @@ class OffloadedModel(ModuleHooks, nn.Module):
         """
         if gate is not None and self._param_gate is not None:
             raise SwapConfigError("offload: one overlapped optimizer per model (a gate is set)")
+        if gate is not None:
+            unpersist(self)  # the update fetches parameters per piece, gated
         reserve = update_nbytes if gate is not None and self._use_tier is Tier.HOST else 0
         keep = self._keeps_held(reserve)
         if reserve and not keep and self._room_limit is not None:
@@ -257,6 +263,23 @@ class OffloadedModel(ModuleHooks, nn.Module):
         self._keep_held = keep
         if gate is not None:
             self._plan.overlapped()  # the eviction order then covers a whole overlapped cycle
+
+    def set_persistent(self, allowed: bool) -> None:
+        """Whether parameters may stay fetched between uses when the budgets hold
+        everything (default True: :mod:`swapper.zero.persist`); False ends it now."""
+        self._persist.allowed = bool(allowed)
+        if not allowed:
+            unpersist(self)
+
+    def end_persistence(self) -> None:
+        """Release the persistent holds and put the module hooks back (a snapshot, an
+        unwrap); the next forward makes the parameters persistent again if it can."""
+        unpersist(self)
+
+    @property
+    def persistent(self) -> bool:
+        """Whether the parameters are persistent now (:mod:`swapper.zero.persist`)."""
+        return self._persist.active
 
     def step_started(self) -> None:
         """The overlapped optimizer starts a step's update (:mod:`swapper.step.deferred`):
@@ -332,7 +355,10 @@ class OffloadedModel(ModuleHooks, nn.Module):
             # Unregistered first, then marked: cut in between (Ctrl-C at the wait for a
             # write of it), the slot still says what the manager holds.
             with signals.at_waits:
-                if slot.has_grad and keep:
+                if slot.grad_held is not None:  # persistent: autograd's tensor, no entry
+                    with self._lock:
+                        slot.has_grad, slot.grad_norm, slot.grad_held = False, None, None
+                elif slot.has_grad and keep:
                     with self._lock:
                         slot.has_grad, slot.grad_norm, slot.grad_kept = False, None, True
                 elif slot.has_grad or slot.grad_kept:
@@ -393,10 +419,12 @@ class OffloadedModel(ModuleHooks, nn.Module):
         if self._param_gate is not None:
             with contextlib.suppress(Exception):  # (the optimizer raises it at its next call)
                 self._param_gate(None)
+        unpersist(self)  # (the parameters become placeholders again)
         self._closed = True
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        remove_all(self)
         unguard(self._by_name.values())
         self._close_manager()
 
@@ -491,13 +519,7 @@ class OffloadedModel(ModuleHooks, nn.Module):
         return slot
 
     def _install_hooks(self, module: nn.Module) -> None:
-        for sub, slots in self._module_slots.items():
-            self._handles.append(sub.register_forward_pre_hook(self._pre_forward_hook(slots)))
-            # always_call: a forward that raises (the early stop of a non-reentrant
-            # checkpoint's recompute raises on purpose) still releases what it fetched
-            self._handles.append(
-                sub.register_forward_hook(self._post_forward_hook(slots), always_call=True)
-            )
+        install(self, self._module_slots)
         for slot in self._by_name.values():
             if slot.param.requires_grad:
                 self._handles.append(

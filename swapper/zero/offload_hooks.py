@@ -23,6 +23,7 @@ from swapper.manager import Tier, TierManager
 from swapper.step.sources import ParamGate
 from swapper.zero.autograd import hook_outputs, in_autograd
 from swapper.zero.params import Holds, Slot, retain_grad
+from swapper.zero.persist import Persistence, enter, retain_held
 from swapper.zero.readahead import FetchPlan
 from swapper.zero.recompute import no_room
 from swapper.zero.resident import acquire_resident
@@ -48,6 +49,7 @@ class ModuleHooks:
     _param_gate: ParamGate | None
     _keep_held: bool
     _lazy_norms: bool
+    _persist: Persistence
 
     def _drop_forward_holds(self, depth: int) -> int:
         """Release the slots fetched by the modules whose forward began above ``depth``
@@ -62,6 +64,8 @@ class ModuleHooks:
 
     def _pre_forward_hook(self, slots: list[Slot]) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any) -> None:
+            if enter(self):  # persistent from here: this hook is taken off (swapper.zero.persist)
+                return
             self._plan.step_boundary()
             self._check_room(slots)
             taken: list[Slot] = []
@@ -143,8 +147,11 @@ class ModuleHooks:
         def hook(param: torch.Tensor) -> None:
             grad = param.grad
             if grad is not None:
-                retain_grad(self._manager, slot, grad, self._lock, lazy_norm=self._lazy_norms)
+                if not retain_held(self, slot, grad):
+                    retain_grad(self._manager, slot, grad, self._lock, lazy_norm=self._lazy_norms)
                 param.grad = None  # moved: the retained buffer holds it now
+            if not slot.backward_holds:
+                return  # (the common case, and the only one while persistent)
             with signals.held:
                 with self._lock:
                     holds, slot.backward_holds = slot.backward_holds, 0
@@ -201,6 +208,9 @@ class ModuleHooks:
                 slot.users += 1
                 if slot.users > 1:
                     return
+                if self._persist.active:  # fetched already (swapper.zero.persist)
+                    self._holds.held_nbytes += slot.nbytes
+                    return
             try:
                 check_unwritten(slot)  # a write to the placeholder: raised, not lost quietly
                 tensor = self._manager.fetch(slot.key, self._use_tier)
@@ -219,6 +229,9 @@ class ModuleHooks:
             with self._lock:
                 slot.users -= 1
                 if slot.users > 0:
+                    return
+                if self._persist.active:  # stays fetched (swapper.zero.persist)
+                    self._holds.held_nbytes -= slot.nbytes
                     return
                 # an in-place write while fetched landed in the tiers' bytes: keep it
                 modified = slot.param._version != slot.version

@@ -191,6 +191,9 @@ def _held(model: OffloadedModel, slot: Slot, *, write: bool) -> Iterator[torch.T
             )
         yield slot.param.data
         return
+    if model._persist.active:  # fetched between uses (swapper.zero.persist): its bytes
+        yield slot.param.data  # (released as modified when persistence ends)
+        return
     if write:  # a lost write before is superseded by this one
         slot.version, slot.placeholder_version = slot.param._version, slot.placeholder._version
     else:
@@ -311,6 +314,7 @@ def unwrap(model: OffloadedModel) -> nn.Module:
             "offload: unwrap() after close(): the weights were dropped with the tiers"
         )
     model.release_stale_holds(warn=False)
+    model.end_persistence()  # (writes kept while persistent are in the tiers' bytes)
     copies = restore(model)
     with signals.held:  # all parameters real and the wrapper closed, or neither
         with model._lock:
