@@ -151,6 +151,7 @@ def test_norms_left_to_the_step_equal_those_taken_in_the_backward(tmp_path: obje
     """Unlimited budgets: the backward takes no norm, the step's batched norms equal
     ``grad_norm32`` of each gradient alone (what a tight run takes in the backward)."""
     with swapper.offload(_model(), _unlimited()) as wrapped:
+        wrapped.set_persistent(False)  # (persistent: autograd's own fields until read)
         _loss(wrapped, 0).backward()
         _loss(wrapped, 1).backward()  # accumulated
         slots = list(wrapped._by_name.values())

@@ -74,13 +74,14 @@ from swapper.zero.autograd import in_autograd
 from swapper.zero.config import OffloadConfig
 from swapper.zero.offload_hooks import ModuleHooks
 from swapper.zero.params import Holds, Slot, TieredParams
-from swapper.zero.persist import Persistence, install, remove_all
+from swapper.zero.persist import Persistence, collect, install, remove_all
 from swapper.zero.persist import leave as unpersist
 from swapper.zero.placing import back_to_meta, check_modules, check_overlap_room
 from swapper.zero.readahead import FetchPlan
 from swapper.zero.saved import SavedParams
 from swapper.zero.settings import tiers_of
 from swapper.zero.weights import (
+    NATIVE_GRADS,
     WeightHooks,
     fetch_copy,
     guard,
@@ -355,6 +356,7 @@ class OffloadedModel(ModuleHooks, nn.Module):
             # Unregistered first, then marked: cut in between (Ctrl-C at the wait for a
             # write of it), the slot still says what the manager holds.
             with signals.at_waits:
+                collect(self, slot)  # (autograd's own field, while persistent)
                 if slot.grad_held is not None:  # persistent: autograd's tensor, no entry
                     with self._lock:
                         slot.has_grad, slot.grad_norm, slot.grad_held = False, None, None
@@ -419,7 +421,11 @@ class OffloadedModel(ModuleHooks, nn.Module):
         if self._param_gate is not None:
             with contextlib.suppress(Exception):  # (the optimizer raises it at its next call)
                 self._param_gate(None)
-        unpersist(self)  # (the parameters become placeholders again)
+        with contextlib.suppress(Exception):  # (the tiers are dropped next anyway)
+            unpersist(self)  # the parameters placeholders again, their holds released
+        for slot in self._by_name.values() if self._persist.active else ():
+            slot.param.data, slot.grad_held = slot.placeholder, None  # (leaving failed)
+            NATIVE_GRADS.pop(id(slot.param), None)
         self._closed = True
         for handle in self._handles:
             handle.remove()
@@ -520,8 +526,3 @@ class OffloadedModel(ModuleHooks, nn.Module):
 
     def _install_hooks(self, module: nn.Module) -> None:
         install(self, self._module_slots)
-        for slot in self._by_name.values():
-            if slot.param.requires_grad:
-                self._handles.append(
-                    slot.param.register_post_accumulate_grad_hook(self._grad_hook(slot))
-                )

@@ -196,6 +196,11 @@ class TieredParams:
         #: during a step whose parameters and gradients are all resident (see
         #: :meth:`resident`): each one's key → its tensor, fetched once for the step
         self._pinned: dict[str, torch.Tensor] | None = None
+        # (a late import: swapper.zero.persist builds on this module)
+        from swapper.zero.persist import collect
+
+        #: moves a gradient autograd kept in its own field into its retained form
+        self._collect = collect
 
     def _slot(self, param: torch.Tensor) -> Slot:
         slot = self._model._slots.get(id(param))
@@ -237,6 +242,8 @@ class TieredParams:
             yield False
             return
         slots = [self._slot(param) for param in params]
+        for slot in slots:
+            self._collect(model, slot)  # (autograd's own field, while persistent)
         if any(slot.users for slot in slots):
             model.release_stale_holds()  # a forward or backward that raised
         keys = [slot.key for slot in slots]
@@ -263,6 +270,8 @@ class TieredParams:
 
     def read_grad(self, param: torch.Tensor, start: int, out: torch.Tensor) -> bool:
         slot = self._slot(param)
+        if self._model._persist.native:
+            self._collect(self._model, slot)
         if not slot.has_grad:
             return False
         held = slot.grad_held  # (persistent parameters: swapper.zero.persist)
@@ -293,6 +302,8 @@ class TieredParams:
 
     def grad_norms(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         slots = [self._slot(param) for param in params]
+        for slot in slots:
+            self._collect(self._model, slot)  # (autograd's own field, while persistent)
         batch: list[Slot] = []
         numel = 0
         for slot in slots:

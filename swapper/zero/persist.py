@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -44,7 +45,7 @@ from torch import nn
 
 from swapper.zero.autograd import in_autograd
 from swapper.zero.params import retain_grad
-from swapper.zero.weights import check_unwritten
+from swapper.zero.weights import NATIVE_GRADS, TENSOR_GRAD, GuardedParameter, check_unwritten
 from tiers import signals
 
 if TYPE_CHECKING:
@@ -56,6 +57,7 @@ if TYPE_CHECKING:
 __all__ = [
     "ModuleHook",
     "Persistence",
+    "collect",
     "enter",
     "install",
     "leave",
@@ -66,15 +68,25 @@ __all__ = [
 
 @dataclasses.dataclass(slots=True)
 class ModuleHook:
-    """One module hook of swapper's: its handle, the function, whether it is a pre-hook
-    and whether it is always called, and where it stood among the module's hooks when
-    it was taken off (the dict's keys then), to be put back there."""
+    """One hook of swapper's: whose it is (a module, or a parameter for ``kind``
+    ``"grad"``), its kind (``"pre"``: forward pre-hook, ``"post"``: forward hook, always
+    called, ``"grad"``: post-accumulate-grad hook), its handle and function, and where it
+    stood among its owner's hooks when it was taken off (the dict's keys then), to be put
+    back there."""
 
-    module: nn.Module
+    owner: Any
+    kind: str
     handle: RemovableHandle
     fn: Any
-    pre: bool
     order: list[int] = dataclasses.field(default_factory=list)
+
+    def hooks(self) -> OrderedDict[int, Any]:
+        """The owner's dict of hooks of this kind."""
+        if self.kind == "pre":
+            return self.owner._forward_pre_hooks
+        if self.kind == "post":
+            return self.owner._forward_hooks
+        return self.owner._post_accumulate_grad_hooks
 
 
 @dataclasses.dataclass(slots=True)
@@ -83,46 +95,54 @@ class Persistence:
 
     allowed: bool = True
     active: bool = False
+    #: while active: autograd keeps the gradients in its own fields (every parameter a
+    #: GuardedParameter: the gradient hooks are off too); else the hooks keep them
+    native: bool = False
     hooks: list[ModuleHook] = dataclasses.field(default_factory=list)
+    grad_hooks: list[ModuleHook] = dataclasses.field(default_factory=list)
 
 
-def install(model: ModuleHooks, module_slots: dict[nn.Module, list[Any]]) -> None:
-    """Install the module hooks (pre-hook: fetch; forward hook, always called: release)."""
+def install(model: ModuleHooks, module_slots: dict[nn.Module, list[Slot]]) -> None:
+    """Install the module hooks (pre-hook: fetch; forward hook, always called: release)
+    and each parameter's gradient hook."""
+    persist = model._persist
     for sub, slots in module_slots.items():
         handle = sub.register_forward_pre_hook(model._pre_forward_hook(slots))
-        model._persist.hooks.append(ModuleHook(sub, handle, handle_fn(sub, handle, True), True))
+        persist.hooks.append(_record(sub, "pre", handle))
         # always_call: a forward that raises (the early stop of a non-reentrant
         # checkpoint's recompute raises on purpose) still releases what it fetched
         handle = sub.register_forward_hook(model._post_forward_hook(slots), always_call=True)
-        model._persist.hooks.append(ModuleHook(sub, handle, handle_fn(sub, handle, False), False))
+        persist.hooks.append(_record(sub, "post", handle))
+    for slot in model._by_name.values():
+        if slot.param.requires_grad:
+            handle = slot.param.register_post_accumulate_grad_hook(model._grad_hook(slot))
+            persist.grad_hooks.append(_record(slot.param, "grad", handle))
 
 
-def handle_fn(module: nn.Module, handle: RemovableHandle, pre: bool) -> Any:
-    hooks = module._forward_pre_hooks if pre else module._forward_hooks
-    return hooks[handle.id]
+def _record(owner: Any, kind: str, handle: RemovableHandle) -> ModuleHook:
+    hook = ModuleHook(owner, kind, handle, None)
+    hook.fn = hook.hooks()[handle.id]
+    return hook
 
 
 def remove_all(model: ModuleHooks) -> None:
-    """Remove the module hooks for good (``close()``)."""
-    for hook in model._persist.hooks:
+    """Remove every hook for good (``close()``)."""
+    for hook in model._persist.hooks + model._persist.grad_hooks:
         hook.handle.remove()
     model._persist.hooks.clear()
+    model._persist.grad_hooks.clear()
 
 
 def _take_off(hook: ModuleHook) -> None:
-    hooks = hook.module._forward_pre_hooks if hook.pre else hook.module._forward_hooks
-    hook.order = list(hooks)
+    hook.order = list(hook.hooks())
     hook.handle.remove()
 
 
 def _put_back(hook: ModuleHook) -> None:
-    module, key = hook.module, hook.handle.id
-    hooks: OrderedDict[int, Any] = (
-        module._forward_pre_hooks if hook.pre else module._forward_hooks  # type: ignore[assignment]
-    )
+    hooks, key = hook.hooks(), hook.handle.id
     hooks[key] = hook.fn
-    if not hook.pre:
-        module._forward_hooks_always_called[key] = True
+    if hook.kind == "post":
+        hook.owner._forward_hooks_always_called[key] = True
     # Where it stood: the hooks that were there keep their order around it, hooks added
     # meanwhile come after them (as they would have).
     before = [k for k in hook.order if k in hooks]
@@ -166,14 +186,57 @@ def enter(model: ModuleHooks) -> bool:
         tensors = model._manager.fetch_resident_all([s.key for s in slots], model._use_tier)
         if tensors is None:
             return False
+        persist = model._persist
         with model._lock:
             for slot, tensor in zip(slots, tensors, strict=True):
                 slot.param.data = tensor
                 slot.version = slot.param._version
-            model._persist.active = True
-        for hook in model._persist.hooks:
+            persist.active = True
+        for hook in persist.hooks:
             _take_off(hook)
+        # Gradients in autograd's own fields, no hook (see collect), where every
+        # parameter reads its .grad through GuardedParameter (which hides them).
+        persist.native = all(type(slot.param) is GuardedParameter for slot in slots)
+        if persist.native:
+            for slot in slots:
+                NATIVE_GRADS[id(slot.param)] = _grad_setter(model, slot)
+            for hook in persist.grad_hooks:
+                _take_off(hook)
     return True
+
+
+def _grad_setter(model: ModuleHooks, slot: Slot) -> Callable[[torch.Tensor | None], None]:
+    """What ``param.grad = value`` does while the gradient is native: None changes
+    nothing (the retained gradient is not ``.grad``, as when the hooks moved it); a
+    tensor is set after the gradient so far is collected, and is added to it at the next
+    :func:`collect` (as a backward would have added it)."""
+
+    def setter(value: torch.Tensor | None) -> None:
+        if value is None:
+            return
+        collect(model, slot)
+        TENSOR_GRAD.__set__(slot.param, value)
+
+    return setter
+
+
+def collect(model: ModuleHooks, slot: Slot) -> None:
+    """Move the gradient autograd accumulated in the parameter's own field (native:
+    :func:`enter`) into its retained form, as the gradient hook would have: kept by
+    reference (``Slot.grad_held``) or added to the one kept (``add_`` in 16 bits, as
+    ``retain_grad`` adds into its entry, and as autograd adds two micro-steps), or into
+    a manager entry holding one from before. Every reader of the retained gradients calls
+    it first (:class:`~swapper.zero.params.TieredParams`, ``zero_grad``, :func:`leave`).
+    """
+    if not model._persist.native:
+        return
+    grad = TENSOR_GRAD.__get__(slot.param)
+    if grad is None:
+        return
+    with signals.held:  # moved and cleared, or neither
+        if not retain_held(model, slot, grad):
+            retain_grad(model._manager, slot, grad, model._lock, lazy_norm=model._lazy_norms)
+        TENSOR_GRAD.__set__(slot.param, None)
 
 
 def leave(model: ModuleHooks) -> None:
@@ -184,6 +247,14 @@ def leave(model: ModuleHooks) -> None:
     if not persist.active:
         return
     with signals.held:  # every hold released and the hooks back, or neither
+        if persist.native:
+            for slot in model._by_name.values():
+                collect(model, slot)
+            for slot in model._by_name.values():
+                NATIVE_GRADS.pop(id(slot.param), None)
+            for hook in persist.grad_hooks:
+                _put_back(hook)
+            persist.native = False
         _give_back_grads(model)
         with model._lock:
             free = [slot for slot in model._by_name.values() if not slot.users]

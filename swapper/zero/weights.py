@@ -59,6 +59,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 __all__ = [
+    "NATIVE_GRADS",
+    "TENSOR_GRAD",
     "GuardedParameter",
     "OffloadedWriteError",
     "WeightHooks",
@@ -91,6 +93,15 @@ _TENSOR_DATA: Any = torch._C.TensorBase.__dict__["data"]
 #: id(param) → (a weak reference to it, its placeholder), while it is guarded.
 _PLACEHOLDERS: dict[int, tuple[weakref.ref[nn.Parameter], torch.Tensor]] = {}
 
+#: ``torch.Tensor.grad``'s own descriptor (autograd's gradient field).
+TENSOR_GRAD: Any = torch._C.TensorBase.__dict__["grad"]
+
+#: id(param) → what ``param.grad = value`` does instead, while autograd accumulates the
+#: parameter's gradient in its own field for swapper (persistent parameters:
+#: :mod:`swapper.zero.persist`); ``param.grad`` reads None then, as when the gradient
+#: has been moved into its retained buffer.
+NATIVE_GRADS: dict[int, Callable[[torch.Tensor | None], None]] = {}
+
 
 class GuardedParameter(nn.Parameter):
     """An offloaded ``nn.Parameter`` (its class while wrapped; ``nn.Parameter`` again after
@@ -110,6 +121,20 @@ class GuardedParameter(nn.Parameter):
     @data.setter
     def data(self, value: torch.Tensor) -> None:  # pyright: ignore[reportIncompatibleVariableOverride]
         _TENSOR_DATA.__set__(self, value)
+
+    @property
+    def grad(self) -> torch.Tensor | None:  # type: ignore[override]
+        if id(self) in NATIVE_GRADS:
+            return None  # (swapper's: see NATIVE_GRADS)
+        return TENSOR_GRAD.__get__(self)
+
+    @grad.setter
+    def grad(self, value: torch.Tensor | None) -> None:  # pyright: ignore[reportIncompatibleVariableOverride]
+        instead = NATIVE_GRADS.get(id(self))
+        if instead is not None:
+            instead(value)
+            return
+        TENSOR_GRAD.__set__(self, value)
 
 
 def guard(slot: Slot) -> None:
