@@ -262,3 +262,56 @@ def test_overlapped_optimizer_ends_persistence(tmp_path: Path) -> None:
         _steps(wrapped, opt, range(1, 3))
         assert not wrapped.persistent
         opt.close()
+
+
+def test_grad_reads_none_and_setting_none_keeps_the_gradient() -> None:
+    """While autograd keeps the gradients in its own fields, ``.grad`` reads None (as when
+    the hooks moved them) and ``param.grad = None`` drops nothing (the retained gradient
+    is not ``.grad``): the step sees the whole gradient."""
+    plain = _model()
+    with swapper.offload(copy.deepcopy(plain), _unlimited()) as wrapped:
+        _loss(wrapped, 0).backward()
+        assert wrapped.persistent
+        for p in wrapped.parameters():
+            assert p.grad is None
+            p.grad = None
+        _loss(plain, 0).backward()
+        source = wrapped.param_source()
+        for (name, p), q in zip(plain.named_parameters(), wrapped.parameters(), strict=True):
+            assert p.grad is not None
+            grad = torch.empty_like(p.grad)
+            assert source.read_grad(q, 0, grad.view(-1))
+            assert torch.equal(grad, p.grad), name
+
+
+def test_a_forward_cut_while_persistent_and_training_goes_on(tmp_path: Path) -> None:
+    """Ctrl-C inside a forward (in a user's hook) while persistent: nothing is held but
+    the persistent holds, and the run, that step done again, equals one never cut."""
+
+    def train(config: OffloadConfig, cut: bool) -> dict[str, torch.Tensor]:
+        model = _model()
+        left = {"cuts": int(cut)}
+
+        def interrupt(module: nn.Module, args: object) -> None:
+            if left["cuts"]:
+                left["cuts"] -= 1
+                raise KeyboardInterrupt
+
+        with swapper.offload(model, config) as wrapped:
+            opt = OffloadAdamW(wrapped.parameters(), lr=1e-2, tiers=wrapped)
+            _steps(wrapped, opt, range(1))
+            handle = model[2].register_forward_pre_hook(interrupt)
+            if cut:
+                with pytest.raises(KeyboardInterrupt):
+                    _loss(wrapped, 1).backward()
+                keys = [f"param/{name}" for name, _, _ in wrapped.named_offloaded()]
+                assert all(wrapped.manager.info(k).users == 1 for k in keys)
+            _steps(wrapped, opt, range(1, 3))
+            handle.remove()
+            out = dict(wrapped.iter_state_dict())
+            opt.close()
+        return out
+
+    cut = train(_unlimited(), True)
+    for name, value in train(_tight(tmp_path), False).items():
+        assert torch.equal(value, cut[name]), name

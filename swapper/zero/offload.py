@@ -60,7 +60,7 @@ import contextlib
 import logging
 import threading
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -74,7 +74,7 @@ from swapper.zero.autograd import in_autograd
 from swapper.zero.config import OffloadConfig
 from swapper.zero.offload_hooks import ModuleHooks
 from swapper.zero.params import Holds, Slot, TieredParams
-from swapper.zero.persist import Persistence, collect, install, remove_all
+from swapper.zero.persist import Persistence, install, remove_all
 from swapper.zero.persist import leave as unpersist
 from swapper.zero.placing import back_to_meta, check_modules, check_overlap_room
 from swapper.zero.readahead import FetchPlan
@@ -338,35 +338,6 @@ class OffloadedModel(ModuleHooks, nn.Module):
             self._param_gate(None)  # an overlapped update still reads them
         super().zero_grad(set_to_none=set_to_none)
         self._drop_grads(self._by_name.values())
-
-    def drop_kept_grads(self) -> None:
-        """Unregister the gradient entries that ``zero_grad`` kept empty (a snapshot
-        writes every entry it finds: none holds a gradient then)."""
-        self._drop_grads(self._by_name.values(), keep=False)
-
-    def _drop_grads(self, slots: Iterable[Slot], *, keep: bool | None = None) -> None:
-        """Drop the slots' retained gradients. With budgets that hold everything (the
-        gradients' tier has no limit: nothing would use the room; and no overlapped
-        update, whose ``zero_grad`` runs on its thread) each entry is kept, marked empty
-        (``Slot.grad_kept``): the next backward copies into it instead of registering a
-        new entry (~20 µs a gradient and step for the pair). ``keep=False``: unregister."""
-        if keep is None:
-            keep = self._lazy_norms and self._param_gate is None
-        for slot in slots:
-            # Unregistered first, then marked: cut in between (Ctrl-C at the wait for a
-            # write of it), the slot still says what the manager holds.
-            with signals.at_waits:
-                collect(self, slot)  # (autograd's own field, while persistent)
-                if slot.grad_held is not None:  # persistent: autograd's tensor, no entry
-                    with self._lock:
-                        slot.has_grad, slot.grad_norm, slot.grad_held = False, None, None
-                elif slot.has_grad and keep:
-                    with self._lock:
-                        slot.has_grad, slot.grad_norm, slot.grad_kept = False, None, True
-                elif slot.has_grad or slot.grad_kept:
-                    self._manager.unregister(slot.grad_key)
-                    with self._lock:
-                        slot.has_grad, slot.grad_norm, slot.grad_kept = False, None, False
 
     def stats(self) -> ManagerStats:
         """The manager's counters: bytes moved, stall time, peaks per tier."""

@@ -13,7 +13,7 @@ below).
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -23,7 +23,7 @@ from swapper.manager import Tier, TierManager
 from swapper.step.sources import ParamGate
 from swapper.zero.autograd import hook_outputs, in_autograd
 from swapper.zero.params import Holds, Slot, retain_grad
-from swapper.zero.persist import Persistence, enter, retain_held
+from swapper.zero.persist import Persistence, drop_native, enter, retain_held
 from swapper.zero.readahead import FetchPlan
 from swapper.zero.recompute import no_room
 from swapper.zero.resident import acquire_resident
@@ -194,6 +194,35 @@ class ModuleHooks:
             for _ in range(holds + kept):
                 self._release(slot)
         return sum(h for _, h, _ in leftovers), sum(k for _, _, k in leftovers)
+
+    # -- retained gradients dropped ----------------------------------------------------------
+
+    def drop_kept_grads(self) -> None:
+        """Unregister the gradient entries that ``zero_grad`` kept empty (a snapshot
+        writes every entry it finds: none holds a gradient then)."""
+        self._drop_grads(self._by_name.values(), keep=False)
+
+    def _drop_grads(self, slots: Iterable[Slot], *, keep: bool | None = None) -> None:
+        """Drop the slots' retained gradients. With budgets that hold everything (the
+        gradients' tier has no limit: nothing would use the room; and no overlapped
+        update, whose ``zero_grad`` runs on its thread) each entry is kept, marked empty
+        (``Slot.grad_kept``): the next backward copies into it instead of registering a
+        new entry (~20 µs a gradient and step for the pair). ``keep=False``: unregister."""
+        if keep is None:
+            keep = self._lazy_norms and self._param_gate is None
+        if self._persist.native:  # persistent: those held by reference or by autograd
+            slots = drop_native(self, slots)
+        for slot in slots:
+            # Unregistered first, then marked: cut in between (Ctrl-C at the wait for a
+            # write of it), the slot still says what the manager holds.
+            with signals.at_waits:
+                if slot.has_grad and keep:
+                    with self._lock:
+                        slot.has_grad, slot.grad_norm, slot.grad_kept = False, None, True
+                elif slot.has_grad or slot.grad_kept:
+                    self._manager.unregister(slot.grad_key)
+                    with self._lock:
+                        slot.has_grad, slot.grad_norm, slot.grad_kept = False, None, False
 
     # -- fetching and releasing -------------------------------------------------------------
 

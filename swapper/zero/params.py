@@ -270,7 +270,7 @@ class TieredParams:
 
     def read_grad(self, param: torch.Tensor, start: int, out: torch.Tensor) -> bool:
         slot = self._slot(param)
-        if self._model._persist.native:
+        if self._pinned is None and self._model._persist.native:  # (else: by resident)
             self._collect(self._model, slot)
         if not slot.has_grad:
             return False
@@ -302,8 +302,9 @@ class TieredParams:
 
     def grad_norms(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         slots = [self._slot(param) for param in params]
-        for slot in slots:
-            self._collect(self._model, slot)  # (autograd's own field, while persistent)
+        if self._pinned is None and self._model._persist.native:  # (else: by resident)
+            for slot in slots:
+                self._collect(self._model, slot)  # (autograd's own field)
         batch: list[Slot] = []
         numel = 0
         for slot in slots:

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -58,6 +58,7 @@ __all__ = [
     "ModuleHook",
     "Persistence",
     "collect",
+    "drop_native",
     "enter",
     "install",
     "leave",
@@ -295,6 +296,24 @@ def retain_held(model: ModuleHooks, slot: Slot, grad: torch.Tensor) -> bool:
                 slot.has_grad = True
         slot.grad_norm = None
     return True
+
+
+def drop_native(model: ModuleHooks, slots: Iterable[Slot]) -> list[Slot]:
+    """``zero_grad`` while the gradients are native (:func:`enter`): each gradient in
+    autograd's field and each held by reference dropped, in one section; returns the
+    slots whose gradient entry is in the manager (from before persistence), which the
+    caller drops as always."""
+    rest = []
+    with signals.held, model._lock:
+        for slot in slots:
+            param = slot.param
+            if TENSOR_GRAD.__get__(param) is not None:
+                TENSOR_GRAD.__set__(param, None)
+            if slot.grad_held is not None:
+                slot.has_grad, slot.grad_norm, slot.grad_held = False, None, None
+            elif slot.has_grad or slot.grad_kept:
+                rest.append(slot)
+    return rest
 
 
 def _give_back_grads(model: ModuleHooks) -> None:

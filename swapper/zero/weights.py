@@ -96,19 +96,18 @@ _PLACEHOLDERS: dict[int, tuple[weakref.ref[nn.Parameter], torch.Tensor]] = {}
 #: ``torch.Tensor.grad``'s own descriptor (autograd's gradient field).
 TENSOR_GRAD: Any = torch._C.TensorBase.__dict__["grad"]
 
-#: id(param) → what ``param.grad = value`` does instead, while autograd accumulates the
-#: parameter's gradient in its own field for swapper (persistent parameters:
-#: :mod:`swapper.zero.persist`); ``param.grad`` reads None then, as when the gradient
-#: has been moved into its retained buffer.
+#: id(param) → what ``param.grad = value`` does instead, while autograd keeps the gradient
+#: for swapper (:mod:`swapper.zero.persist`); ``param.grad`` reads None then (as moved).
 NATIVE_GRADS: dict[int, Callable[[torch.Tensor | None], None]] = {}
 
 
 class GuardedParameter(nn.Parameter):
     """An offloaded ``nn.Parameter`` (its class while wrapped; ``nn.Parameter`` again after
-    ``unwrap()``/``close()``). Only ``.data`` differs: between uses it returns the
-    placeholder object itself rather than a fresh alias, so that a write through it bumps
-    a version counter swapper reads. ``__torch_function__`` stays disabled (no cost in
-    torch calls); pickled, it is an ``nn.Parameter``."""
+    ``unwrap()``/``close()``). Between uses ``.data`` returns the placeholder object
+    itself rather than a fresh alias, so that a write through it bumps a version counter
+    swapper reads; ``.grad`` reads None while autograd keeps it for swapper
+    (``NATIVE_GRADS``). ``__torch_function__`` stays disabled (no cost in torch calls);
+    pickled, it is an ``nn.Parameter``."""
 
     @property
     def data(self) -> torch.Tensor:  # type: ignore[override]
