@@ -315,3 +315,49 @@ def test_a_forward_cut_while_persistent_and_training_goes_on(tmp_path: Path) -> 
     cut = train(_unlimited(), True)
     for name, value in train(_tight(tmp_path), False).items():
         assert torch.equal(value, cut[name]), name
+
+
+class _Checkpointed(nn.Module):
+    """The model of ``_model`` with its middle layers under activation checkpointing."""
+
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.layers = _model()
+        self.reentrant = reentrant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        head, middle, tail = self.layers[0], self.layers[1:3], self.layers[3]
+        h = head(x)
+        h = checkpoint(middle, h, use_reentrant=self.reentrant)
+        return tail(h)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_recompute_while_persistent_equals_tight(reentrant: bool, tmp_path: Path) -> None:
+    """Activation checkpointing recomputes with the persistent parameters (no hook runs
+    in the recompute either): bit-identical to tight budgets."""
+
+    def train(config: OffloadConfig) -> tuple[list[float], dict[str, torch.Tensor], bool]:
+        with swapper.offload(_Checkpointed(reentrant), config) as wrapped:
+            opt = OffloadAdamW(wrapped.parameters(), lr=1e-2, tiers=wrapped)
+            x = _x(0).requires_grad_(reentrant)  # (reentrant: an input that needs grad)
+            losses = []
+            for _ in range(3):
+                loss = wrapped(x).float().pow(2).mean()
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.item())
+            persistent = wrapped.persistent
+            out = dict(wrapped.iter_state_dict())
+            opt.close()
+        return losses, out, persistent
+
+    free_losses, free, persistent = train(_unlimited())
+    tight_losses, tight, _ = train(_tight(tmp_path))
+    assert persistent
+    assert free_losses == tight_losses
+    for name, value in free.items():
+        assert torch.equal(value, tight[name]), name
