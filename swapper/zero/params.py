@@ -197,10 +197,10 @@ class TieredParams:
         #: :meth:`resident`): each one's key → its tensor, fetched once for the step
         self._pinned: dict[str, torch.Tensor] | None = None
         # (a late import: swapper.zero.persist builds on this module)
-        from swapper.zero.persist import collect
+        from swapper.zero.persist import collect, collect_all
 
-        #: moves a gradient autograd kept in its own field into its retained form
-        self._collect = collect
+        #: move gradients autograd kept in its own fields into their retained form
+        self._collect, self._collect_all = collect, collect_all
 
     def _slot(self, param: torch.Tensor) -> Slot:
         slot = self._model._slots.get(id(param))
@@ -242,8 +242,7 @@ class TieredParams:
             yield False
             return
         slots = [self._slot(param) for param in params]
-        for slot in slots:
-            self._collect(model, slot)  # (autograd's own field, while persistent)
+        self._collect_all(model, slots)  # (autograd's own fields, while persistent)
         if any(slot.users for slot in slots):
             model.release_stale_holds()  # a forward or backward that raised
         keys = [slot.key for slot in slots]

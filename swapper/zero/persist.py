@@ -58,6 +58,7 @@ __all__ = [
     "ModuleHook",
     "Persistence",
     "collect",
+    "collect_all",
     "drop_native",
     "enter",
     "install",
@@ -206,6 +207,30 @@ def enter(model: ModuleHooks) -> bool:
     return True
 
 
+def collect_all(model: ModuleHooks, slots: Iterable[Slot]) -> None:
+    """:func:`collect` of each slot, in one section and lock hold (the step's, once per
+    step: ~52 calls of :func:`collect` cost ~0.5 ms at 1.9 M parameters). A gradient
+    already held, or in a manager entry, is left to :func:`collect` (added to)."""
+    if not model._persist.native:
+        return
+    rest = []
+    with signals.held, model._lock:  # each moved and cleared, or neither
+        for slot in slots:
+            param = slot.param
+            grad = TENSOR_GRAD.__get__(param)
+            if grad is None:
+                continue
+            if slot.has_grad or not grad.is_contiguous():
+                rest.append(slot)
+                continue
+            # (autograd's gradient has the parameter's shape: slot.shape while persistent)
+            slot.grad_held = grad.detach() if grad.requires_grad else grad
+            slot.has_grad, slot.grad_norm = True, None
+            TENSOR_GRAD.__set__(param, None)
+    for slot in rest:
+        collect(model, slot)
+
+
 def _grad_setter(model: ModuleHooks, slot: Slot) -> Callable[[torch.Tensor | None], None]:
     """What ``param.grad = value`` does while the gradient is native: None changes
     nothing (the retained gradient is not ``.grad``, as when the hooks moved it); a
@@ -249,8 +274,7 @@ def leave(model: ModuleHooks) -> None:
         return
     with signals.held:  # every hold released and the hooks back, or neither
         if persist.native:
-            for slot in model._by_name.values():
-                collect(model, slot)
+            collect_all(model, model._by_name.values())
             for slot in model._by_name.values():
                 NATIVE_GRADS.pop(id(slot.param), None)
             for hook in persist.grad_hooks:
