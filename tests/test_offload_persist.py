@@ -361,3 +361,31 @@ def test_recompute_while_persistent_equals_tight(reentrant: bool, tmp_path: Path
     assert free_losses == tight_losses
     for name, value in free.items():
         assert torch.equal(value, tight[name]), name
+
+
+class _OwnParameter(nn.Parameter):
+    """A parameter class of the user's own: not guarded, so its gradient hook stays."""
+
+
+def test_unguarded_parameters_keep_their_gradient_hooks_and_equal_tight(tmp_path: Path) -> None:
+    def train(config: OffloadConfig) -> tuple[dict[str, torch.Tensor], bool, bool]:
+        model = _model()
+        for module in (model[0], model[2]):
+            module.weight = _OwnParameter(module.weight.detach())
+        with swapper.offload(model, config) as wrapped:
+            opt = OffloadAdamW(wrapped.parameters(), lr=1e-2, tiers=wrapped)
+            for i in range(3):
+                for m in range(2):  # accumulated into the gradients held by reference
+                    _loss(wrapped, 10 * i + m).backward()
+                opt.step()
+                opt.zero_grad()  # (held ones dropped: the next step starts afresh)
+            persistent, native = wrapped.persistent, wrapped._persist.native
+            out = dict(wrapped.iter_state_dict())
+            opt.close()
+        return out, persistent, native
+
+    free, persistent, native = train(_unlimited())
+    tight, _, _ = train(_tight(tmp_path))
+    assert persistent and not native
+    for name, value in free.items():
+        assert torch.equal(value, tight[name]), name

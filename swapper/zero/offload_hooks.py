@@ -210,7 +210,7 @@ class ModuleHooks:
         new entry (~20 µs a gradient and step for the pair). ``keep=False``: unregister."""
         if keep is None:
             keep = self._lazy_norms and self._param_gate is None
-        if self._persist.native:  # persistent: those held by reference or by autograd
+        if self._persist.active:  # persistent: those held by reference or by autograd
             slots = drop_native(self, slots)
         for slot in slots:
             # Unregistered first, then marked: cut in between (Ctrl-C at the wait for a
