@@ -19,6 +19,7 @@ module that owns parameters (``recurse=False``) bring them in around the module'
   by default; added to it on later micro-steps; :func:`~swapper.zero.params.retain_grad`),
   ``.grad`` is dropped, and the backward holds on the parameter are released;
 - at the end of each backward, holds left (parameters without gradients) are released.
+  With budgets that hold everything none of these runs (:mod:`swapper.zero.persist`).
 
 A parameter used by several modules (tied weights) is one entry; it is fetched once and
 counted per user, so it is never released twice nor early.
