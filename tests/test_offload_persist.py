@@ -389,3 +389,26 @@ def test_unguarded_parameters_keep_their_gradient_hooks_and_equal_tight(tmp_path
     assert persistent and not native
     for name, value in free.items():
         assert torch.equal(value, tight[name]), name
+
+
+def test_a_snapshot_taken_persistent_leaves_out_what_the_hooks_path_does(tmp_path: Path) -> None:
+    """Leaving persistence releases a parameter as modified only when it was written
+    outside the step (in place, or through ``.data``): a snapshot right after a step
+    leaves out (rebuilds at resume) the same parameters as with the hooks' path, and one
+    written through ``.data`` while persistent is written, not left out."""
+    reports = []
+    for persistent, write in ((True, False), (False, False), (True, True)):
+        swap = tmp_path / f"swap-{persistent}-{write}"
+        with swapper.offload(_model(), _unlimited(swap)) as wrapped:
+            wrapped.set_persistent(persistent)
+            opt = OffloadAdamW(wrapped.parameters(), lr=1e-2, tiers=wrapped)
+            _steps(wrapped, opt, range(2))
+            assert wrapped.persistent is persistent
+            if write:
+                wrapped.module[2].bias.data.add_(1)  # (lost, and refused, if not persistent)
+            reports.append(save_snapshot(wrapped, opt))
+            opt.close()
+    persistent, hooks, written = reports
+    assert persistent.rebuilt_nbytes == hooks.rebuilt_nbytes > 0
+    assert abs(persistent.written_nbytes - hooks.written_nbytes) < 64  # (the file's names)
+    assert written.rebuilt_nbytes == hooks.rebuilt_nbytes - 16 * 2  # 2.bias written

@@ -20,12 +20,13 @@ hooks call ``_acquire``) counts its holds without fetching (see ``ModuleHooks._a
 Leaving (:func:`leave`): every hold released, ``.data`` back to the placeholder, the hooks
 put back, before anything that moves parameters between tiers or reads them from the
 manager on its own: a training snapshot, an overlapped optimizer's gate, ``close()``
-(``unwrap()`` reads through :func:`~swapper.zero.weights.fetch_copy`, which uses the
-persistent bytes as they are). Each hold is released as modified: a write through
-``param.data`` lands in the manager's bytes without any version counter swapper can read
-(``.data`` is a fresh alias), so a snapshot must not trust an older clean copy. That
-costs at most the parameters' bytes once per snapshot, which a step made dirty anyway.
-The next forward enters again.
+(``unwrap()`` too; ``state_dict()`` and ``load_state_dict`` use the held bytes as they
+are). A hold is released as modified when the parameter was written outside the step
+(which releases its own hold as modified): in place on the parameter (its version
+counter), or through ``.data``, which returns one alias made at :func:`enter` (its
+version counter; ``GuardedParameter`` and ``PERSISTENT_DATA``), so a snapshot leaves
+out the same parameters as with the hooks and never trusts a stale clean copy. The next
+forward enters again.
 
 Writes outside the hooks (``param.data.normal_()``, ``torch.nn.init.*``) land in the real
 bytes while persistent (no ``OffloadedWriteError``: nothing is lost), and
@@ -45,7 +46,16 @@ from torch import nn
 
 from swapper.zero.autograd import in_autograd
 from swapper.zero.params import retain_grad
-from swapper.zero.weights import NATIVE_GRADS, TENSOR_GRAD, GuardedParameter, check_unwritten
+from swapper.zero.weights import (
+    _TENSOR_DATA as TENSOR_DATA,
+)
+from swapper.zero.weights import (
+    NATIVE_GRADS,
+    PERSISTENT_DATA,
+    TENSOR_GRAD,
+    GuardedParameter,
+    check_unwritten,
+)
 from tiers import signals
 
 if TYPE_CHECKING:
@@ -102,6 +112,8 @@ class Persistence:
     native: bool = False
     hooks: list[ModuleHook] = dataclasses.field(default_factory=list)
     grad_hooks: list[ModuleHook] = dataclasses.field(default_factory=list)
+    #: id(param) → the version of the alias its ``.data`` returns, when made (enter)
+    alias_versions: dict[int, int] = dataclasses.field(default_factory=dict)
 
 
 def install(model: ModuleHooks, module_slots: dict[nn.Module, list[Slot]]) -> None:
@@ -191,8 +203,13 @@ def enter(model: ModuleHooks) -> bool:
         persist = model._persist
         with model._lock:
             for slot, tensor in zip(slots, tensors, strict=True):
-                slot.param.data = tensor
-                slot.version = slot.param._version
+                param = slot.param
+                param.data = tensor
+                slot.version = param._version
+                if type(param) is GuardedParameter:  # (its .data: this alias from now)
+                    alias = TENSOR_DATA.__get__(param)
+                    PERSISTENT_DATA[id(param)] = alias
+                    persist.alias_versions[id(param)] = alias._version
             persist.active = True
         for hook in persist.hooks:
             _take_off(hook)
@@ -266,8 +283,8 @@ def collect(model: ModuleHooks, slot: Slot) -> None:
 
 
 def leave(model: ModuleHooks) -> None:
-    """Release every persistent hold (as modified: module docstring) and put the module
-    hooks back; nothing when not persistent. A parameter that a backward holds now (a
+    """Release every persistent hold (as modified where written: module docstring) and
+    put the module hooks back; nothing when not persistent. A parameter that a backward holds now (a
     graph recorded before) keeps its hold: the hooks' release gives it back."""
     persist = model._persist
     if not persist.active:
@@ -283,13 +300,32 @@ def leave(model: ModuleHooks) -> None:
         _give_back_grads(model)
         with model._lock:
             free = [slot for slot in model._by_name.values() if not slot.users]
+            written, clean = [], []
+            for slot in free:
+                (written if _written(persist, slot) else clean).append(slot.key)
+            for slot in model._by_name.values():
+                PERSISTENT_DATA.pop(id(slot.param), None)
+            persist.alias_versions.clear()
             for slot in free:
                 slot.param.data = slot.placeholder
                 slot.version = slot.param._version
             persist.active = False
         for hook in persist.hooks:
             _put_back(hook)
-        model._manager.release_all([slot.key for slot in free], modified=True)
+        model._manager.release_all(written, modified=True)
+        model._manager.release_all(clean, modified=False)
+
+
+def _written(persist: Persistence, slot: Slot) -> bool:
+    """Whether the parameter was written while persistent other than by the optimizer's
+    step (which releases its own hold as modified): in place on the parameter (its
+    version counter), or through ``.data`` (the alias's: :func:`enter`). Unknown
+    (an unguarded parameter class, ``.data`` set): written."""
+    param = slot.param
+    alias = PERSISTENT_DATA.get(id(param))
+    if alias is None or param._version != slot.version:
+        return True
+    return alias._version != persist.alias_versions.get(id(param))
 
 
 def retain_held(model: ModuleHooks, slot: Slot, grad: torch.Tensor) -> bool:
