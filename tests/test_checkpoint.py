@@ -99,9 +99,13 @@ def test_snapshot_writes_only_what_is_dirty_and_keeps_the_last_k(tmp_path: Path)
         wrapped.manager.release("param/ln_f.weight", modified=False)
 
 
-def test_a_snapshot_leaves_out_gradient_entries_kept_empty(tmp_path: Path) -> None:
+@pytest.mark.parametrize("persistent", [False, True])
+def test_a_snapshot_leaves_out_gradient_entries_kept_empty(
+    tmp_path: Path, persistent: bool
+) -> None:
     """With budgets that hold everything ``zero_grad`` keeps the gradient entries (empty,
-    to be copied into); a snapshot must not write them: they hold no gradient."""
+    to be copied into); a snapshot must not write them: they hold no gradient. Persistent
+    parameters (swapper.zero.persist) keep no gradient entry at all."""
     gpt = model()
     unlimited = OffloadConfig.create(
         device_nbytes=None,
@@ -118,11 +122,13 @@ def test_a_snapshot_leaves_out_gradient_entries_kept_empty(tmp_path: Path) -> No
         swapper.offload(gpt, unlimited) as wrapped,
         OffloadAdamW(wrapped.parameters(), lr=1e-2, tiers=wrapped) as optimizer,
     ):
+        wrapped.set_persistent(persistent)
         tokens = torch.randint(0, 64, (2, 9))
         gpt.loss(tokens).backward()
+        assert wrapped.persistent is persistent
         optimizer.step()
         optimizer.zero_grad()
-        assert grad_keys()  # kept
+        assert bool(grad_keys()) is not persistent  # kept (persistent: none made)
         report = save_snapshot(wrapped, optimizer)
         assert not grad_keys()
         store = wrapped.manager._ctx.store
@@ -130,7 +136,7 @@ def test_a_snapshot_leaves_out_gradient_entries_kept_empty(tmp_path: Path) -> No
         assert [s.name for s in store.snapshots()] == [report.name]
         # the next backward registers them afresh, and a step after it works
         gpt.loss(tokens).backward()
-        assert len(grad_keys()) == sum(1 for _ in wrapped.parameters())
+        assert len(grad_keys()) == (0 if persistent else sum(1 for _ in wrapped.parameters()))
         optimizer.step()
 
 

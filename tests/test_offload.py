@@ -372,6 +372,8 @@ def test_gradients_are_moved_and_accumulate(budgets: str, tmp_path: Path) -> Non
     generator = torch.Generator().manual_seed(2)
     xs = [torch.randn(8, IN, generator=generator).bfloat16() for _ in range(2)]
     with swapper.offload(model, config) as wrapped, _optimizer(wrapped) as optimizer:
+        # the hooks' path, entries read directly (persistent: tests/test_offload_persist.py)
+        wrapped.set_persistent(False)
         assert not _keys(wrapped.manager, "grad/")
 
         wrapped(xs[0]).float().pow(2).mean().backward()
@@ -455,6 +457,7 @@ def test_read_ahead_is_bounded_in_tensors(monkeypatch: pytest.MonkeyPatch) -> No
     model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(layers)]).to(torch.bfloat16)
     x = torch.randn(2, 4).to(torch.bfloat16)
     with swapper.offload(model, _unlimited()) as wrapped:
+        wrapped.set_persistent(False)  # (else no hook runs at all: swapper.zero.persist)
         # as if some parameter were never resident (else nothing is read ahead at all:
         # test_no_read_ahead_when_everything_is_resident)
         monkeypatch.setattr(wrapped.manager, "resident_stamp", lambda keys, tier: None)
@@ -481,6 +484,8 @@ def test_no_read_ahead_when_everything_is_resident(monkeypatch: pytest.MonkeyPat
     model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(4)]).to(torch.bfloat16)
     x = torch.randn(2, 4).to(torch.bfloat16)
     with swapper.offload(model, _unlimited()) as wrapped:
+        # (persistent parameters run no hook and cannot be evicted: swapper.zero.persist)
+        wrapped.set_persistent(False)
         wrapped(x).float().sum().backward()  # records the order
         requests: list[list[str]] = []
         real_prefetch = wrapped.manager.prefetch
@@ -657,6 +662,7 @@ def test_module_zero_grad_drops_the_retained_gradients(tmp_path: Path) -> None:
     model = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 4)).to(torch.bfloat16)
     x = torch.randn(3, 8, dtype=torch.bfloat16)
     with swapper.offload(model, _unlimited()) as wrapped:
+        wrapped.set_persistent(False)  # (entries read directly: not held by reference)
         wrapped(x).float().sum().backward()
         grad_keys = [k for k in list(wrapped.manager.keys()) if k.startswith("grad/")]
         assert grad_keys

@@ -54,6 +54,7 @@ def _param_keys(wrapped: swapper.OffloadedModel) -> list[str]:
 
 def test_one_fetch_per_parameter_and_nothing_moves_between_tiers() -> None:
     with swapper.offload(_model(), _unlimited()) as wrapped:
+        wrapped.set_persistent(False)  # the hooks' path (persistent: test_persistent_*)
         optimizer = OffloadAdamW(wrapped.parameters(), tiers=wrapped)
         for step in range(2):  # the first records the order
             _loss(wrapped, step).backward()
@@ -123,22 +124,26 @@ def test_second_backward_through_a_retained_graph(budgets: str, tmp_path: object
             assert torch.equal(retained, param.grad), name
 
 
-def test_forward_without_backward_then_a_step_and_training_goes_on() -> None:
+@pytest.mark.parametrize("persistent", [True, False])
+def test_forward_without_backward_then_a_step_and_training_goes_on(persistent: bool) -> None:
     """Holds kept from a forward whose backward never runs are released before the step
     writes the parameters (no 'in use' error) and by the next forward; a backward of an
-    older graph after a newer forward still sees real bytes."""
+    older graph after a newer forward still sees real bytes. Persistent parameters hold
+    one fetch each throughout (swapper.zero.persist)."""
     with swapper.offload(_model(), _unlimited()) as wrapped:
+        wrapped.set_persistent(persistent)
         optimizer = OffloadAdamW(wrapped.parameters(), tiers=wrapped)
         _loss(wrapped, 0)  # no backward
         optimizer.step()  # steps with zero gradients: nothing held blocks the writes
         keys = _param_keys(wrapped)
-        assert all(wrapped.manager.info(k).users == 0 for k in keys)
+        assert wrapped.persistent is persistent
+        assert all(wrapped.manager.info(k).users == int(persistent) for k in keys)
         first = _loss(wrapped, 1)
         _loss(wrapped, 2)  # a second forward (forward() releases the first's kept holds)
         first.backward()  # its modules fetch again
         optimizer.step()
         optimizer.zero_grad()
-        assert all(wrapped.manager.info(k).users == 0 for k in keys)
+        assert all(wrapped.manager.info(k).users == int(persistent) for k in keys)
         assert all(torch.isfinite(p).all() for _, p in wrapped.iter_state_dict())
 
 
@@ -146,6 +151,7 @@ def test_norms_left_to_the_step_equal_those_taken_in_the_backward(tmp_path: obje
     """Unlimited budgets: the backward takes no norm, the step's batched norms equal
     ``grad_norm32`` of each gradient alone (what a tight run takes in the backward)."""
     with swapper.offload(_model(), _unlimited()) as wrapped:
+        wrapped.set_persistent(False)  # (persistent: autograd's own fields until read)
         _loss(wrapped, 0).backward()
         _loss(wrapped, 1).backward()  # accumulated
         slots = list(wrapped._by_name.values())

@@ -162,6 +162,7 @@ def save_snapshot(
     if name is None:
         name = f"step-{step:09d}"
     model.release_stale_holds()  # a forward or backward that raised
+    model.end_persistence()  # (its holds released first: swapper.zero.persist)
     model.drop_kept_grads()  # (entries zero_grad kept empty: not written)
     left = choose_left_out(model.manager, optimizer)  # (before the kept sub-groups go)
     meta = {

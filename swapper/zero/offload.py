@@ -19,6 +19,7 @@ module that owns parameters (``recurse=False``) bring them in around the module'
   by default; added to it on later micro-steps; :func:`~swapper.zero.params.retain_grad`),
   ``.grad`` is dropped, and the backward holds on the parameter are released;
 - at the end of each backward, holds left (parameters without gradients) are released.
+  With budgets that hold everything none of these runs (:mod:`swapper.zero.persist`).
 
 A parameter used by several modules (tied weights) is one entry; it is fetched once and
 counted per user, so it is never released twice nor early.
@@ -60,7 +61,7 @@ import contextlib
 import logging
 import threading
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -74,11 +75,14 @@ from swapper.zero.autograd import in_autograd
 from swapper.zero.config import OffloadConfig
 from swapper.zero.offload_hooks import ModuleHooks
 from swapper.zero.params import Holds, Slot, TieredParams
+from swapper.zero.persist import Persistence, install, remove_all
+from swapper.zero.persist import leave as unpersist
 from swapper.zero.placing import back_to_meta, check_modules, check_overlap_room
 from swapper.zero.readahead import FetchPlan
 from swapper.zero.saved import SavedParams
 from swapper.zero.settings import tiers_of
 from swapper.zero.weights import (
+    NATIVE_GRADS,
     WeightHooks,
     fetch_copy,
     guard,
@@ -162,6 +166,7 @@ class OffloadedModel(ModuleHooks, nn.Module):
         self._saved = SavedParams(lambda slot: slot.users > 0)
         self._closed = False
         self._param_gate: ParamGate | None = None  # an overlapped optimizer's (set_param_gate)
+        self._persist = Persistence()  # parameters kept fetched (swapper.zero.persist)
         self._check_modules(module)
         #: until placed: each parameter emptied, its bytes (None: materialised), its slot
         self._originals: list[tuple[nn.Parameter, torch.Tensor | None, Slot]] = []
@@ -201,6 +206,7 @@ class OffloadedModel(ModuleHooks, nn.Module):
         except BaseException:
             for handle in self._handles:
                 handle.remove()
+            remove_all(self)
             if self._weights is not None:
                 self._weights.remove()
             # Nothing lost: the parameters emptied so far get their own bytes back.
@@ -247,6 +253,8 @@ class OffloadedModel(ModuleHooks, nn.Module):
         """
         if gate is not None and self._param_gate is not None:
             raise SwapConfigError("offload: one overlapped optimizer per model (a gate is set)")
+        if gate is not None:
+            unpersist(self)  # the update fetches parameters per piece, gated
         reserve = update_nbytes if gate is not None and self._use_tier is Tier.HOST else 0
         keep = self._keeps_held(reserve)
         if reserve and not keep and self._room_limit is not None:
@@ -257,6 +265,23 @@ class OffloadedModel(ModuleHooks, nn.Module):
         self._keep_held = keep
         if gate is not None:
             self._plan.overlapped()  # the eviction order then covers a whole overlapped cycle
+
+    def set_persistent(self, allowed: bool) -> None:
+        """Whether parameters may stay fetched between uses when the budgets hold
+        everything (default True: :mod:`swapper.zero.persist`); False ends it now."""
+        self._persist.allowed = bool(allowed)
+        if not allowed:
+            unpersist(self)
+
+    def end_persistence(self) -> None:
+        """Release the persistent holds and put the module hooks back (a snapshot, an
+        unwrap); the next forward makes the parameters persistent again if it can."""
+        unpersist(self)
+
+    @property
+    def persistent(self) -> bool:
+        """Whether the parameters are persistent now (:mod:`swapper.zero.persist`)."""
+        return self._persist.active
 
     def step_started(self) -> None:
         """The overlapped optimizer starts a step's update (:mod:`swapper.step.deferred`):
@@ -315,31 +340,6 @@ class OffloadedModel(ModuleHooks, nn.Module):
         super().zero_grad(set_to_none=set_to_none)
         self._drop_grads(self._by_name.values())
 
-    def drop_kept_grads(self) -> None:
-        """Unregister the gradient entries that ``zero_grad`` kept empty (a snapshot
-        writes every entry it finds: none holds a gradient then)."""
-        self._drop_grads(self._by_name.values(), keep=False)
-
-    def _drop_grads(self, slots: Iterable[Slot], *, keep: bool | None = None) -> None:
-        """Drop the slots' retained gradients. With budgets that hold everything (the
-        gradients' tier has no limit: nothing would use the room; and no overlapped
-        update, whose ``zero_grad`` runs on its thread) each entry is kept, marked empty
-        (``Slot.grad_kept``): the next backward copies into it instead of registering a
-        new entry (~20 µs a gradient and step for the pair). ``keep=False``: unregister."""
-        if keep is None:
-            keep = self._lazy_norms and self._param_gate is None
-        for slot in slots:
-            # Unregistered first, then marked: cut in between (Ctrl-C at the wait for a
-            # write of it), the slot still says what the manager holds.
-            with signals.at_waits:
-                if slot.has_grad and keep:
-                    with self._lock:
-                        slot.has_grad, slot.grad_norm, slot.grad_kept = False, None, True
-                elif slot.has_grad or slot.grad_kept:
-                    self._manager.unregister(slot.grad_key)
-                    with self._lock:
-                        slot.has_grad, slot.grad_norm, slot.grad_kept = False, None, False
-
     def stats(self) -> ManagerStats:
         """The manager's counters: bytes moved, stall time, peaks per tier."""
         return self._manager.stats()
@@ -393,10 +393,16 @@ class OffloadedModel(ModuleHooks, nn.Module):
         if self._param_gate is not None:
             with contextlib.suppress(Exception):  # (the optimizer raises it at its next call)
                 self._param_gate(None)
+        with contextlib.suppress(Exception):  # (the tiers are dropped next anyway)
+            unpersist(self)  # the parameters placeholders again, their holds released
+        for slot in self._by_name.values() if self._persist.active else ():
+            slot.param.data, slot.grad_held = slot.placeholder, None  # (leaving failed)
+            NATIVE_GRADS.pop(id(slot.param), None)
         self._closed = True
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        remove_all(self)
         unguard(self._by_name.values())
         self._close_manager()
 
@@ -491,15 +497,4 @@ class OffloadedModel(ModuleHooks, nn.Module):
         return slot
 
     def _install_hooks(self, module: nn.Module) -> None:
-        for sub, slots in self._module_slots.items():
-            self._handles.append(sub.register_forward_pre_hook(self._pre_forward_hook(slots)))
-            # always_call: a forward that raises (the early stop of a non-reentrant
-            # checkpoint's recompute raises on purpose) still releases what it fetched
-            self._handles.append(
-                sub.register_forward_hook(self._post_forward_hook(slots), always_call=True)
-            )
-        for slot in self._by_name.values():
-            if slot.param.requires_grad:
-                self._handles.append(
-                    slot.param.register_post_accumulate_grad_hook(self._grad_hook(slot))
-                )
+        install(self, self._module_slots)

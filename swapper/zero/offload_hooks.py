@@ -13,7 +13,7 @@ below).
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -23,6 +23,7 @@ from swapper.manager import Tier, TierManager
 from swapper.step.sources import ParamGate
 from swapper.zero.autograd import hook_outputs, in_autograd
 from swapper.zero.params import Holds, Slot, retain_grad
+from swapper.zero.persist import Persistence, drop_native, enter, retain_held
 from swapper.zero.readahead import FetchPlan
 from swapper.zero.recompute import no_room
 from swapper.zero.resident import acquire_resident
@@ -48,6 +49,7 @@ class ModuleHooks:
     _param_gate: ParamGate | None
     _keep_held: bool
     _lazy_norms: bool
+    _persist: Persistence
 
     def _drop_forward_holds(self, depth: int) -> int:
         """Release the slots fetched by the modules whose forward began above ``depth``
@@ -62,6 +64,8 @@ class ModuleHooks:
 
     def _pre_forward_hook(self, slots: list[Slot]) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any) -> None:
+            if enter(self):  # persistent from here: this hook is taken off (swapper.zero.persist)
+                return
             self._plan.step_boundary()
             self._check_room(slots)
             taken: list[Slot] = []
@@ -143,8 +147,11 @@ class ModuleHooks:
         def hook(param: torch.Tensor) -> None:
             grad = param.grad
             if grad is not None:
-                retain_grad(self._manager, slot, grad, self._lock, lazy_norm=self._lazy_norms)
+                if not retain_held(self, slot, grad):
+                    retain_grad(self._manager, slot, grad, self._lock, lazy_norm=self._lazy_norms)
                 param.grad = None  # moved: the retained buffer holds it now
+            if not slot.backward_holds:
+                return  # (the common case, and the only one while persistent)
             with signals.held:
                 with self._lock:
                     holds, slot.backward_holds = slot.backward_holds, 0
@@ -188,6 +195,35 @@ class ModuleHooks:
                 self._release(slot)
         return sum(h for _, h, _ in leftovers), sum(k for _, _, k in leftovers)
 
+    # -- retained gradients dropped ----------------------------------------------------------
+
+    def drop_kept_grads(self) -> None:
+        """Unregister the gradient entries that ``zero_grad`` kept empty (a snapshot
+        writes every entry it finds: none holds a gradient then)."""
+        self._drop_grads(self._by_name.values(), keep=False)
+
+    def _drop_grads(self, slots: Iterable[Slot], *, keep: bool | None = None) -> None:
+        """Drop the slots' retained gradients. With budgets that hold everything (the
+        gradients' tier has no limit: nothing would use the room; and no overlapped
+        update, whose ``zero_grad`` runs on its thread) each entry is kept, marked empty
+        (``Slot.grad_kept``): the next backward copies into it instead of registering a
+        new entry (~20 µs a gradient and step for the pair). ``keep=False``: unregister."""
+        if keep is None:
+            keep = self._lazy_norms and self._param_gate is None
+        if self._persist.active:  # persistent: those held by reference or by autograd
+            slots = drop_native(self, slots)
+        for slot in slots:
+            # Unregistered first, then marked: cut in between (Ctrl-C at the wait for a
+            # write of it), the slot still says what the manager holds.
+            with signals.at_waits:
+                if slot.has_grad and keep:
+                    with self._lock:
+                        slot.has_grad, slot.grad_norm, slot.grad_kept = False, None, True
+                elif slot.has_grad or slot.grad_kept:
+                    self._manager.unregister(slot.grad_key)
+                    with self._lock:
+                        slot.has_grad, slot.grad_norm, slot.grad_kept = False, None, False
+
     # -- fetching and releasing -------------------------------------------------------------
 
     def _acquire(self, slot: Slot) -> None:
@@ -200,6 +236,9 @@ class ModuleHooks:
             with self._lock:
                 slot.users += 1
                 if slot.users > 1:
+                    return
+                if self._persist.active:  # fetched already (swapper.zero.persist)
+                    self._holds.held_nbytes += slot.nbytes
                     return
             try:
                 check_unwritten(slot)  # a write to the placeholder: raised, not lost quietly
@@ -219,6 +258,9 @@ class ModuleHooks:
             with self._lock:
                 slot.users -= 1
                 if slot.users > 0:
+                    return
+                if self._persist.active:  # stays fetched (swapper.zero.persist)
+                    self._holds.held_nbytes -= slot.nbytes
                     return
                 # an in-place write while fetched landed in the tiers' bytes: keep it
                 modified = slot.param._version != slot.version

@@ -150,6 +150,10 @@ class Slot:
     #: budgets that hold everything: see ``OffloadedModel._drop_grads``); the next
     #: gradient is copied into it, not added, and a snapshot unregisters it first
     grad_kept: bool = False
+    #: while the parameters are persistent (:mod:`swapper.zero.persist`): the retained
+    #: gradient itself, autograd's tensor kept by reference (moved, not copied; added
+    #: to on later micro-steps), in no manager entry; ``has_grad`` is True then
+    grad_held: torch.Tensor | None = None
     #: fp32 L2 norm of the retained gradient, taken when it is moved in (while it is in
     #: memory anyway), so that the optimizer's global norm reads nothing back from NVMe
     grad_norm: torch.Tensor | None = None
@@ -192,6 +196,11 @@ class TieredParams:
         #: during a step whose parameters and gradients are all resident (see
         #: :meth:`resident`): each one's key → its tensor, fetched once for the step
         self._pinned: dict[str, torch.Tensor] | None = None
+        # (a late import: swapper.zero.persist builds on this module)
+        from swapper.zero.persist import collect, collect_all
+
+        #: move gradients autograd kept in its own fields into their retained form
+        self._collect, self._collect_all = collect, collect_all
 
     def _slot(self, param: torch.Tensor) -> Slot:
         slot = self._model._slots.get(id(param))
@@ -233,10 +242,11 @@ class TieredParams:
             yield False
             return
         slots = [self._slot(param) for param in params]
+        self._collect_all(model, slots)  # (autograd's own fields, while persistent)
         if any(slot.users for slot in slots):
             model.release_stale_holds()  # a forward or backward that raised
         keys = [slot.key for slot in slots]
-        grad_keys = [slot.grad_key for slot in slots if slot.has_grad]
+        grad_keys = [s.grad_key for s in slots if s.has_grad and s.grad_held is None]
         if any(slot.users for slot in slots):
             tensors = None  # (write_param raises, as it always did)
         else:
@@ -259,8 +269,14 @@ class TieredParams:
 
     def read_grad(self, param: torch.Tensor, start: int, out: torch.Tensor) -> bool:
         slot = self._slot(param)
+        if self._pinned is None and self._model._persist.native:  # (else: by resident)
+            self._collect(self._model, slot)
         if not slot.has_grad:
             return False
+        held = slot.grad_held  # (persistent parameters: swapper.zero.persist)
+        if held is not None:
+            out.copy_(held.view(-1)[start : start + out.numel()])
+            return True
         pinned = self._pinned
         if pinned is not None and slot.grad_key in pinned:
             out.copy_(pinned[slot.grad_key].view(-1)[start : start + out.numel()])
@@ -285,6 +301,9 @@ class TieredParams:
 
     def grad_norms(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         slots = [self._slot(param) for param in params]
+        if self._pinned is None and self._model._persist.native:  # (else: by resident)
+            for slot in slots:
+                self._collect(self._model, slot)  # (autograd's own field)
         batch: list[Slot] = []
         numel = 0
         for slot in slots:
@@ -313,7 +332,9 @@ class TieredParams:
             try:
                 pinned = self._pinned or {}
                 for slot in slots:
-                    tensor = pinned.get(slot.grad_key)  # (held for the step: no fetch)
+                    tensor = slot.grad_held  # (persistent parameters: no entry)
+                    if tensor is None:
+                        tensor = pinned.get(slot.grad_key)  # (held for the step: no fetch)
                     if tensor is None:
                         tensor = self._manager.fetch(slot.grad_key, in_place=True)
                         own.append(slot)

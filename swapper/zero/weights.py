@@ -5,15 +5,14 @@ Between uses an offloaded parameter's ``.data`` is a 0-element placeholder (see
 step would see that placeholder. This module makes each such path give the real bytes or
 a clear error:
 
-- ``module.state_dict()`` of the wrapped model or any of its sub-modules (hence
-  ``torch.save``, ``save_pretrained``, ``accelerate``'s saving): a state-dict post-hook on
-  every module that owns offloaded parameters replaces each placeholder by an ordinary
-  CPU copy of the parameter, fetched one parameter at a time (on the host tier, so the
-  device budget and the recorded fetch order are not touched);
+- ``module.state_dict()`` of the wrapped model or any sub-module (hence ``torch.save``,
+  ``save_pretrained``): a state-dict post-hook on every module owning offloaded
+  parameters puts in an ordinary CPU copy of each, fetched one at a time (on the host
+  tier: the device budget and the recorded fetch order are not touched);
 - ``module.load_state_dict(sd)``: a load pre-hook writes each offloaded parameter's value
-  through to the tiers (one parameter at a time) and takes it out of what torch copies
-  into the placeholder; a post-hook keeps those keys out of ``missing_keys``. A shape
-  mismatch is reported with the parameter's real shape;
+  through to the tiers, one at a time, and takes it out of what torch copies into the
+  placeholder; a post-hook keeps those keys out of ``missing_keys`` (a shape mismatch
+  names the real shape);
 - in-place writes outside the hooks, on the parameter (``torch.nn.init.*``,
   ``param.zero_()`` under ``no_grad``) or through ``.data`` (``param.data.normal_()``, as
   Hugging Face's ``_init_weights`` does): they land on the placeholder and cannot be
@@ -28,10 +27,9 @@ a clear error:
   parameter copied back into an ordinary tensor on the device it was on when wrapped,
   after a check that they fit (else :class:`WeightsDoNotFitError`, nothing changed).
 
-Not caught: a write through ``.data`` while the parameter is fetched (written, but not
-marked modified), and writes to a parameter of an ``nn.Parameter`` subclass (not guarded:
-its class is left alone). ``param.data.copy_(x)`` with a non-empty ``x`` raises torch's own
-size error.
+Not caught: a write through ``.data`` while the parameter is fetched by a hook (written,
+not marked modified), writes to an ``nn.Parameter`` subclass (not guarded). Persistent
+parameters (:mod:`swapper.zero.persist`) keep such writes in their bytes.
 """
 
 from __future__ import annotations
@@ -59,6 +57,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 __all__ = [
+    "NATIVE_GRADS",
+    "PERSISTENT_DATA",
+    "TENSOR_GRAD",
     "GuardedParameter",
     "OffloadedWriteError",
     "WeightHooks",
@@ -90,17 +91,25 @@ _TENSOR_DATA: Any = torch._C.TensorBase.__dict__["data"]
 
 #: id(param) → (a weak reference to it, its placeholder), while it is guarded.
 _PLACEHOLDERS: dict[int, tuple[weakref.ref[nn.Parameter], torch.Tensor]] = {}
+TENSOR_GRAD: Any = torch._C.TensorBase.__dict__["grad"]  # (autograd's gradient field)
+#: While persistent (:mod:`swapper.zero.persist`), id(param) → what ``param.grad = value``
+#: does instead (``param.grad`` reads None: as moved), and → the one alias ``.data``
+#: returns (a write through it shows in its version counter).
+NATIVE_GRADS: dict[int, Callable[[torch.Tensor | None], None]] = {}
+PERSISTENT_DATA: dict[int, torch.Tensor] = {}
 
 
 class GuardedParameter(nn.Parameter):
-    """An offloaded ``nn.Parameter`` (its class while wrapped; ``nn.Parameter`` again after
-    ``unwrap()``/``close()``). Only ``.data`` differs: between uses it returns the
-    placeholder object itself rather than a fresh alias, so that a write through it bumps
-    a version counter swapper reads. ``__torch_function__`` stays disabled (no cost in
-    torch calls); pickled, it is an ``nn.Parameter``."""
+    """An offloaded ``nn.Parameter`` while wrapped: ``.data`` returns one object whose
+    version counter swapper reads (between uses the placeholder itself, not a fresh alias;
+    ``PERSISTENT_DATA``), ``.grad`` None while autograd keeps it for swapper. No
+    ``__torch_function__`` (no cost in torch calls); pickled, an ``nn.Parameter``."""
 
     @property
     def data(self) -> torch.Tensor:  # type: ignore[override]
+        alias = PERSISTENT_DATA.get(id(self))
+        if alias is not None:
+            return alias
         current = _TENSOR_DATA.__get__(self)
         entry = _PLACEHOLDERS.get(id(self))
         if entry is not None and entry[0]() is self and current.numel() == 0:
@@ -109,7 +118,22 @@ class GuardedParameter(nn.Parameter):
 
     @data.setter
     def data(self, value: torch.Tensor) -> None:  # pyright: ignore[reportIncompatibleVariableOverride]
+        PERSISTENT_DATA.pop(id(self), None)  # (then counted as written: persist.leave)
         _TENSOR_DATA.__set__(self, value)
+
+    @property
+    def grad(self) -> torch.Tensor | None:  # type: ignore[override]
+        if id(self) in NATIVE_GRADS:
+            return None  # (swapper's: see NATIVE_GRADS)
+        return TENSOR_GRAD.__get__(self)
+
+    @grad.setter
+    def grad(self, value: torch.Tensor | None) -> None:  # pyright: ignore[reportIncompatibleVariableOverride]
+        instead = NATIVE_GRADS.get(id(self))
+        if instead is not None:
+            instead(value)
+            return
+        TENSOR_GRAD.__set__(self, value)
 
 
 def guard(slot: Slot) -> None:
@@ -190,6 +214,9 @@ def _held(model: OffloadedModel, slot: Slot, *, write: bool) -> Iterator[torch.T
                 "a forward or backward); load weights between steps"
             )
         yield slot.param.data
+        return
+    if model._persist.active:  # fetched between uses (swapper.zero.persist): its bytes
+        yield slot.param.data  # (released as modified when persistence ends)
         return
     if write:  # a lost write before is superseded by this one
         slot.version, slot.placeholder_version = slot.param._version, slot.placeholder._version
@@ -311,6 +338,7 @@ def unwrap(model: OffloadedModel) -> nn.Module:
             "offload: unwrap() after close(): the weights were dropped with the tiers"
         )
     model.release_stale_holds(warn=False)
+    model.end_persistence()  # (writes kept while persistent are in the tiers' bytes)
     copies = restore(model)
     with signals.held:  # all parameters real and the wrapper closed, or neither
         with model._lock:
