@@ -45,6 +45,14 @@ goes on in its thread, its bookkeeping exact (:mod:`swapper.step.pipeline`). A f
 cut update leaves ``optimizer._pending`` at its step, which every reader of the state
 refuses until ``step()`` finishes it, as after a failed ordinary step.
 
+Cost and who waits: ``step()`` asks for the state of the first streamed sub-group of the
+order before it computes the gradient norm (the next forward's first module waits for that
+sub-group's update, and its read would otherwise start only with the thread). The update
+runs with one intra-op thread (``UPDATE_THREADS``), the forward keeping the cores. Its fetch
+waits are the manager's ``background_stall_s`` (:func:`swapper.manager.background_work`);
+the training thread's waits for it (the gate, a backward, ``step()``) are summed in
+:attr:`DeferredSteps.waited_s` (``OffloadAdamW.overlap_waited_s``).
+
 Requirement on budgets: while the forward holds a module's parameters, the update of a
 later sub-group must find room in the host budget for its state and one parameter or
 gradient (as the ordinary step does with nothing held). Where parameters are used in the
