@@ -426,7 +426,7 @@ def _assert_budgets_exact(m: TierManager) -> None:
         assert memory.budget.used_nbytes == held_nbytes, (tier, memory.budget)
     assert m._ctx.writebehind.used_nbytes == 0
     windows = sum(e.readahead.nbytes for e in entries if e.readahead is not None)
-    assert m._ctx.readahead.used_nbytes == windows
+    assert m._ctx.readahead.used_nbytes + m._ctx.state_readahead.used_nbytes == windows
 
 
 class Case:

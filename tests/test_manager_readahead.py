@@ -122,7 +122,7 @@ def test_one_mover_thread_keeps_every_read_ahead_in_flight(manager: TierManager)
         manager.release(key, modified=False)
     stats = manager.stats()
     assert stats.prefetch_hits + stats.prefetch_misses == 3 and stats.prefetch_dropped == 0
-    assert manager._ctx.readahead.used_nbytes == 0  # windows given back at fetch
+    assert manager._ctx.state_readahead.used_nbytes == 0  # windows given back at fetch
 
 
 def test_a_fetch_waits_for_the_read_ahead_of_its_key(manager: TierManager) -> None:
@@ -151,7 +151,7 @@ def test_a_failed_read_ahead_leaves_the_entry_on_nvme_and_frees_everything(
     _wait_for(lambda: held.count() == 2)
     held.release(fail=SwapIOError(5, "injected read error", "x"))
     _wait_for(lambda: all(manager.info(k).state is EntryState.ON_NVME for k in tensors))
-    assert manager._ctx.readahead.used_nbytes == 0
+    assert manager._ctx.state_readahead.used_nbytes == 0
     assert manager._ctx.host.budget.used_nbytes == host_before
     assert manager.stats().prefetch_dropped == 2
     # The next fetch reads it again, from the real store.
@@ -203,3 +203,33 @@ def test_a_corrupted_chunk_read_ahead_is_refused_and_the_fetch_raises(
     with pytest.raises(SwapCorruptionError, match="k0"):
         manager.fetch("k0", Tier.HOST)
     assert manager.info("k0").state is EntryState.ON_NVME
+
+
+def test_optimizer_state_has_its_own_read_ahead_window(tmp_path: Path) -> None:
+    """Parameters read ahead up to the whole window (the next forward's, while a step
+    streams its state) do not make a sub-group's read-ahead be dropped: optimizer state
+    has a window of its own, of the same size, where a state larger than the window still
+    goes alone (one sub-group at a time)."""
+    window = 16 * KiB
+    m = TierManager(_config(tmp_path, prefetch_window_nbytes=window))
+    try:
+        param = _tensor(0, numel=window // 4)
+        m.register("p", param, "param16")
+        states = {f"s{i}": _tensor(i + 1, numel=2 * window // 4) for i in range(2)}
+        for key, t in states.items():
+            m.register(key, t, "optim_state")
+        for key in ("p", *states):
+            m.evict(key).result(timeout=10)
+        # (a read-ahead holds its share of the window until the key is fetched)
+        assert m.prefetch(["p"], Tier.HOST) == 1  # the whole window
+        assert m.prefetch(["s0"], Tier.HOST) == 1  # its own window: not dropped
+        assert m.prefetch(["s1"], Tier.HOST) == 0  # that one is full: one at a time
+        assert m.stats().prefetch_dropped == 1
+        _wait_for(lambda: all(m.info(k).state is EntryState.RESIDENT for k in ("p", "s0")))
+        for key, t in {"p": param, **states}.items():
+            assert torch.equal(m.fetch(key, Tier.HOST), t)
+            m.release(key, modified=False)
+        assert m._ctx.readahead.used_nbytes == m._ctx.state_readahead.used_nbytes == 0
+    finally:
+        with contextlib.suppress(NotDurableError):
+            m.close()

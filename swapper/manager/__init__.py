@@ -17,7 +17,7 @@ from swapper.manager.errors import (
     UnknownKeyError,
 )
 from swapper.manager.policy import AccessOrder
-from swapper.manager.stats import ManagerStats, TierStats, TransferStats
+from swapper.manager.stats import ManagerStats, TierStats, TransferStats, background_work
 
 __all__ = [
     "DEFAULT_PLACEMENT",
@@ -41,4 +41,5 @@ __all__ = [
     "TierStats",
     "TransferStats",
     "UnknownKeyError",
+    "background_work",
 ]

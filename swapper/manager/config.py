@@ -79,7 +79,10 @@ class ManagerConfig:
             :data:`DEFAULT_PLACEMENT`. Registration takes the first tier with room.
         policy: how victims are chosen (see :class:`Policy`).
         prefetch_window_nbytes: at most this many bytes read ahead and not yet fetched
-            (``None``: half the host budget, or unlimited with an unlimited host budget).
+            (``None``: half the host budget, or unlimited with an unlimited host budget);
+            counted apart for optimizer state and for the other kinds (a step's read-ahead
+            never waits for the parameters' and the other way round). A tensor larger
+            than the window is read ahead alone.
         write_behind_nbytes: at most this many bytes being written to NVMe at once
             (``None``: half the host budget, or unlimited).
         stats_interval_s: log a stats line at INFO at most this often (``None``: never).

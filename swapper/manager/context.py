@@ -18,7 +18,8 @@ Invariants (checked by the tests in ``tests/test_manager.py`` and
 * ``jobs`` counts requests queued for the mover threads and not yet ended: ``close``
   waits for it to reach 0 before it shuts the pool.
 * Bounds: each tier's bytes by its budget; bytes being written by ``write_behind_nbytes``;
-  bytes read ahead and not yet fetched by ``prefetch_window_nbytes``. Every byte in flight
+  bytes read ahead and not yet fetched by ``prefetch_window_nbytes``, once for optimizer
+  state and once for every other kind (:meth:`ManagerContext.window_for`). Every byte in flight
   to or from NVMe sits in a host block (a device tensor is staged through one), so I/O never
   holds more than the host budget.
 """
@@ -89,6 +90,7 @@ class ManagerContext:
         self.host = HostTier(config.host_nbytes, arena_nbytes=config.host_arena_nbytes)
         self.memory: dict[Tier, MemoryTier] = {Tier.DEVICE: self.device, Tier.HOST: self.host}
         self.readahead = ByteBudget("read-ahead", config.prefetch_window_nbytes)
+        self.state_readahead = ByteBudget("state read-ahead", config.prefetch_window_nbytes)
         self.writebehind = ByteBudget("write-behind", config.write_behind_nbytes)
         self.entries: dict[str, SwapEntry] = {}
         self.cond = threading.Condition(threading.Lock())
@@ -217,6 +219,16 @@ class ManagerContext:
         return self.placement[kind][-1]
 
     # -- the table (lock held) ------------------------------------------------------------
+
+    def window_for(self, entry: SwapEntry) -> ByteBudget:
+        """The read-ahead window an entry's read-ahead takes its share of: optimizer state
+        has its own. One window for both let a model's parameters, read ahead along the
+        next forward while an optimizer step streams its state (or beside an overlapped
+        step's update), hold the window a sub-group needs whole (a sub-group larger than
+        the window takes all of it), and every read-ahead of a sub-group was dropped (the
+        100M pressure run: 111 of them over one overlapped forward, each sub-group then
+        read only when its turn came)."""
+        return self.state_readahead if entry.kind is Kind.OPTIM_STATE else self.readahead
 
     def check_open(self) -> None:
         if self.closing:

@@ -296,8 +296,9 @@ class TierManager:
                     or (entry.tier is target and not entry.state.transient)
                 ):
                     continue
-                window = self._ctx.readahead.try_reserve(
-                    window_share(self._ctx.readahead, entry.nbytes), what=f"key={entry.key!r}"
+                budget = self._ctx.window_for(entry)
+                window = budget.try_reserve(
+                    window_share(budget, entry.nbytes), what=f"key={entry.key!r}"
                 )
                 if window is None:
                     self._ctx.stats.add(prefetch_dropped=1)

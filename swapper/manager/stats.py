@@ -12,7 +12,26 @@ from types import MappingProxyType
 from swapper.manager.config import Kind, Tier
 from tiers.units import format_size
 
-__all__ = ["ManagerStats", "StatsRecorder", "TierStats", "TransferStats"]
+__all__ = ["ManagerStats", "StatsRecorder", "TierStats", "TransferStats", "background_work"]
+
+#: Per thread: whether its fetches' waits count as background stall (``background_work``).
+_thread = threading.local()
+
+
+@contextlib.contextmanager
+def background_work() -> Iterator[None]:
+    """Within the block, the calling thread's fetch waits are *background* stall: work
+    that runs beside the training's own thread (an overlapped optimizer step,
+    :mod:`swapper.step.deferred`), whose waits delay no forward or backward by
+    themselves. They still count in ``stall_s`` (every fetch's wait, as always) and are
+    also summed in ``background_stall_s``, so that ``stall_s - background_stall_s`` is the
+    time the training's thread waited. Nests."""
+    before = getattr(_thread, "background", False)
+    _thread.background = True
+    try:
+        yield
+    finally:
+        _thread.background = before
 
 
 @dataclass(frozen=True)
@@ -71,6 +90,8 @@ class ManagerStats:
         kind_nbytes: (kind, source tier, destination tier) → bytes moved by transfers
             that succeeded, split by what the tensors are (the same bytes as
             ``transfers``).
+        background_stall_s: the part of ``stall_s`` waited by threads doing background
+            work (:func:`background_work`: an overlapped optimizer step's update).
     """
 
     transfers: Mapping[tuple[Tier, Tier], TransferStats]
@@ -85,6 +106,13 @@ class ManagerStats:
     kind_nbytes: Mapping[tuple[Kind, Tier, Tier], int] = field(
         default_factory=lambda: MappingProxyType({})
     )
+    background_stall_s: float = 0.0
+
+    @property
+    def foreground_stall_s(self) -> float:
+        """Seconds fetches waited outside background work (``stall_s`` less
+        ``background_stall_s``): the waits of the training's own thread."""
+        return self.stall_s - self.background_stall_s
 
     def moved_nbytes(self, kind: Kind, src: Tier, dst: Tier) -> int:
         """Bytes of tensors of ``kind`` moved from ``src`` to ``dst`` (0 when none)."""
@@ -136,6 +164,7 @@ class StatsRecorder:
     prefetch_dropped: int = 0
     prefetch_wasted: int = 0
     write_errors: int = 0
+    background_stall_s: float = 0.0
 
     def begin(self, src: Tier, dst: Tier) -> None:
         """A transfer from ``src`` to ``dst`` starts; pair with :meth:`end`."""
@@ -181,10 +210,14 @@ class StatsRecorder:
             self.prefetch_hits += count
 
     def add(self, **counts: float) -> None:
-        """Add to the named counters (``stall_s=0.2, prefetch_hits=1``)."""
+        """Add to the named counters (``stall_s=0.2, prefetch_hits=1``); a stall added by
+        a thread in :func:`background_work` also counts as background stall."""
+        background = getattr(_thread, "background", False)
         with self._lock:
             for name, value in counts.items():
                 setattr(self, name, getattr(self, name) + value)
+            if background and "stall_s" in counts:
+                self.background_stall_s += counts["stall_s"]
 
     def snapshot(self, tiers: Mapping[Tier, TierStats]) -> ManagerStats:
         with self._lock:
@@ -206,4 +239,5 @@ class StatsRecorder:
                 prefetch_wasted=self.prefetch_wasted,
                 write_errors=self.write_errors,
                 kind_nbytes=MappingProxyType(dict(self._kind_nbytes)),
+                background_stall_s=self.background_stall_s,
             )

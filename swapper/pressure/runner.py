@@ -1,4 +1,4 @@
-# Size: ~510 lines: settings, result record (its JSON) and the run; the record grew with
+# Size: ~515 lines: settings, result record (its JSON) and the run; the record grew with
 # issue 14 (overlap, compressed moments and their bytes per parameter).
 """Train a GPT under tight per-tier budgets, next to an unlimited run, and compare.
 
@@ -18,9 +18,11 @@ One run (:func:`run_pressure`):
 and reports per-step losses of both, whether losses, final parameters and the
 ``final_digest`` of parameters and optimizer state are bit-identical, peak bytes per
 tier against the budgets, the pressure run's peak RSS, bytes moved and stall fraction
-(time ``fetch`` waited for bytes / training time), and the timing figures of
-:mod:`swapper.pressure.timing` (seconds per step beside a plain PyTorch run, the I/O
-floor from the disk's rates measured in the swap directories, the stall split).
+(time the training's thread waited for bytes / training time: its fetches' waits, and
+with an overlapped step its waits for the update beside it, not the update's own), and
+the timing figures of :mod:`swapper.pressure.timing` (seconds per step beside a plain
+PyTorch run, the I/O floor from the disk's rates measured in the swap directories, the
+stall split).
 
 With ``checkpoint_every`` the pressure run takes a training snapshot every that many steps
 (:func:`swapper.zero.checkpoint.save_snapshot`, the ``keep_last`` newest kept) in a store
@@ -152,6 +154,8 @@ class _Run:
     #: optimizer state bytes read from / written to NVMe by the last step
     state_read_nbytes: int = 0
     state_written_nbytes: int = 0
+    #: seconds the training's thread waited for bytes (see ``timing._stall``)
+    stall_s: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -363,7 +367,7 @@ def run_pressure(
         bytes_moved=moved,
         phases=pressure.phases,
         reference_phases=reference.phases,
-        stall_fraction=stats.stall_s / pressure.seconds if pressure.seconds > 0 else 0.0,
+        stall_fraction=pressure.stall_s / pressure.seconds if pressure.seconds > 0 else 0.0,
         seconds=pressure.seconds,
         reference_seconds=reference.seconds,
         final_digest=pressure.digest,
@@ -422,14 +426,14 @@ def _train(
         for step, tokens in enumerate(data, 1):
             if step <= resumed_from:
                 continue
-            phases.begin(wrapped.stats())
+            phases.begin(wrapped.stats(), optimizer.overlap_waited_s)
             with activations.counting():
                 loss = model.loss(tokens)
-            phases.forward_done(wrapped.stats())
+            phases.forward_done(wrapped.stats(), optimizer.overlap_waited_s)
             (scaler.scale(loss) if scaler is not None else loss).backward()
-            phases.backward_done(wrapped.stats())
+            phases.backward_done(wrapped.stats(), optimizer.overlap_waited_s)
             optimizer.step()
-            phases.step_done(wrapped.stats())
+            phases.step_done(wrapped.stats(), optimizer.overlap_waited_s)
             optimizer.zero_grad()
             losses.append(float(loss.detach()))
             say(
@@ -446,6 +450,8 @@ def _train(
                     f"of {report.nbytes:,} B of state, {report.seconds:.3f} s"
                 )
         seconds = time.perf_counter() - start
+        # (before final_digest, whose wait for the last overlapped update is no training's)
+        stall_s = wrapped.stats().foreground_stall_s + optimizer.overlap_waited_s
         traffic = optimizer.last_step.traffic if optimizer.last_step is not None else None
         peak = peak_rss()
         stats = wrapped.stats()
@@ -472,6 +478,7 @@ def _train(
         export_s,
         state_read_nbytes=traffic.read_nbytes.get(Kind.OPTIM_STATE, 0) if traffic else 0,
         state_written_nbytes=traffic.written_nbytes.get(Kind.OPTIM_STATE, 0) if traffic else 0,
+        stall_s=stall_s,
     )
 
 

@@ -12,8 +12,11 @@ What ``swapper-pressure --json`` reports beside its bit-identity proof (:class:`
 - ``io_floor_seconds``: the median over the same steps of NVMe bytes read / the disk's
   read rate + bytes written / its write rate, the rates measured in the same run
   (:func:`measure_disk`): reads and writes share one device, so their times add;
-- ``stall_seconds``: per-step medians (same steps) of the time ``fetch`` waited for bytes
-  during forward, during backward, and during the optimizer step.
+- ``stall_seconds``: per-step medians (same steps) of the time the training's thread
+  waited for bytes during forward, during backward, and during the optimizer step: its
+  ``fetch`` waits, and with an overlapped step (``--overlap``) its waits for the update
+  running beside it (the hooks' gate, ``step()``); the update's own fetch waits hide
+  behind the forward and are not counted (``ManagerStats.background_stall_s``).
 """
 
 from __future__ import annotations
@@ -82,27 +85,35 @@ class Phases:
         """Seconds per step: forward + backward + optimizer step."""
         return [m + o for m, o in zip(self.model_s, self.optimizer_s, strict=True)]
 
-    def begin(self, stats: ManagerStats) -> None:
+    def begin(self, stats: ManagerStats, waited_s: float = 0.0) -> None:
         self._t0 = self._t = time.perf_counter()
-        self._stall0 = self._stall = stats.stall_s
+        self._stall0 = self._stall = _stall(stats, waited_s)
         self._read, self._written = _nvme(stats)
 
-    def forward_done(self, stats: ManagerStats) -> None:
+    def forward_done(self, stats: ManagerStats, waited_s: float = 0.0) -> None:
         self.forward_s.append(time.perf_counter() - self._t0)
-        self.forward_stall_s.append(stats.stall_s - self._stall0)
+        self.forward_stall_s.append(_stall(stats, waited_s) - self._stall0)
 
-    def backward_done(self, stats: ManagerStats) -> None:
+    def backward_done(self, stats: ManagerStats, waited_s: float = 0.0) -> None:
         now = time.perf_counter()
+        stall = _stall(stats, waited_s)
         self.model_s.append(now - self._t0)
-        self.model_stall_s.append(stats.stall_s - self._stall0)
-        self._t, self._stall = now, stats.stall_s
+        self.model_stall_s.append(stall - self._stall0)
+        self._t, self._stall = now, stall
 
-    def step_done(self, stats: ManagerStats) -> None:
+    def step_done(self, stats: ManagerStats, waited_s: float = 0.0) -> None:
         self.optimizer_s.append(time.perf_counter() - self._t)
-        self.optimizer_stall_s.append(stats.stall_s - self._stall)
+        self.optimizer_stall_s.append(_stall(stats, waited_s) - self._stall)
         read, written = _nvme(stats)
         self.nvme_read_nbytes.append(read - self._read)
         self.nvme_written_nbytes.append(written - self._written)
+
+
+def _stall(stats: ManagerStats, waited_s: float) -> float:
+    """Seconds the training's thread has waited so far: its fetches' waits (not those of
+    an overlapped update running beside it) plus ``waited_s``, its waits for that update
+    (``OffloadAdamW.overlap_waited_s``)."""
+    return stats.foreground_stall_s + waited_s
 
 
 def _nvme(stats: ManagerStats) -> tuple[int, int]:

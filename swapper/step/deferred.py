@@ -45,6 +45,14 @@ goes on in its thread, its bookkeeping exact (:mod:`swapper.step.pipeline`). A f
 cut update leaves ``optimizer._pending`` at its step, which every reader of the state
 refuses until ``step()`` finishes it, as after a failed ordinary step.
 
+Cost and who waits: ``step()`` asks for the state of the first streamed sub-group of the
+order before it computes the gradient norm (the next forward's first module waits for that
+sub-group's update, and its read would otherwise start only with the thread). The update
+runs with one intra-op thread (``UPDATE_THREADS``), the forward keeping the cores. Its fetch
+waits are the manager's ``background_stall_s`` (:func:`swapper.manager.background_work`);
+the training thread's waits for it (the gate, a backward, ``step()``) are summed in
+:attr:`DeferredSteps.waited_s` (``OffloadAdamW.overlap_waited_s``).
+
 Requirement on budgets: while the forward holds a module's parameters, the update of a
 later sub-group must find room in the host budget for its state and one parameter or
 gradient (as the ordinary step does with nothing held). Where parameters are used in the
@@ -65,6 +73,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from swapper.manager import background_work
 from swapper.step.pipeline import StepFailedError
 from swapper.step.sources import GatedModel, ParamSource, SharedStep
 from tiers import signals
@@ -76,6 +85,9 @@ if TYPE_CHECKING:
 __all__ = ["DeferredStepError", "DeferredSteps"]
 
 log = logging.getLogger(__name__)
+
+#: Intra-op threads of the update's thread (see ``DeferredSteps._work``).
+UPDATE_THREADS = 1
 
 
 class DeferredStepError(StepFailedError):
@@ -144,6 +156,9 @@ class DeferredSteps:
         self._params_of = params_of
         #: id(param) → position of its first fetch through the gate (the forward order)
         self._first_use: dict[int, int] = {}
+        #: seconds callers waited for an update (the gate, ``step()``, the waits): the
+        #: training's thread's share of the overlap (see ``OffloadAdamW.overlap_waited_s``)
+        self.waited_s = 0.0
         model.set_param_gate(self.gate, update_nbytes=self._update_nbytes(source))
 
     # -- the model's side -------------------------------------------------------------------
@@ -192,6 +207,13 @@ class DeferredSteps:
         started = time.perf_counter()
         counters = optimizer._pipeline.counters()
         stall_before = optimizer.manager.stats().stall_s
+        order = self._order()
+        # The next forward's first module waits for the first sub-group of this order:
+        # its state's read starts now, beside the gradient norm below, instead of when
+        # the update's thread asks for it (at 100M parameters that read was most of the
+        # forward's wait at the gate). A hint: dropped when there is no room.
+        optimizer._check_open()
+        self._read_first(order)
         grad_norm, found_inf = optimizer._grad_norm()
         norm = None if grad_norm is None else float(grad_norm)
         scaler = optimizer.loss_scaler
@@ -208,7 +230,7 @@ class DeferredSteps:
             {k: v for k, v in group.items() if k not in ("params", "param_names")}
             for group in optimizer.param_groups
         ]
-        job = _Job(target, factor, groups, self._order(), started, counters, stall_before, norm)
+        job = _Job(target, factor, groups, order, started, counters, stall_before, norm)
         # The counters move now (what reads them next sees this step taken); the state
         # follows in the thread, and every reader of the state waits for it.
         optimizer._step_count = target
@@ -297,6 +319,15 @@ class DeferredSteps:
             + largest_param
         )
 
+    def _read_first(self, order: tuple[int, ...]) -> None:
+        """Read ahead the state of the first streamed sub-group of ``order``."""
+        pipeline = self._optimizer._pipeline
+        if not pipeline.streams:
+            return
+        first = next((index for index in order if not pipeline.holds(index)), None)
+        if first is not None:
+            pipeline.manager.prefetch([pipeline.key(first)])
+
     def _order(self) -> tuple[int, ...]:
         first = self._first_use
         late = len(first)
@@ -308,13 +339,21 @@ class DeferredSteps:
 
     def _wait(self, done: Callable[[_Job], bool]) -> _Job | None:
         """Wait (a wait point: Ctrl-C may cut it, nothing is taken) until there is no job
-        or ``done(job)``; returns the job then (None: none)."""
+        or ``done(job)``; returns the job then (None: none). The time waited is added to
+        :attr:`waited_s`."""
+        started: float | None = None
         with self._cond:
-            while True:
-                job = self._job
-                if job is None or done(job):
-                    return job
-                signals.wait_cond(self._cond, None, "step.overlap")
+            try:
+                while True:
+                    job = self._job
+                    if job is None or done(job):
+                        return job
+                    if started is None:
+                        started = time.perf_counter()
+                    signals.wait_cond(self._cond, None, "step.overlap")
+            finally:
+                if started is not None:
+                    self.waited_s += time.perf_counter() - started
 
     def _raise_failed(self, job: _Job | None) -> None:
         if job is None or job.error is None:
@@ -365,11 +404,25 @@ class DeferredSteps:
 
     def _work(self, job: _Job) -> None:
         self._worker = threading.get_ident()
+        # One intra-op thread here: the forward beside it is the critical path and already
+        # has a kernel on every core; a second pool of spinning workers over the same
+        # cores stalls the forward's kernels. (This thread's pool only: OpenMP's count is
+        # per calling thread, checked with torch 2.13. Torch also keeps it as the default
+        # of threads it has not seen yet: one that starts its first kernel while an update
+        # runs gets one thread; restored at the end for those after.)
+        threads = torch.get_num_threads()
+        if threads > 1:
+            torch.set_num_threads(UPDATE_THREADS)
         try:
-            with torch.no_grad():  # (grad mode is per thread: step()'s does not reach here)
+            # (grad mode is per thread: step()'s does not reach here); its fetch waits are
+            # background stall: the training's thread waits only at the gate (waited_s)
+            with torch.no_grad(), background_work():
                 self._complete(job)
         except BaseException as exc:  # kept, raised where the update is needed
             log.warning("the overlapped update of step %d failed: %r", job.step, exc)
+        finally:
+            if threads > 1:
+                torch.set_num_threads(threads)
 
     def _finish_failed(self, job: _Job) -> None:
         with self._cond:

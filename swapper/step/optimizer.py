@@ -250,6 +250,15 @@ class OffloadAdamW(SubGroupMath, torch.optim.Optimizer):
         """Steps taken (skipped ones not counted)."""
         return self._step_count
 
+    @property
+    def overlap_waited_s(self) -> float:
+        """Seconds the caller's thread has waited for overlapped updates so far (the
+        forward's hooks waiting for a parameter's new values, a backward or ``step()``
+        waiting for the update's end; ``StepConfig(overlap=True)``; 0 otherwise). The
+        update's own fetch waits run beside the training and count as the manager's
+        ``background_stall_s`` instead."""
+        return self._deferred.waited_s if self._deferred is not None else 0.0
+
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         """One AdamW step over every sub-group (see :mod:`swapper.step.pipeline`).

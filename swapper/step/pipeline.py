@@ -207,6 +207,10 @@ class StepPipeline:
         """The manager key of sub-group ``index``'s state."""
         return f"{self.name}/state/{index}"
 
+    def holds(self, index: int) -> bool:
+        """Whether sub-group ``index`` is kept in memory for the optimizer's life."""
+        return index in self._held
+
     def initialize(self, fill: Callable[[SubGroup, torch.Tensor], None]) -> None:
         """Register every sub-group's state; ``fill(sub_group, buffer)`` writes it into a
         zeroed fp32 buffer of the state's shape (reused: one sub-group in memory at a time

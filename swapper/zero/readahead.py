@@ -183,8 +183,8 @@ class FetchPlan:
             return  # (set once, never unset: no lock needed to see it)
         with self._lock:
             if self._steps is not None:
-                self._overlapped_boundary(self._steps)
-            elif self._manager_recording is None and not self._manager_recorded:
+                return  # overlapped: the boundaries are the steps' starts (step_started)
+            if self._manager_recording is None and not self._manager_recorded:
                 self._manager_recording = self._manager.recording()
                 self._manager_recording.__enter__()
             elif self._manager_recording is not None and self.readahead is not None:
@@ -193,16 +193,19 @@ class FetchPlan:
                 recording.__exit__(None, None, None)
 
     def overlapped(self) -> None:
-        """An overlapped optimizer (:mod:`swapper.step.deferred`) steps this model: its
-        updates run beside the next forward, so the manager's eviction order is recorded
-        over one whole overlapped cycle instead, from the first forward after the first
-        step to the first forward after the next one (the update interleaved with the
-        forward, the backward, the next update's start). Recorded over the first forward
-        and backward as without overlap, the order held none of the update's fetches
-        but the first (measured at 2M parameters: 105 parameter fetches and one of state,
-        against 254 with the update's state, gradients and parameters): its state and
-        gradients ranked as never used again, so they were evicted first (the gradients
-        written to NVMe and read back) and no read-ahead of a sub-group found room.
+        """An overlapped optimizer (:mod:`swapper.step.deferred`) steps this model: its updates run
+        beside the next forward, so the manager's eviction order is recorded over one whole
+        overlapped cycle instead, from the start of the first step's update to the start of the next
+        one's (the update interleaved with the forward, then the backward and the next ``step()``'s
+        global part). Both ends are marked by ``step()`` in the training's thread before the
+        update's thread starts, so the update's first fetch is always inside (ended at the next
+        forward's first hook, the recording raced with that fetch: a state was left out of the
+        order, ranked as never used again, when the update's thread started a little later).
+        Recorded over the first forward and backward as without overlap, the order held none of the
+        update's fetches but the first (measured at 2M parameters: 105 parameter fetches and one of
+        state, against 254 with the update's state, gradients and parameters): its state and
+        gradients ranked as never used again, so they were evicted first (the gradients written to
+        NVMe and read back) and no read-ahead of a sub-group found room.
 
         A recording already under way is dropped (started again at the next step)."""
         with self._lock:
@@ -214,13 +217,19 @@ class FetchPlan:
                 recording.__exit__(None, None, None)  # (its order is replaced later)
 
     def step_started(self) -> None:
-        """An overlapped optimizer started a step's update (see :meth:`overlapped`)."""
+        """An overlapped optimizer starts a step's update, before its thread does (see
+        :meth:`overlapped`)."""
+        if self._manager_recorded:
+            return
         with self._lock:
             if self._steps is not None:
                 self._steps += 1
+                self._overlapped_boundary(self._steps)
 
     def _overlapped_boundary(self, steps: int) -> None:
-        """:meth:`step_boundary` for an overlapped optimizer (lock held)."""
+        """Start or end the recording of an overlapped cycle (lock held)."""
+        if self._manager_recorded:
+            return
         if self._manager_recording is None:
             if steps >= 1:
                 self._manager_recording = self._manager.recording()
