@@ -391,14 +391,22 @@ class Gates:
                 request.go.set()
 
     def open_all(self) -> None:
-        for request in self.requests:
-            request.go.set()
-        for thread in list(self.threads):
-            thread.join(20)
-        stuck = [t for t in self.threads if t.is_alive()]
+        """Let every request go and wait (20 s at most) until their threads have ended,
+        including those of requests issued meanwhile: the manager may still be working
+        (an eviction's write waits for the write-behind window that a request landing
+        here frees), and such a request starts after a first look at the threads."""
+        deadline = time.monotonic() + 20
+        while True:
+            for request in list(self.requests):
+                request.go.set()
+            alive = [t for t in list(self.threads) if t.is_alive()]
+            if not alive or time.monotonic() > deadline:
+                break
+            for thread in alive:
+                thread.join(max(0.0, deadline - time.monotonic()))
         # Every thread's stack in the message: where the stuck request waits, and on what.
-        assert not stuck, (
-            f"{len(stuck)} request(s) did not end 20 s after their gates opened:\n{_stacks()}"
+        assert not alive, (
+            f"{len(alive)} request(s) did not end 20 s after their gates opened:\n{_stacks()}"
         )
 
 
@@ -412,6 +420,29 @@ def _stacks() -> str:
 
 
 gates = Gates()
+
+
+def test_open_all_waits_for_requests_issued_while_it_waits() -> None:
+    """A request that lands can let another be issued (an eviction's write waits for the
+    write-behind window the landing one frees): open_all must wait for that one too, not
+    judge it stuck because it started after open_all looked at the threads."""
+    g = Gates()
+    landed = []
+
+    def real(store: Any, key: str) -> concurrent.futures.Future[int]:
+        if key == "first":  # as it lands, the next request is issued
+            g.gated(real, store, "second")
+        else:
+            time.sleep(0.2)  # still under way when the first's thread has ended
+        landed.append(key)
+        future: concurrent.futures.Future[int] = concurrent.futures.Future()
+        future.set_result(0)
+        return future
+
+    g.gated(real, None, "first")
+    g.open_all()
+    assert landed == ["first", "second"]
+    assert not any(t.is_alive() for t in g.threads)
 
 
 @pytest.fixture
