@@ -855,12 +855,12 @@ def _cut_each(
 ) -> dict[str, int]:
     """``run`` cut at each wait point that ``names`` lists (the k-th one of a name; how
     many times a thread waits for another can vary with timing, so a point that a run
-    does not reach is tried once more; only those in ``timing`` may be missed for good).
-    Returns name → times cut there."""
+    does not reach is tried again: once more, three times more for those in ``timing``,
+    which alone may be missed for good). Returns name → times cut there."""
     cut: dict[str, int] = {}
     points = [(name, names[: i + 1].count(name)) for i, name in enumerate(names)]
     for name, k in points:
-        for attempt in range(2):
+        for attempt in range(4 if name in timing else 2):
             injector = Injector((name, k), make, any_thread=any_thread)
             run(injector, f"{name}-{k}-{attempt}")
             if injector.injected is not None:
