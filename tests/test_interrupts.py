@@ -75,9 +75,12 @@ def _until(predicate: Callable[[], bool], timeout_s: float = 10.0) -> bool:
 
 
 def _settled(m: TierManager) -> bool:
-    """No I/O in flight and no entry transient."""
+    """No I/O in flight, no mover job queued or running (a read-ahead holds its share of
+    the window from ``prefetch`` on, before its entry changes state), no entry transient."""
     engine = m._ctx.engine
     if engine is not None and engine.pending():
+        return False
+    if m._ctx.jobs:
         return False
     keys = m.keys()
     return not any(m.info(k).state.transient for k in keys)
@@ -111,6 +114,32 @@ def sigint_raises() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+def test_idle_waits_for_a_read_ahead_not_yet_started(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A read-ahead queued behind busy mover threads holds its window share while its
+    entry is still ON_NVME: idle (for the checks after a cut) means it has run."""
+    from swapper.manager.jobs import MoverJobs
+
+    real = MoverJobs.prefetch
+    go = threading.Event()
+
+    def late(self: MoverJobs, *args: Any) -> None:
+        go.wait(10)  # as if every mover thread were busy
+        real(self, *args)
+
+    t = _rand(NUMEL, 5)
+    with TierManager(_config(tmp_path, prefetch_window_nbytes=NBYTES)) as m:
+        m.register("a", t, Kind.OPTIM_STATE)
+        m.evict("a").result()
+        monkeypatch.setattr(MoverJobs, "prefetch", late)
+        assert m.prefetch(["a"]) == 1
+        threading.Timer(0.3, go.set).start()
+        _assert_not_wedged(m)
+        _assert_budgets_exact(m)
+        _check(m, "a", t)
 
 
 # -- the three failures of issue 10, reproduced with a real SIGINT ------------------------
