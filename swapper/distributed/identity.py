@@ -166,8 +166,8 @@ def refuse_other_layout(
     for base in map(Path, nvme_dirs):
         try:
             names = sorted(os.listdir(base))
-        except FileNotFoundError:
-            continue
+        except (FileNotFoundError, NotADirectoryError):
+            continue  # (no store of either layout; opening the store names what is wrong)
         except OSError as exc:
             raise SwapIOError(exc.errno, f"cannot list: {exc.strerror}", str(base)) from exc
         found: tuple[Path, int, int | None] | None = None
@@ -243,7 +243,7 @@ def claim_store_identity(
         base = Path(base)
         try:
             names = sorted(os.listdir(base))
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             continue
         for name in names:
             m = _RANK_DIR.match(name)
