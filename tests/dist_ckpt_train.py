@@ -69,6 +69,32 @@ def model() -> GPT:
     return gpt
 
 
+class _CutForward(Exception):
+    pass
+
+
+def leave_gathers_in_flight(wrapped: Any, gpt: GPT) -> list[Any]:
+    """One forward and backward of ``wrapped`` (records the gather order: read-ahead
+    follows it), then a no-grad forward stopped as the first block's forward ends, so
+    the gathers started ahead of it are left in flight; returns their parameters' states."""
+    blocks = next(m for m in gpt.modules() if isinstance(m, torch.nn.ModuleList))
+    tokens = torch.zeros(1, 8, dtype=torch.long)
+    wrapped(tokens).float().sum().backward()
+
+    def stop(*_: Any) -> None:
+        raise _CutForward
+
+    handle = blocks[0].register_forward_hook(stop)
+    try:
+        with torch.no_grad():
+            wrapped(tokens)
+    except _CutForward:
+        pass
+    finally:
+        handle.remove()
+    return [s for s in wrapped._states.values() if s.pending is not None]
+
+
 def _say(rank: int, *words: object) -> None:
     if rank == 0:
         print(*words, flush=True)

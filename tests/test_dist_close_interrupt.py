@@ -14,21 +14,15 @@ from pathlib import Path
 from typing import Any
 
 from sigint_cut import SigintAt as _Cut
-from torch import nn
 
 #: wait points: a cut past these is not tried (the close has fewer)
 MAX_CUTS = 12
-
-
-class _Stop(Exception):
-    pass
 
 
 def _close_cut(swap: str, at: int | str | None) -> dict[str, Any]:
     """Wrap, stop a forward half-way (a read-ahead gather left in flight), close with the
     cut armed; then close again and wrap the same directory anew."""
     import dist_ckpt_train
-    import torch
     import torch.distributed as dist
 
     import swapper
@@ -36,22 +30,7 @@ def _close_cut(swap: str, at: int | str | None) -> dict[str, Any]:
 
     gpt = dist_ckpt_train.model()
     wrapped = swapper.offload(gpt, dist_ckpt_train.config(swap), dist.group.WORLD)
-    blocks = next(m for m in gpt.modules() if isinstance(m, nn.ModuleList))
-
-    def stop(*_: Any) -> None:
-        raise _Stop
-
-    tokens = torch.zeros(1, 8, dtype=torch.long)
-    # the first forward and backward record the gather order: read-ahead follows it
-    wrapped(tokens).float().sum().backward()
-    handle = blocks[0].register_forward_hook(stop)
-    try:
-        with torch.no_grad():
-            wrapped(tokens)
-    except _Stop:
-        pass
-    handle.remove()
-    in_flight = sum(s.pending is not None for s in wrapped._states.values())
+    in_flight = len(dist_ckpt_train.leave_gathers_in_flight(wrapped, gpt))
     cut = _Cut(at if isinstance(at, int) else None)
     if at == "manager":  # a Ctrl-C as the manager's close begins (its store still locked)
         real = wrapped._manager.close

@@ -16,18 +16,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from torch import nn
-
-
-class _Stop(Exception):
-    pass
-
 
 def _frees_after_settle(rank: int, world: int, tmp: str, path: str) -> dict[str, Any]:
     """Wrap, leave gathers in flight, fail the group, then ``path`` ("drain" or
     "acquire"); return what was freed while unsettled and the error raised."""
     import dist_ckpt_train
-    import torch
     import torch.distributed as dist
 
     import swapper
@@ -36,21 +29,7 @@ def _frees_after_settle(rank: int, world: int, tmp: str, path: str) -> dict[str,
     gpt = dist_ckpt_train.model()
     swap = str(Path(tmp, f"rank{rank}", path))
     wrapped = swapper.offload(gpt, dist_ckpt_train.config(swap), dist.group.WORLD)
-    blocks = next(m for m in gpt.modules() if isinstance(m, nn.ModuleList))
-    tokens = torch.zeros(1, 8, dtype=torch.long)
-    wrapped(tokens).float().sum().backward()  # records the gather order: read-ahead follows
-
-    def stop(*_: Any) -> None:
-        raise _Stop
-
-    handle = blocks[0].register_forward_hook(stop)
-    try:
-        with torch.no_grad():
-            wrapped(tokens)
-    except _Stop:
-        pass
-    handle.remove()
-    in_flight = [s for s in wrapped._states.values() if s.pending is not None]
+    in_flight = dist_ckpt_train.leave_gathers_in_flight(wrapped, gpt)
     budget = wrapped._budget
     unsettled: list[str] = []
     freed: list[str] = []
