@@ -1,4 +1,4 @@
-# Size: the facade (~520 lines): each public call and the docstring of its units and errors.
+# Size: the facade (~530 lines): each public call and the docstring of its units and errors.
 """TierManager: every tensor's bytes in device memory, host memory or NVMe, moved on demand.
 
 This module is the facade: the public calls, their checks and their statistics. The work

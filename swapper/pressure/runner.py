@@ -1,4 +1,4 @@
-# Size: ~515 lines: settings, result record (its JSON) and the run; the record grew with
+# Size: ~520 lines: settings, result record (its JSON) and the run; the record grew with
 # issue 14 (overlap, compressed moments and their bytes per parameter).
 """Train a GPT under tight per-tier budgets, next to an unlimited run, and compare.
 
