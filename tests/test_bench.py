@@ -364,7 +364,11 @@ def test_from_json_names_the_file(tmp_path: Path) -> None:
 
 
 def _bench_process(*argv: str) -> subprocess.Popen[str]:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    # the tree first, then whatever the caller put on the path (where its packages may be)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    }
     return subprocess.Popen(
         [sys.executable, "-m", "swapper.bench", *argv],
         stdout=subprocess.PIPE,

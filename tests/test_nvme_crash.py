@@ -106,7 +106,10 @@ class Zygote:
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             cwd=ROOT,
-            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            env={
+                **os.environ,
+                "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+            },
         )
         assert self.proc.stdout is not None
         self._fd = self.proc.stdout.fileno()

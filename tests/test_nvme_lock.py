@@ -57,7 +57,10 @@ def _holder(tmp_path: Path, dirs: list[Path], mode: str) -> subprocess.Popen[str
         stderr=subprocess.PIPE,
         text=True,
         cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        env={
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        },
     )
     assert proc.stdout is not None
     line = proc.stdout.readline()

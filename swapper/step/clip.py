@@ -32,15 +32,26 @@ CLIP_EPS = 1e-6
 
 def grad_norm32(grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """The fp32 L2 norm of each gradient (any float dtype), one 0-dim fp32 tensor each,
-    on the gradient's device, rounded as ``clip_grad_norm_`` rounds the norms of the
-    gradients' fp32 copies.
+    on the CPU, rounded as ``clip_grad_norm_`` rounds the norms of the gradients' fp32
+    copies on the CPU.
+
+    Always on the CPU, wherever the gradient is: a CUDA reduction sums in another order
+    than the CPU's, so a norm taken where the gradient happens to be (on the GPU when the
+    budgets keep it there, in host memory when they move it) would make the clip
+    coefficient, and every parameter after it, depend on the budgets. Seen on an H200:
+    a tight and an unlimited run differed in the last bits of their parameters until
+    every norm was taken here. A gradient on the GPU is copied to the host in its own
+    dtype first (the conversion to fp32 is exact wherever it runs).
 
     Memory: a transient fp32 copy of each 16-bit gradient (4 B per element), one list at
     a time; pass one gradient per call to keep that to one tensor.
     """
     if not grads:
         return []
-    as32 = [g.detach() if g.dtype == torch.float32 else g.detach().float() for g in grads]
+    as32: list[torch.Tensor] = []
+    for grad in grads:
+        host = grad.detach() if grad.device.type == "cpu" else grad.detach().cpu()
+        as32.append(host if host.dtype == torch.float32 else host.float())
     return list(torch._foreach_norm(as32, 2.0))  # pyright: ignore[reportPrivateImportUsage]
 
 

@@ -84,6 +84,16 @@ def copy_in(
             manager.release(key, modified=True)
 
 
+def add_into(retained: torch.Tensor, grad: torch.Tensor) -> None:
+    """``retained += grad`` in ``retained``'s (16-bit) dtype, as autograd adds into a plain
+    model's ``.grad``. A gradient made on the GPU is first copied to the retained buffer's
+    device (pinned host memory): both add in fp32 and round once to the 16-bit dtype, so
+    where the addition runs changes no bit."""
+    if grad.device != retained.device:
+        grad = grad.to(retained.device)
+    retained.add_(grad)
+
+
 def retain_grad(
     manager: TierManager, slot: Slot, grad: torch.Tensor, lock: threading.RLock, *, lazy_norm: bool
 ) -> None:
@@ -112,7 +122,7 @@ def retain_grad(
                     with lock:
                         slot.has_grad, slot.grad_kept = True, False
                 else:
-                    retained.add_(grad.view(slot.shape))
+                    add_into(retained, grad.view(slot.shape))
                 slot.grad_norm = None if lazy_norm else grad_norm32([retained])[0]
             finally:
                 manager.release(slot.grad_key, modified=True)
@@ -339,21 +349,19 @@ class TieredParams:
                         tensor = self._manager.fetch(slot.grad_key, in_place=True)
                         own.append(slot)
                     fetched.append(tensor)
-                device = fetched[0].device
-                if any(t.device != device for t in fetched):
-                    norms = grad_norm32(fetched)
-                else:
-                    need = sum(_aligned(t.numel()) for t in fetched)
-                    scratch = self._scratch.get(device)
-                    if scratch is None or scratch.numel() < need:
-                        scratch = torch.empty(need, dtype=torch.float32, device=device)
-                        self._scratch[device] = scratch
-                    copies, offset = [], 0
-                    for tensor in fetched:
-                        copy = scratch[offset : offset + tensor.numel()]
-                        copies.append(copy.copy_(tensor.view(-1)))
-                        offset += _aligned(tensor.numel())
-                    norms = grad_norm32(copies)
+                # on the CPU wherever the gradients are (grad_norm32 says why)
+                device = torch.device("cpu")
+                need = sum(_aligned(t.numel()) for t in fetched)
+                scratch = self._scratch.get(device)
+                if scratch is None or scratch.numel() < need:
+                    scratch = torch.empty(need, dtype=torch.float32, device=device)
+                    self._scratch[device] = scratch
+                copies, offset = [], 0
+                for tensor in fetched:
+                    copy = scratch[offset : offset + tensor.numel()]
+                    copies.append(copy.copy_(tensor.view(-1)))
+                    offset += _aligned(tensor.numel())
+                norms = grad_norm32(copies)
             finally:
                 for slot in own:
                     self._manager.release(slot.grad_key, modified=False)

@@ -33,6 +33,7 @@ import torch
 
 from swapper.distributed import DistGroup, local_sq_sum, reduce_scatter_grads
 from swapper.manager import Kind, Tier, TierManager
+from swapper.zero.params import add_into
 from swapper.zero.shard_state import GradGroup, ShardSlot
 from tiers import signals
 
@@ -203,7 +204,7 @@ class GradReducer:
             retained = self._manager.fetch(slot.grad_key)
             with signals.held:
                 try:
-                    retained.add_(shard)
+                    add_into(retained, shard)  # (from the GPU with NCCL)
                     slot.grad_sq = local_sq_sum([retained])
                 finally:
                     self._manager.release(slot.grad_key, modified=True)
