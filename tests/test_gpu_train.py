@@ -33,6 +33,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch import nn
 
 import swapper
 from swapper import DynamicLossScaler, OffloadAdamW, OffloadConfig, StepConfig, Tier
@@ -195,6 +196,84 @@ def test_cuda_close_to_plain_pytorch(tmp_path: Path) -> None:
         total += expected.numel()
     assert total > 0
     assert differing <= total // 100
+
+
+# -- buffers follow the parameters to the GPU ------------------------------------------------
+
+
+class Scaled(nn.Module):
+    """A model with buffers: one of its own, one shared by two modules (one tensor)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        # made in bf16 (a later .to(dtype) would convert the shared buffer twice)
+        self.a = nn.Linear(16, 16, dtype=torch.bfloat16)
+        self.b = nn.Linear(16, 16, dtype=torch.bfloat16)
+        scale = torch.full((16,), 0.5, dtype=torch.bfloat16)
+        self.a.register_buffer("scale", scale)
+        self.b.register_buffer("scale", scale)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x) * self.a.scale) * self.b.scale
+
+
+def test_cuda_buffers_moved_to_the_gpu_and_back(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = Scaled()
+    x = torch.randn(4, 16).to(torch.bfloat16)
+    expected = model(x).float()
+    with swapper.offload(model, _config(tmp_path)) as wrapped:
+        assert model.a.scale.device.type == "cuda"
+        assert model.b.scale is model.a.scale  # still one tensor
+        out = wrapped(x.cuda())  # would raise "found at least two devices" on the CPU
+        torch.testing.assert_close(out.float().cpu(), expected, rtol=2**-6, atol=1e-3)
+    # leaving the block gave the weights back where they were, and the buffers
+    assert model.a.scale.device.type == "cpu" and model.b.scale is model.a.scale
+    assert all(p.device.type == "cpu" for p in model.parameters())
+    torch.testing.assert_close(model(x).float(), expected, rtol=0.0, atol=0.0)
+
+
+def test_cuda_hf_llama_tight_bit_identical_to_unlimited(tmp_path: Path) -> None:
+    """A Hugging Face Llama (RoPE's ``inv_freq`` is a buffer) trained on the GPU."""
+    transformers = pytest.importorskip("transformers")
+
+    def train(config: OffloadConfig) -> tuple[list[float], dict[str, torch.Tensor]]:
+        torch.manual_seed(0)
+        hf_config = transformers.LlamaConfig(
+            vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
+        )  # fmt: skip
+        model = transformers.LlamaForCausalLM(hf_config).to(torch.bfloat16)
+        g = torch.Generator().manual_seed(1)
+        data = [torch.randint(0, 96, (2, 12), generator=g).cuda() for _ in range(STEPS)]
+        losses: list[float] = []
+        with (
+            swapper.offload(model, config) as wrapped,
+            OffloadAdamW(wrapped.parameters(), lr=LR, tiers=wrapped) as opt,
+        ):
+            for ids in data:
+                loss = model(input_ids=ids, labels=ids).loss
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append(float(loss.detach()))
+            params = {k: v.detach().cpu().clone() for k, v in wrapped.state_dict().items()}
+        return losses, params
+
+    device_nbytes = 24 * 1024  # below the model's 16-bit parameters (62 KB)
+    tight_config = OffloadConfig.create(
+        device="cuda",
+        device_nbytes=device_nbytes,
+        host_nbytes=200_000,
+        nvme_dirs=[tmp_path / "nvme"],
+        step=StepConfig(sub_group_numel=SUB_GROUP_NUMEL, max_grad_norm=CLIP),
+    )
+    tight = train(tight_config)
+    free = train(_config(None))
+    assert tight[0] == free[0]
+    assert len(set(tight[0])) > 1
+    for name, value in free[1].items():
+        assert torch.equal(tight[1][name], value), f"{name} differs"
 
 
 # -- NCCL: two ranks ----------------------------------------------------------------------

@@ -1,4 +1,4 @@
-# Size: ~500 lines: the wrap's set-up with its undo, and the surface the optimizer and the
+# Size: ~515 lines: the wrap's set-up with its undo, and the surface the optimizer and the
 # user see (the hooks themselves are in swapper.zero.offload_hooks).
 """``swapper.offload(model, config)`` in one process: a module's 16-bit parameters live in
 the tiers (:func:`swapper.zero.wrap.offload` builds an :class:`OffloadedModel`).
@@ -73,6 +73,7 @@ from swapper.step.sources import ParamGate, ParamSource
 from swapper.zero import checkpoint
 from swapper.zero.autograd import in_autograd
 from swapper.zero.config import OffloadConfig
+from swapper.zero.model_buffers import BufferMoves, move_buffers, restore_buffers
 from swapper.zero.offload_hooks import ModuleHooks
 from swapper.zero.params import Holds, Slot, TieredParams
 from swapper.zero.persist import Persistence, install, remove_all
@@ -91,6 +92,7 @@ from swapper.zero.weights import (
     unwrap,
 )
 from tiers import signals
+from tiers.device import resolve_device
 from tiers.errors import SwapConfigError
 
 __all__ = ["Materialize", "OffloadedModel", "is_wrapped"]
@@ -172,6 +174,7 @@ class OffloadedModel(ModuleHooks, nn.Module):
         self._originals: list[tuple[nn.Parameter, torch.Tensor | None, Slot]] = []
         self._had_values: dict[int, nn.Parameter] = {}
         self._weights: WeightHooks | None = None
+        self._buffer_moves: BufferMoves = []  # buffers moved to the use device (unwrap)
         opened = False
         try:
             # In a section ending inside this try: a Ctrl-C as the manager is returned
@@ -187,6 +190,7 @@ class OffloadedModel(ModuleHooks, nn.Module):
                 self._lock,
             )
             self._place_all(module, materialize)
+            self._buffer_moves = move_buffers(module, self._use_device())
             # Whether a forward's holds are kept for its backward: the use tier holds
             # every parameter at once, so holding them costs no room that could be used.
             self._keep_held = self._keeps_held(0)
@@ -209,6 +213,7 @@ class OffloadedModel(ModuleHooks, nn.Module):
             remove_all(self)
             if self._weights is not None:
                 self._weights.remove()
+            restore_buffers(self._buffer_moves)
             # Nothing lost: the parameters emptied so far get their own bytes back.
             unguard(self._by_name.values())
             for param, data, _ in self._originals:
@@ -384,8 +389,9 @@ class OffloadedModel(ModuleHooks, nn.Module):
         training snapshots: then everything is made durable and kept, for a later
         ``resume``); the parameters stay placeholders, and ``state_dict()`` of the model
         raises ``ManagerClosedError`` rather than save them empty (:meth:`unwrap` gives the
-        weights back instead). Idempotent; a close cut by a Ctrl-C (while the manager
-        writes what the kept store needs) is finished by calling it again."""
+        weights back instead); the buffers the wrap moved to the GPU go back. Idempotent;
+        a close cut by a Ctrl-C (while the manager writes what the kept store needs) is
+        finished by calling it again."""
         if self._closed:
             if self._manager_open:  # an interrupt cut the manager's close: its store is
                 self._close_manager()  # still locked against the next swapper.offload
@@ -404,6 +410,8 @@ class OffloadedModel(ModuleHooks, nn.Module):
         self._handles.clear()
         remove_all(self)
         unguard(self._by_name.values())
+        with contextlib.suppress(Exception):  # (small; a failed copy leaves one on the GPU)
+            restore_buffers(self._buffer_moves)  # where they were before the wrap
         self._close_manager()
 
     #: False once the manager's close() returned (see close())
@@ -422,6 +430,12 @@ class OffloadedModel(ModuleHooks, nn.Module):
         leave(self, block_raised=exc_type is not None)
 
     # -- set-up ---------------------------------------------------------------------------
+
+    def _use_device(self) -> torch.device:
+        """The device the parameters are used on (the CPU when used from host memory)."""
+        if self._use_tier is Tier.DEVICE:
+            return resolve_device(self.config.manager.device)
+        return torch.device("cpu")
 
     def _check_modules(self, module: nn.Module) -> None:
         first = self._use_tier

@@ -320,8 +320,8 @@ def restore(model: OffloadedModel) -> list[tuple[Slot, torch.Tensor]]:
 def unwrap(model: OffloadedModel) -> nn.Module:
     """Give the model back with real weights and close the wrapper: every parameter is
     copied, one at a time, into an ordinary tensor on the device it was on when wrapped
-    (:func:`restore`); then its ``.data`` is set, the hooks removed and the tiers dropped
-    (their files deleted). Retained gradients are dropped.
+    (:func:`restore`); then its ``.data`` is set, the hooks removed, the buffers moved
+    back, the tiers dropped (their files deleted). Retained gradients are dropped.
 
     Returns:
         the wrapped module.
