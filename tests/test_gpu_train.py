@@ -251,6 +251,7 @@ def test_cuda_hf_llama_tight_bit_identical_to_unlimited(tmp_path: Path) -> None:
             swapper.offload(model, config) as wrapped,
             OffloadAdamW(wrapped.parameters(), lr=LR, tiers=wrapped) as opt,
         ):
+            model.to("cuda")  # as the Trainer does with the model it is given: accepted
             for ids in data:
                 loss = model(input_ids=ids, labels=ids).loss
                 loss.backward()

@@ -1,4 +1,4 @@
-# Size: ~515 lines: the wrap's set-up with its undo, and the surface the optimizer and the
+# Size: ~520 lines: the wrap's set-up with its undo, and the surface the optimizer and the
 # user see (the hooks themselves are in swapper.zero.offload_hooks).
 """``swapper.offload(model, config)`` in one process: a module's 16-bit parameters live in
 the tiers (:func:`swapper.zero.wrap.offload` builds an :class:`OffloadedModel`).
@@ -74,6 +74,7 @@ from swapper.zero import checkpoint
 from swapper.zero.autograd import in_autograd
 from swapper.zero.config import OffloadConfig
 from swapper.zero.model_buffers import BufferMoves, move_buffers, restore_buffers
+from swapper.zero.module_apply import guard_apply, unguard_apply
 from swapper.zero.offload_hooks import ModuleHooks
 from swapper.zero.params import Holds, Slot, TieredParams
 from swapper.zero.persist import Persistence, install, remove_all
@@ -175,6 +176,7 @@ class OffloadedModel(ModuleHooks, nn.Module):
         self._had_values: dict[int, nn.Parameter] = {}
         self._weights: WeightHooks | None = None
         self._buffer_moves: BufferMoves = []  # buffers moved to the use device (unwrap)
+        self._apply_guarded: list[nn.Module] = []  # model.to() and the like (module_apply)
         opened = False
         try:
             # In a section ending inside this try: a Ctrl-C as the manager is returned
@@ -191,6 +193,7 @@ class OffloadedModel(ModuleHooks, nn.Module):
             )
             self._place_all(module, materialize)
             self._buffer_moves = move_buffers(module, self._use_device())
+            self._apply_guarded = guard_apply(module, self._use_device())
             # Whether a forward's holds are kept for its backward: the use tier holds
             # every parameter at once, so holding them costs no room that could be used.
             self._keep_held = self._keeps_held(0)
@@ -213,6 +216,7 @@ class OffloadedModel(ModuleHooks, nn.Module):
             remove_all(self)
             if self._weights is not None:
                 self._weights.remove()
+            unguard_apply(self._apply_guarded)
             restore_buffers(self._buffer_moves)
             # Nothing lost: the parameters emptied so far get their own bytes back.
             unguard(self._by_name.values())
@@ -410,6 +414,7 @@ class OffloadedModel(ModuleHooks, nn.Module):
         self._handles.clear()
         remove_all(self)
         unguard(self._by_name.values())
+        unguard_apply(self._apply_guarded)
         with contextlib.suppress(Exception):  # (small; a failed copy leaves one on the GPU)
             restore_buffers(self._buffer_moves)  # where they were before the wrap
         self._close_manager()
