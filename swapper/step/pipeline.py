@@ -74,7 +74,7 @@ import torch
 from swapper.manager import Kind, Tier, TierManager
 from swapper.step import window
 from swapper.step.compress import MomentCodec
-from swapper.step.layout import SubGroup, scales_numel
+from swapper.step.layout import STORED_ALIGN_NBYTES, SubGroup, round_up, scales_numel
 from swapper.step.window import Room
 from tiers import signals
 from tiers.errors import SwapConfigError, SwapError
@@ -230,11 +230,17 @@ class StepPipeline:
         return 4 * self.scales_numel
 
     @property
+    def scales_charge(self) -> int:
+        """Bytes the block scales take of a memory budget: a host block is a whole
+        number of 4 KiB (0 unless int8 moments)."""
+        return round_up(self.scales_nbytes, STORED_ALIGN_NBYTES)
+
+    @property
     def kept_nbytes(self) -> int:
-        """Bytes kept in memory for the optimizer's life: the kept sub-groups' state and
-        the block scales."""
+        """Bytes of memory budget taken for the optimizer's life: the kept sub-groups'
+        state and the block scales (:attr:`scales_charge`)."""
         kept = sum(sg.state_nbytes for sg in self.sub_groups[: self.kept])
-        return kept + self.scales_nbytes
+        return kept + self.scales_charge
 
     def hold_scales(self) -> None:
         """Fetch the block scales (registered) and bind them to the codec, for good;
