@@ -87,6 +87,7 @@ def test_a_step_moves_master_and_codes_only_and_the_scales_stay_held(tmp_path: P
             m = state[1].view(-1, INT8_BLOCK_NUMEL).abs().amax(dim=1)
             v = state[2].sqrt().view(-1, INT8_BLOCK_NUMEL).amax(dim=1)
             assert torch.equal(own, torch.cat([m, v]))
+            assert bool(own.gt(0).all())  # (after two steps every block has moments)
 
 
 def _net() -> nn.Module:
@@ -177,6 +178,19 @@ def test_state_dict_round_trip_keeps_scales_and_codes_bitwise(seed: int, decades
                 for i, r in enumerate(("master", "exp_avg", "exp_avg_sq"))
             }
         assert torch.equal(_scales(opt), expected_scales)
+        for sg in opt.sub_groups:  # each block's absolute maximum, of the values given
+            blocks = sg.padded_numel // INT8_BLOCK_NUMEL
+            m = torch.zeros(sg.padded_numel)
+            m[: sg.numel] = rows[sg.index]["exp_avg"]
+            root = torch.zeros(sg.padded_numel)
+            root[: sg.numel] = rows[sg.index]["exp_avg_sq"].sqrt()
+            own = _scales(opt)[sg.scales_offset : sg.scales_offset + 2 * blocks]
+            assert torch.equal(own[:blocks], m.abs().view(blocks, -1).amax(dim=1))
+            assert torch.equal(own[blocks:], root.view(blocks, -1).amax(dim=1))
+            # and the decoded moments are within the 8-bit form's bound of them
+            decoded = once[sg.index]["exp_avg"]
+            scale = own[:blocks].repeat_interleave(INT8_BLOCK_NUMEL)[: sg.numel]
+            assert torch.all((decoded - rows[sg.index]["exp_avg"]).abs() <= scale * 0.02)
         got = {i: dict(v) for i, v in opt.state_dict()["state"].items()}
         for i, v in once.items():
             assert all(torch.equal(got[i][k], t) for k, t in v.items()), i
