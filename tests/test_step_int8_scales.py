@@ -75,10 +75,10 @@ def test_a_step_moves_master_and_codes_only_and_the_scales_stay_held(tmp_path: P
         assert traffic.written_nbytes[Kind.OPTIM_STATE] == stored
         for sg in opt.sub_groups:  # 6 B per element, one round-up to 4 KiB, no scales
             assert sg.state_nbytes == round_up(6 * sg.padded_numel, STORED_ALIGN_NBYTES)
-        info = wrapped.manager.info(pipeline.scales_key)
+        info = wrapped.manager.info(pipeline.scales.key)
         blocks = sum(sg.padded_numel for sg in opt.sub_groups) // INT8_BLOCK_NUMEL
         assert info.kind is Kind.OPTIM_STATE and list(info.shape) == [2 * blocks]
-        assert pipeline.scales_nbytes == 8 * blocks
+        assert pipeline.scales.nbytes == 8 * blocks
         assert pipeline.kept_nbytes == 4096  # (no kept sub-groups; one 4 KiB host block)
         # the scales are the blocks' absolute maxima of the decoded moments
         for sg in opt.sub_groups:
@@ -113,8 +113,8 @@ def test_a_host_budget_without_room_for_the_scales_is_refused(tmp_path: Path) ->
         net.parameters(), **ADAM, tiers=_manager(tmp_path / "probe", None), config=config
     ) as probe:
         largest = max(sg.state_nbytes for sg in probe.sub_groups)
-        nbytes = probe._pipeline.scales_nbytes
-        scales = probe._pipeline.scales_charge
+        nbytes = probe._pipeline.scales.nbytes
+        scales = probe._pipeline.scales.charge
     assert nbytes == 8 * sum(sg.padded_numel for sg in probe.sub_groups) // INT8_BLOCK_NUMEL
     assert scales == round_up(nbytes, 4096)  # what a host block of them costs
     need = largest + scales
@@ -221,7 +221,7 @@ def test_scales_round_trip_through_a_snapshot_bitwise(tmp_path: Path, host_fract
         assert _scales(opt).data_ptr() != 0  # held again after the snapshot
         _steps(gpt, opt, 2, seed=2)
         whole = final_digest(wrapped, opt)
-        key = opt._pipeline.scales_key
+        key = opt._pipeline.scales.key
     gpt = model()
     with (
         swapper.offload(gpt, _config(swap, host_fraction), resume=True) as wrapped,
@@ -248,7 +248,7 @@ def test_a_corrupted_scales_record_is_named_at_resume(tmp_path: Path) -> None:
     ):
         _steps(gpt, opt, 2, seed=1)
         report = save_snapshot(wrapped, opt)
-        key = f"optim_state/{opt._pipeline.scales_key}"
+        key = f"optim_state/{opt._pipeline.scales.key}"
     engine = AioEngine(AioConfig())
     try:
         with NvmeStore.open([swap], engine, name=STORE) as store:
@@ -276,7 +276,7 @@ def _inband(opt: OffloadAdamW) -> None:
     pipeline = opt._pipeline
     manager = pipeline.manager
     scales = _scales(opt).clone()
-    pipeline.release_scales(modified=True)
+    pipeline.scales.release(modified=True)
     for sg in opt.sub_groups:
         key = pipeline.key(sg.index)
         new = manager.fetch(key).clone()
@@ -288,8 +288,8 @@ def _inband(opt: OffloadAdamW) -> None:
         legacy[end : end + 4 * sg.scales_numel] = own.view(torch.uint8)
         manager.unregister(key)
         manager.register(key, legacy, Kind.OPTIM_STATE)
-    manager.unregister(pipeline.scales_key)
-    pipeline._scales_registered = False
+    manager.unregister(pipeline.scales.key)
+    pipeline.scales.registered = False
 
 
 def _old_snapshot(swap: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[str, str, str]:

@@ -1,4 +1,4 @@
-# Size: ~525 lines: the sub-group state machine, its bookkeeping and the whole-sub-group
+# Size: ~550 lines: the sub-group state machine, its bookkeeping and the whole-sub-group
 # read/write (fp32 in and out, stored through compress.MomentCodec) stay one class.
 """The step pipeline: optimizer state streamed through memory, one sub-group at a time.
 
@@ -30,13 +30,10 @@ Sub-groups kept in host memory (``host_fraction``) stay FETCHED for the optimize
 they compute in place and are never written during a step; memory counts as durable for
 them (and for every sub-group when the manager has no NVMe tier).
 
-With int8 moments the block scales of every sub-group are one more manager entry,
-``<name>/scales`` (fp32, 8 B per 1024 elements of state), kept FETCHED the same way for
-the optimizer's life (:meth:`StepPipeline.hold_scales`): a step updates them in place
-with the codes and never moves them, so the sub-groups' NVMe traffic is the master
-weights and the codes alone. A snapshot releases them with the kept sub-groups
-(:func:`swapper.step.resume.kept_released`), so they are written, checksummed and
-verified at resume like any other entry.
+With int8 moments the block scales of every sub-group are one more entry, kept FETCHED
+the same way for the optimizer's life (:class:`~swapper.step.scales.HeldScales`): a step
+updates them in place and never moves them; the sub-groups' NVMe traffic is the master
+weights and the codes alone.
 
 A step succeeds only when every streamed sub-group it touched is durable. When it fails
 part-way (an I/O error, a timeout), the sub-groups done stay done: the next run of the
@@ -74,7 +71,8 @@ import torch
 from swapper.manager import Kind, Tier, TierManager
 from swapper.step import window
 from swapper.step.compress import MomentCodec
-from swapper.step.layout import STORED_ALIGN_NBYTES, SubGroup, round_up, scales_numel
+from swapper.step.layout import SubGroup
+from swapper.step.scales import HeldScales
 from swapper.step.window import Room
 from tiers import signals
 from tiers.errors import SwapConfigError, SwapError
@@ -195,8 +193,7 @@ class StepPipeline:
         self.manager = manager
         self.sub_groups = tuple(sub_groups)
         self.codec = MomentCodec.of(self.sub_groups)  #: the stored form (moments)
-        #: fp32 elements of the int8 block scales entry (0: none)
-        self.scales_numel = scales_numel(self.sub_groups)
+        self.scales = HeldScales(manager, self.codec, self.sub_groups, name)  #: int8's
         self.name = name
         self.kept = round(host_fraction * len(self.sub_groups))
         #: "auto": :attr:`readahead` is set again at the start of each step
@@ -209,8 +206,6 @@ class StepPipeline:
         self.progress = tuple(Progress() for _ in self.sub_groups)
         self._held: dict[int, torch.Tensor] = {}
         self._registered = 0
-        self._scales_registered = False
-        self._scales_held = False
         self._closed = False
 
     # -- set-up ---------------------------------------------------------------------------
@@ -220,43 +215,11 @@ class StepPipeline:
         return f"{self.name}/state/{index}"
 
     @property
-    def scales_key(self) -> str:
-        """The manager key of the int8 block scales of every sub-group."""
-        return f"{self.name}/scales"
-
-    @property
-    def scales_nbytes(self) -> int:
-        """Bytes of the block scales entry (0 unless int8 moments)."""
-        return 4 * self.scales_numel
-
-    @property
-    def scales_charge(self) -> int:
-        """Bytes the block scales take of a memory budget: a host block is a whole
-        number of 4 KiB (0 unless int8 moments)."""
-        return round_up(self.scales_nbytes, STORED_ALIGN_NBYTES)
-
-    @property
     def kept_nbytes(self) -> int:
         """Bytes of memory budget taken for the optimizer's life: the kept sub-groups'
-        state and the block scales (:attr:`scales_charge`)."""
+        state and the int8 block scales (:attr:`HeldScales.charge`)."""
         kept = sum(sg.state_nbytes for sg in self.sub_groups[: self.kept])
-        return kept + self.scales_charge
-
-    def hold_scales(self) -> None:
-        """Fetch the block scales (registered) and bind them to the codec, for good;
-        nothing without int8 moments or when held already."""
-        if not self.scales_numel or self._scales_held:
-            return
-        self.codec.bind_scales(self.manager.fetch(self.scales_key))
-        self._scales_held = True
-
-    def release_scales(self, *, modified: bool) -> None:
-        """Undo :meth:`hold_scales` (``modified``: a step changed them in place)."""
-        if not self._scales_held:
-            return
-        self.codec.bind_scales(None)
-        self.manager.release(self.scales_key, modified=modified)
-        self._scales_held = False
+        return kept + self.scales.charge
 
     def holds(self, index: int) -> bool:
         """Whether sub-group ``index`` is kept in memory for the optimizer's life."""
@@ -268,7 +231,7 @@ class StepPipeline:
         besides what the manager keeps).
 
         With int8 moments the block scales are encoded into one local tensor, registered
-        as :attr:`scales_key` once every sub-group is, and held (:meth:`hold_scales`).
+        once every sub-group is, and held (:class:`HeldScales`).
 
         Raises:
             what :meth:`TierManager.register` raises; the sub-groups registered so far are
@@ -281,8 +244,7 @@ class StepPipeline:
                 largest = max((sg.padded_numel for sg in self.sub_groups), default=0)
                 scratch = torch.empty((3, largest), dtype=torch.float32)
                 stored = self.codec.scratch(self.sub_groups)  # compressed form, or None
-                scales = torch.zeros(self.scales_numel, dtype=torch.float32)
-                self.codec.bind_scales(scales if self.scales_numel else None)
+                scales = self.scales.fresh()  # int8: encoding fills it
                 for sg in self.sub_groups:
                     buffer = scratch[:, : sg.padded_numel]
                     buffer.zero_()
@@ -291,12 +253,9 @@ class StepPipeline:
                     self.manager.register(self.key(sg.index), buffer, Kind.OPTIM_STATE)
                     self._registered += 1
                 del scratch, stored
-                self.codec.bind_scales(None)
-                if self.scales_numel:
-                    self.manager.register(self.scales_key, scales, Kind.OPTIM_STATE)
-                    self._scales_registered = True
+                self.scales.register(scales)
                 del scales
-                self.hold_scales()
+                self.scales.hold()
                 for sg in self.sub_groups[: self.kept]:
                     self._held[sg.index] = self.manager.fetch(self.key(sg.index))
             except BaseException:
@@ -317,7 +276,7 @@ class StepPipeline:
         streamed = self.sub_groups[self.kept :]
         self.room = window.auto_readahead(
             self.manager,
-            {self.key(sg.index) for sg in self.sub_groups} | {self.scales_key},
+            {self.key(sg.index) for sg in self.sub_groups} | {self.scales.key},
             kept_nbytes=self.kept_nbytes,
             largest_nbytes=max((sg.state_nbytes for sg in streamed), default=1),
             streamed=len(streamed),
@@ -560,10 +519,7 @@ class StepPipeline:
             for index in list(self._held):
                 self.manager.release(self.key(index), modified=True)
                 del self._held[index]
-            self.release_scales(modified=True)
-            if self._scales_registered:
-                self.manager.unregister(self.scales_key)
-                self._scales_registered = False
+            self.scales.unregister()
             while self._registered:
                 self.manager.unregister(self.key(self.sub_groups[self._registered - 1].index))
                 self._registered -= 1

@@ -204,7 +204,7 @@ def adopt(optimizer: OffloadAdamW, pipeline: StepPipeline, resumed: ResumedState
         except (SwapConfigError, TypeError) as exc:
             raise StateDictError(f"{where}: loss scaler: {exc}") from None
     scales = meta.get("scales")
-    inband = scales is None and pipeline.scales_numel > 0  # int8 of the layout before
+    inband = scales is None and pipeline.scales.numel > 0  # int8 of the layout before
     if scales not in (None, SCALES_APART):
         raise StateDictError(
             f"{where}: the optimizer's block scales are recorded {scales!r}; this swapper "
@@ -215,21 +215,21 @@ def adopt(optimizer: OffloadAdamW, pipeline: StepPipeline, resumed: ResumedState
         shape = (_inband_nbytes(sg.padded_numel),) if inband else sg.state_shape
         layout = "int8, block scales in each state tensor" if inband else sg.moments
         _check_entry(manager, where, pipeline.key(sg.index), sg.state_dtype, shape, layout)
-    if pipeline.scales_numel and not inband:
+    if pipeline.scales.numel and not inband:
         _check_entry(
             manager,
             where,
-            pipeline.scales_key,
+            pipeline.scales.key,
             torch.float32,
-            (pipeline.scales_numel,),
+            (pipeline.scales.numel,),
             "int8, block scales apart",
         )
     with signals.at_waits:  # each fetch and its record go together
         pipeline._registered = len(pipeline.sub_groups)
         if inband:
             _convert_inband(pipeline)
-        pipeline._scales_registered = pipeline.scales_numel > 0
-        pipeline.hold_scales()
+        pipeline.scales.registered = pipeline.scales.numel > 0
+        pipeline.scales.hold()
         for sg in pipeline.sub_groups[: pipeline.kept]:
             pipeline._held[sg.index] = manager.fetch(pipeline.key(sg.index))
     for progress in pipeline.progress:
@@ -280,7 +280,7 @@ def _convert_inband(pipeline: StepPipeline) -> None:
     construction fails, and resuming again from the (unchanged) snapshot starts over.
     """
     manager = pipeline.manager
-    scales = torch.zeros(pipeline.scales_numel, dtype=torch.float32)
+    scales = torch.zeros(pipeline.scales.numel, dtype=torch.float32)
     for sg in pipeline.sub_groups:
         layout = sg.stored
         key = pipeline.key(sg.index)
@@ -297,7 +297,7 @@ def _convert_inband(pipeline: StepPipeline) -> None:
         manager.unregister(key)
         manager.register(key, new, Kind.OPTIM_STATE)
         del new
-    manager.register(pipeline.scales_key, scales, Kind.OPTIM_STATE)
+    manager.register(pipeline.scales.key, scales, Kind.OPTIM_STATE)
 
 
 def unadopt(pipeline: StepPipeline, resumed: ResumedState) -> None:
@@ -311,9 +311,9 @@ def unadopt(pipeline: StepPipeline, resumed: ResumedState) -> None:
         for index in list(pipeline._held):
             manager.release(pipeline.key(index), modified=False)
             del pipeline._held[index]
-        pipeline.release_scales(modified=False)
+        pipeline.scales.release(modified=False)
         pipeline._registered = 0
-        pipeline._scales_registered = False
+        pipeline.scales.registered = False
     resumed.taken = False
 
 
@@ -335,8 +335,8 @@ def kept_released(pipeline: StepPipeline) -> Iterator[None]:
                 manager.release(pipeline.key(index), modified=True)
                 del pipeline._held[index]
                 released.append(index)
-            if pipeline._scales_held:
-                pipeline.release_scales(modified=True)
+            if pipeline.scales.held:
+                pipeline.scales.release(modified=True)
                 scales = True
             yield
         finally:
@@ -352,7 +352,7 @@ def kept_released(pipeline: StepPipeline) -> Iterator[None]:
                         error = error or exc
                 if scales:
                     try:
-                        pipeline.hold_scales()
+                        pipeline.scales.hold()
                     except Exception as exc:  # (a step then refuses: no scales bound)
                         error = error or exc
             if error is not None:
