@@ -375,3 +375,36 @@ def test_an_unknown_or_mismatched_scales_layout_is_refused_naming_the_file(
         del resumed.optimizer["scales"]  # as recorded: converted, then usable
         with OffloadAdamW(wrapped.parameters(), lr=1e-2, tiers=wrapped) as opt:
             assert opt.step_count == 2
+
+
+def test_a_conversion_failing_part_way_leaves_the_snapshot_to_resume_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    swap = tmp_path / "swap"
+    name, digest, _ = _old_snapshot(swap, monkeypatch)
+    from swapper.manager import TierManager
+    from tiers.errors import SwapIOError
+
+    real_register = TierManager.register
+    calls = {"n": 0}
+
+    def failing_register(self: TierManager, key: str, tensor: torch.Tensor, kind: Any) -> None:
+        if "/state/" in key:
+            calls["n"] += 1
+            if calls["n"] == 3:  # the third sub-group converted: two are already
+                raise SwapIOError(f"injected: writing {key} failed")
+        real_register(self, key, tensor, kind)
+
+    gpt = model()
+    with swapper.offload(gpt, _config(swap), resume=name) as wrapped:
+        with monkeypatch.context() as patch:
+            patch.setattr(TierManager, "register", failing_register)
+            with pytest.raises(SwapIOError, match="injected"):
+                OffloadAdamW(wrapped.parameters(), lr=1e-2, tiers=wrapped)
+        assert any("resume from it again" in r.getMessage() for r in caplog.records)
+    gpt = model()
+    with (
+        swapper.offload(gpt, _config(swap), resume=name) as wrapped,
+        OffloadAdamW(wrapped.parameters(), lr=1e-2, tiers=wrapped) as opt,
+    ):
+        assert final_digest(wrapped, opt) == digest

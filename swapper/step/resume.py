@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -49,6 +50,8 @@ __all__ = [
     "unadopt",
 ]
 
+
+log = logging.getLogger(__name__)
 
 #: ``optimizer_meta(...)["scales"]``: the int8 block scales are in their own entry
 #: (``<name>/scales``), not at the end of each sub-group's state tensor.
@@ -227,7 +230,16 @@ def adopt(optimizer: OffloadAdamW, pipeline: StepPipeline, resumed: ResumedState
     with signals.at_waits:  # each fetch and its record go together
         pipeline._registered = len(pipeline.sub_groups)
         if inband:
-            _convert_inband(pipeline)
+            try:
+                _convert_inband(pipeline)
+            except Exception:
+                log.error(
+                    "converting the int8 state of %s (block scales in each state tensor) "
+                    "to the current layout failed; the snapshot is unchanged: resume from "
+                    "it again",
+                    where,
+                )
+                raise
         pipeline.scales.registered = pipeline.scales.numel > 0
         pipeline.scales.hold()
         for sg in pipeline.sub_groups[: pipeline.kept]:
