@@ -408,3 +408,30 @@ def test_a_conversion_failing_part_way_leaves_the_snapshot_to_resume_again(
         OffloadAdamW(wrapped.parameters(), lr=1e-2, tiers=wrapped) as opt,
     ):
         assert final_digest(wrapped, opt) == digest
+
+
+def test_scales_not_fetched_back_after_a_snapshot_are_fetched_at_the_next_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from swapper.step.scales import HeldScales
+    from tiers.errors import SwapIOError
+
+    gpt = model()
+    with (
+        swapper.offload(gpt, _config(tmp_path / "swap")) as wrapped,
+        OffloadAdamW(wrapped.parameters(), lr=1e-2, tiers=wrapped) as opt,
+    ):
+        _steps(gpt, opt, 1, seed=1)
+        real_hold = HeldScales.hold
+
+        def failing_hold(self: HeldScales) -> None:
+            raise SwapIOError("injected: reading the scales failed")
+
+        with monkeypatch.context() as patch:
+            patch.setattr(HeldScales, "hold", failing_hold)
+            with pytest.raises(SwapIOError, match="injected"):
+                save_snapshot(wrapped, opt)  # (written; the re-fetch at its end fails)
+        assert not opt._pipeline.scales.held
+        assert HeldScales.hold is real_hold
+        _steps(gpt, opt, 1, seed=2)  # held again first: the step reads and writes them
+        assert opt._pipeline.scales.held and opt.step_count == 2

@@ -527,6 +527,9 @@ class StepPipeline:
     def _check_open(self) -> None:
         if self._closed:
             raise PipelineClosedError(f"the optimizer state {self.name!r} is closed")
+        # (int8: held again if a snapshot's re-fetch of them failed; else nothing)
+        with signals.at_waits:
+            self.scales.hold()
 
     def traffic_since(self, before: dict[tuple[Kind, Tier, Tier], int]) -> StepTraffic:
         """Bytes moved between NVMe and memory since ``before`` (a
