@@ -30,6 +30,7 @@ from swapper.step.layout import (
     INT8_BLOCK_NUMEL,
     STORED_ALIGN_NBYTES,
     plan_sub_groups,
+    scales_numel,
     stored_layout,
 )
 from swapper.step.state import MomentsMismatchError, StateDictError
@@ -167,11 +168,15 @@ def test_codec_round_trip_keeps_master_exact_and_is_deterministic(moments: str) 
     state[1, :5000] = torch.randn(5000, generator=g) * 1e-3
     state[2, :5000] = torch.rand(5000, generator=g) ** 4 * 1e-6
     codec = MomentCodec(moments)
+    scales = torch.zeros(sg.scales_numel)  # int8: kept apart from the stored tensor
+    codec.bind_scales(scales)
     stored = torch.zeros(sg.state_shape, dtype=sg.state_dtype)
     codec.encode(sg, state, stored)
+    kept_scales = scales.clone()
     again = torch.zeros_like(stored)
     codec.encode(sg, state.clone(), again)
     assert torch.equal(stored, again)  # run to run: the same bytes
+    assert torch.equal(scales, kept_scales)
     out = codec.decode(sg, stored)
     assert torch.equal(out[0], state[0])  # master weights are never compressed
     assert torch.equal(out[:, 5000:], torch.zeros(3, sg.padded_numel - 5000))
@@ -191,12 +196,17 @@ def test_codec_round_trip_keeps_master_exact_and_is_deterministic(moments: str) 
         assert torch.equal(m, out[1, :5000]) and torch.equal(v, out[2, :5000])
         master.add_(1.0)
     assert torch.equal(codec.master(sg, stored)[:5000], state[0, :5000] + 1.0)
-    # an exception inside leaves the stored moments as they were
-    before = stored.clone()
+    # an exception inside leaves the stored moments (and their scales) as they were
+    before, scales_before = stored.clone(), scales.clone()
     with pytest.raises(RuntimeError), codec.rows(sg, stored) as (_, m, _v):
         m.fill_(7.0)
         raise RuntimeError("kernel failed")
-    assert torch.equal(stored, before)
+    assert torch.equal(stored, before) and torch.equal(scales, scales_before)
+    if moments == "int8":  # the scales are what decoding reads: unbound, it refuses
+        assert scales.numel() == 2 * sg.padded_numel // INT8_BLOCK_NUMEL
+        codec.bind_scales(None)
+        with pytest.raises(SwapConfigError, match=r"block scales bound"):
+            codec.decode(sg, stored)
 
 
 # -- layout and bytes -------------------------------------------------------------------------
@@ -211,14 +221,28 @@ def test_stored_layout_sections_fit_and_align(padded_blocks: int, moments: str) 
     assert layout.exp_avg_offset == 4 * padded  # fp32 master first
     per = 2 if moments == "bf16" else 1
     assert layout.exp_avg_sq_offset == layout.exp_avg_offset + per * padded
-    assert layout.scales_offset == layout.exp_avg_sq_offset + per * padded
-    assert layout.scales_offset + 8 * layout.blocks <= layout.nbytes
-    assert layout.nbytes - (layout.scales_offset + 8 * layout.blocks) < STORED_ALIGN_NBYTES
-    for offset in (layout.exp_avg_offset, layout.exp_avg_sq_offset, layout.scales_offset):
+    assert layout.end == layout.exp_avg_sq_offset + per * padded  # no scales in-band
+    # one 4 KiB round-up per sub-group, at most half of it (1024-element multiples)
+    assert layout.nbytes - layout.end <= STORED_ALIGN_NBYTES // 2
+    assert layout.scales_numel == (2 * padded // INT8_BLOCK_NUMEL if moments == "int8" else 0)
+    for offset in (layout.exp_avg_offset, layout.exp_avg_sq_offset, layout.end):
         assert offset % 4 == 0
-    if padded >= 1 << 20:  # a sub-group of a realistic size: 6 + 8/1024 + alignment
-        limit = 8.0 if moments == "bf16" else 6.012
-        assert layout.nbytes / padded <= limit
+    if padded >= 1 << 20:  # a sub-group of a realistic size: 6 (8) B + alignment
+        limit = 8.0 if moments == "bf16" else 6.0
+        assert layout.nbytes / padded <= limit + 0.002
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 9000), max_size=4), min_size=1, max_size=3))
+def test_int8_scales_of_the_sub_groups_lie_end_to_end(numels: list[list[int]]) -> None:
+    plan = plan_sub_groups(numels, 2048, "int8")
+    cursor = 0
+    for sg in plan:
+        assert sg.scales_offset == cursor
+        assert sg.scales_numel == sg.stored.scales_numel == 2 * sg.padded_numel // 1024
+        cursor += sg.scales_numel
+    assert scales_numel(plan) == cursor
+    assert all(sg.scales_offset == 0 for sg in plan_sub_groups(numels, 2048, "bf16"))
 
 
 def test_bad_settings_are_refused_naming_them() -> None:

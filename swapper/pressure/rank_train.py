@@ -204,7 +204,10 @@ def _train(
                     )
         seconds = time.perf_counter() - start
         stats = wrapped.stats()
-        state[Kind.OPTIM_STATE.value] = sum(sg.state_nbytes for sg in optimizer.sub_groups)
+        state[Kind.OPTIM_STATE.value] = (
+            sum(sg.state_nbytes for sg in optimizer.sub_groups)
+            + optimizer._pipeline.scales.nbytes  # (int8: the block scales, held apart)
+        )
         hashes: dict[str, int] = {}
         params: dict[str, torch.Tensor] = {}
         for name, tensor in wrapped.iter_state_dict():  # a collective per parameter

@@ -16,8 +16,10 @@ in one of two forms (the byte layout is :class:`~swapper.step.layout.StoredLayou
   ``sqrt(exp_avg_sq)`` with the unsigned map (every level non-negative, one more bit of
   fraction). Storing the square root halves the decades the map must span (the update
   divides by ``sqrt(exp_avg_sq)``, so that is also the quantity whose relative error
-  matters); docs/benchmarks.md has the measurement that chose it. 6 B per element plus
-  8 B per block.
+  matters); docs/benchmarks.md has the measurement that chose it. 6 B per element in
+  the stored tensor; the 8 B per block of scales live apart, in one fp32 tensor for all
+  sub-groups that the pipeline keeps in host memory (:meth:`MomentCodec.bind_scales`),
+  so that a step moves 6 B per element through NVMe, not 6.008.
 
 Encoding rounds to nearest (the 8-bit form: to the level nearest the value rounded to
 bfloat16, ties to the lower level; see :func:`_nearest_codes`), with no randomness: the
@@ -218,6 +220,8 @@ class MomentCodec:
         self.moments = moments
         # per device: fp32 (2, n) decoded moments of the sub-group computing (reused)
         self._scratch: dict[torch.device, torch.Tensor] = {}
+        #: int8: the fp32 block scales of every sub-group (see bind_scales)
+        self.scales: torch.Tensor | None = None
 
     @classmethod
     def of(cls, sub_groups: Sequence[SubGroup]) -> MomentCodec:
@@ -232,6 +236,22 @@ class MomentCodec:
                 f"the sub-groups of one pipeline store moments alike, not {formats}"
             )
         return cls(formats.pop())
+
+    def bind_scales(self, scales: torch.Tensor | None) -> None:
+        """Use ``scales`` (fp32, flat, :func:`~swapper.step.layout.scales_numel` of the
+        sub-groups) as the 8-bit form's block scales: sub-group ``sg``'s are
+        ``scales[sg.scales_offset : sg.scales_offset + sg.scales_numel]``, read by
+        decoding and written by encoding, in place. ``None`` unbinds them.
+
+        Raises:
+            SwapConfigError: ``scales`` is not a flat fp32 tensor.
+        """
+        if scales is not None and (scales.dtype != torch.float32 or scales.dim() != 1):
+            raise SwapConfigError(
+                f"the 8-bit block scales must be a flat torch.float32 tensor, not "
+                f"{scales.dtype} of shape {list(scales.shape)}"
+            )
+        self.scales = scales
 
     @property
     def compressed(self) -> bool:
@@ -336,9 +356,16 @@ class MomentCodec:
             return m.view(torch.bfloat16), v.view(torch.bfloat16), None, None
         m = stored[layout.exp_avg_offset : layout.exp_avg_offset + p]
         v = stored[layout.exp_avg_sq_offset : layout.exp_avg_sq_offset + p]
-        scales = stored[layout.scales_offset : layout.scales_offset + 8 * layout.blocks]
-        scales32 = scales.view(torch.float32)
-        return m, v, scales32[: layout.blocks], scales32[layout.blocks :]
+        scales = self.scales
+        end = sg.scales_offset + layout.scales_numel
+        if scales is None or scales.numel() < end or scales.device != stored.device:
+            what = "none" if scales is None else f"{scales.numel()} on {scales.device}"
+            raise SwapConfigError(
+                f"sub-group {sg.index}: int8 moments need the block scales bound "
+                f"(bind_scales) with at least {end} elements on {stored.device}; bound: {what}"
+            )
+        own = scales[sg.scales_offset : end]
+        return m, v, own[: layout.blocks], own[layout.blocks :]
 
     def _decode_moments(
         self, sg: SubGroup, stored: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor

@@ -26,7 +26,7 @@ __all__ = [
 #: Elements per sub-group unless told (12 B each: 300 MB of state).
 DEFAULT_SUB_GROUP_NUMEL = 25_000_000
 #: How the Adam moments may be stored (``StepConfig.moments``): fp32 (exact, 12 B per
-#: element with the master weights), bf16 (8 B) or 8-bit blockwise (6 B + the scales).
+#: element with the master weights), bf16 (8 B) or 8-bit blockwise (6 B; the scales held).
 MOMENTS = ("fp32", "bf16", "int8")
 #: ``StepConfig.readahead`` value that sizes the read-ahead at every step
 #: (:mod:`swapper.step.window`).
@@ -68,8 +68,10 @@ class StepConfig:
             ``"fp32"``: exact, 12 B per element with the fp32 master weights, bitwise
             torch's fused AdamW. ``"bf16"``: both moments rounded to bf16 (8 B per
             element). ``"int8"``: 8-bit blockwise with an fp32 scale per block of 1024
-            (~6 B per element; see :mod:`swapper.step.compress`). The master weights stay
-            fp32 and the update itself runs in fp32; only the stored moments are rounded.
+            (6 B per element through NVMe; the scales, 8 B per 1024 elements, held in
+            the host budget: see :mod:`swapper.step.compress`, :mod:`swapper.step.scales`).
+            The master weights stay fp32 and the update itself runs in fp32; only the
+            stored moments are rounded.
             A snapshot keeps the stored form (resuming it needs the same setting); a
             state dict and a DCP export hold the moments decoded to fp32.
         name: prefix of the optimizer's keys in the manager.

@@ -300,8 +300,9 @@ class DeferredSteps:
 
     def _update_nbytes(self, source: ParamSource) -> int:
         """The host memory the update holds at once (bytes): the sub-groups kept in
-        memory, one streamed sub-group's state, and one parameter or gradient (fetched
-        whole to read or write its piece, one at a time)."""
+        memory and the int8 block scales, one streamed sub-group's state, and one
+        parameter or gradient (fetched whole to read or write its piece, one at a
+        time)."""
         optimizer = self._optimizer
         kept = optimizer._pipeline.kept
         groups = optimizer.sub_groups
@@ -314,7 +315,7 @@ class DeferredSteps:
             default=0,
         )
         return (
-            sum(sg.state_nbytes for sg in groups[:kept])
+            optimizer._pipeline.kept_nbytes  # (the kept sub-groups and the int8 scales)
             + max((sg.state_nbytes for sg in groups[kept:]), default=0)
             + largest_param
         )

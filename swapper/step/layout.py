@@ -41,6 +41,7 @@ __all__ = [
     "StoredLayout",
     "SubGroup",
     "plan_sub_groups",
+    "scales_numel",
     "stored_layout",
 ]
 
@@ -53,7 +54,8 @@ SIXTEEN_BIT = (torch.bfloat16, torch.float16)
 
 #: Elements per block of the 8-bit form, each block with one fp32 scale per moment.
 #: Equal to ALIGN_NUMEL: sub-group boundaries and padding fall on block boundaries, so a
-#: block never spans two sub-groups and the scales cost 8 B per 1024 elements.
+#: block never spans two sub-groups and the scales cost 8 B per 1024 elements (of host
+#: memory: they are kept out of the state tensors, see :attr:`SubGroup.scales_offset`).
 INT8_BLOCK_NUMEL = ALIGN_NUMEL
 #: A compressed state tensor's size is a multiple of this (O_DIRECT, no bounce buffer).
 STORED_ALIGN_NBYTES = 4096
@@ -68,23 +70,31 @@ class StoredLayout:
         padded_numel: elements per section (the sub-group's padded length).
         exp_avg_offset, exp_avg_sq_offset: where each moment's codes start, in bytes
             (bf16: 2 B per element; int8: 1 B per element). The master weights (fp32) are
-            bytes ``[0, 4 * padded_numel)``.
-        scales_offset: int8 only (else equal to ``nbytes``): the fp32 scales of exp_avg's
-            blocks, then those of exp_avg_sq's, ``padded_numel // INT8_BLOCK_NUMEL`` each.
-        nbytes: the whole tensor, padded to a multiple of STORED_ALIGN_NBYTES.
+            bytes ``[0, 4 * padded_numel)``; the codes end at ``end``.
+        nbytes: the whole tensor, padded to a multiple of STORED_ALIGN_NBYTES (one
+            round-up per sub-group: at most 2 KiB, as ``padded_numel`` is a multiple of
+            1024 and the sections 6 or 8 B per element).
+
+    The 8-bit form's scales (``2 * blocks`` fp32: exp_avg's blocks, then exp_avg_sq's)
+    are not in this tensor: see :attr:`SubGroup.scales_offset`.
     """
 
     moments: str
     padded_numel: int
     exp_avg_offset: int
     exp_avg_sq_offset: int
-    scales_offset: int
+    end: int
     nbytes: int
 
     @property
     def blocks(self) -> int:
         """8-bit blocks per moment (0 for bf16)."""
         return self.padded_numel // INT8_BLOCK_NUMEL if self.moments == "int8" else 0
+
+    @property
+    def scales_numel(self) -> int:
+        """fp32 scales of the sub-group, both moments (0 for bf16), kept out of band."""
+        return 2 * self.blocks
 
 
 def stored_layout(moments: str, padded_numel: int) -> StoredLayout:
@@ -109,14 +119,13 @@ def stored_layout(moments: str, padded_numel: int) -> StoredLayout:
             round_up(end, STORED_ALIGN_NBYTES),
         )
     if moments == "int8":
-        scales = master + 2 * padded_numel
-        end = scales + 2 * 4 * (padded_numel // INT8_BLOCK_NUMEL)
+        end = master + 2 * padded_numel  # (the scales are out of band)
         return StoredLayout(
             moments,
             padded_numel,
             master,
             master + padded_numel,
-            scales,
+            end,
             round_up(end, STORED_ALIGN_NBYTES),
         )
     raise SwapConfigError(f"moments={moments!r} has no compressed layout (one of 'bf16', 'int8')")
@@ -151,6 +160,9 @@ class SubGroup:
         padded_numel: length of each state row (``numel`` rounded up to ALIGN_NUMEL).
         pieces: the parameter ranges it covers, in flat order.
         moments: how its Adam moments are stored (one of :data:`MOMENTS`).
+        scales_offset: int8 moments: where its ``stored.scales_numel`` fp32 block scales
+            start in the optimizer's one scales tensor (the sub-groups' scales end to
+            end, in index order); 0 otherwise.
     """
 
     index: int
@@ -160,6 +172,7 @@ class SubGroup:
     padded_numel: int
     pieces: tuple[Piece, ...]
     moments: str = "fp32"
+    scales_offset: int = 0
 
     @property
     def state_shape(self) -> tuple[int, ...]:
@@ -183,6 +196,11 @@ class SubGroup:
         return self.stored.nbytes
 
     @property
+    def scales_numel(self) -> int:
+        """fp32 block scales it keeps out of band (int8 moments; else 0)."""
+        return 2 * (self.padded_numel // INT8_BLOCK_NUMEL) if self.moments == "int8" else 0
+
+    @property
     def stored(self) -> StoredLayout:
         """The sections of its compressed state.
 
@@ -190,6 +208,11 @@ class SubGroup:
             SwapConfigError: its moments are fp32 (not compressed).
         """
         return stored_layout(self.moments, self.padded_numel)
+
+
+def scales_numel(sub_groups: Sequence[SubGroup]) -> int:
+    """fp32 elements of the scales tensor of ``sub_groups`` (0 unless int8 moments)."""
+    return sum(sg.scales_numel for sg in sub_groups)
 
 
 def round_up(numel: int, multiple: int = ALIGN_NUMEL) -> int:
@@ -252,6 +275,7 @@ def plan_sub_groups(
                     continue
                 break
             numel = end - begin
+            scales = plan[-1].scales_offset + plan[-1].scales_numel if plan else 0
             plan.append(
                 SubGroup(
                     len(plan),
@@ -261,6 +285,7 @@ def plan_sub_groups(
                     round_up(numel),
                     tuple(pieces),
                     moments,
+                    scales if moments == "int8" else 0,
                 )
             )
     return plan

@@ -476,16 +476,18 @@ class OffloadAdamW(SubGroupMath, torch.optim.Optimizer):
         host = self.manager.config.host_nbytes
         if host is None or not self.sub_groups:
             return
-        kept_count = self._pipeline.kept
-        kept = sum(sg.state_nbytes for sg in self.sub_groups[:kept_count])
-        streamed = self.sub_groups[kept_count:]
-        largest = max((sg.state_nbytes for sg in streamed), default=0)
-        if host < kept + largest:
+        pipeline = self._pipeline
+        scales = pipeline.scales.charge  # int8: kept in memory for the optimizer's life
+        kept = pipeline.kept_nbytes - scales
+        largest = max((sg.state_nbytes for sg in self.sub_groups[pipeline.kept :]), default=0)
+        if host < kept + scales + largest:
             raise SwapConfigError(
                 f"host_nbytes={host} cannot hold the kept sub-groups' state ({kept} bytes, "
-                f"host_fraction) and one streamed sub-group ({largest} bytes of "
-                f"{self.config.moments} moments): lower sub_group_numel (now "
-                f"{self.sub_group_numel}) or host_fraction, or raise the host budget"
+                f"host_fraction), the int8 block scales ({scales} bytes: 8 per 1024 "
+                f"elements, in 4 KiB, kept in memory) and one streamed sub-group ({largest} "
+                f"bytes of {self.config.moments} moments): lower sub_group_numel (now "
+                f"{self.sub_group_numel}) or host_fraction, or raise the host budget to at "
+                f"least {kept + scales + largest}"
             )
 
     def _initial_state(self, sg: SubGroup, state: torch.Tensor) -> None:

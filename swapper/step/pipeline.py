@@ -1,4 +1,4 @@
-# Size: ~525 lines: the sub-group state machine, its bookkeeping and the whole-sub-group
+# Size: ~550 lines: the sub-group state machine, its bookkeeping and the whole-sub-group
 # read/write (fp32 in and out, stored through compress.MomentCodec) stay one class.
 """The step pipeline: optimizer state streamed through memory, one sub-group at a time.
 
@@ -29,6 +29,11 @@ weights; a sub-group applied but not published is published again, without compu
 Sub-groups kept in host memory (``host_fraction``) stay FETCHED for the optimizer's life:
 they compute in place and are never written during a step; memory counts as durable for
 them (and for every sub-group when the manager has no NVMe tier).
+
+With int8 moments the block scales of every sub-group are one more entry, kept FETCHED
+the same way for the optimizer's life (:class:`~swapper.step.scales.HeldScales`): a step
+updates them in place and never moves them; the sub-groups' NVMe traffic is the master
+weights and the codes alone.
 
 A step succeeds only when every streamed sub-group it touched is durable. When it fails
 part-way (an I/O error, a timeout), the sub-groups done stay done: the next run of the
@@ -67,6 +72,7 @@ from swapper.manager import Kind, Tier, TierManager
 from swapper.step import window
 from swapper.step.compress import MomentCodec
 from swapper.step.layout import SubGroup
+from swapper.step.scales import HeldScales
 from swapper.step.window import Room
 from tiers import signals
 from tiers.errors import SwapConfigError, SwapError
@@ -187,6 +193,7 @@ class StepPipeline:
         self.manager = manager
         self.sub_groups = tuple(sub_groups)
         self.codec = MomentCodec.of(self.sub_groups)  #: the stored form (moments)
+        self.scales = HeldScales(manager, self.codec, self.sub_groups, name)  #: int8's
         self.name = name
         self.kept = round(host_fraction * len(self.sub_groups))
         #: "auto": :attr:`readahead` is set again at the start of each step
@@ -207,6 +214,13 @@ class StepPipeline:
         """The manager key of sub-group ``index``'s state."""
         return f"{self.name}/state/{index}"
 
+    @property
+    def kept_nbytes(self) -> int:
+        """Bytes of memory budget taken for the optimizer's life: the kept sub-groups'
+        state and the int8 block scales (:attr:`HeldScales.charge`)."""
+        kept = sum(sg.state_nbytes for sg in self.sub_groups[: self.kept])
+        return kept + self.scales.charge
+
     def holds(self, index: int) -> bool:
         """Whether sub-group ``index`` is kept in memory for the optimizer's life."""
         return index in self._held
@@ -215,6 +229,9 @@ class StepPipeline:
         """Register every sub-group's state; ``fill(sub_group, buffer)`` writes it into a
         zeroed fp32 buffer of the state's shape (reused: one sub-group in memory at a time
         besides what the manager keeps).
+
+        With int8 moments the block scales are encoded into one local tensor, registered
+        once every sub-group is, and held (:class:`HeldScales`).
 
         Raises:
             what :meth:`TierManager.register` raises; the sub-groups registered so far are
@@ -227,6 +244,7 @@ class StepPipeline:
                 largest = max((sg.padded_numel for sg in self.sub_groups), default=0)
                 scratch = torch.empty((3, largest), dtype=torch.float32)
                 stored = self.codec.scratch(self.sub_groups)  # compressed form, or None
+                scales = self.scales.fresh()  # int8: encoding fills it
                 for sg in self.sub_groups:
                     buffer = scratch[:, : sg.padded_numel]
                     buffer.zero_()
@@ -235,6 +253,9 @@ class StepPipeline:
                     self.manager.register(self.key(sg.index), buffer, Kind.OPTIM_STATE)
                     self._registered += 1
                 del scratch, stored
+                self.scales.register(scales)
+                del scales
+                self.scales.hold()
                 for sg in self.sub_groups[: self.kept]:
                     self._held[sg.index] = self.manager.fetch(self.key(sg.index))
             except BaseException:
@@ -247,7 +268,7 @@ class StepPipeline:
             return 0
         return window.budget_readahead(
             self.manager.config.host_nbytes,
-            sum(sg.state_nbytes for sg in self.sub_groups[: self.kept]),
+            self.kept_nbytes,
             max(sg.state_nbytes for sg in streamed),
         )
 
@@ -255,8 +276,8 @@ class StepPipeline:
         streamed = self.sub_groups[self.kept :]
         self.room = window.auto_readahead(
             self.manager,
-            {self.key(sg.index) for sg in self.sub_groups},
-            kept_nbytes=sum(sg.state_nbytes for sg in self.sub_groups[: self.kept]),
+            {self.key(sg.index) for sg in self.sub_groups} | {self.scales.key},
+            kept_nbytes=self.kept_nbytes,
             largest_nbytes=max((sg.state_nbytes for sg in streamed), default=1),
             streamed=len(streamed),
         )
@@ -498,6 +519,7 @@ class StepPipeline:
             for index in list(self._held):
                 self.manager.release(self.key(index), modified=True)
                 del self._held[index]
+            self.scales.unregister()
             while self._registered:
                 self.manager.unregister(self.key(self.sub_groups[self._registered - 1].index))
                 self._registered -= 1
@@ -505,6 +527,9 @@ class StepPipeline:
     def _check_open(self) -> None:
         if self._closed:
             raise PipelineClosedError(f"the optimizer state {self.name!r} is closed")
+        # (int8: held again if a snapshot's re-fetch of them failed; else nothing)
+        with signals.at_waits:
+            self.scales.hold()
 
     def traffic_since(self, before: dict[tuple[Kind, Tier, Tier], int]) -> StepTraffic:
         """Bytes moved between NVMe and memory since ``before`` (a

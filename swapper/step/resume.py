@@ -5,7 +5,12 @@ records of the optimizer besides its state tensors (step counters, hyper-paramet
 layout, loss scaler), as plain JSON. :func:`adopt` makes a new optimizer take over the
 state tensors a resumed manager already holds (instead of building them from the
 parameters) and the counters from the record. :func:`kept_released` lets the sub-groups
-kept in memory be written into a snapshot like the others.
+kept in memory (and the int8 block scales) be written into a snapshot like the others.
+
+Int8 state from before the block scales moved out of the state tensors (a snapshot whose
+record has no ``"scales"``: each sub-group's tensor ended with its scales) is converted as
+it is adopted (:func:`_convert_inband`): the scales are copied out into the scales entry
+and each sub-group is registered again without them. The snapshot itself is not changed.
 
 The snapshot itself (which tensors, the file, RNG) is :mod:`swapper.zero.checkpoint`'s;
 the optimizer finds what it resumes from in its model's ``resumed`` attribute
@@ -16,12 +21,16 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from swapper.manager import Kind, UnknownKeyError
+import torch
+
+from swapper.manager import Kind, TierManager, UnknownKeyError
 from swapper.step.config import check_hyper
+from swapper.step.layout import INT8_BLOCK_NUMEL, STORED_ALIGN_NBYTES, round_up
 from swapper.step.pipeline import StepPipeline
 from swapper.step.scaler import DynamicLossScaler
 from swapper.step.state import MomentsMismatchError, StateDictError, check_same_layout
@@ -29,11 +38,10 @@ from tiers import signals
 from tiers.errors import SwapConfigError
 
 if TYPE_CHECKING:
-    import torch
-
     from swapper.step.optimizer import OffloadAdamW
 
 __all__ = [
+    "SCALES_APART",
     "ResumedState",
     "adopt",
     "kept_released",
@@ -41,6 +49,13 @@ __all__ = [
     "resumed_of",
     "unadopt",
 ]
+
+
+log = logging.getLogger(__name__)
+
+#: ``optimizer_meta(...)["scales"]``: the int8 block scales are in their own entry
+#: (``<name>/scales``), not at the end of each sub-group's state tensor.
+SCALES_APART = "apart"
 
 
 @dataclasses.dataclass
@@ -114,6 +129,8 @@ def optimizer_meta(optimizer: OffloadAdamW) -> dict[str, Any]:
         "numels": optimizer._numels(),
         # how the state tensors are stored: a resume takes them as they are
         "moments": optimizer._pipeline.codec.moments,
+        # where the int8 block scales are (records without it: in each state tensor)
+        "scales": SCALES_APART,
         "groups": [
             {k: _encode_value(k, v) for k, v in g.items() if k not in ("params", "param_names")}
             for g in optimizer.param_groups
@@ -128,12 +145,18 @@ def adopt(optimizer: OffloadAdamW, pipeline: StepPipeline, resumed: ResumedState
 
     Everything is checked before anything changes.
 
+    Int8 state of the layout before :data:`SCALES_APART` is converted (module
+    docstring).
+
     Raises:
         MomentsMismatchError: its state is stored with other moments than
             ``StepConfig.moments`` here (a StateDictError and a SwapConfigError).
         StateDictError: the snapshot (named by its file) holds no optimizer, or one of
             other parameters, layout, sub-group size or name, or lacks a state tensor or
-            holds one of the wrong shape (the first difference named).
+            holds one of the wrong shape (the first difference named, with the layout
+            expected), or records an unknown place for the block scales.
+        and what the manager raises reading or registering state while int8 state of the
+            old layout is converted (the snapshot is unchanged: resume from it again).
     """
     where = f"snapshot file {resumed.path}"
     meta = resumed.optimizer
@@ -183,24 +206,42 @@ def adopt(optimizer: OffloadAdamW, pipeline: StepPipeline, resumed: ResumedState
             DynamicLossScaler().load_state_dict(scaler)  # validates, changes nothing
         except (SwapConfigError, TypeError) as exc:
             raise StateDictError(f"{where}: loss scaler: {exc}") from None
+    scales = meta.get("scales")
+    inband = scales is None and pipeline.scales.numel > 0  # int8 of the layout before
+    if scales not in (None, SCALES_APART):
+        raise StateDictError(
+            f"{where}: the optimizer's block scales are recorded {scales!r}; this swapper "
+            f"reads {SCALES_APART!r} (and records without it)"
+        )
     manager = pipeline.manager
     for sg in pipeline.sub_groups:
-        key = pipeline.key(sg.index)
-        try:
-            info = manager.info(key)
-        except UnknownKeyError:
-            raise StateDictError(f"{where} holds no optimizer state {key!r}") from None
-        if (
-            info.kind is not Kind.OPTIM_STATE
-            or info.dtype != sg.state_dtype
-            or tuple(info.shape) != sg.state_shape
-        ):
-            raise StateDictError(
-                f"{where}: {key!r} is {info.kind.value} {info.dtype} {list(info.shape)}; "
-                f"expected optim_state {sg.state_dtype} {list(sg.state_shape)}"
-            )
+        shape = (_inband_nbytes(sg.padded_numel),) if inband else sg.state_shape
+        layout = "int8, block scales in each state tensor" if inband else sg.moments
+        _check_entry(manager, where, pipeline.key(sg.index), sg.state_dtype, shape, layout)
+    if pipeline.scales.numel and not inband:
+        _check_entry(
+            manager,
+            where,
+            pipeline.scales.key,
+            torch.float32,
+            (pipeline.scales.numel,),
+            "int8, block scales apart",
+        )
     with signals.at_waits:  # each fetch and its record go together
         pipeline._registered = len(pipeline.sub_groups)
+        if inband:
+            try:
+                _convert_inband(pipeline)
+            except Exception:
+                log.error(
+                    "converting the int8 state of %s (block scales in each state tensor) "
+                    "to the current layout failed; the snapshot is unchanged: resume from "
+                    "it again",
+                    where,
+                )
+                raise
+        pipeline.scales.registered = pipeline.scales.numel > 0
+        pipeline.scales.hold()
         for sg in pipeline.sub_groups[: pipeline.kept]:
             pipeline._held[sg.index] = manager.fetch(pipeline.key(sg.index))
     for progress in pipeline.progress:
@@ -211,6 +252,64 @@ def adopt(optimizer: OffloadAdamW, pipeline: StepPipeline, resumed: ResumedState
     if optimizer.loss_scaler is not None and scaler is not None:
         optimizer.loss_scaler.load_state_dict(scaler)
     resumed.taken = True
+
+
+def _check_entry(
+    manager: TierManager,
+    where: str,
+    key: str,
+    dtype: torch.dtype,
+    shape: tuple[int, ...],
+    layout: str,
+) -> None:
+    try:
+        info = manager.info(key)
+    except UnknownKeyError:
+        raise StateDictError(f"{where} holds no optimizer state {key!r} ({layout})") from None
+    if info.kind is not Kind.OPTIM_STATE or info.dtype != dtype or tuple(info.shape) != shape:
+        raise StateDictError(
+            f"{where}: {key!r} is {info.kind.value} {info.dtype} {list(info.shape)}; "
+            f"expected optim_state {dtype} {list(shape)} (moments {layout})"
+        )
+
+
+def _inband_nbytes(padded_numel: int) -> int:
+    """Bytes of an int8 state tensor of the layout before :data:`SCALES_APART`: master
+    weights, codes, then the scales, padded to 4 KiB."""
+    end = 6 * padded_numel + 8 * (padded_numel // INT8_BLOCK_NUMEL)
+    return round_up(end, STORED_ALIGN_NBYTES)
+
+
+def _convert_inband(pipeline: StepPipeline) -> None:
+    """Int8 state tensors of the layout before :data:`SCALES_APART` (their shapes
+    checked), one at a time: the scales copied out into one tensor, each sub-group
+    registered again without them; then the scales registered (not held).
+
+    A sub-group's old tensor is read (the manager verifies its bytes as it reads them),
+    released unmodified and unregistered (the snapshot keeps its own copy) before its
+    new one is registered: one old and one new tensor in memory at a time, besides the
+    manager's budgets. An error part-way leaves some keys converted: the optimizer's
+    construction fails, and resuming again from the (unchanged) snapshot starts over.
+    """
+    manager = pipeline.manager
+    scales = torch.zeros(pipeline.scales.numel, dtype=torch.float32)
+    for sg in pipeline.sub_groups:
+        layout = sg.stored
+        key = pipeline.key(sg.index)
+        old = manager.fetch(key)
+        try:
+            inband = old[layout.end : layout.end + 4 * layout.scales_numel]
+            end = sg.scales_offset + layout.scales_numel
+            scales[sg.scales_offset : end].copy_(inband.cpu().view(torch.float32))
+            new = torch.zeros(layout.nbytes, dtype=torch.uint8)
+            new[: layout.end].copy_(old[: layout.end])
+        finally:
+            manager.release(key, modified=False)
+        del old
+        manager.unregister(key)
+        manager.register(key, new, Kind.OPTIM_STATE)
+        del new
+    manager.register(pipeline.scales.key, scales, Kind.OPTIM_STATE)
 
 
 def unadopt(pipeline: StepPipeline, resumed: ResumedState) -> None:
@@ -224,26 +323,33 @@ def unadopt(pipeline: StepPipeline, resumed: ResumedState) -> None:
         for index in list(pipeline._held):
             manager.release(pipeline.key(index), modified=False)
             del pipeline._held[index]
+        pipeline.scales.release(modified=False)
         pipeline._registered = 0
+        pipeline.scales.registered = False
     resumed.taken = False
 
 
 @contextlib.contextmanager
 def kept_released(pipeline: StepPipeline) -> Iterator[None]:
-    """Inside the block, the sub-groups kept in memory are released (as modified: a step
-    changed them in place), so that a manager snapshot writes and names them like any
-    other; they are fetched again at the end, all of them whatever happened inside.
+    """Inside the block, the sub-groups kept in memory and the int8 block scales are
+    released (as modified: a step changed them in place), so that a manager snapshot
+    writes and names them like any other; they are fetched again at the end, all of them
+    whatever happened inside.
 
     Raises (at the end): the first re-fetch's error, once every other was tried.
     """
     manager = pipeline.manager
     released: list[int] = []
+    scales = False
     with signals.at_waits:
         try:
             for index in list(pipeline._held):
                 manager.release(pipeline.key(index), modified=True)
                 del pipeline._held[index]
                 released.append(index)
+            if pipeline.scales.held:
+                pipeline.scales.release(modified=True)
+                scales = True
             yield
         finally:
             # Signals held: a Ctrl-C that came during the block is delivered at the first
@@ -255,6 +361,11 @@ def kept_released(pipeline: StepPipeline) -> Iterator[None]:
                     try:
                         pipeline._held[index] = manager.fetch(pipeline.key(index))
                     except Exception as exc:  # the others are still fetched
+                        error = error or exc
+                if scales:
+                    try:
+                        pipeline.scales.hold()
+                    except Exception as exc:  # (a step then refuses: no scales bound)
                         error = error or exc
             if error is not None:
                 raise error
