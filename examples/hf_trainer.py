@@ -105,6 +105,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--no-checkpointing", action="store_true", help="train without activation checkpointing"
     )
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="where the forward runs (default cpu; cuda: the Trainer moves the inputs there)",
+    )
     args = parser.parse_args(argv)
     if args.steps < 1:
         parser.error("--steps must be at least 1")
@@ -114,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     # 32 KiB; a recompute holds two projections of one layer), the host tier less than
     # the weights, gradients and 12 B/parameter of AdamW state: the rest goes to NVMe.
     config = OffloadConfig.create(  # swapper:
-        device="cpu",  # the device tier; "cuda" on a GPU machine
+        device=args.device,  # the device tier: "cuda" on a GPU machine
         device_nbytes=64 * 1024,
         host_nbytes=1024 * 1024,
         nvme_dirs=[args.swap_dir],
@@ -140,7 +146,7 @@ def train(
         weight_decay=0.01,
         warmup_steps=1,
         max_grad_norm=0.0,  # swapper: clipped by OffloadAdamW (StepConfig.max_grad_norm)
-        use_cpu=True,
+        use_cpu=args.device == "cpu",  # on a GPU the Trainer's model.to() is accepted
         save_strategy="no",
         report_to="none",
         logging_steps=1,
