@@ -100,8 +100,9 @@ def _optimizer_state(optimizer: OffloadAdamW) -> dict[str, torch.Tensor]:
 
 def train(rank: int, world: int, tmp: str, v: dict[str, Any]) -> dict[str, Any]:
     """``STEPS`` steps of two micro-steps each on this rank's share of every batch, an
-    evaluation forward after each step; the losses, evaluations, the state read while
-    step ``HELD_STEP``'s update was pending, the final parameters and optimizer state."""
+    evaluation forward after each step (and one before step 2's); the losses,
+    evaluations, the state read while an update was pending (step ``HELD_STEP``'s or the
+    next taken), the final parameters and optimizer state."""
     dtype = torch.float16 if v.get("fp16") else torch.bfloat16
     config = _config(tmp, v["name"], tight=v["tight"], overlap=v["overlap"])
     wrapped = swapper.offload(_model().to(dtype), config, dist.group.WORLD)
@@ -119,6 +120,9 @@ def train(rank: int, world: int, tmp: str, v: dict[str, Any]) -> dict[str, Any]:
                 scaled.backward()
             if scaler is not None and step == 4 and rank == 1:
                 _inject_inf(wrapped)
+            if step == 2:  # its read-ahead leaves gathers of the old shards in flight
+                with torch.no_grad():
+                    out["evals"].append(wrapped(tokens[:2, :-1]).float().clone())
             if step == HELD_STEP:  # (held until a step is taken: a skip writes nothing)
                 _hold_update(optimizer, 0.3)
             optimizer.step()
