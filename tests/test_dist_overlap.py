@@ -288,3 +288,63 @@ def test_failed_update_on_one_rank_raises_on_every_rank_then_finishes(tmp_path: 
     _same(seen[0]["faulty"]["params"], seen[0]["clean"]["params"])
     for r in seen:
         _same(r["faulty"]["optimizer"], r["clean"]["optimizer"])
+
+
+# -- the host budget beside a gather's shards ---------------------------------------------
+
+
+def _host_use(tmp: str, name: str, host: int, overlap: bool) -> OffloadConfig:
+    """Parameters used in the host tier: a gather reads this rank's shards there."""
+    return OffloadConfig.create(
+        nvme_dirs=[os.path.join(tmp, name)],
+        device="cpu",
+        param_tiers=("host", "nvme"),
+        host_nbytes=host,
+        timeout_s=20.0,
+        step=StepConfig(sub_group_numel=SUB_GROUP_NUMEL, max_grad_norm=CLIP, overlap=overlap),
+        distributed=DistributedConfig(timeout_s=TIMEOUT_S),
+    )
+
+
+def host_room(rank: int, world: int, tmp: str) -> dict[str, Any]:
+    """A host budget too small for a gather's shards beside the update (refused on every
+    rank when the optimizer is made), then one that holds both: three steps overlapped
+    and ordinary."""
+    out: dict[str, Any] = {}
+    with swapper.offload(_model(), _host_use(tmp, "small", 25_000, True), dist.group.WORLD) as w:
+        try:
+            OffloadAdamW(w.parameters(), lr=LR, tiers=w).close()
+            out["refused"] = ("no error", "")
+        except Exception as exc:
+            out["refused"] = (type(exc).__name__, str(exc))
+        with OffloadAdamW(w.parameters(), lr=LR, tiers=w, config=StepConfig(overlap=False)):
+            pass  # nothing was left installed: the model takes another optimizer
+    for name, overlap in (("overlap", True), ("ordinary", False)):
+        config = _host_use(tmp, name, 48_000, overlap)
+        with swapper.offload(_model(), config, dist.group.WORLD) as wrapped:
+            optimizer = OffloadAdamW(wrapped.parameters(), lr=LR, tiers=wrapped)
+            for tokens in _batches()[:3]:
+                share = tokens[rank * BATCH // world : (rank + 1) * BATCH // world]
+                logits = wrapped(share[:, :-1])
+                F.cross_entropy(
+                    logits.float().reshape(-1, VOCAB), share[:, 1:].reshape(-1)
+                ).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+            out[name] = {"params": wrapped.state_dict(), "optimizer": _optimizer_state(optimizer)}
+            optimizer.close()
+    return out
+
+
+def test_host_budget_too_small_beside_a_gather_is_refused_on_every_rank(tmp_path: Path) -> None:
+    seen = _spawn(host_room, 2, tmp_path, join_s=120.0)
+    kinds = sorted(r["refused"][0] for r in seen)
+    assert kinds in (["SwapConfigError"] * 2, ["PeerFailedError", "SwapConfigError"]), kinds
+    for r in seen:
+        if r["refused"][0] == "SwapConfigError":
+            message = r["refused"][1]
+            assert "host_nbytes=25000 cannot hold both" in message, message
+            assert "a gather holds up to" in message and "update holds up to" in message
+    _same(seen[0]["overlap"]["params"], seen[0]["ordinary"]["params"])
+    for r in seen:
+        _same(r["overlap"]["optimizer"], r["ordinary"]["optimizer"])
