@@ -53,6 +53,10 @@ waits are the manager's ``background_stall_s`` (:func:`swapper.manager.backgroun
 the training thread's waits for it (the gate, a backward, ``step()``) are summed in
 :attr:`DeferredSteps.waited_s` (``OffloadAdamW.overlap_waited_s``).
 
+Over a model sharded across ranks the same thread steps this rank's shards; the model
+gates its gathers and agrees the update's end over the ranks in the caller's thread (the
+update's thread issues no collective): :mod:`swapper.zero.shard_overlap`.
+
 Requirement on budgets: while the forward holds a module's parameters, the update of a
 later sub-group must find room in the host budget for its state and one parameter or
 gradient (as the ordinary step does with nothing held). Where parameters are used in the

@@ -223,8 +223,8 @@ class ShardOverlap:
             PeerFailedError: on the other ranks.
             CollectiveError: the agreement failed or timed out.
         """
-        if not self.open:
-            return False
+        if not self.open and finish is None:
+            return False  # (a failed update keeps it open: every rank agreed it failed)
         self._drain()  # gathers started ahead may hold stale shards; the finish writes
         code, error = OK, None
         if finish is not None:

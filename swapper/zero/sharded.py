@@ -31,8 +31,10 @@ Around each module that owns parameters (``recurse=False``):
 Every rank must run the same modules in the same order: the collectives are paired by
 the order they are issued in. A gather started by read-ahead is never used after the
 parameters changed: the optimizer's first write waits for (and drops) every gather in
-flight. Writes outside the hooks: :mod:`swapper.zero.shard_writes`; a gather's life
-(start, read-ahead, wait, settle, free): :mod:`swapper.zero.shard_gathers`.
+flight (with an overlapped optimizer, ``step()`` drops them and each gather waits for
+this rank's update of its shards: :mod:`swapper.zero.shard_overlap`). Writes outside
+the hooks: :mod:`swapper.zero.shard_writes`; a gather's life (start, read-ahead, wait,
+settle, free): :mod:`swapper.zero.shard_gathers`.
 
 :class:`~swapper.step.OffloadAdamW` steps only this rank's shards
 (:class:`~swapper.zero.shard_state.ShardedParams`); the global gradient norm and the
