@@ -37,7 +37,7 @@ from test_dist_train import BATCH, TIGHT, VOCAB, _batches, _model, _same, _spawn
 
 import swapper
 from swapper import OffloadAdamW, OffloadConfig, StepConfig, SwapIOError, Tier
-from swapper.zero.checkpoint import final_digest
+from swapper.zero.checkpoint import final_digest, save_snapshot
 from swapper.zero.dist_config import DistributedConfig
 
 pytestmark = pytest.mark.dist
@@ -115,7 +115,7 @@ def train(rank: int, world: int, tmp: str, v: dict[str, Any]) -> dict[str, Any]:
             for part in share.chunk(2):  # gradient accumulation: two micro-steps
                 logits = wrapped(part[:, :-1])
                 loss = F.cross_entropy(logits.float().reshape(-1, VOCAB), part[:, 1:].reshape(-1))
-                out["losses"].append(float(loss))
+                out["losses"].append(float(loss.detach()))
                 scaled = loss / 2 if scaler is None else scaler.scale(loss / 2)
                 scaled.backward()
             if scaler is not None and step == 4 and rank == 1:
@@ -131,6 +131,8 @@ def train(rank: int, world: int, tmp: str, v: dict[str, Any]) -> dict[str, Any]:
             if step >= HELD_STEP and not out["skipped"][-1] and "held_params" not in out:
                 deferred = optimizer._deferred
                 out["pending"] = deferred is not None and deferred._job is not None
+                if v["tight"]:  # a snapshot first (it waits), resumed from after the run
+                    out["snapshot"] = save_snapshot(wrapped, optimizer).name
                 out["held_params"] = wrapped.state_dict()  # waits for the update
                 out["held_digest"] = final_digest(wrapped, optimizer)  # type: ignore[arg-type]
             optimizer.zero_grad()
@@ -142,10 +144,16 @@ def train(rank: int, world: int, tmp: str, v: dict[str, Any]) -> dict[str, Any]:
         stats = wrapped.stats()
         out["nvme_written"] = stats.moved(Tier.HOST, Tier.NVME).nbytes
         out["nvme_read"] = stats.moved(Tier.NVME, Tier.HOST).nbytes
-        return out
     finally:
         optimizer.close()
         wrapped.close()
+    if "snapshot" in out:  # what the snapshot taken while the update was pending holds
+        model = _model().to(dtype)
+        with swapper.offload(model, config, dist.group.WORLD, resume=out["snapshot"]) as w:
+            scaler = swapper.DynamicLossScaler() if v.get("fp16") else None
+            with OffloadAdamW(w.parameters(), lr=LR, tiers=w, loss_scaler=scaler) as resumed:
+                out["snapshot_digest"] = final_digest(w, resumed)  # type: ignore[arg-type]
+    return out
 
 
 VARIANTS = [
@@ -214,6 +222,9 @@ def test_state_read_while_pending_waits_for_the_update(runs: Any) -> None:
         _same(overlap[0]["held_params"], tight[0]["held_params"])
         for r in range(2):
             assert overlap[r]["held_digest"] == tight[r]["held_digest"]
+            # the snapshot taken while the update was pending holds the updated state
+            assert overlap[r]["snapshot_digest"] == tight[r]["held_digest"]
+            assert tight[r]["snapshot_digest"] == tight[r]["held_digest"]
 
 
 # -- a failed background update on one rank ---------------------------------------------
