@@ -230,15 +230,15 @@ def test_state_read_while_pending_waits_for_the_update(runs: Any) -> None:
 # -- a failed background update on one rank ---------------------------------------------
 
 
-def _fail_second_write(optimizer: OffloadAdamW) -> None:
-    """This rank's next update raises an I/O error at its second parameter write."""
+def _fail_write(optimizer: OffloadAdamW, nth: int) -> None:
+    """This rank's next update raises an I/O error at its ``nth`` parameter write."""
     source = optimizer._source
     real = source.write_param
     calls: list[int] = []
 
     def write_param(param: torch.Tensor, start: int, values: torch.Tensor) -> None:
         calls.append(start)
-        if len(calls) == 2:
+        if len(calls) == nth:
             setattr(source, "write_param", real)  # noqa: B010
             raise SwapIOError(errno.EIO, "param write: injected", "param16")
         real(param, start, values)
@@ -246,10 +246,10 @@ def _fail_second_write(optimizer: OffloadAdamW) -> None:
     setattr(source, "write_param", write_param)  # noqa: B010
 
 
-def failing(rank: int, world: int, tmp: str) -> dict[str, Any]:
+def failing(rank: int, world: int, tmp: str, nth: int) -> dict[str, Any]:
     """Four overlapped steps under tight budgets, clean and with rank 1's update of step
-    2 failing in the background; a forward that raises is followed by ``step()`` on
-    every rank, then the same micro-batch again."""
+    2 failing in the background at its ``nth`` parameter write; a forward that raises is
+    followed by ``step()`` on every rank, then the same micro-batch again."""
     out: dict[str, Any] = {}
     for name in ("clean", "faulty"):
         errors: list[tuple[str, int, float]] = []
@@ -274,7 +274,7 @@ def failing(rank: int, world: int, tmp: str) -> dict[str, Any]:
                     logits.float().reshape(-1, VOCAB), share[:, 1:].reshape(-1)
                 ).backward()
                 if name == "faulty" and step == 2 and rank == 1:
-                    _fail_second_write(optimizer)
+                    _fail_write(optimizer, nth)
                 optimizer.step()
                 optimizer.zero_grad()
             out[name] = {
@@ -287,8 +287,13 @@ def failing(rank: int, world: int, tmp: str) -> dict[str, Any]:
     return out
 
 
-def test_failed_update_on_one_rank_raises_on_every_rank_then_finishes(tmp_path: Path) -> None:
-    seen = _spawn(failing, 2, tmp_path, join_s=120.0)
+@pytest.mark.parametrize("nth", [2, 12], ids=["first_sub_group", "later_sub_group"])
+def test_failed_update_on_one_rank_raises_on_every_rank_then_finishes(
+    tmp_path: Path, nth: int
+) -> None:
+    """At the second write nothing is published yet; at the twelfth some sub-groups are
+    done (kept, and not applied again when ``step()`` finishes the rest)."""
+    seen = _spawn(failing, 2, tmp_path, nth, join_s=120.0)
     assert [(e[0], e[1]) for e in seen[0]["faulty"]["errors"]] == [("PeerFailedError", 3)]
     assert [(e[0], e[1]) for e in seen[1]["faulty"]["errors"]] == [("DeferredStepError", 3)]
     for r in seen:
