@@ -29,7 +29,8 @@ same agreement, so every rank knows alike whether the next point agrees):
 - the end of each forward (``ShardedModel.forward``, outermost): "my gathers read new
   shards only". Does not close (the update may still run).
 - the wait for the whole update: before the first module's backward (its gradients are
-  about to change), ``model.zero_grad()``, the model's state dicts, a snapshot, a load:
+  about to change), ``model.zero_grad()``, the model's state dicts, a snapshot, an
+  export, a load:
   "my update ended well". Closes when every rank's did.
 - ``optimizer.step()`` (:meth:`ShardOverlap.agree_update`): the same, after this rank
   finished a failed update in the caller's thread; ``step()`` returns then on every rank
@@ -46,9 +47,15 @@ not raise there: the retained gradients are dropped once the update is finished.
 ``optimizer.step()`` on every rank finishes it (sub-groups done stay done: nothing is
 applied twice) and starts no new step.
 
+Cost: a gather started ahead waits at the gate too, so the forward runs at most
+``fetch_ahead`` modules behind the update (skipping read-ahead instead would depend on
+each rank's timing and break the pairing); and one or two agreements per step (the
+first forward's end, the backward's start), one byte per rank each.
+
 Budget: where parameters are used in the host tier, a gather holds this rank's shards
 of one module there at once, beside the update's state and parameter: refused when the
-host budget cannot hold both (:meth:`ShardOverlap.check_room`).
+host budget cannot hold both (:meth:`ShardOverlap.install`, itself an agreement: the
+ranks' shards differ, so one rank may be short alone).
 """
 
 from __future__ import annotations
