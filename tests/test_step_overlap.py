@@ -707,9 +707,17 @@ def test_update_cut_at_any_wait_is_finished_once_by_step(tmp_path: Path, at: int
     _assert_bitwise(state, reference.state)
 
 
-def test_pressure_cli_overlap_is_single_process(capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.dist
+def test_pressure_cli_overlap_over_ranks_is_bit_identical(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """``--overlap`` with ``--nproc 2``: the budgeted ranks overlap, the unlimited ones
+    do not, and the runner finds them bit-identical (tests/test_dist_overlap.py proves
+    the parity in detail)."""
     from swapper.pressure.cli import main
 
-    assert main(["--overlap", "--nproc", "2", "--batch", "4"]) == 2
-    err = capsys.readouterr().err
-    assert "--overlap is single-process" in err and "Traceback" not in err
+    report = tmp_path / "r.json"
+    argv = ["--overlap", "--nproc", "2", "--batch", "4", "--params", "300000", "--steps", "2"]
+    assert main([*argv, "--seq", "16", "--json", str(report)]) == 0
+    out = capsys.readouterr().out
+    assert "bit-identical to the unlimited ranks" in out, out

@@ -36,6 +36,7 @@ from swapper.distributed.groups import (
     agree,
     check_same_model,
     check_same_settings,
+    gather_codes,
 )
 from swapper.distributed.identity import (
     claim_store_identity,
@@ -80,6 +81,7 @@ __all__ = [
     "claim_store_identity",
     "contiguous_windows",
     "describe_modules",
+    "gather_codes",
     "identity_path",
     "local_sq_sum",
     "module_layout",

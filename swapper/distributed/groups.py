@@ -219,6 +219,23 @@ def _run(dg: DistGroup, collective: str, what: str, start: Callable[[], dist.Wor
     wait_work(dg, start_collective(dg, collective, what, start), collective, what)
 
 
+def gather_codes(dg: DistGroup, code: int, what: str) -> list[int]:
+    """Every rank's ``code`` (0..255), in rank order: an agreement point that says more
+    than :func:`agree`'s ok or not (one all_gather of one byte per rank; call it on every
+    rank at the same point).
+
+    Raises:
+        SwapConfigError: ``code`` is not in 0..255.
+        CollectiveError: the all_gather failed or timed out.
+    """
+    if not 0 <= code <= 255:
+        raise SwapConfigError(f"{what}: code {code} is not one byte (0..255)")
+    mine = torch.tensor([code], dtype=torch.uint8, device=dg.control_device)
+    codes = torch.empty(dg.world_size, dtype=torch.uint8, device=dg.control_device)
+    _gather(dg, codes, mine, what)
+    return [int(c) for c in codes.tolist()]
+
+
 def _gather(dg: DistGroup, out: torch.Tensor, mine: torch.Tensor, what: str) -> None:
     def start() -> dist.Work | None:
         return all_gather_single(out, mine, group=dg.group, async_op=True)

@@ -167,7 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--overlap",
         action="store_true",
         help="overlap each optimizer step with the next forward in the budgeted run "
-        "(StepConfig(overlap=True); one process)",
+        "(StepConfig(overlap=True); with --nproc N, on every budgeted rank)",
     )
     p.add_argument(
         "--moments",
@@ -200,8 +200,6 @@ def _run(argv: list[str]) -> int:
     if args.nproc == 1 and (args.fetch_collective or args.reduce_dtype):
         parser.error("--fetch-collective and --reduce-dtype need --nproc N > 1 (collectives)")
     if args.nproc > 1:
-        if args.overlap:
-            parser.error("--overlap is single-process for now (--nproc 1)")
         if args.moments != "fp32":
             parser.error(
                 "--moments other than fp32 is single-process here (--nproc 1): the ranks "

@@ -129,7 +129,8 @@ def _train(
         lr=settings.lr,
         weight_decay=0.01,
         tiers=wrapped,
-        config=StepConfig(max_grad_norm=1.0),
+        # the budgeted ranks overlap when asked (--overlap); the unlimited reference never
+        config=StepConfig(max_grad_norm=1.0, overlap=settings.overlap and dirs is not None),
         loss_scaler=scaler,
     )
     try:

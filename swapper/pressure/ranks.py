@@ -152,6 +152,7 @@ def run_ranks(
         f"{nproc} ranks (gloo), {settings.batch // nproc} of {settings.batch} sequences "
         f"each; per-rank device budget {device:,} B, host budget {host:,} B; fetch by "
         f"{fetch_collective}, gradients reduced in {reduce_dtype or settings.dtype}"
+        + ("; the budgeted ranks overlap each step with the next forward" * settings.overlap)
     )
     # checkpointed: the parts live in DIR/swapper-pressure-checkpoint/rank{r}of{N}, kept
     # for --resume (the store's name is the wrap's default, the same on every run)

@@ -53,6 +53,10 @@ waits are the manager's ``background_stall_s`` (:func:`swapper.manager.backgroun
 the training thread's waits for it (the gate, a backward, ``step()``) are summed in
 :attr:`DeferredSteps.waited_s` (``OffloadAdamW.overlap_waited_s``).
 
+Over a model sharded across ranks the same thread steps this rank's shards; the model
+gates its gathers and agrees the update's end over the ranks in the caller's thread (the
+update's thread issues no collective): :mod:`swapper.zero.shard_overlap`.
+
 Requirement on budgets: while the forward holds a module's parameters, the update of a
 later sub-group must find room in the host budget for its state and one parameter or
 gradient (as the ordinary step does with nothing held). Where parameters are used in the
@@ -65,6 +69,7 @@ when every parameter fits beside the update.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import threading
 import time
@@ -75,7 +80,7 @@ import torch
 
 from swapper.manager import background_work
 from swapper.step.pipeline import StepFailedError
-from swapper.step.sources import GatedModel, ParamSource, SharedStep
+from swapper.step.sources import AgreedModel, GatedModel, ParamSource, SharedStep
 from tiers import signals
 from tiers.errors import SwapConfigError
 
@@ -121,18 +126,29 @@ class DeferredSteps:
     """The overlapped steps of one optimizer over one model (``OffloadAdamW`` makes it
     when ``config.overlap`` is set, and installs :meth:`gate` in the model).
 
+    Over a model sharded across ranks (its step a :class:`SharedStep`), the model agrees
+    the updates over the ranks (:class:`~swapper.step.sources.AgreedModel`,
+    :mod:`swapper.zero.shard_overlap`): ``step()`` starts with that agreement, and a failed
+    update does not refuse ``zero_grad()`` (the ranks learn of it at the next agreement;
+    ``step()`` then finishes it and drops the gradients).
+
     Raises:
         SwapConfigError: the optimizer's ``tiers`` is not a model with hooks that call a
             gate (plain tensors have none to wait in), or its step is shared with other
-            ranks (not supported yet), or the model has a gate already.
+            ranks and the model does not agree the updates, or the model has a gate
+            already.
     """
 
     def __init__(self, optimizer: OffloadAdamW, model: object, source: ParamSource) -> None:
+        self._agreed: AgreedModel | None = None
         if isinstance(source, SharedStep):
-            raise SwapConfigError(
-                "StepConfig(overlap=True) runs in one process only for now; over a model "
-                "sharded across ranks use overlap=False"
-            )
+            if not isinstance(model, AgreedModel):
+                raise SwapConfigError(
+                    "StepConfig(overlap=True) over parameters shared with other ranks needs "
+                    "tiers=<a model wrapped by swapper.offload with a process group>: its "
+                    "updates are agreed over the ranks (use overlap=False)"
+                )
+            self._agreed = model
         if not isinstance(model, GatedModel):
             raise SwapConfigError(
                 "StepConfig(overlap=True) needs tiers=<a model wrapped by swapper.offload>: "
@@ -201,8 +217,15 @@ class DeferredSteps:
         """
         optimizer = self._optimizer
         job = self._wait(lambda j: j.ended)
-        if job is not None and job.error is not None:
-            self._finish_failed(job)
+        failed = job if job is not None and job.error is not None else None
+        if self._agreed is not None:
+            # every rank, in the caller's thread: the update's end agreed (a rank's failed
+            # one finished here first); any rank finished one: no new step anywhere
+            finish = None if failed is None else functools.partial(self._finish_failed, failed)
+            if self._agreed.agree_update(finish):
+                return
+        elif failed is not None:
+            self._finish_failed(failed)
             return
         started = time.perf_counter()
         counters = optimizer._pipeline.counters()
@@ -250,20 +273,15 @@ class DeferredSteps:
 
     def defer_zero_grad(self) -> bool:
         """``optimizer.zero_grad()``: True when an update is running, which then drops the
-        retained gradients when it has read them; False when none is (drop them now).
-
-        Raises:
-            DeferredStepError: the update failed (its gradients are needed to finish it).
-        """
+        retained gradients when it has read them, or (over ranks) failed, whose finishing
+        by ``step()`` drops them; False otherwise (drop them now; in one process a failed
+        update's step is pending, which ``zero_grad()`` refuses)."""
         with self._cond:
             job = self._job
-            if job is None:
+            if job is None or (job.ended and self._agreed is None):
                 return False
-            if not job.ended:
-                job.zero_grad = True
-                return True
-        self._raise_failed(job)
-        return False
+            job.zero_grad = True
+            return True
 
     def wait(self, *, raise_failure: bool = True) -> None:
         """Return once no update is running.

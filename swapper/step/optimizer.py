@@ -360,13 +360,13 @@ class OffloadAdamW(SubGroupMath, torch.optim.Optimizer):
             StepPendingError: a step failed part-way; finish it with ``step()`` first (its
                 remaining sub-groups need these gradients).
         """
+        if self._deferred is not None and self._deferred.defer_zero_grad():
+            return  # the update (or, over ranks, its finishing) drops them once read
         if self._pending is not None:
             raise StepPendingError(
                 f"step {self._pending} failed part-way; call step() again to finish it "
                 "before zero_grad() (the sub-groups left need these gradients)"
             )
-        if self._deferred is not None and self._deferred.defer_zero_grad():
-            return  # the running update drops them once it has read them
         self._zero_grad_now(set_to_none)
 
     def _zero_grad_now(self, set_to_none: bool = True) -> None:

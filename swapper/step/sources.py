@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from swapper.step.config import StepConfig
 
 __all__ = [
+    "AgreedModel",
     "GatedModel",
     "LocalParams",
     "ParamGate",
@@ -181,4 +182,23 @@ class GatedModel(Protocol):
         """An overlapped update starts now (the model records its manager's eviction
         order over a whole overlapped cycle: from the first forward after the first step
         to the first forward after the next)."""
+        ...
+
+
+@runtime_checkable
+class AgreedModel(Protocol):
+    """A :class:`GatedModel` partitioned over ranks (what ``swapper.offload`` returns with a
+    process group): its overlapped updates are agreed over the ranks at points every rank
+    reaches in the same order, never from the update's thread
+    (:mod:`swapper.zero.shard_overlap`)."""
+
+    def agree_update(self, finish: Callable[[], None] | None) -> bool:
+        """Called by ``step()`` on every rank, first, once this rank's update ended;
+        ``finish`` finishes it in the caller's thread when it failed (else None). Returns
+        True when some rank finished a failed update: ``step()`` then starts no new step.
+
+        Raises:
+            what ``finish`` raised, on its rank; PeerFailedError: on the other ranks;
+            CollectiveError: the agreement failed or timed out.
+        """
         ...

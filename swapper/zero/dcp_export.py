@@ -355,6 +355,8 @@ def _export(
     from swapper.zero.dcp_io import AioStorageWriter
     from swapper.zero.dcp_planners import BoxSource, StreamingSavePlanner
 
+    if isinstance(model, ShardedModel):  # an overlapped update's end, agreed over the ranks
+        model.settle_update("export")
     owned, group = _owned(model)
     if optimizer is not None:
         optimizer.wait_pending()  # an overlapped update finished (or its failure raised)

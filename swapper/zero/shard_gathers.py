@@ -37,6 +37,7 @@ from tiers import signals
 
 if TYPE_CHECKING:
     from swapper.zero.dist_config import DistributedConfig
+    from swapper.zero.shard_overlap import ShardOverlap
     from swapper.zero.shard_writes import WriteGuard
 
 __all__ = ["GatherMixin"]
@@ -60,6 +61,7 @@ class GatherMixin:
     _recording: list[ModuleState] | None
     _position: dict[ModuleState, list[int]]
     _cursor: int
+    _overlap: ShardOverlap
 
     def drain(self) -> None:
         """Wait for every gather started ahead of use and drop it (the collectives were
@@ -117,7 +119,9 @@ class GatherMixin:
             self._budget.release(pending)
 
     def start_gather(self, layout: ModuleLayout, slots: list[ShardSlot], what: str) -> PendingFetch:
-        """Start the gather of ``slots`` (their layout): this rank's shards are read from
+        """Start the gather of ``slots`` (their layout): with an overlapped optimizer, once
+        the update published this rank's shards of them (:mod:`swapper.zero.shard_overlap`);
+        this rank's shards are read from
         the tiers, copied into the collective's buffer (charged to the device budget
         until :meth:`_release`: :class:`~swapper.zero.gather_budget.GatherBudget`), and
         released.
@@ -128,8 +132,12 @@ class GatherMixin:
         """
         shards: dict[int, torch.Tensor] = {}
         held: list[str] = []
+        pieces = layout.rank_pieces(self.group.rank)
+        # an overlapped update's new values of this rank's shards first (blocks; never
+        # skips the gather: the other ranks issue it)
+        self._overlap.before_gather(self._by_index[piece.index].param for piece in pieces)
         try:
-            for piece in layout.rank_pieces(self.group.rank):
+            for piece in pieces:
                 slot = self._by_index[piece.index]
                 tensor = self._manager.fetch(slot.key, self._use_tier)
                 held.append(slot.key)

@@ -167,6 +167,8 @@ def save_sharded(
             :func:`~swapper.manager.snapshot.snapshot_manager` raises, on the rank where it
             happened (no commit record is written: the snapshot does not exist);
         PeerFailedError: on the other ranks;
+        DeferredStepError: this rank's overlapped update failed (PeerFailedError on the
+            others; :meth:`~swapper.zero.sharded.ShardedModel.settle_update`);
         CollectiveError: a collective failed or timed out.
     """
     started = time.perf_counter()
@@ -178,6 +180,7 @@ def save_sharded(
     what = f"snapshot {name!r}"
     error: Exception | None = None
     meta: dict[str, Any] = {}
+    model.settle_update(what)  # an overlapped update's end, agreed (raises on every rank)
     try:
         if not manager_config.nvme_dirs:
             raise SwapConfigError(f"{what}: snapshots need an NVMe tier (nvme_dirs is empty)")

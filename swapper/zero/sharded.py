@@ -31,8 +31,10 @@ Around each module that owns parameters (``recurse=False``):
 Every rank must run the same modules in the same order: the collectives are paired by
 the order they are issued in. A gather started by read-ahead is never used after the
 parameters changed: the optimizer's first write waits for (and drops) every gather in
-flight. Writes outside the hooks: :mod:`swapper.zero.shard_writes`; a gather's life
-(start, read-ahead, wait, settle, free): :mod:`swapper.zero.shard_gathers`.
+flight (with an overlapped optimizer, ``step()`` drops them and each gather waits for
+this rank's update of its shards: :mod:`swapper.zero.shard_overlap`). Writes outside
+the hooks: :mod:`swapper.zero.shard_writes`; a gather's life (start, read-ahead, wait,
+settle, free): :mod:`swapper.zero.shard_gathers`.
 
 :class:`~swapper.step.OffloadAdamW` steps only this rank's shards
 (:class:`~swapper.zero.shard_state.ShardedParams`); the global gradient norm and the
@@ -55,9 +57,9 @@ from swapper.distributed import (
     DistGroup,
     PartitionPlan,
 )
-from swapper.manager import Kind, ManagerStats, TierManager
+from swapper.manager import Kind, ManagerStats, Tier, TierManager
 from swapper.step.config import StepConfig
-from swapper.step.sources import ParamSource
+from swapper.step.sources import ParamGate, ParamSource
 from swapper.zero.autograd import in_autograd, mark_outputs
 from swapper.zero.checkpoint import keeps_store
 from swapper.zero.config import OffloadConfig
@@ -67,6 +69,7 @@ from swapper.zero.settings import tiers_of
 from swapper.zero.shard_checkpoint import consolidated, iter_full, load_sharded, sharded
 from swapper.zero.shard_gathers import GatherMixin
 from swapper.zero.shard_grads import GradReducer
+from swapper.zero.shard_overlap import ShardOverlap
 from swapper.zero.shard_setup import Materialize, place_model
 from swapper.zero.shard_state import ModuleState, ShardedParams, ShardSlot
 from swapper.zero.shard_writes import WriteGuard
@@ -161,6 +164,8 @@ class ShardedModel(GatherMixin, nn.Module):
             group, placed.manager, placed.slots, placed.groups, placed.group_of,
             self._device, reduce_dtype,
         )  # fmt: skip
+        #: an overlapped optimizer's gate and agreements (swapper.zero.shard_overlap)
+        self._overlap = ShardOverlap(group, self.drain)
         self._install_hooks()
         _WRAPPED.add(module)
 
@@ -214,7 +219,10 @@ class ShardedModel(GatherMixin, nn.Module):
         self._forward_depth += 1
         try:
             with self._saved.around(self._gathered_now):
-                return self.module(*args, **kwargs)
+                out = self.module(*args, **kwargs)
+            if self._forward_depth == 1:
+                self._overlap.forward_ended()  # (an agreement while an update is open)
+            return out
         except BaseException:
             with signals.held:
                 self._drop_forward_holds(depth)
@@ -257,7 +265,10 @@ class ShardedModel(GatherMixin, nn.Module):
         return dropped
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Drop the retained gradient shards: the next backward starts them afresh."""
+        """Drop the retained gradient shards: the next backward starts them afresh. With
+        an overlapped optimizer, waits for its update first (an agreement while one is
+        open: call it on every rank alike; raises as :meth:`settle_update`)."""
+        self._overlap.settle("zero_grad")
         super().zero_grad(set_to_none=set_to_none)
         self.drop_grads(self._by_index)
 
@@ -272,6 +283,11 @@ class ShardedModel(GatherMixin, nn.Module):
         Raises:
             SwapConfigError: the parameter is in use (a step inside a forward/backward).
         """
+        if self._overlap.gate is not None:
+            # An overlapped update writes from its own thread: step() drained the gathers
+            # in the caller's thread before it started, and the gate keeps every later
+            # gather from reading this shard until it is published.
+            return
         self.drain()
         if any(m.users for m in slot.modules):
             self.release_stale_holds()
@@ -282,6 +298,34 @@ class ShardedModel(GatherMixin, nn.Module):
                 "(inside a forward or backward?)"
             )
 
+    # -- the overlapped optimizer (swapper.zero.shard_overlap) ---------------------------
+
+    def set_param_gate(self, gate: ParamGate | None, *, update_nbytes: int = 0) -> None:
+        """Install the gate of an overlapped optimizer (:mod:`swapper.step.deferred`);
+        None removes it. Raises as :meth:`~swapper.zero.shard_overlap.ShardOverlap.install`."""
+        host = self._manager.config.host_nbytes if self._use_tier is Tier.HOST else None
+        self._overlap.install(gate, update_nbytes, self._states.values(), self._by_index, host)
+
+    def step_started(self) -> None:
+        """The overlapped optimizer starts a step's update (every rank alike): see
+        :meth:`~swapper.zero.shard_overlap.ShardOverlap.step_started`."""
+        self._overlap.step_started()
+
+    def agree_update(self, finish: Callable[[], None] | None) -> bool:
+        """Called by the overlapped optimizer's ``step()`` on every rank: see
+        :meth:`~swapper.zero.shard_overlap.ShardOverlap.agree_update`."""
+        return self._overlap.agree_update(finish)
+
+    def settle_update(self, what: str) -> None:
+        """Wait for an overlapped optimizer's whole update; an agreement while one is open
+        (call on every rank alike).
+
+        Raises:
+            DeferredStepError: this rank's update failed; PeerFailedError: another's did;
+            CollectiveError: the agreement failed or timed out.
+        """
+        self._overlap.settle(what)
+
     @property
     def slots(self) -> tuple[ShardSlot, ...]:
         """Every parameter's record, in plan (forward) order."""
@@ -291,6 +335,7 @@ class ShardedModel(GatherMixin, nn.Module):
         """(name, full CPU copy) of every parameter, gathered one at a time (a collective
         each: call it on every rank alike). Raises CollectiveError (a gather failed or
         timed out), OffloadedWriteError or PeerFailedError (:mod:`.shard_writes`)."""
+        self._overlap.settle("iter_state_dict")
         self._writes.check("iter_state_dict")
         return iter_full(self)
 
@@ -300,12 +345,14 @@ class ShardedModel(GatherMixin, nn.Module):
         Call it on every rank alike. Raises as :meth:`iter_state_dict`."""
         if args or kwargs:
             raise TypeError("state_dict() of a sharded model takes no arguments")
+        self._overlap.settle("state_dict")
         self._writes.check("state_dict")
         return consolidated(self)
 
     def sharded_state_dict(self) -> dict[str, Any]:
         """This rank's shards, for a per-rank checkpoint (see
         :func:`swapper.zero.shard_checkpoint.sharded`)."""
+        self._overlap.settle("sharded_state_dict")
         self._writes.check("sharded_state_dict")
         return sharded(self)
 
@@ -317,6 +364,7 @@ class ShardedModel(GatherMixin, nn.Module):
             SwapConfigError: another rank's, world size's or partition's, or malformed;
             PeerFailedError: another rank's check failed.
         """
+        self._overlap.settle("load_sharded_state_dict")
         load_sharded(self, state)
 
     def close(self) -> None:
@@ -328,6 +376,9 @@ class ShardedModel(GatherMixin, nn.Module):
             if self._manager_open:  # an interrupt cut the close: finish it
                 self._close_manager()
             return
+        if self._overlap.gate is not None:
+            with contextlib.suppress(Exception):  # (the optimizer raises it at its next call)
+                self._overlap.gate(None)  # the update stops using the manager first
         self._closed = True
         for handle in self._handles:
             handle.remove()
@@ -364,6 +415,9 @@ class ShardedModel(GatherMixin, nn.Module):
 
     def _post_forward_hook(self, state: ModuleState) -> Callable[..., Any]:
         def before_backward() -> None:
+            if not self._in_backward:
+                # the update reads the gradients this backward adds to: it ends first
+                self._overlap.settle("the backward after an overlapped optimizer step")
             self._backward_started()
             with signals.at_waits:
                 self._acquire(state)
