@@ -5,8 +5,11 @@ modules their own ``_apply`` back."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
+from dist_ckpt_train import spawn, values
 from torch import nn
 
 import swapper
@@ -73,3 +76,33 @@ def test_leaving_the_block_gives_each_module_its_own_apply_back() -> None:
     model.to(torch.float32)  # an ordinary model again: converted
     assert all(p.dtype == torch.float32 for p in model.parameters())
     assert model[0].scale.dtype == torch.float32
+
+
+def _sharded_rank(rank: int, world: int, tmp: str) -> dict[str, object]:
+    import torch.distributed as dist
+
+    from swapper.zero.dist_config import DistributedConfig
+
+    model = _model()
+    expected = model(_x())
+    config = OffloadConfig.create(device="cpu", distributed=DistributedConfig(timeout_s=20.0))
+    out: dict[str, object] = {}
+    with swapper.offload(model, config, dist.group.WORLD) as wrapped:
+        out["guarded"] = all("_apply" in m.__dict__ for m in model.modules())
+        out["to_cpu"] = model.to("cpu") is model
+        try:
+            model.to(torch.float32)
+            out["refused"] = None
+        except SwapConfigError as exc:
+            out["refused"] = str(exc)
+        out["same"] = torch.equal(wrapped(_x()), expected)
+    out["unguarded"] = not any("_apply" in m.__dict__ for m in model.modules())
+    return out
+
+
+@pytest.mark.dist
+def test_several_ranks_guard_apply_too(tmp_path: Path) -> None:
+    for result in values(spawn(_sharded_rank, 2, tmp_path)):
+        assert result["guarded"] and result["to_cpu"] and result["same"]
+        assert result["unguarded"]
+        assert isinstance(result["refused"], str) and "Convert the model" in result["refused"]

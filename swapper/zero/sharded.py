@@ -64,6 +64,8 @@ from swapper.zero.autograd import in_autograd, mark_outputs
 from swapper.zero.checkpoint import keeps_store
 from swapper.zero.config import OffloadConfig
 from swapper.zero.gather_budget import GatherBudget, charges_device
+from swapper.zero.model_buffers import move_buffers, restore_buffers
+from swapper.zero.module_apply import guard_apply, unguard_apply
 from swapper.zero.saved import SavedParams
 from swapper.zero.settings import tiers_of
 from swapper.zero.shard_checkpoint import consolidated, iter_full, load_sharded, sharded
@@ -166,6 +168,9 @@ class ShardedModel(GatherMixin, nn.Module):
         )  # fmt: skip
         #: an overlapped optimizer's gate and agreements (swapper.zero.shard_overlap)
         self._overlap = ShardOverlap(group, self.drain)
+        # buffers on the gathers' device; model.to() guarded (swapper.zero.module_apply)
+        self._buffer_moves = move_buffers(module, self._device)
+        self._apply_guarded = guard_apply(module, self._device)
         self._install_hooks()
         _WRAPPED.add(module)
 
@@ -384,6 +389,9 @@ class ShardedModel(GatherMixin, nn.Module):
             handle.remove()
         self._handles.clear()
         self._writes.close()
+        unguard_apply(self._apply_guarded)
+        with contextlib.suppress(Exception):  # (small; a failed copy leaves one on the GPU)
+            restore_buffers(self._buffer_moves)
         self._close_manager()
 
     #: False once the manager's close() returned (see close())
