@@ -194,12 +194,14 @@ def _arm_commit_kill(when: str, step: int, optimizer: OffloadAdamW) -> None:
 # -- spawning ranks -----------------------------------------------------------------------
 
 
-def _entry(target: Callable[..., Any], rank: int, world: int, tmp: str, args: tuple) -> None:
+def _entry(
+    target: Callable[..., Any], rank: int, world: int, tmp: str, args: tuple, backend: str
+) -> None:
     out: dict[str, Any]
     try:
         torch.set_num_threads(1)
         dist.init_process_group(
-            "gloo",
+            backend,
             init_method=f"file://{tmp}/rendezvous",
             rank=rank,
             world_size=world,
@@ -214,15 +216,22 @@ def _entry(target: Callable[..., Any], rank: int, world: int, tmp: str, args: tu
 
 
 def spawn(
-    target: Callable[..., Any], world: int, tmp: Path, *args: Any, join_s: float = 120.0
+    target: Callable[..., Any],
+    world: int,
+    tmp: Path,
+    *args: Any,
+    join_s: float = 120.0,
+    backend: str = "gloo",
 ) -> list[dict[str, Any]]:
-    """Run ``target(rank, world, str(tmp), *args)`` on ``world`` gloo ranks; each rank's
-    ``{"value": ...}`` or ``{"error", "message", "trace"}``. Raises RuntimeError when a
-    rank hangs past ``join_s`` or leaves no result."""
+    """Run ``target(rank, world, str(tmp), *args)`` on ``world`` ranks of ``backend``
+    (``"nccl"``: the target picks its GPU); each rank's ``{"value": ...}`` or
+    ``{"error", "message", "trace"}``. Raises RuntimeError when a rank hangs past
+    ``join_s`` or leaves no result."""
     tmp.mkdir(parents=True, exist_ok=True)
     ctx = mp.get_context("spawn")
     procs = [
-        ctx.Process(target=_entry, args=(target, r, world, str(tmp), args)) for r in range(world)
+        ctx.Process(target=_entry, args=(target, r, world, str(tmp), args, backend))
+        for r in range(world)
     ]
     for p in procs:
         p.start()

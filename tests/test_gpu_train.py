@@ -21,18 +21,14 @@ it was in), so with one GPU that test is skipped.
 from __future__ import annotations
 
 import os
-import pickle
-import time
-import traceback
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from dist_ckpt_train import spawn, values
 from torch import nn
 
 import swapper
@@ -318,54 +314,11 @@ def _nccl_rank(rank: int, world: int, tmp: str, tight: bool) -> dict[str, Any]:
         }
 
 
-def _nccl_entry(rank: int, world: int, tmp: str, tight: bool) -> None:
-    out: dict[str, Any]
-    try:
-        dist.init_process_group(
-            "nccl",
-            init_method=f"file://{tmp}/rendezvous",
-            rank=rank,
-            world_size=world,
-            timeout=timedelta(seconds=PG_TIMEOUT_S),
-        )
-        out = {"value": _nccl_rank(rank, world, tmp, tight)}
-    except BaseException as exc:  # recorded for the parent, which judges it
-        out = {"error": type(exc).__name__, "message": str(exc), "trace": traceback.format_exc()}
-    Path(tmp, f"result{rank}.pkl").write_bytes(pickle.dumps(out))
-    os._exit(0)  # no teardown: a broken group must not hang the exit
-
-
-def _spawn_nccl(world: int, tmp: Path, tight: bool, join_s: float = 180.0) -> list[Any]:
-    tmp.mkdir(parents=True, exist_ok=True)
-    ctx = mp.get_context("spawn")
-    procs = [
-        ctx.Process(target=_nccl_entry, args=(r, world, str(tmp), tight)) for r in range(world)
-    ]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + join_s
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-    hung = [r for r, p in enumerate(procs) if p.is_alive()]
-    for r in hung:
-        procs[r].kill()
-        procs[r].join(5)
-    assert not hung, f"ranks {hung} still running after {join_s} s: a hang"
-    values = []
-    for r in range(world):
-        path = tmp / f"result{r}.pkl"
-        assert path.exists(), f"rank {r} left no result (exit code {procs[r].exitcode})"
-        res = pickle.loads(path.read_bytes())
-        assert "value" in res, f"rank {r}: {res.get('message')}\n{res.get('trace')}"
-        values.append(res["value"])
-    return values
-
-
 def test_nccl_two_ranks_tight_bit_identical_to_unlimited(tmp_path: Path) -> None:
     if torch.cuda.device_count() < 2:
         pytest.skip("two NCCL ranks need two GPUs (NCCL refuses two ranks on one)")
-    tight = _spawn_nccl(2, tmp_path / "tight", tight=True)
-    free = _spawn_nccl(2, tmp_path / "free", tight=False)
+    tight = values(spawn(_nccl_rank, 2, tmp_path / "tight", True, join_s=180, backend="nccl"))
+    free = values(spawn(_nccl_rank, 2, tmp_path / "free", False, join_s=180, backend="nccl"))
     for r in range(2):
         assert tight[r]["losses"] == free[r]["losses"]
         assert tight[r]["nvme_written"] > 0, f"rank {r} never wrote to NVMe"
