@@ -308,7 +308,7 @@ def _train(
             loss.backward()
             opt.step()
             opt.zero_grad()
-            losses.append(float(loss))
+            losses.append(float(loss.detach()))
             assert opt.last_step is not None
             t = opt.last_step.traffic
             traffic.append(
