@@ -60,6 +60,7 @@ ranks' shards differ, so one rank may be short alone).
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
@@ -97,6 +98,9 @@ class ShardOverlap:
         self.open = False
         #: a gather read a shard that this rank's failed update left old
         self._stale: DeferredStepError | None = None
+        #: the thread that calls step() (the caller's): any other writing a shard is the
+        #: update's (None: no update started yet)
+        self._caller: int | None = None
 
     def install(
         self,
@@ -179,7 +183,20 @@ class ShardOverlap:
         """
         self._drain()
         self._stale = None
+        self._caller = threading.get_ident()
         self.open = True
+
+    def in_update(self) -> bool:
+        """Whether the calling thread is an overlapped update's (a gate is installed and
+        this is not the thread that started the update): its shard writes skip the drain
+        (a collective wait, the caller's thread's to do). A write from the caller's
+        thread (a load of a state dict, a failed update finished by ``step()``) drains
+        the gathers started ahead first, as without overlap: they hold the old shards."""
+        return (
+            self.gate is not None
+            and self._caller is not None
+            and threading.get_ident() != self._caller
+        )
 
     def forward_ended(self) -> None:
         """The end of an outermost forward while an update is open: every rank says
