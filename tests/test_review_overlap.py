@@ -63,3 +63,46 @@ def test_load_after_read_ahead_reads_the_loaded_shards(tmp_path: Path, overlap: 
     for r in seen:
         assert r["pending"], "no gather in flight at the load"
         assert torch.equal(r["kept_eval"], r["loaded_eval"]), "a gather read the old shards"
+
+
+def interrupted_drain(rank: int, world: int, tmp: str) -> dict[str, Any]:
+    """Every rank's drain of the gathers started ahead raises (as a Ctrl-C or a failed
+    gather would) when ``step()`` starts the update: the step must leave nothing changed
+    (no step counted, no update left that never ends), and ``step()`` again must take it."""
+    config = _config(tmp, "drain", tight=False, overlap=True)
+    out: dict[str, Any] = {}
+    with swapper.offload(_model().to(torch.bfloat16), config, dist.group.WORLD) as wrapped:
+        optimizer = OffloadAdamW(wrapped.parameters(), lr=LR, tiers=wrapped)
+        tokens = _batches()[0]
+        share = tokens[rank * BATCH // world : (rank + 1) * BATCH // world]
+        logits = wrapped(share[:, :-1])
+        F.cross_entropy(logits.float().reshape(-1, VOCAB), share[:, 1:].reshape(-1)).backward()
+        overlap = wrapped._overlap
+        real = overlap._drain
+
+        def drain() -> None:
+            overlap._drain = real
+            raise KeyboardInterrupt
+
+        overlap._drain = drain
+        try:
+            optimizer.step()
+            out["raised"] = "nothing"
+        except KeyboardInterrupt:
+            out["raised"] = "KeyboardInterrupt"
+        out["steps_after_interrupt"] = optimizer.step_count
+        optimizer.step()  # hung (waited forever for an update never started)
+        optimizer.zero_grad()
+        with torch.no_grad():
+            wrapped(share[:, :-1])
+        out["steps"] = optimizer.step_count
+        optimizer.close()
+    return out
+
+
+def test_interrupt_at_step_start_leaves_the_step_undone(tmp_path: Path) -> None:
+    seen = _spawn(interrupted_drain, 2, tmp_path, join_s=60.0)
+    for r in seen:
+        assert r["raised"] == "KeyboardInterrupt"
+        assert r["steps_after_interrupt"] == 0, "the interrupted step was counted"
+        assert r["steps"] == 1
