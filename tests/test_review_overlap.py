@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from test_dist_overlap import LR, _config
+from test_dist_overlap import LR, _config, _host_use
 from test_dist_train import BATCH, VOCAB, _batches, _model, _spawn
 
 import swapper
@@ -106,3 +106,23 @@ def test_interrupt_at_step_start_leaves_the_step_undone(tmp_path: Path) -> None:
         assert r["raised"] == "KeyboardInterrupt"
         assert r["steps_after_interrupt"] == 0, "the interrupted step was counted"
         assert r["steps"] == 1
+
+
+def one_rank_short(rank: int, world: int, tmp: str) -> dict[str, Any]:
+    """Rank 0's host budget cannot hold a gather's shards beside the update, rank 1's
+    can: making the overlapped optimizer must fail on both (the docstring of
+    ShardOverlap.install says it is an agreement; it was not: rank 1 went on alone)."""
+    host = 25_000 if rank == 0 else 48_000
+    out: dict[str, Any] = {}
+    with swapper.offload(_model(), _host_use(tmp, "short", host, True), dist.group.WORLD) as w:
+        try:
+            OffloadAdamW(w.parameters(), lr=LR, tiers=w).close()
+            out["refused"] = "no error"
+        except Exception as exc:
+            out["refused"] = type(exc).__name__
+    return out
+
+
+def test_host_room_refused_on_one_rank_is_refused_on_every_rank(tmp_path: Path) -> None:
+    seen = _spawn(one_rank_short, 2, tmp_path, join_s=60.0)
+    assert [r["refused"] for r in seen] == ["SwapConfigError", "PeerFailedError"]

@@ -66,7 +66,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from swapper.distributed import DistGroup, PeerFailedError, gather_codes
+from swapper.distributed import DistGroup, PeerFailedError, agree, gather_codes
 from swapper.step.deferred import DeferredStepError
 from swapper.step.sources import ParamGate
 from tiers.errors import SwapConfigError
@@ -122,14 +122,34 @@ class ShardOverlap:
             host_nbytes: the host budget where parameters are used in the host tier
                 (bytes; None: no limit, or used elsewhere).
 
+        Installing is an agreement (every rank makes the optimizer alike): the ranks'
+        shards differ, so one rank's budget may refuse alone, and a rank that went on
+        alone would issue gathers no other rank pairs.
+
         Raises:
             SwapConfigError: another optimizer's gate is installed (one overlapped
-                optimizer per model), or the budget cannot hold both (both needs named).
+                optimizer per model), or the budget cannot hold both (both needs named),
+                on the rank where it is so;
+            PeerFailedError: on the other ranks;
+            CollectiveError: the agreement failed or timed out.
         """
-        if gate is not None and self.gate is not None:
-            raise SwapConfigError("offload: one overlapped optimizer per model (a gate is set)")
-        if gate is not None and host_nbytes is not None:
-            self._check_room(states, slots, host_nbytes, update_nbytes)
+        if gate is None:
+            self.gate = None
+            return
+        error: SwapConfigError | None = None
+        try:
+            if self.gate is not None:
+                raise SwapConfigError("offload: one overlapped optimizer per model (a gate is set)")
+            if host_nbytes is not None:
+                self._check_room(states, slots, host_nbytes, update_nbytes)
+        except SwapConfigError as exc:
+            error = exc
+        try:
+            agree(self._group, error is None, "StepConfig(overlap=True): installing the gate")
+        except BaseException:
+            if error is not None:
+                raise error from None
+            raise
         self.gate = gate
 
     def _check_room(
