@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -126,3 +127,39 @@ def one_rank_short(rank: int, world: int, tmp: str) -> dict[str, Any]:
 def test_host_room_refused_on_one_rank_is_refused_on_every_rank(tmp_path: Path) -> None:
     seen = _spawn(one_rank_short, 2, tmp_path, join_s=60.0)
     assert [r["refused"] for r in seen] == ["SwapConfigError", "PeerFailedError"]
+
+
+def import_while_pending(rank: int, world: int, tmp: str) -> dict[str, Any]:
+    """The weights exported after step 1; step 2's update held back (pending); the
+    export imported into the model alone (no optimizer) at once: the model must then hold
+    the imported weights (the update's later writes overwrote some of them)."""
+    from test_dist_overlap import _hold_update
+
+    from swapper.zero.dcp_export import export_dcp, import_dcp
+
+    config = _config(tmp, "import", tight=False, overlap=True)
+    out: dict[str, Any] = {}
+    with swapper.offload(_model().to(torch.bfloat16), config, dist.group.WORLD) as wrapped:
+        optimizer = OffloadAdamW(wrapped.parameters(), lr=LR, tiers=wrapped)
+        batches = _batches()
+        for step, tokens in enumerate(batches[:2], 1):
+            share = tokens[rank * BATCH // world : (rank + 1) * BATCH // world]
+            logits = wrapped(share[:, :-1])
+            F.cross_entropy(logits.float().reshape(-1, VOCAB), share[:, 1:].reshape(-1)).backward()
+            if step == 2:
+                _hold_update(optimizer, 0.5)
+            optimizer.step()
+            optimizer.zero_grad()
+            if step == 1:
+                export_dcp(wrapped, os.path.join(tmp, "dcp"))
+                out["exported"] = wrapped.state_dict()
+        import_dcp(wrapped, os.path.join(tmp, "dcp"))
+        out["imported"] = wrapped.state_dict()
+        optimizer.close()
+    return out
+
+
+def test_import_while_an_update_is_pending_keeps_the_imported_weights(tmp_path: Path) -> None:
+    seen = _spawn(import_while_pending, 2, tmp_path, join_s=60.0)
+    for name, value in seen[0]["exported"].items():
+        assert torch.equal(seen[0]["imported"][name], value), f"{name}: the update overwrote it"
