@@ -163,3 +163,59 @@ def test_import_while_an_update_is_pending_keeps_the_imported_weights(tmp_path: 
     seen = _spawn(import_while_pending, 2, tmp_path, join_s=60.0)
     for name, value in seen[0]["exported"].items():
         assert torch.equal(seen[0]["imported"][name], value), f"{name}: the update overwrote it"
+
+
+def interrupted_read_ahead(rank: int, world: int, tmp: str, interrupt: bool) -> dict[str, Any]:
+    """A step; a forward whose first read-ahead is cut at the gate's wait (a Ctrl-C, on
+    every rank: nothing unpaired); another step; an evaluation. The module whose
+    pre-forward hook was cut must not stay gathered: its hold leaked (users stayed 1) and
+    every later forward used that buffer, the values from before step 2."""
+    config = _config(tmp, f"ra{int(interrupt)}", tight=False, overlap=True)
+    out: dict[str, Any] = {}
+    with swapper.offload(_model().to(torch.bfloat16), config, dist.group.WORLD) as wrapped:
+        optimizer = OffloadAdamW(wrapped.parameters(), lr=LR, tiers=wrapped)
+        batches = _batches()
+        probe = batches[0][:2, :-1]
+
+        def train_step(tokens: torch.Tensor) -> None:
+            share = tokens[rank * BATCH // world : (rank + 1) * BATCH // world]
+            logits = wrapped(share[:, :-1])
+            F.cross_entropy(logits.float().reshape(-1, VOCAB), share[:, 1:].reshape(-1)).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+        train_step(batches[0])
+        wrapped.sharded_state_dict()  # the update ended (the gate then passes at once)
+        if interrupt:
+            overlap = wrapped._overlap
+            real = overlap.before_gather
+            calls: list[int] = []
+
+            def before_gather(params: Any) -> None:
+                calls.append(1)
+                if len(calls) == 2:  # the first read-ahead (the first is the module's own)
+                    overlap.before_gather = real  # type: ignore[method-assign]
+                    raise KeyboardInterrupt
+                real(params)
+
+            overlap.before_gather = before_gather  # type: ignore[method-assign]
+            try:
+                with torch.no_grad():
+                    wrapped(probe)
+            except KeyboardInterrupt:
+                pass
+        train_step(batches[1])
+        wrapped.sharded_state_dict()
+        with torch.no_grad():
+            out["eval"] = wrapped(probe).float().clone()
+        out["held"] = [s.name for s in wrapped._states.values() if s.users]
+        optimizer.close()
+    return out
+
+
+def test_a_read_ahead_cut_at_the_gate_leaves_no_module_gathered(tmp_path: Path) -> None:
+    clean = _spawn(interrupted_read_ahead, 2, tmp_path / "clean", False, join_s=60.0)
+    cut = _spawn(interrupted_read_ahead, 2, tmp_path / "cut", True, join_s=60.0)
+    for r in range(2):
+        assert torch.equal(cut[r]["eval"], clean[r]["eval"]), f"rank {r}: stale weights used"
+        assert cut[r]["held"] == [], f"rank {r}: modules left gathered {cut[r]['held']}"
