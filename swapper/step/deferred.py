@@ -248,6 +248,10 @@ class DeferredSteps:
         optimizer._check_open()
         # here, not in the update's thread: a failed pass's holds are the forward's state
         self._model.release_stale_holds()
+        # Before anything changes: over ranks it waits for the gathers started ahead (a
+        # Ctrl-C or a failed gather may cut it). After the counters moved and the job was
+        # set, that left a job no thread would ever end: every later wait hung.
+        self._model.step_started()
         target = optimizer.step_count + 1
         groups = [
             {k: v for k, v in group.items() if k not in ("params", "param_names")}
@@ -264,7 +268,6 @@ class DeferredSteps:
         optimizer._report(started, counters, stall_before, norm, skipped=False)
         with self._cond:
             self._job = job
-        self._model.step_started()
         thread = threading.Thread(
             target=self._work, args=(job,), name=f"swapper-step-{target}", daemon=False
         )

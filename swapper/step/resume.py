@@ -240,6 +240,9 @@ def adopt(optimizer: OffloadAdamW, pipeline: StepPipeline, resumed: ResumedState
                     where,
                 )
                 raise
+            # The manager holds the current layout now: an optimizer made after this one
+            # failed (holding the scales, fetching a kept sub-group) adopts it as such.
+            meta["scales"] = SCALES_APART
         pipeline.scales.registered = pipeline.scales.numel > 0
         pipeline.scales.hold()
         for sg in pipeline.sub_groups[: pipeline.kept]:

@@ -430,6 +430,9 @@ def import_dcp(
             or a tensor is missing or of another shape or dtype (names the file or the
             directory, and the tensor); on every rank (the others: PeerFailedError).
         SwapConfigError: a parameter is in use (inside a forward or backward).
+        DeferredStepError: a sharded model's overlapped update failed and no optimizer
+            was given to forget it (PeerFailedError on the other ranks): ``step()``
+            first, or pass the optimizer.
         and what the tiers raise.
     """
     from swapper.zero.dcp_import import check as check_against
@@ -439,6 +442,10 @@ def import_dcp(
     where = Path(directory)
     if optimizer is not None and optimizer._deferred is not None:
         optimizer._deferred.forget_failed()  # the load replaces what it would finish
+    if isinstance(model, ShardedModel):
+        # An overlapped update still running would write its sub-groups' values over the
+        # loaded ones (a sharded write does not wait at the gate): its end, agreed.
+        model.settle_update("import_dcp")
     owned, group = _owned(model)
     reader = CheckedReader(where)
 

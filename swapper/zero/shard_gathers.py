@@ -177,7 +177,15 @@ class GatherMixin:
                 state.gathered = pending
                 for slot in state.slots:
                     slot.param.data = state.view(slot)
-            self._note_fetch(state)
+            try:
+                self._note_fetch(state)
+            except BaseException:
+                # A read-ahead that raised (a Ctrl-C at the overlapped update's gate or a
+                # fetch's wait, no device room, a collective): the caller records no hold
+                # of this module, so give it back here. Kept, it stayed gathered for
+                # good, and every later forward used that buffer, stale after a step.
+                self._release(state)
+                raise
 
     def _release(self, state: ModuleState) -> None:
         with signals.held, self._lock:

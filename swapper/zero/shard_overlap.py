@@ -60,12 +60,13 @@ ranks' shards differ, so one rank may be short alone).
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 import torch
 
-from swapper.distributed import DistGroup, PeerFailedError, gather_codes
+from swapper.distributed import DistGroup, PeerFailedError, agree, gather_codes
 from swapper.step.deferred import DeferredStepError
 from swapper.step.sources import ParamGate
 from tiers.errors import SwapConfigError
@@ -97,6 +98,9 @@ class ShardOverlap:
         self.open = False
         #: a gather read a shard that this rank's failed update left old
         self._stale: DeferredStepError | None = None
+        #: the thread that calls step() (the caller's): any other writing a shard is the
+        #: update's (None: no update started yet)
+        self._caller: int | None = None
 
     def install(
         self,
@@ -118,14 +122,34 @@ class ShardOverlap:
             host_nbytes: the host budget where parameters are used in the host tier
                 (bytes; None: no limit, or used elsewhere).
 
+        Installing is an agreement (every rank makes the optimizer alike): the ranks'
+        shards differ, so one rank's budget may refuse alone, and a rank that went on
+        alone would issue gathers no other rank pairs.
+
         Raises:
             SwapConfigError: another optimizer's gate is installed (one overlapped
-                optimizer per model), or the budget cannot hold both (both needs named).
+                optimizer per model), or the budget cannot hold both (both needs named),
+                on the rank where it is so;
+            PeerFailedError: on the other ranks;
+            CollectiveError: the agreement failed or timed out.
         """
-        if gate is not None and self.gate is not None:
-            raise SwapConfigError("offload: one overlapped optimizer per model (a gate is set)")
-        if gate is not None and host_nbytes is not None:
-            self._check_room(states, slots, host_nbytes, update_nbytes)
+        if gate is None:
+            self.gate = None
+            return
+        error: SwapConfigError | None = None
+        try:
+            if self.gate is not None:
+                raise SwapConfigError("offload: one overlapped optimizer per model (a gate is set)")
+            if host_nbytes is not None:
+                self._check_room(states, slots, host_nbytes, update_nbytes)
+        except SwapConfigError as exc:
+            error = exc
+        try:
+            agree(self._group, error is None, "StepConfig(overlap=True): installing the gate")
+        except BaseException:
+            if error is not None:
+                raise error from None
+            raise
         self.gate = gate
 
     def _check_room(
@@ -179,7 +203,20 @@ class ShardOverlap:
         """
         self._drain()
         self._stale = None
+        self._caller = threading.get_ident()
         self.open = True
+
+    def in_update(self) -> bool:
+        """Whether the calling thread is an overlapped update's (a gate is installed and
+        this is not the thread that started the update): its shard writes skip the drain
+        (a collective wait, the caller's thread's to do). A write from the caller's
+        thread (a load of a state dict, a failed update finished by ``step()``) drains
+        the gathers started ahead first, as without overlap: they hold the old shards."""
+        return (
+            self.gate is not None
+            and self._caller is not None
+            and threading.get_ident() != self._caller
+        )
 
     def forward_ended(self) -> None:
         """The end of an outermost forward while an update is open: every rank says

@@ -288,10 +288,11 @@ class ShardedModel(GatherMixin, nn.Module):
         Raises:
             SwapConfigError: the parameter is in use (a step inside a forward/backward).
         """
-        if self._overlap.gate is not None:
+        if self._overlap.in_update():
             # An overlapped update writes from its own thread: step() drained the gathers
             # in the caller's thread before it started, and the gate keeps every later
-            # gather from reading this shard until it is published.
+            # gather from reading this shard until it is published. Any other write (a
+            # load, a failed update finished by step()) is the caller's: it drains.
             return
         self.drain()
         if any(m.users for m in slot.modules):
