@@ -365,3 +365,50 @@ def test_host_budget_too_small_beside_a_gather_is_refused_on_every_rank(tmp_path
     _same(seen[0]["overlap"]["params"], seen[0]["ordinary"]["params"])
     for r in seen:
         _same(r["overlap"]["optimizer"], r["ordinary"]["optimizer"])
+
+
+# -- the optimizer closed with an update open ----------------------------------------------
+
+
+def closed(rank: int, world: int, tmp: str, fail: bool) -> dict[str, Any]:
+    """Two overlapped steps (rank 1's second update failing when ``fail``), the optimizer
+    closed on every rank, then three forwards."""
+    out: dict[str, Any] = {"errors": [], "open": []}
+    config = _config(tmp, f"closed{int(fail)}", tight=True, overlap=True)
+    with swapper.offload(_model(), config, dist.group.WORLD) as wrapped:
+        optimizer = OffloadAdamW(wrapped.parameters(), lr=LR, tiers=wrapped)
+        for step, tokens in enumerate(_batches()[:2], 1):
+            share = tokens[rank * BATCH // world : (rank + 1) * BATCH // world]
+            logits = wrapped(share[:, :-1])
+            F.cross_entropy(logits.float().reshape(-1, VOCAB), share[:, 1:].reshape(-1)).backward()
+            if fail and step == 2 and rank == 1:
+                _fail_write(optimizer, 2)
+            optimizer.step()
+        optimizer.close()
+        for _ in range(3):
+            try:
+                with torch.no_grad():
+                    wrapped(share[:, :-1])
+            except Exception as exc:
+                out["errors"].append((type(exc).__name__, str(exc)))
+            out["open"].append(wrapped._overlap.open)  # type: ignore[union-attr]
+    return out
+
+
+@pytest.mark.parametrize("fail", [False, True], ids=["clean", "failed"])
+def test_optimizer_closed_with_an_update_open(tmp_path: Path, fail: bool) -> None:
+    """Clean: the first forward after the close agrees it closed on every rank, and no
+    forward agrees again. A failed update: every forward raises on every rank, saying that
+    the optimizer was closed (step() cannot finish it) rather than to call step()."""
+    seen = _spawn(closed, 2, tmp_path, fail, join_s=120.0)
+    if not fail:
+        for r in seen:
+            assert r["errors"] == []
+            assert r["open"] == [False, False, False]
+        return
+    assert [e[0] for e in seen[1]["errors"]] == ["DeferredStepError"] * 3
+    assert [e[0] for e in seen[0]["errors"]] == ["PeerFailedError"] * 3
+    for r in seen:
+        for _, message in r["errors"]:
+            assert "optimizer was closed" in message and "load a snapshot" in message
+            assert "Call optimizer.step()" not in message

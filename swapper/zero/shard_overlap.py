@@ -78,7 +78,14 @@ if TYPE_CHECKING:
 __all__ = ["ShardOverlap"]
 
 #: What a rank says at an agreement point (one byte).
-OK, FAILED, FINISHED = 0, 1, 2
+#: CLOSED: ok, and this rank's optimizer is closed (its gate removed): when every rank
+#: says so the update is closed without further agreements
+OK, FAILED, FINISHED, CLOSED = 0, 1, 2, 3
+#: what to do about a failed update once the optimizer that ran it is closed
+_CLOSED_HINT = (
+    "the overlapped optimizer was closed with that update unfinished, so the weights "
+    "are not what training made on every rank: load a snapshot (or the state before)"
+)
 
 
 class ShardOverlap:
@@ -134,7 +141,12 @@ class ShardOverlap:
             CollectiveError: the agreement failed or timed out.
         """
         if gate is None:
-            self.gate = None
+            old, self.gate = self.gate, None
+            if old is not None and self.open:
+                try:  # the optimizer has waited for its update: did it fail here?
+                    old(None)
+                except DeferredStepError as exc:  # kept: the next forward raises it
+                    self._stale = self._stale or exc
             return
         error: SwapConfigError | None = None
         try:
@@ -230,7 +242,15 @@ class ShardOverlap:
         if not self.open:
             return
         stale = self._stale
-        self._agree(FAILED if stale is not None else OK, stale, "the forward beside an update")
+        if stale is not None and self.gate is None and _CLOSED_HINT not in str(stale):
+            cause = str(stale).split(". Call optimizer.step()")[0]  # (it cannot any more)
+            stale = self._stale = DeferredStepError(
+                f"{cause}; {_CLOSED_HINT}", step=stale.step, undone=stale.undone
+            )
+        code = FAILED if stale is not None else (CLOSED if self.gate is None else OK)
+        codes = self._agree(code, stale, "the forward beside an update")
+        if all(c == CLOSED for c in codes):  # the same codes on every rank: closed alike
+            self.open = False
 
     def settle(self, what: str) -> None:
         """Wait for the whole update; while one is open, every rank says whether its
@@ -290,10 +310,15 @@ class ShardOverlap:
         if error is not None:
             raise error
         group = self._group
+        todo = (
+            "Call optimizer.step() on every rank to finish it"
+            if self.gate is not None
+            else _CLOSED_HINT[0].upper() + _CLOSED_HINT[1:]
+        )
         raise PeerFailedError(
             f"{what}: the overlapped optimizer update of rank(s) {list(failed)} of "
             f"{group.world_size} failed, so rank {group.rank} stops too; the failing "
-            "rank's own error says why. Call optimizer.step() on every rank to finish it",
+            f"rank's own error says why. {todo}",
             collective="agree",
             what=what,
             rank=group.rank,
