@@ -17,7 +17,13 @@ from swapper.manager.errors import (
     UnknownKeyError,
 )
 from swapper.manager.policy import AccessOrder
-from swapper.manager.stats import ManagerStats, TierStats, TransferStats, background_work
+from swapper.manager.stats import (
+    ManagerStats,
+    TierStats,
+    TransferStats,
+    background_work,
+    in_background_work,
+)
 
 __all__ = [
     "DEFAULT_PLACEMENT",
@@ -42,4 +48,5 @@ __all__ = [
     "TransferStats",
     "UnknownKeyError",
     "background_work",
+    "in_background_work",
 ]

@@ -12,7 +12,14 @@ from types import MappingProxyType
 from swapper.manager.config import Kind, Tier
 from tiers.units import format_size
 
-__all__ = ["ManagerStats", "StatsRecorder", "TierStats", "TransferStats", "background_work"]
+__all__ = [
+    "ManagerStats",
+    "StatsRecorder",
+    "TierStats",
+    "TransferStats",
+    "background_work",
+    "in_background_work",
+]
 
 #: Per thread: whether its fetches' waits count as background stall (``background_work``).
 _thread = threading.local()
@@ -32,6 +39,12 @@ def background_work() -> Iterator[None]:
         yield
     finally:
         _thread.background = before
+
+
+def in_background_work() -> bool:
+    """Whether the calling thread is inside :func:`background_work` (an overlapped
+    optimizer's update thread)."""
+    return bool(getattr(_thread, "background", False))
 
 
 @dataclass(frozen=True)

@@ -60,13 +60,13 @@ ranks' shards differ, so one rank may be short alone).
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 import torch
 
 from swapper.distributed import DistGroup, PeerFailedError, agree, gather_codes
+from swapper.manager import in_background_work
 from swapper.step.deferred import DeferredStepError
 from swapper.step.sources import ParamGate
 from tiers.errors import SwapConfigError
@@ -105,9 +105,6 @@ class ShardOverlap:
         self.open = False
         #: a gather read a shard that this rank's failed update left old
         self._stale: DeferredStepError | None = None
-        #: the thread that calls step() (the caller's): any other writing a shard is the
-        #: update's (None: no update started yet)
-        self._caller: int | None = None
 
     def install(
         self,
@@ -215,20 +212,16 @@ class ShardOverlap:
         """
         self._drain()
         self._stale = None
-        self._caller = threading.get_ident()
         self.open = True
 
     def in_update(self) -> bool:
         """Whether the calling thread is an overlapped update's (a gate is installed and
-        this is not the thread that started the update): its shard writes skip the drain
-        (a collective wait, the caller's thread's to do). A write from the caller's
-        thread (a load of a state dict, a failed update finished by ``step()``) drains
-        the gathers started ahead first, as without overlap: they hold the old shards."""
-        return (
-            self.gate is not None
-            and self._caller is not None
-            and threading.get_ident() != self._caller
-        )
+        the thread runs the update: :func:`~swapper.manager.in_background_work`): its
+        shard writes skip the drain (a collective wait, the caller's thread's to do). Any
+        other write (a load of a state dict from whatever thread, a failed update
+        finished by ``step()``) drains the gathers started ahead first, as without
+        overlap: they hold the old shards."""
+        return self.gate is not None and in_background_work()
 
     def forward_ended(self) -> None:
         """The end of an outermost forward while an update is open: every rank says
