@@ -112,11 +112,14 @@ class SubGroupMath:
     def _run(self, target: int, factor: float) -> None:
         threads = torch.get_num_threads()
         try:
-            if self._pipeline.streams and threads > 1:
+            if self._pipeline.streams and threads > 1 and self._pipeline.codec.moments != "int8":
                 # The kernel runs while reads and writes are in flight, and O_DIRECT
                 # submission and completion take CPU too: on a small machine a kernel on
                 # every core starves them, and the step stops overlapping (measured in
                 # docs/benchmarks.md). So the step leaves one core to the I/O threads.
+                # Not with 8-bit moments: their encoding and decoding, not the I/O (half
+                # the bytes), bound the step, and every core is faster (2 cores: 0.71
+                # against 0.85 s a step at 50M, docs/benchmarks.md, 2026-11-26).
                 torch.set_num_threads(threads - 1)
             self._run_pipeline(target, factor)
         finally:
