@@ -354,17 +354,25 @@ def agree(dg: DistGroup, ok: bool, what: str) -> None:
         PeerFailedError: some rank passed ``ok=False`` (on every rank, naming them).
         CollectiveError: the agreement itself failed or timed out.
     """
-    mine = torch.tensor([0 if ok else 1], dtype=torch.uint8, device=dg.control_device)
-    flags = torch.empty(dg.world_size, dtype=torch.uint8, device=dg.control_device)
-    _gather(dg, flags, mine, what)
-    failed = tuple(r for r, f in enumerate(flags.tolist()) if f)
+    failed = tuple(r for r, f in enumerate(gather_codes(dg, 0 if ok else 1, what)) if f)
     if failed:
-        raise PeerFailedError(
+        raise peer_failed(
+            dg,
+            what,
+            failed,
             f"{what}: rank(s) {list(failed)} of {dg.world_size} failed locally, so rank "
             f"{dg.rank} stops too; the failing rank's own error says why.",
-            collective="agree",
-            what=what,
-            rank=dg.rank,
-            world_size=dg.world_size,
-            failed_ranks=failed,
         )
+
+
+def peer_failed(dg: DistGroup, what: str, failed: tuple[int, ...], message: str) -> PeerFailedError:
+    """The :class:`PeerFailedError` of an agreement point ``what`` on this rank, where
+    ranks ``failed`` reported a local failure."""
+    return PeerFailedError(
+        message,
+        collective="agree",
+        what=what,
+        rank=dg.rank,
+        world_size=dg.world_size,
+        failed_ranks=failed,
+    )

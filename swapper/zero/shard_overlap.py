@@ -65,7 +65,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from swapper.distributed import DistGroup, PeerFailedError, agree, gather_codes
+from swapper.distributed import DistGroup, agree, gather_codes
+from swapper.distributed.groups import peer_failed
 from swapper.manager import in_background_work
 from swapper.step.deferred import DeferredStepError
 from swapper.step.sources import ParamGate
@@ -308,13 +309,11 @@ class ShardOverlap:
             if self.gate is not None
             else _CLOSED_HINT[0].upper() + _CLOSED_HINT[1:]
         )
-        raise PeerFailedError(
+        raise peer_failed(
+            group,
+            what,
+            failed,
             f"{what}: the overlapped optimizer update of rank(s) {list(failed)} of "
             f"{group.world_size} failed, so rank {group.rank} stops too; the failing "
             f"rank's own error says why. {todo}",
-            collective="agree",
-            what=what,
-            rank=group.rank,
-            world_size=group.world_size,
-            failed_ranks=failed,
         )

@@ -41,8 +41,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from swapper.distributed import DistGroup, PeerFailedError
-from swapper.distributed.groups import all_gather_single, start_collective, wait_work
+from swapper.distributed import DistGroup
+from swapper.distributed.groups import (
+    all_gather_single,
+    peer_failed,
+    start_collective,
+    wait_work,
+)
 from swapper.manager.snapshot import snapshot_manager
 from swapper.step.resume import kept_released, optimizer_meta
 from swapper.zero.checkpoint import FORMAT, VERSION, SnapshotReport, _rng_state, check_saveable
@@ -138,15 +143,13 @@ def raise_failed(
         return
     if error is not None:
         raise error
-    raise PeerFailedError(
+    raise peer_failed(
+        group,
+        what,
+        tuple(sorted(failed)),
         f"{what}: rank(s) {sorted(failed)} of {group.world_size} failed, so rank "
         f"{group.rank} stops too: "
         + "; ".join(f"rank {r}: {m}" for r, m in sorted(failed.items())),
-        collective="agree",
-        what=what,
-        rank=group.rank,
-        world_size=group.world_size,
-        failed_ranks=tuple(sorted(failed)),
     )
 
 
