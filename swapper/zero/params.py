@@ -109,8 +109,12 @@ def retain_grad(
             first = not slot.has_grad
             refill = first and slot.grad_kept  # registered, empty: copied into
         if first and not refill:
-            manager.register(slot.grad_key, grad.detach(), Kind.GRAD16)
-            norm = None if lazy_norm else grad_norm32([grad])[0]  # as clip_grad_norm_ does
+            # (a GPU gradient crosses to the host once, for its entry and its norm alike)
+            source = grad.detach()
+            if not lazy_norm and source.device.type != "cpu":
+                source = source.cpu()
+            manager.register(slot.grad_key, source, Kind.GRAD16)
+            norm = None if lazy_norm else grad_norm32([source])[0]  # as clip_grad_norm_ does
             with lock:
                 slot.has_grad, slot.grad_norm = True, norm
             return
@@ -202,7 +206,7 @@ class TieredParams:
         # NVMe) anyway.
         tiers = tiers_of(model.config.manager, Kind.PARAM16)
         self._tier = Tier.HOST if Tier.HOST in tiers else tiers[0]
-        self._scratch: dict[torch.device, torch.Tensor] = {}  # see _take_norms
+        self._scratch: torch.Tensor | None = None  # fp32, on the CPU: see _take_norms
         #: during a step whose parameters and gradients are all resident (see
         #: :meth:`resident`): each one's key → its tensor, fetched once for the step
         self._pinned: dict[str, torch.Tensor] | None = None
@@ -350,12 +354,10 @@ class TieredParams:
                         own.append(slot)
                     fetched.append(tensor)
                 # on the CPU wherever the gradients are (grad_norm32 says why)
-                device = torch.device("cpu")
                 need = sum(_aligned(t.numel()) for t in fetched)
-                scratch = self._scratch.get(device)
+                scratch = self._scratch
                 if scratch is None or scratch.numel() < need:
-                    scratch = torch.empty(need, dtype=torch.float32, device=device)
-                    self._scratch[device] = scratch
+                    scratch = self._scratch = torch.empty(need, dtype=torch.float32)
                 copies, offset = [], 0
                 for tensor in fetched:
                     copy = scratch[offset : offset + tensor.numel()]
