@@ -54,19 +54,28 @@ def guard_apply(root: nn.Module, device: torch.device) -> list[nn.Module]:
     ``device``: where the parameters are used. Returns the modules, for
     :func:`unguard_apply`."""
     guarded: list[nn.Module] = []
-    for sub in root.modules():
-
-        def _apply(fn: Convert, recurse: bool = True, sub: nn.Module = sub) -> nn.Module:
-            _check(sub, "", fn, device)  # all of it, before any buffer changes
-            for module in sub.modules() if recurse else (sub,):
-                for name, buf in module._buffers.items():
-                    if buf is not None:
-                        module._buffers[name] = fn(buf)
-            return sub
-
-        sub._apply = _apply  # type: ignore[method-assign]
-        guarded.append(sub)
+    try:
+        for sub in root.modules():
+            _guard(sub, device)
+            guarded.append(sub)
+    except BaseException:  # (a Ctrl-C part-way: no module left half the set guarded)
+        unguard_apply(guarded)
+        raise
     return guarded
+
+
+def _guard(sub: nn.Module, device: torch.device) -> None:
+    """Give ``sub`` the guarded ``_apply``."""
+
+    def _apply(fn: Convert, recurse: bool = True) -> nn.Module:
+        _check(sub, "", fn, device)  # all of it, before any buffer changes
+        for module in sub.modules() if recurse else (sub,):
+            for name, buf in module._buffers.items():
+                if buf is not None:
+                    module._buffers[name] = fn(buf)
+        return sub
+
+    sub._apply = _apply  # type: ignore[method-assign]
 
 
 def unguard_apply(guarded: list[nn.Module]) -> None:
