@@ -176,6 +176,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="how the optimizer stores its Adam moments, in both runs (StepConfig.moments; "
         "default fp32)",
     )
+    p.add_argument(
+        "--reference",
+        choices=("unlimited", "none"),
+        default="unlimited",
+        help="unlimited (the default): compare with an in-memory run of the same seed; "
+        "none: train only the budgeted model (built on the meta device straight into the "
+        "tiers, so it may be larger than memory) and report per step its seconds, stall, "
+        "NVMe bytes by kind, I/O and compute floors and peak RSS",
+    )
+    p.add_argument(
+        "--compare-budgets",
+        action="store_true",
+        help="with no reference: train the model twice, the second time with half the "
+        "device budget moved to the host budget, half the sub-group and --overlap flipped, "
+        "and fail unless losses and final digests are bit-identical",
+    )
     p.add_argument("--json", type=Path, metavar="FILE", help="write the results as JSON")
     return p
 
@@ -211,6 +227,12 @@ def _run(argv: list[str]) -> int:
                 f"--batch {args.batch} is not a multiple of --nproc {args.nproc} (each rank "
                 "trains batch / nproc sequences of every step)"
             )
+    if args.compare_budgets:
+        args.reference = "none"
+        if args.resume:
+            parser.error("--compare-budgets runs from scratch twice; drop --resume")
+    if args.reference == "none" and args.nproc > 1:
+        parser.error("--reference none is one process here (--nproc 1)")
     dirs = tuple(check_dirs(args.dirs)) if args.dirs else ()
     aio = aio_environment()
     from swapper.pressure.runner import PressureSettings, run_pressure  # torch loads now
@@ -243,6 +265,8 @@ def _run(argv: list[str]) -> int:
             fetch_collective=args.fetch_collective or "all_gather",
             reduce_dtype="float32" if args.reduce_dtype == "float32" else None,
         )
+    if args.reference == "none":
+        return _run_budgeted(settings, args.json, compare=args.compare_budgets)
     result = run_pressure(settings, say=lambda line: print(line, flush=True))
     print(_summary(result))
     if args.json is not None:
@@ -252,6 +276,29 @@ def _run(argv: list[str]) -> int:
         print(f"{PROG}: FAILED: the budgeted run differs from the unlimited one", file=sys.stderr)
     if not result.within_budgets:
         print(f"{PROG}: FAILED: a tier went over its budget", file=sys.stderr)
+    return 0 if result.ok else 1
+
+
+def _run_budgeted(settings: PressureSettings, json_path: Path | None, *, compare: bool) -> int:
+    from swapper.pressure.budgeted import compare_budgets, run_budgeted
+
+    say = lambda line: print(line, flush=True)  # noqa: E731
+    result = compare_budgets(settings, say=say) if compare else run_budgeted(settings, say=say)
+    print(result.summary())
+    if json_path is not None:
+        write_json(json_path, result.to_json())
+        print(f"results written to {json_path}")
+    if not result.ok:
+        print(
+            f"{PROG}: FAILED: "
+            + (
+                "the budget splits differ, or a run failed its checks"
+                if compare
+                else "a loss is not finite, a tier went over its budget or the peak RSS "
+                "over its bound"
+            ),
+            file=sys.stderr,
+        )
     return 0 if result.ok else 1
 
 

@@ -64,7 +64,7 @@ from swapper.pressure.ranks_report import (
     RanksResult,
     compare_params,
 )
-from swapper.pressure.runner import DTYPES, PressureSettings, _swap_dirs
+from swapper.pressure.runner import DTYPES, PressureSettings, swap_dirs
 from swapper.zero.config import OffloadConfig
 from swapper.zero.dist_config import DistributedConfig
 from tiers.errors import SwapConfigError, SwapError
@@ -157,8 +157,8 @@ def run_ranks(
     # checkpointed: the parts live in DIR/swapper-pressure-checkpoint/rank{r}of{N}, kept
     # for --resume (the store's name is the wrap's default, the same on every run)
     kept = [d / CHECKPOINT_DIR for d in settings.dirs]
-    swap_dirs = contextlib.nullcontext(kept) if settings.checkpointing else None
-    with swap_dirs or _swap_dirs(settings.dirs) as dirs:
+    kept_dirs = contextlib.nullcontext(kept) if settings.checkpointing else None
+    with kept_dirs or swap_dirs(settings.dirs) as dirs:
         tight, free = _spawn(plan, [str(d) for d in dirs], say)
     say("  single process, unlimited budgets")
     single = _train(plan, rank=0, world=1, dirs=None, keep_params=True)
