@@ -78,6 +78,7 @@ def test_no_reference_run_reports_each_step(tmp_path: Path) -> None:
         assert busy is not None and busy > 0
         assert 0 <= step.forward_backward_stall_fraction < 1
         assert step.peak_rss_nbytes > 0
+        assert set(step.prefetch) == {"hits", "misses", "dropped", "wasted"}
     assert result.steps[-1].peak_rss_nbytes <= result.peak_rss_bytes
     # nothing left in the swap directory: the private one inside it is gone
     assert list((tmp_path / "swap").iterdir()) == []
@@ -132,7 +133,7 @@ def test_cli_no_reference_json(tmp_path: Path, capsys: pytest.CaptureFixture[str
 
 @pytest.mark.parametrize(
     "extra",
-    [["--compare-budgets", "--resume", "--dir", "."], ["--reference", "none", "--nproc", "2"]],
+    [["--compare-budgets", "--resume", "--dir", "."], ["--compare-budgets", "--nproc", "2"]],
 )
 def test_cli_refuses_what_no_reference_cannot_do(
     extra: list[str], capsys: pytest.CaptureFixture[str]
@@ -155,3 +156,24 @@ def test_materialise_bound_is_write_time_plus_init() -> None:
     assert figures.seconds == 7.0
     assert figures.bound_s == pytest.approx(1.3 * 4 + 1.0)
     assert figures.to_json()["within_bound"] is False
+
+
+def test_cli_no_reference_two_ranks(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    swap = tmp_path / "swap"
+    swap.mkdir()
+    out = tmp_path / "r.json"
+    per_rank_device = 256 << 10  # above the gathers' floor (224 KiB), below the params
+    args = ["--reference", "none", "--nproc", "2", "--params", "300K", "--steps", "2"]
+    args += ["--batch", "2", "--seq", "16", "--device-budget", str(per_rank_device)]
+    args += ["--host-budget", str(HOST_NBYTES // 2), "--dir", str(swap), "--json", str(out)]
+    assert main(args) == 0, capsys.readouterr().err
+    data = json.loads(out.read_text())
+    assert data["reference"] == "none" and data["ok"] and data["world_size"] == 2
+    assert [len(r["losses"]) for r in data["per_rank"]] == [2, 2]
+    for rank in data["per_rank"]:
+        assert rank["peak_bytes"]["host"] <= HOST_NBYTES // 2
+        assert rank["peak_bytes"]["device"] <= per_rank_device
+    assert "result (2 ranks, no reference): losses finite, within budgets" in (
+        capsys.readouterr().out
+    )
+    assert list(swap.iterdir()) == []

@@ -219,6 +219,8 @@ class StepFigures:
     compute_floor_s: float
     peak_rss_nbytes: int
     overlap: bool
+    #: read-ahead counters over forward + backward (hits, misses, dropped, wasted)
+    prefetch: dict[str, int] = dataclasses.field(default_factory=dict)
 
     @property
     def forward_backward_s(self) -> float:
@@ -266,6 +268,7 @@ class StepFigures:
             "optimizer_over_floor": self.optimizer_over_floor,
             "optimizer_disk_busy_fraction": self.optimizer_disk_busy,
             "peak_rss_bytes": self.peak_rss_nbytes,
+            "forward_backward_prefetch": self.prefetch,
         }
 
 
@@ -302,6 +305,7 @@ def _step_figures(
                 compute_floor_s=compute_floor_s,
                 peak_rss_nbytes=phases.peak_rss_nbytes[i],
                 overlap=overlap,
+                prefetch=phases.model_prefetch[i],
             )
         )
     return out

@@ -231,8 +231,8 @@ def _run(argv: list[str]) -> int:
         args.reference = "none"
         if args.resume:
             parser.error("--compare-budgets runs from scratch twice; drop --resume")
-    if args.reference == "none" and args.nproc > 1:
-        parser.error("--reference none is one process here (--nproc 1)")
+    if args.compare_budgets and args.nproc > 1:
+        parser.error("--compare-budgets is one process here (--nproc 1)")
     dirs = tuple(check_dirs(args.dirs)) if args.dirs else ()
     aio = aio_environment()
     from swapper.pressure.runner import PressureSettings, run_pressure  # torch loads now
@@ -257,6 +257,14 @@ def _run(argv: list[str]) -> int:
         overlap=args.overlap,
         moments=args.moments,
     )
+    if args.nproc > 1 and args.reference == "none":
+        return _run_ranks_budgeted(
+            settings,
+            args.nproc,
+            args.json,
+            fetch_collective=args.fetch_collective or "all_gather",
+            reduce_dtype="float32" if args.reduce_dtype == "float32" else None,
+        )
     if args.nproc > 1:
         return _run_ranks(
             settings,
@@ -299,6 +307,32 @@ def _run_budgeted(settings: PressureSettings, json_path: Path | None, *, compare
             ),
             file=sys.stderr,
         )
+    return 0 if result.ok else 1
+
+
+def _run_ranks_budgeted(
+    settings: PressureSettings,
+    nproc: int,
+    json_path: Path | None,
+    *,
+    fetch_collective: str,
+    reduce_dtype: str | None,
+) -> int:
+    from swapper.pressure.ranks import run_ranks_budgeted
+
+    result = run_ranks_budgeted(
+        settings,
+        nproc,
+        fetch_collective=fetch_collective,
+        reduce_dtype=reduce_dtype,
+        say=lambda line: print(line, flush=True),
+    )
+    print(result.summary())
+    if json_path is not None:
+        write_json(json_path, result.to_json())
+        print(f"results written to {json_path}")
+    if not result.ok:
+        print(f"{PROG}: FAILED: a rank's loss is not finite or a tier over budget", file=sys.stderr)
     return 0 if result.ok else 1
 
 

@@ -74,6 +74,9 @@ class Phases:
     kind_nbytes: list[dict[str, dict[str, dict[str, int]]]] = dataclasses.field(
         default_factory=list
     )
+    #: per step, the manager's read-ahead counters' growth over forward + backward:
+    #: {"hits", "misses", "dropped", "wasted"} (``ManagerStats.prefetch_*``)
+    model_prefetch: list[dict[str, int]] = dataclasses.field(default_factory=list)
     #: the process's peak resident memory (VmHWM) when each step ended, bytes
     peak_rss_nbytes: list[int] = dataclasses.field(default_factory=list)
     _t: float = 0.0
@@ -84,6 +87,7 @@ class Phases:
     _written: int = 0
     _kinds0: dict[tuple[Kind, Tier, Tier], int] = dataclasses.field(default_factory=dict)
     _kinds1: dict[tuple[Kind, Tier, Tier], int] = dataclasses.field(default_factory=dict)
+    _prefetch0: dict[str, int] = dataclasses.field(default_factory=dict)
 
     @property
     def nvme_nbytes(self) -> list[int]:
@@ -100,6 +104,7 @@ class Phases:
         self._stall0 = self._stall = _stall(stats, waited_s)
         self._read, self._written = _nvme(stats)
         self._kinds0 = dict(stats.kind_nbytes)
+        self._prefetch0 = _prefetch(stats)
 
     def forward_done(self, stats: ManagerStats, waited_s: float = 0.0) -> None:
         self.forward_s.append(time.perf_counter() - self._t0)
@@ -112,6 +117,8 @@ class Phases:
         self.model_stall_s.append(stall - self._stall0)
         self._t, self._stall = now, stall
         self._kinds1 = dict(stats.kind_nbytes)
+        now_prefetch = _prefetch(stats)
+        self.model_prefetch.append({k: v - self._prefetch0[k] for k, v in now_prefetch.items()})
 
     def step_done(self, stats: ManagerStats, waited_s: float = 0.0) -> None:
         self.optimizer_s.append(time.perf_counter() - self._t)
@@ -127,6 +134,16 @@ class Phases:
             }
         )
         self.peak_rss_nbytes.append(peak_rss())
+
+
+def _prefetch(stats: ManagerStats) -> dict[str, int]:
+    """The manager's read-ahead counters so far."""
+    return {
+        "hits": stats.prefetch_hits,
+        "misses": stats.prefetch_misses,
+        "dropped": stats.prefetch_dropped,
+        "wasted": stats.prefetch_wasted,
+    }
 
 
 def _kind_delta(
