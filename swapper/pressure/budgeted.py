@@ -485,6 +485,7 @@ def run_budgeted(
         seed=settings.seed,
     )  # fmt: skip
     return_freed_memory()
+    reset_peak_rss()  # (a run before this one in the process, e.g. compare_budgets' first)
     baseline = baseline_rss(settings, dtype)
     state = (_PARAM_GRAD_NBYTES + _STATE_NBYTES[settings.moments]) * num_params
     say(
