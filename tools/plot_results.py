@@ -1,0 +1,179 @@
+#!/usr/bin/env python3
+"""Draw the plots of docs/benchmarks.md from the recorded figures in docs/results/*.json.
+
+Each JSON file holds one measurement: ``title``, ``date``, ``machine``, ``command``,
+``unit``, ``source`` (the dated lab note it comes from) and ``rows``. This script draws
+one PNG per file that it knows how to plot, named after the file, and labels each with
+its machine and date, so a plot never stands apart from where it was measured::
+
+    python tools/plot_results.py                       # docs/results -> docs/img
+    python tools/plot_results.py --results R --out O
+
+Needs matplotlib (``pip install -e '.[plot]'``). Exit status 2 when it is missing or a
+results file lacks a field the plot needs (the message names the file and the field).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import textwrap
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+
+Record = dict[str, Any]
+
+
+class ResultsError(Exception):
+    """A results file cannot be plotted; the message names the file and what is wrong."""
+
+
+def _field(record: Record, name: str, path: Path) -> Any:
+    if name not in record:
+        raise ResultsError(f"{path}: no field {name!r}; add it or remove the file")
+    return record[name]
+
+
+def _footer(fig: Any, record: Record, path: Path) -> None:
+    """The machine, date and command under the plot: a figure is its machine's."""
+    machine = _field(record, "machine", path)
+    date = _field(record, "date", path)
+    command = _field(record, "command", path)
+    lines = textwrap.wrap(f"{date}, {machine}", 140) + textwrap.wrap(f"$ {command}", 140)
+    fig.text(0.01, 0.01, "\n".join(lines), fontsize=6, va="bottom")
+
+
+def _bars(ax: Any, labels: list[str], series: dict[str, list[float]]) -> None:
+    """Grouped bars: one group per label, one bar per series."""
+    width = 0.8 / len(series)
+    for i, (name, values) in enumerate(series.items()):
+        xs = [x + (i - (len(series) - 1) / 2) * width for x in range(len(labels))]
+        bars = ax.bar(xs, values, width, label=name)
+        ax.bar_label(bars, fmt="%.2f", fontsize=7)
+    ax.set_xticks(range(len(labels)), labels)
+    top = max(v for values in series.values() for v in values)
+    ax.set_ylim(0, top * 1.35)  # room for the legend above the tallest bar
+    ax.legend(fontsize=8, ncols=len(series), loc="upper center")
+
+
+def plot_disk_vs_fio(record: Record, path: Path, plt: Any) -> Any:
+    rows = _field(record, "rows", path)
+    labels = [f"{r['op']} {r['block_size']} qd{r['queue_depth']}" for r in rows]
+    fig, ax = plt.subplots(figsize=(8, 4.6))
+    _bars(
+        ax,
+        labels,
+        {
+            "fio, hugetlb buffers (its best here)": [r["fio_shmhuge"] for r in rows],
+            "fio, default buffers": [r["fio_malloc"] for r in rows],
+            "swapper-bench disk": [r["swapper"] for r in rows],
+        },
+    )
+    ax.set_ylabel(_field(record, "unit", path))
+    ax.set_title("Disk throughput: swapper against fio", fontsize=10)
+    return fig
+
+
+def plot_optimizer_step(record: Record, path: Path, plt: Any) -> Any:
+    rows = _field(record, "rows", path)
+    fig, ax = plt.subplots(figsize=(8, 4.6))
+    labels = [r["pass"].replace(" (", "\n(") for r in rows]
+    values = [r["seconds"] for r in rows]
+    errors = [
+        [v - r["min"] for v, r in zip(values, rows, strict=True)],
+        [r["max"] - v for v, r in zip(values, rows, strict=True)],
+    ]
+    bars = ax.bar(labels, values, yerr=errors, capsize=4, color="tab:blue")
+    bars[2].set_color("tab:green")
+    ax.bar_label(bars, fmt="%.2f", fontsize=8, padding=6)
+    ax.set_ylabel(_field(record, "unit", path))
+    ax.set_title("Optimizer step at 200M: the step against its I/O and compute floors", fontsize=10)
+    return fig
+
+
+def plot_pressure_100m(record: Record, path: Path, plt: Any) -> Any:
+    rows = _field(record, "rows", path)
+    labels = [f"{r['tokens']} tokens\n{r['step']} step" for r in rows]
+    fig, ax = plt.subplots(figsize=(8, 4.6))
+    _bars(
+        ax,
+        labels,
+        {
+            "budgeted (NVMe)": [r["budgeted"] for r in rows],
+            "unlimited budgets": [r["unlimited"] for r in rows],
+            "plain PyTorch": [r["plain"] for r in rows],
+        },
+    )
+    for x, r in enumerate(rows):
+        ax.annotate(
+            f"stall {100 * r['stall_fraction']:.1f} %",
+            (x, 2.0),
+            ha="center",
+            fontsize=7,
+            color="white",
+        )
+    ax.set_ylabel(_field(record, "unit", path))
+    ax.set_title("Training a 100M GPT under budgets, against in-memory runs", fontsize=10)
+    return fig
+
+
+PLOTS: dict[str, Callable[[Record, Path, Any], Any]] = {
+    "disk_vs_fio": plot_disk_vs_fio,
+    "optimizer_step": plot_optimizer_step,
+    "pressure_100m": plot_pressure_100m,
+}
+
+
+def draw(results: Path, out: Path) -> list[Path]:
+    """Draw every known plot from ``results`` into ``out``; return the files written.
+
+    Raises:
+        ResultsError: a results file is not valid JSON or lacks a field its plot needs.
+        ModuleNotFoundError: matplotlib is not installed.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only; no display needed
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, plot in PLOTS.items():
+        path = results / f"{name}.json"
+        try:
+            record = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise ResultsError(f"{path}: cannot read it ({exc})") from exc
+        fig = plot(record, path, plt)
+        fig.subplots_adjust(bottom=0.26)
+        _footer(fig, record, path)
+        target = out / f"{name}.png"
+        fig.savefig(target, dpi=110)
+        plt.close(fig)
+        written.append(target)
+    return written
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--results", type=Path, default=ROOT / "docs" / "results")
+    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "img")
+    args = parser.parse_args(argv)
+    try:
+        for path in draw(args.results, args.out):
+            print(f"wrote {path}")
+    except ModuleNotFoundError as exc:
+        print(f"plot_results: {exc}; install it with pip install -e '.[plot]'", file=sys.stderr)
+        return 2
+    except ResultsError as exc:
+        print(f"plot_results: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
