@@ -15,8 +15,9 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from test_hf import VOCAB, _llama  # noqa: E402
+
 PAGE = Path(__file__).resolve().parent.parent / "docs" / "huggingface.md"
-VOCAB = 96
 
 
 def _snippet() -> str:
@@ -28,21 +29,13 @@ def _snippet() -> str:
 
 
 def _tiny_llama_config() -> object:
-    return transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=32,
-    )
+    return _llama()[1]  # test_hf's: 2 layers, hidden 32, vocabulary VOCAB
 
 
 def _fill_in(code: str, tmp_path: Path) -> str:
     """The snippet's placeholders replaced with a tiny run; each must be there to replace."""
     train = (
-        "ids = torch.randint(0, 96, (2, 8), generator=torch.Generator().manual_seed(0))\n"
+        f"ids = torch.randint(0, {VOCAB}, (2, 8), generator=torch.Generator().manual_seed(0))\n"
         "    wrapped(input_ids=ids, labels=ids).loss.backward(); opt.step(); opt.zero_grad()\n"
         "    opt.close()"
     )

@@ -47,8 +47,19 @@ def _footer(fig: Any, record: Record, path: Path) -> None:
     fig.text(0.01, 0.01, "\n".join(lines), fontsize=6, va="bottom")
 
 
-def _bars(ax: Any, labels: list[str], series: dict[str, list[float]]) -> None:
-    """Grouped bars: one group per label, one bar per series."""
+def _grouped(
+    record: Record,
+    path: Path,
+    plt: Any,
+    labels: list[str],
+    columns: dict[str, str],
+    title: str,
+) -> tuple[Any, Any]:
+    """Grouped bars: one group per row (``labels``), one bar per ``columns`` entry
+    (legend text -> the row's field); the unit on the y axis, ``title`` above."""
+    rows = _field(record, "rows", path)
+    series = {name: [_field(r, key, path) for r in rows] for name, key in columns.items()}
+    fig, ax = plt.subplots(figsize=(8, 4.6))
     width = 0.8 / len(series)
     for i, (name, values) in enumerate(series.items()):
         xs = [x + (i - (len(series) - 1) / 2) * width for x in range(len(labels))]
@@ -58,23 +69,20 @@ def _bars(ax: Any, labels: list[str], series: dict[str, list[float]]) -> None:
     top = max(v for values in series.values() for v in values)
     ax.set_ylim(0, top * 1.35)  # room for the legend above the tallest bar
     ax.legend(fontsize=8, ncols=len(series), loc="upper center")
+    ax.set_ylabel(_field(record, "unit", path))
+    ax.set_title(title, fontsize=10)
+    return fig, ax
 
 
 def plot_disk_vs_fio(record: Record, path: Path, plt: Any) -> Any:
     rows = _field(record, "rows", path)
     labels = [f"{r['op']} {r['block_size']} qd{r['queue_depth']}" for r in rows]
-    fig, ax = plt.subplots(figsize=(8, 4.6))
-    _bars(
-        ax,
-        labels,
-        {
-            "fio, hugetlb buffers (its best here)": [r["fio_shmhuge"] for r in rows],
-            "fio, default buffers": [r["fio_malloc"] for r in rows],
-            "swapper-bench disk": [r["swapper"] for r in rows],
-        },
-    )
-    ax.set_ylabel(_field(record, "unit", path))
-    ax.set_title("Disk throughput: swapper against fio", fontsize=10)
+    columns = {
+        "fio, hugetlb buffers (its best here)": "fio_shmhuge",
+        "fio, default buffers": "fio_malloc",
+        "swapper-bench disk": "swapper",
+    }
+    fig, _ = _grouped(record, path, plt, labels, columns, "Disk throughput: swapper against fio")
     return fig
 
 
@@ -98,26 +106,16 @@ def plot_optimizer_step(record: Record, path: Path, plt: Any) -> Any:
 def plot_pressure_100m(record: Record, path: Path, plt: Any) -> Any:
     rows = _field(record, "rows", path)
     labels = [f"{r['tokens']} tokens\n{r['step']} step" for r in rows]
-    fig, ax = plt.subplots(figsize=(8, 4.6))
-    _bars(
-        ax,
-        labels,
-        {
-            "budgeted (NVMe)": [r["budgeted"] for r in rows],
-            "unlimited budgets": [r["unlimited"] for r in rows],
-            "plain PyTorch": [r["plain"] for r in rows],
-        },
-    )
+    columns = {
+        "budgeted (NVMe)": "budgeted",
+        "unlimited budgets": "unlimited",
+        "plain PyTorch": "plain",
+    }
+    title = "Training a 100M GPT under budgets, against in-memory runs"
+    fig, ax = _grouped(record, path, plt, labels, columns, title)
     for x, r in enumerate(rows):
-        ax.annotate(
-            f"stall {100 * r['stall_fraction']:.1f} %",
-            (x, 2.0),
-            ha="center",
-            fontsize=7,
-            color="white",
-        )
-    ax.set_ylabel(_field(record, "unit", path))
-    ax.set_title("Training a 100M GPT under budgets, against in-memory runs", fontsize=10)
+        stall = _field(r, "stall_fraction", path)
+        ax.annotate(f"stall {100 * stall:.1f} %", (x, 2.0), ha="center", fontsize=7, color="white")
     return fig
 
 
