@@ -119,10 +119,32 @@ def plot_pressure_100m(record: Record, path: Path, plt: Any) -> Any:
     return fig
 
 
+def plot_step_vs_size(record: Record, path: Path, plt: Any) -> Any:
+    rows = _field(record, "rows", path)
+    fig, ax = plt.subplots(figsize=(8, 4.6))
+    styles = {"step": "o-", "io_only": "s--", "compute_only": "^:"}
+    names = {"step": "step (state on NVMe)", "io_only": "io-only", "compute_only": "compute-only"}
+    for run in sorted({_field(r, "pass", path) for r in rows}):
+        mine = sorted((r for r in rows if r["pass"] == run), key=lambda r: r["params"])
+        millions = [_field(r, "params", path) / 1e6 for r in mine]
+        for key, style in styles.items():
+            color = {"step": "tab:green", "io_only": "tab:blue", "compute_only": "tab:orange"}[key]
+            values = [_field(r, key, path) for r in mine]
+            label = f"{names[key]}, pass {run}"
+            alpha = 1.0 if run == 1 else 0.5  # the second pass fainter
+            ax.plot(millions, values, style, color=color, alpha=alpha, label=label)
+    ax.set_xlabel("parameters, millions (bf16; 12 B of fp32 state per parameter, 8 sub-groups)")
+    ax.set_ylabel(_field(record, "unit", path))
+    ax.set_title("Optimizer step against model size, beside its I/O and compute", fontsize=10)
+    ax.legend(fontsize=7, ncols=2)
+    return fig
+
+
 PLOTS: dict[str, Callable[[Record, Path, Any], Any]] = {
     "disk_vs_fio": plot_disk_vs_fio,
     "optimizer_step": plot_optimizer_step,
     "pressure_100m": plot_pressure_100m,
+    "step_vs_size": plot_step_vs_size,
 }
 
 
