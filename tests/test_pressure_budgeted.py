@@ -177,3 +177,19 @@ def test_cli_no_reference_two_ranks(tmp_path: Path, capsys: pytest.CaptureFixtur
         capsys.readouterr().out
     )
     assert list(swap.iterdir()) == []
+
+
+def test_resume_continues_bit_exactly_and_says_it_opened(tmp_path: Path) -> None:
+    whole = run_budgeted(_settings(tmp_path / "a", steps=3))
+    kept = tmp_path / "b"
+    first = run_budgeted(_settings(kept, steps=2, checkpoint_every=1))
+    assert first.snapshots and first.resumed_from_step == 0
+    resumed = run_budgeted(_settings(kept, steps=3, resume=True))
+    assert resumed.resumed_from_step == 2
+    assert resumed.losses == whole.losses[2:]
+    assert resumed.final_digest == whole.final_digest
+    data = resumed.to_json()
+    # nothing was materialised: the wrap opened the snapshot
+    assert data["materialise"] is None and data["open_seconds"] > 0
+    assert "resumed from step 2" in resumed.summary()
+    assert whole.to_json()["materialise"]["within_bound"] in (True, False)

@@ -403,7 +403,9 @@ class BudgetedResult:
             "rss_bound_bytes": self.rss_bound_bytes,
             "disk": self.disk.to_json(),
             "compute_floor_sub_group_seconds": self.compute_floor_sub_group_s,
-            "materialise": self.materialised.to_json(),
+            # (resumed: the wrap opened the snapshot; nothing was materialised)
+            "materialise": None if self.resumed_from_step else self.materialised.to_json(),
+            "open_seconds": self.materialised.seconds if self.resumed_from_step else None,
             "per_step": [s.to_json() for s in self.steps],
             "seconds": self.seconds,
             "final_digest": self.final_digest,
@@ -416,13 +418,19 @@ class BudgetedResult:
     def summary(self) -> str:
         """The human summary: units labelled, one line per step and per figure."""
         m = self.materialised
+        built = (
+            f"resumed from step {self.resumed_from_step}: the model and optimizer opened from "
+            f"the snapshot in {m.seconds:.1f} s (no materialisation to measure)"
+            if self.resumed_from_step
+            else f"materialised {m.modules} modules in {m.seconds:.1f} s (wrap {m.model_s:.1f} s, "
+            f"of which in-memory init {m.init_s:.1f} s; optimizer {m.optimizer_s:.1f} s; "
+            f"{show_nbytes(m.written_nbytes)} written); bound {m.bound_s:.1f} s"
+        )
         lines = [
             f"state {show_nbytes(self.state_nbytes)} beside {show_nbytes(_memory_total_nbytes())} "
             f"of memory; disk {self.disk.write_bytes_per_s / 2**30:.2f} GiB/s write (to fsync), "
             f"{self.disk.read_bytes_per_s / 2**30:.2f} GiB/s read",
-            f"materialised {m.modules} modules in {m.seconds:.1f} s (wrap {m.model_s:.1f} s, of "
-            f"which in-memory init {m.init_s:.1f} s; optimizer {m.optimizer_s:.1f} s; "
-            f"{show_nbytes(m.written_nbytes)} written); bound {m.bound_s:.1f} s",
+            built,
             "step  loss           fwd+bwd s  stall %  step s  I/O floor  compute floor  "
             "ratio  disk busy",
         ]
