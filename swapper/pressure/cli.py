@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from swapper.cli_args import (
     OneLineParser,
@@ -292,10 +292,7 @@ def _run_budgeted(settings: PressureSettings, json_path: Path | None, *, compare
 
     say = lambda line: print(line, flush=True)  # noqa: E731
     result = compare_budgets(settings, say=say) if compare else run_budgeted(settings, say=say)
-    print(result.summary())
-    if json_path is not None:
-        write_json(json_path, result.to_json())
-        print(f"results written to {json_path}")
+    _show(result.summary(), json_path, result.to_json)
     if not result.ok:
         print(
             f"{PROG}: FAILED: "
@@ -310,6 +307,14 @@ def _run_budgeted(settings: PressureSettings, json_path: Path | None, *, compare
     return 0 if result.ok else 1
 
 
+def _show(summary: str, json_path: Path | None, to_json: Callable[[], dict[str, Any]]) -> None:
+    """Print a no-reference run's summary; write its JSON to ``json_path`` if given."""
+    print(summary)
+    if json_path is not None:
+        write_json(json_path, to_json())
+        print(f"results written to {json_path}")
+
+
 def _run_ranks_budgeted(
     settings: PressureSettings,
     nproc: int,
@@ -320,17 +325,10 @@ def _run_ranks_budgeted(
 ) -> int:
     from swapper.pressure.ranks import run_ranks_budgeted
 
-    result = run_ranks_budgeted(
-        settings,
-        nproc,
-        fetch_collective=fetch_collective,
-        reduce_dtype=reduce_dtype,
-        say=lambda line: print(line, flush=True),
-    )
-    print(result.summary())
-    if json_path is not None:
-        write_json(json_path, result.to_json())
-        print(f"results written to {json_path}")
+    say = lambda line: print(line, flush=True)  # noqa: E731
+    kwargs = {"fetch_collective": fetch_collective, "reduce_dtype": reduce_dtype}
+    result = run_ranks_budgeted(settings, nproc, say=say, **kwargs)
+    _show(result.summary(), json_path, result.to_json)
     if not result.ok:
         print(f"{PROG}: FAILED: a rank's loss is not finite or a tier over budget", file=sys.stderr)
     return 0 if result.ok else 1
