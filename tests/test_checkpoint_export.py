@@ -145,7 +145,8 @@ def test_dcp_export_loads_per_parameter_into_plain_tensors(tmp_path: Path) -> No
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_dcp_import_into_another_sub_group_size_continues_identically(tmp_path: Path) -> None:
-    from swapper.zero.checkpoint.dcp_export import export_dcp, import_dcp
+    from swapper.zero.checkpoint.dcp_export import export_dcp
+    from swapper.zero.checkpoint.dcp_import import import_dcp
     from swapper.zero.checkpoint.snapshot import final_digest
 
     def one_step(gpt: GPT, optimizer: OffloadAdamW) -> None:
@@ -181,7 +182,8 @@ def test_dcp_import_into_another_sub_group_size_continues_identically(tmp_path: 
 def test_dcp_round_trip_with_frozen_parameters_is_bitwise(tmp_path: Path) -> None:
     """Frozen parameters (requires_grad=False, left out of the optimizer) are exported
     without optimizer rows; the import takes them as weights only, bitwise."""
-    from swapper.zero.checkpoint.dcp_export import export_dcp, import_dcp
+    from swapper.zero.checkpoint.dcp_export import export_dcp
+    from swapper.zero.checkpoint.dcp_import import import_dcp
     from swapper.zero.checkpoint.snapshot import final_digest
 
     def frozen_model() -> GPT:

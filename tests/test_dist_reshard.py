@@ -48,7 +48,8 @@ from test_dist_train import (
 import swapper
 from swapper import OffloadAdamW, StateDictError
 from swapper.step.layout import STATE_ROWS
-from swapper.zero.checkpoint.dcp_export import DcpCheckpointError, export_dcp, import_dcp
+from swapper.zero.checkpoint.dcp_export import DcpCheckpointError, export_dcp
+from swapper.zero.checkpoint.dcp_import import import_dcp
 from swapper.zero.checkpoint.dcp_reshard import flat_boxes
 from swapper.zero.checkpoint.export import INDEX_NAME, export_safetensors
 

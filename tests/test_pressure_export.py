@@ -82,7 +82,7 @@ def _digest_of_import(directory: Path) -> str:
     same state is the same at every world size)."""
     import swapper
     from swapper.step import OffloadAdamW, StepConfig
-    from swapper.zero.checkpoint.dcp_export import import_dcp
+    from swapper.zero.checkpoint.dcp_import import import_dcp
     from swapper.zero.checkpoint.snapshot import final_digest
     from swapper.zero.config.offload import OffloadConfig
 

@@ -451,7 +451,8 @@ def test_snapshot_keeps_the_compressed_form_and_refuses_other_moments(tmp_path: 
 def test_dcp_export_of_compressed_moments_is_decoded_fp32(tmp_path: Path) -> None:
     from ckpt_train import model
 
-    from swapper.zero.checkpoint.dcp_export import export_dcp, import_dcp
+    from swapper.zero.checkpoint.dcp_export import export_dcp
+    from swapper.zero.checkpoint.dcp_import import import_dcp
 
     gpt = model()
     with (

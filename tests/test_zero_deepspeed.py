@@ -17,8 +17,7 @@ import torch
 
 from swapper.manager.config import ManagerConfig
 from swapper.step import OffloadAdamW
-from swapper.zero.config.deepspeed import load_deepspeed
-from swapper.zero.config.offload import OffloadConfig
+from swapper.zero.config.offload import OffloadConfig, load_deepspeed
 from tiers.config import AioConfig
 from tiers.errors import SwapConfigError
 

@@ -8,12 +8,12 @@ rooms still import (:mod:`swapper.zero._moved`).
 """
 
 from swapper.zero import _moved
-from swapper.zero.checkpoint.dcp_export import export_dcp, import_dcp
+from swapper.zero.checkpoint.dcp_export import export_dcp
+from swapper.zero.checkpoint.dcp_import import import_dcp
 from swapper.zero.checkpoint.export import export_safetensors
 from swapper.zero.checkpoint.snapshot import SnapshotReport, final_digest, save_snapshot
-from swapper.zero.config.deepspeed import load_deepspeed
 from swapper.zero.config.distributed import DistributedConfig
-from swapper.zero.config.offload import OffloadConfig
+from swapper.zero.config.offload import OffloadConfig, load_deepspeed
 from swapper.zero.local.offload import OffloadedModel
 from swapper.zero.local.weights import OffloadedWriteError, WeightsDoNotFitError
 from swapper.zero.sharded.model import ShardedModel

@@ -69,7 +69,7 @@ if TYPE_CHECKING:
     from swapper.zero.checkpoint.dcp_planners import BoxSource
     from swapper.zero.local.offload import OffloadedModel
 
-__all__ = ["CHUNK_NUMEL", "LOAD_BATCH_NBYTES", "DcpCheckpointError", "export_dcp", "import_dcp"]
+__all__ = ["CHUNK_NUMEL", "LOAD_BATCH_NBYTES", "DcpCheckpointError", "export_dcp"]
 
 #: Bytes of destination tensors one ``dcp.load`` call of :func:`import_dcp` fills at most
 #: (one parameter's part may exceed it alone).
@@ -409,55 +409,3 @@ def _export(
         finally:
             writer.close()  # the engine first (requests in flight end), then the slots
     return out
-
-
-def import_dcp(
-    model: OffloadedModel | ShardedModel,
-    directory: str | os.PathLike[str],
-    optimizer: OffloadAdamW | None = None,
-) -> None:
-    """Load what :func:`export_dcp` wrote, at any world size, into ``model``'s parameters
-    (and ``optimizer``'s state, step, hyper-parameters and loss scaler); the optimizer
-    may cut its state into sub-groups of another size than the exporter's. With a
-    sharded model, call it on every rank alike: each reads only its own slices.
-
-    A parameter's three state rows are read once and kept while the sub-groups it spans
-    are written; each sub-group is durable before the next is filled. Until the whole
-    optimizer state is in, ``step()`` refuses (as after a failed ``load_state_dict``).
-
-    Raises:
-        DcpCheckpointError: (a StateDictError) a file is missing, truncated or corrupt,
-            or a tensor is missing or of another shape or dtype (names the file or the
-            directory, and the tensor); on every rank (the others: PeerFailedError).
-        SwapConfigError: a parameter is in use (inside a forward or backward).
-        DeferredStepError: a sharded model's overlapped update failed and no optimizer
-            was given to forget it (PeerFailedError on the other ranks): ``step()``
-            first, or pass the optimizer.
-        and what the tiers raise.
-    """
-    from swapper.zero.checkpoint.dcp_import import check as check_against
-    from swapper.zero.checkpoint.dcp_import import load_all
-    from swapper.zero.checkpoint.dcp_planners import CheckedReader
-
-    where = Path(directory)
-    if optimizer is not None and optimizer._deferred is not None:
-        optimizer._deferred.forget_failed()  # the load replaces what it would finish
-    if isinstance(model, ShardedModel):
-        # An overlapped update still running would write its sub-groups' values over the
-        # loaded ones (a sharded write does not wait at the gate): its end, agreed.
-        model.settle_update("import_dcp")
-    owned, group = _owned(model)
-    reader = CheckedReader(where)
-
-    def check() -> None:
-        reader.check_files()
-        check_against(reader.read_metadata(), where, owned, optimizer)
-
-    _agreed(group, "import_dcp: checking the checkpoint", check)
-    try:
-        _agreed(group, "import_dcp: loading the checkpoint",
-                lambda: load_all(reader, where, owned, optimizer))  # fmt: skip
-    except BaseException:
-        if optimizer is not None:  # on every rank: part old, part new (here or elsewhere)
-            optimizer._load_incomplete = True
-        raise

@@ -1,10 +1,14 @@
-"""The read side of :mod:`swapper.zero.checkpoint.dcp_export` (``import_dcp``): the checks of a
-checkpoint against the model, and the loads of each rank's slices, a batch of
+"""The read side of :mod:`swapper.zero.checkpoint.dcp_export`: :func:`import_dcp`, the checks
+of a checkpoint against the model, and the loads of each rank's slices, a batch of
 parameters at a time, then the optimizer's sub-groups. See that module's docstring.
+
+(``import_dcp`` lives here, not beside ``export_dcp``, so that the import builds on the
+export and never the reverse: issue 25's knots.)
 """
 
 from __future__ import annotations
 
+import os
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -12,8 +16,16 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from swapper.step.layout import STATE_ROWS
-from swapper.zero.checkpoint.dcp_export import _IGNORED, LOAD_BATCH_NBYTES, _meta, _Owned
+from swapper.zero.checkpoint.dcp_export import (
+    _IGNORED,
+    LOAD_BATCH_NBYTES,
+    _agreed,
+    _meta,
+    _Owned,
+    _owned,
+)
 from swapper.zero.checkpoint.dcp_reshard import DcpCheckpointError, flat_boxes
+from swapper.zero.sharded.model import ShardedModel
 from tiers.errors import SwapConfigError
 
 if TYPE_CHECKING:
@@ -21,8 +33,9 @@ if TYPE_CHECKING:
 
     from swapper.step.optimizer import OffloadAdamW
     from swapper.zero.checkpoint.dcp_planners import CheckedReader
+    from swapper.zero.local.offload import OffloadedModel
 
-__all__ = ["check", "load_all"]
+__all__ = ["check", "import_dcp", "load_all"]
 
 
 def check(
@@ -190,3 +203,53 @@ def _import_optimizer(
     optimizer._step_count = step
     optimizer._pending = None
     optimizer._load_incomplete = False
+
+
+def import_dcp(
+    model: OffloadedModel | ShardedModel,
+    directory: str | os.PathLike[str],
+    optimizer: OffloadAdamW | None = None,
+) -> None:
+    """Load what :func:`export_dcp` wrote, at any world size, into ``model``'s parameters
+    (and ``optimizer``'s state, step, hyper-parameters and loss scaler); the optimizer
+    may cut its state into sub-groups of another size than the exporter's. With a
+    sharded model, call it on every rank alike: each reads only its own slices.
+
+    A parameter's three state rows are read once and kept while the sub-groups it spans
+    are written; each sub-group is durable before the next is filled. Until the whole
+    optimizer state is in, ``step()`` refuses (as after a failed ``load_state_dict``).
+
+    Raises:
+        DcpCheckpointError: (a StateDictError) a file is missing, truncated or corrupt,
+            or a tensor is missing or of another shape or dtype (names the file or the
+            directory, and the tensor); on every rank (the others: PeerFailedError).
+        SwapConfigError: a parameter is in use (inside a forward or backward).
+        DeferredStepError: a sharded model's overlapped update failed and no optimizer
+            was given to forget it (PeerFailedError on the other ranks): ``step()``
+            first, or pass the optimizer.
+        and what the tiers raise.
+    """
+    from swapper.zero.checkpoint.dcp_planners import CheckedReader
+
+    where = Path(directory)
+    if optimizer is not None and optimizer._deferred is not None:
+        optimizer._deferred.forget_failed()  # the load replaces what it would finish
+    if isinstance(model, ShardedModel):
+        # An overlapped update still running would write its sub-groups' values over the
+        # loaded ones (a sharded write does not wait at the gate): its end, agreed.
+        model.settle_update("import_dcp")
+    owned, group = _owned(model)
+    reader = CheckedReader(where)
+
+    def checked() -> None:
+        reader.check_files()
+        check(reader.read_metadata(), where, owned, optimizer)
+
+    _agreed(group, "import_dcp: checking the checkpoint", checked)
+    try:
+        _agreed(group, "import_dcp: loading the checkpoint",
+                lambda: load_all(reader, where, owned, optimizer))  # fmt: skip
+    except BaseException:
+        if optimizer is not None:  # on every rank: part old, part new (here or elsewhere)
+            optimizer._load_incomplete = True
+        raise

@@ -7,9 +7,10 @@ optimizer and the loop (:mod:`swapper.zero.config.deepspeed_training`).
 :func:`deepspeed_settings` returns a mapping of OffloadConfig's flat keys (what
 :meth:`OffloadConfig.from_dict` reads, the keywords of :meth:`OffloadConfig.create`);
 :meth:`OffloadConfig.from_deepspeed` builds the config from it, and
-:func:`load_deepspeed` gives that config with the
-:class:`~swapper.zero.config.deepspeed_training.TrainingSettings` beside it. What is read and
-what is accepted and not used is listed with the key sets below;
+:func:`~swapper.zero.config.offload.load_deepspeed` (beside the config it builds, so that
+this reader never imports it) gives that config with the
+:class:`~swapper.zero.config.deepspeed_training.TrainingSettings` of :func:`read_deepspeed`.
+What is read and what is accepted and not used is listed with the key sets below;
 :meth:`OffloadConfig.from_deepspeed` documents the mapping.
 
 Nothing is dropped silently: every key given that is not honoured (a top-level key not
@@ -27,7 +28,7 @@ import math
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from swapper.manager.config import Tier
 from swapper.step.config import DEFAULT_SUB_GROUP_NUMEL
@@ -42,10 +43,7 @@ from tiers.config import AioConfig, read_json_object
 from tiers.errors import SwapConfigError
 from tiers.units import parse_size
 
-if TYPE_CHECKING:
-    from swapper.zero.config.offload import OffloadConfig
-
-__all__ = ["deepspeed_settings", "load_deepspeed"]
+__all__ = ["deepspeed_settings", "read_deepspeed"]
 
 log = logging.getLogger(__name__)
 
@@ -69,50 +67,25 @@ def deepspeed_settings(
         SwapConfigError: see :meth:`~swapper.zero.OffloadConfig.from_deepspeed`; with a
             path, the message names the file.
     """
-    return _deepspeed(ds, overrides)[0]
+    return read_deepspeed(ds, overrides)[0]
 
 
-def load_deepspeed(
-    ds: Mapping[str, Any] | str | os.PathLike[str], **overrides: Any
-) -> tuple[OffloadConfig, TrainingSettings]:
-    """A DeepSpeed config read whole: the offload config
-    (:meth:`~swapper.zero.OffloadConfig.from_deepspeed`'s, ``gradient_clipping`` in its
-    ``step.max_grad_norm``) and what the training sections ask of the optimizer and the
-    loop::
-
-        config, training = load_deepspeed("ds.json", device_nbytes=..., host_nbytes=...)
-        model = model.to(training.torch_dtype or torch.bfloat16)  # 16-bit params
-        with swapper.offload(model, config) as wrapped:
-            opt = OffloadAdamW(wrapped.parameters(), **training.optimizer, tiers=wrapped,
-                               loss_scaler=training.make_loss_scaler())
-
-    One warning names every key not honoured (use this rather than calling
-    ``from_deepspeed`` as well, which would warn again).
+def read_deepspeed(
+    ds: Mapping[str, Any] | str | os.PathLike[str], overrides: Mapping[str, Any]
+) -> tuple[dict[str, Any], TrainingSettings]:
+    """A DeepSpeed config read whole: OffloadConfig's flat settings (our keys, ``overrides``
+    winning; what :func:`deepspeed_settings` returns) and the training sections
+    (:class:`TrainingSettings`). Logs the one warning of the module docstring.
 
     Raises:
         OSError: ``ds`` is a path that cannot be read.
-        SwapConfigError: as :meth:`~swapper.zero.OffloadConfig.from_deepspeed`, and for a
-            training section that cannot be honoured (named); with a path, the message
-            names the file.
+        SwapConfigError: as :func:`deepspeed_settings`, and for a training section that
+            cannot be honoured (named); with a path, the message names the file.
     """
-    from swapper.zero.config.offload import OffloadConfig  # config imports this module
-
-    values, training = _deepspeed(ds, overrides)
-    try:
-        return OffloadConfig.from_dict(values), training
-    except SwapConfigError as exc:
-        if isinstance(ds, (str, os.PathLike)):
-            raise SwapConfigError(f"{os.fspath(ds)}: {exc}") from None
-        raise
-
-
-def _deepspeed(
-    ds: Mapping[str, Any] | str | os.PathLike[str], overrides: Mapping[str, Any]
-) -> tuple[dict[str, Any], TrainingSettings]:
     if isinstance(ds, (str, os.PathLike)):
         data = read_json_object(ds)
         try:
-            return _deepspeed(data, overrides)
+            return read_deepspeed(data, overrides)
         except SwapConfigError as exc:
             raise SwapConfigError(f"{os.fspath(ds)}: {exc}") from None
     if not isinstance(ds, Mapping):

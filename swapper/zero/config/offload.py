@@ -35,7 +35,8 @@ from typing import Any
 
 from swapper.manager.config import MEMORY_TIERS, Kind, ManagerConfig, Tier
 from swapper.step.config import DEFAULT_SUB_GROUP_NUMEL, StepConfig
-from swapper.zero.config.deepspeed import deepspeed_settings
+from swapper.zero.config.deepspeed import deepspeed_settings, read_deepspeed
+from swapper.zero.config.deepspeed_training import TrainingSettings
 from swapper.zero.config.distributed import DistributedConfig
 from swapper.zero.config.settings import (
     FLAT_KEYS,
@@ -54,7 +55,7 @@ from swapper.zero.config.settings import (
 from tiers.config import AioConfig, read_json_object
 from tiers.errors import SwapConfigError
 
-__all__ = ["OffloadConfig"]
+__all__ = ["OffloadConfig", "load_deepspeed"]
 
 
 def _default_manager() -> ManagerConfig:
@@ -337,7 +338,7 @@ class OffloadConfig:
 
         What is read is below; ``gradient_clipping`` → ``step.max_grad_norm``; the other
         training sections (``optimizer``, ``fp16``, ``bf16``) are read by
-        :func:`~swapper.zero.config.deepspeed.load_deepspeed`, which returns them beside this
+        :func:`load_deepspeed`, which returns them beside this
         config. Every key given that is not honoured (``scheduler``, ``train_batch_size``,
         the ZeRO and offload keys listed as not needed below, ``"auto"`` placeholders,
         ...) is named in one warning (logger ``swapper.zero.config.deepspeed``); a
@@ -400,3 +401,35 @@ class OffloadConfig:
             except SwapConfigError as exc:
                 raise SwapConfigError(f"{os.fspath(ds)}: {exc}") from None
         return cls.from_dict(deepspeed_settings(ds, overrides))  # flat keys: create()
+
+
+def load_deepspeed(
+    ds: Mapping[str, Any] | str | os.PathLike[str], **overrides: Any
+) -> tuple[OffloadConfig, TrainingSettings]:
+    """A DeepSpeed config read whole: the offload config
+    (:meth:`~swapper.zero.OffloadConfig.from_deepspeed`'s, ``gradient_clipping`` in its
+    ``step.max_grad_norm``) and what the training sections ask of the optimizer and the
+    loop::
+
+        config, training = load_deepspeed("ds.json", device_nbytes=..., host_nbytes=...)
+        model = model.to(training.torch_dtype or torch.bfloat16)  # 16-bit params
+        with swapper.offload(model, config) as wrapped:
+            opt = OffloadAdamW(wrapped.parameters(), **training.optimizer, tiers=wrapped,
+                               loss_scaler=training.make_loss_scaler())
+
+    One warning names every key not honoured (use this rather than calling
+    ``from_deepspeed`` as well, which would warn again).
+
+    Raises:
+        OSError: ``ds`` is a path that cannot be read.
+        SwapConfigError: as :meth:`~swapper.zero.OffloadConfig.from_deepspeed`, and for a
+            training section that cannot be honoured (named); with a path, the message
+            names the file.
+    """
+    values, training = read_deepspeed(ds, overrides)
+    try:
+        return OffloadConfig.from_dict(values), training
+    except SwapConfigError as exc:
+        if isinstance(ds, (str, os.PathLike)):
+            raise SwapConfigError(f"{os.fspath(ds)}: {exc}") from None
+        raise

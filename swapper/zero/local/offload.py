@@ -67,10 +67,10 @@ from typing import Any
 import torch
 from torch import nn
 
+import swapper.zero.checkpoint.snapshot as checkpoint
 from swapper.manager import Kind, ManagerStats, Tier, TierManager
 from swapper.step.config import StepConfig
 from swapper.step.sources import ParamGate, ParamSource
-from swapper.zero.checkpoint import snapshot as checkpoint
 from swapper.zero.config.offload import OffloadConfig
 from swapper.zero.config.settings import tiers_of
 from swapper.zero.local.offload_hooks import ModuleHooks
