@@ -186,7 +186,6 @@ ALLOWED_REACHES: dict[tuple[str, str], int] = {
     ("swapper/zero/checkpoint/dcp_export.py", "_closed"): 1,
     ("swapper/zero/checkpoint/dcp_export.py", "_held"): 2,
     ("swapper/zero/checkpoint/dcp_export.py", "_param_gate"): 2,
-    ("swapper/zero/checkpoint/dcp_export.py", "_persist"): 1,
     ("swapper/zero/checkpoint/dcp_import.py", "_deferred"): 2,
     ("swapper/zero/checkpoint/dcp_import.py", "_load_incomplete"): 3,
     ("swapper/zero/checkpoint/dcp_import.py", "_pending"): 1,

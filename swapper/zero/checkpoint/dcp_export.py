@@ -131,7 +131,7 @@ def _owned(model: OffloadedModel | ShardedModel) -> tuple[list[_Owned], DistGrou
         ) -> tuple[torch.Tensor, Callable[[], None]] | None:
             # as _held, for a parameter no forward holds (else a copy: ``read``), kept
             # fetched until the writer is done with it (the export's own record)
-            if model._closed or s.users or model._persist.active:
+            if model._closed or s.users or model.persistent:
                 return None
             if model._param_gate is not None:
                 model._param_gate(s.param)
