@@ -8,7 +8,7 @@ named) and then has the store retain them under a name
 to a chosen snapshot and reopens a :class:`~swapper.manager.TierManager` on it.
 
 What a training snapshot adds on top (step counters, RNG, the optimizer's layout) is
-:mod:`swapper.zero.checkpoint.snapshot`'s; this module knows only tensors and keys.
+:mod:`swapper.zero.checkpoint`'s; this module knows only tensors and keys.
 
 Both are for a quiet manager: nothing fetched, nothing else calling it meanwhile (a
 training loop between steps). :func:`snapshot_manager` checks that and refuses otherwise,

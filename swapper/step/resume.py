@@ -12,7 +12,7 @@ record has no ``"scales"``: each sub-group's tensor ended with its scales) is co
 it is adopted (:func:`_convert_inband`): the scales are copied out into the scales entry
 and each sub-group is registered again without them. The snapshot itself is not changed.
 
-The snapshot itself (which tensors, the file, RNG) is :mod:`swapper.zero.checkpoint.snapshot`'s;
+The snapshot itself (which tensors, the file, RNG) is :mod:`swapper.zero.checkpoint`'s;
 the optimizer finds what it resumes from in its model's ``resumed`` attribute
 (:func:`resumed_of`), a :class:`ResumedState`.
 """
@@ -72,7 +72,7 @@ class ResumedState:
         rng: the RNG states it recorded (restored by the model at resume).
         taken: an optimizer has adopted the state (a second one starts afresh).
         rebuilt: the 16-bit parameters the snapshot left out, rebuilt from its fp32
-            masters and checked (:mod:`swapper.zero.checkpoint.rebuild`), until they are registered.
+            masters and checked (:mod:`swapper.zero.rebuild`), until they are registered.
     """
 
     name: str
