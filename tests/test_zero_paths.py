@@ -13,30 +13,31 @@ from zero_paths import by_hand, rewrite
 def test_old_paths_become_the_rooms_paths() -> None:
     text = (
         "from swapper.zero.weights import restore\n"
-        "from swapper.zero.config import OffloadConfig\n"
-        "from swapper.zero.checkpoint import save_snapshot\n"
-        'patch("swapper.zero.sharded.ShardedModel.x")\n'
+        'patch("swapper.zero.shard_state.ShardSlot.x")\n'
+        "import swapper.zero.dcp_export as e\n"
         "see swapper/zero/shard_state.py and zero/dcp_io.py\n"
     )
     assert rewrite(text) == (
         "from swapper.zero.local.weights import restore\n"
-        "from swapper.zero.config.offload import OffloadConfig\n"
-        "from swapper.zero.checkpoint.snapshot import save_snapshot\n"
-        'patch("swapper.zero.sharded.model.ShardedModel.x")\n'
+        'patch("swapper.zero.sharded.state.ShardSlot.x")\n'
+        "import swapper.zero.checkpoint.dcp_export as e\n"
         "see swapper/zero/sharded/state.py and zero/checkpoint/dcp_io.py\n"
     )
 
 
-def test_new_paths_and_public_names_are_left_alone() -> None:
+def test_new_paths_rooms_and_public_names_are_left_alone() -> None:
     text = (
         "from swapper.zero.config.settings import FLAT_KEYS\n"
         "from swapper.zero.checkpoint.snapshot import save_snapshot\n"
-        "from swapper.zero.sharded.model import ShardedModel\n"
+        "from swapper.zero.checkpoint import commit, save_snapshot\n"
+        "from swapper.zero.config import OffloadConfig\n"
+        "from swapper.zero.sharded import ShardedModel\n"
         "swapper.zero.OffloadConfig, swapper.zero.export_dcp, swapper.zero.model.saved\n"
     )
     assert rewrite(text) == text
-    assert rewrite(rewrite("import swapper.zero.checkpoint")) == (
-        "import swapper.zero.checkpoint.snapshot"
+    once = rewrite("from swapper.zero.export import export_safetensors\n")
+    assert (
+        rewrite(once) == once == "from swapper.zero.checkpoint.export import export_safetensors\n"
     )
 
 

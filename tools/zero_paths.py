@@ -5,7 +5,11 @@ unchanged (:mod:`swapper.zero._moved` gives the moved module, with a Deprecation
 but type checkers do not follow that finder. This rewrites, in place, dotted paths
 (``swapper.zero.weights`` -> ``swapper.zero.local.weights``, in imports, strings and
 docstrings) and file paths (``swapper/zero/weights.py`` -> ``swapper/zero/local/weights.py``).
-Running it twice changes nothing more. ``from swapper.zero import weights`` (a module
+Running it twice changes nothing more. ``swapper.zero.config``, ``.checkpoint`` and
+``.sharded`` are left alone: they are rooms now, which re-export the public names their
+old modules had (a private name imported from one must be moved by hand: ``config`` ->
+``config.offload``, ``checkpoint`` -> ``checkpoint.snapshot``, ``sharded`` ->
+``sharded.model``). ``from swapper.zero import weights`` (a module
 named through its package) is reported, not rewritten: say which room it now lives in by
 hand (``from swapper.zero.local import weights``).
 
@@ -21,18 +25,12 @@ from pathlib import Path
 
 from swapper.zero._moved import MOVED
 
-#: The three old modules whose name a room took, and the module they became.
-ROOM_NAMED = {
-    "config": "config.offload",
-    "checkpoint": "checkpoint.snapshot",
-    "sharded": "sharded.model",
-}
-#: Every old module -> its new path (under ``swapper.zero.``).
-ALL = {**MOVED, **ROOM_NAMED}
-#: Modules of the three rooms named as old modules: ``swapper.zero.config.settings`` is new.
-_ROOM_MODULES = {new.split(".", 1)[1] for new in ALL.values() if new.split(".")[0] in ROOM_NAMED}
+#: Every old module -> its new path (under ``swapper.zero.``). The three old modules whose
+#: name a room took (``config``, ``checkpoint``, ``sharded``) are not here: the path is a
+#: room's now, which re-exports the old module's public names, so it is left as written.
+ALL = MOVED
 
-_DOTTED = re.compile(r"swapper\.zero\.(\w+)(\.\w+)?")
+_DOTTED = re.compile(r"swapper\.zero\.(\w+)")
 _PATH = re.compile(r"(?<![\w.])((?:swapper/)?zero/)(\w+)\.py")
 _FROM_PACKAGE = re.compile(r"from swapper\.zero import ([\w, ]+)")
 
@@ -41,11 +39,8 @@ def rewrite(text: str) -> str:
     """``text`` with every old flat path replaced by its room's path."""
 
     def dotted(m: re.Match[str]) -> str:
-        old, rest = m.group(1), m.group(2) or ""
-        if old in ROOM_NAMED and rest[1:] in _ROOM_MODULES:
-            return m.group(0)  # already a room's path
-        new = ALL.get(old)
-        return f"swapper.zero.{new}{rest}" if new else m.group(0)
+        new = ALL.get(m.group(1))
+        return f"swapper.zero.{new}" if new else m.group(0)
 
     def path(m: re.Match[str]) -> str:
         new = ALL.get(m.group(2))
