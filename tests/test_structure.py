@@ -25,11 +25,15 @@ from __future__ import annotations
 import ast
 from collections import Counter
 
-from test_layering import ROOT, _is_type_checking, _modules, _targets, find_cycles
+from test_layering import ROOT, _is_type_checking, _modules, _targets, find_cycles, import_graph
 
 MAX_MODULES = 20
 MAX_REACHES = 40
 SELF_NAMES = frozenset({"self", "cls"})
+
+
+def _every_import(tree: ast.Module) -> list[ast.Import | ast.ImportFrom]:
+    return [node for node in ast.walk(tree) if isinstance(node, ast.Import | ast.ImportFrom)]
 
 
 def full_import_graph() -> dict[str, set[str]]:
@@ -37,25 +41,7 @@ def full_import_graph() -> dict[str, set[str]]:
     (module level, function body, ``TYPE_CHECKING`` block). Parent packages a module's own
     dotted name implies are not edges (Python imports them first, whatever the module
     says)."""
-    modules = _modules()
-    graph: dict[str, set[str]] = {}
-    for name, path in modules.items():
-        tree = ast.parse(path.read_text(), filename=str(path))
-        is_package = path.name == "__init__.py"
-        edges: set[str] = set()
-        for node in ast.walk(tree):
-            if not isinstance(node, ast.Import | ast.ImportFrom):
-                continue
-            targets = _targets(name, is_package, node)
-            submodules = {t for t in targets if t in modules and t.rsplit(".", 1)[0] in targets}
-            for target in targets:
-                if target not in modules or target == name:
-                    continue
-                if submodules and target not in submodules and name.startswith(target + "."):
-                    continue
-                edges.add(target)
-        graph[name] = edges
-    return graph
+    return import_graph(_every_import)
 
 
 def _defined_private_names(tree: ast.Module) -> set[str]:
