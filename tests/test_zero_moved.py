@@ -111,6 +111,20 @@ def test_a_room_named_as_an_old_module_offers_its_public_names(room: str) -> Non
         assert getattr(package, name) is getattr(real, name)
 
 
+def test_names_that_left_an_old_module_are_found_through_its_old_path() -> None:
+    from swapper.zero.checkpoint import dcp_import
+    from swapper.zero.config import offload
+
+    for name in ("swapper.zero.dcp_export", "swapper.zero.deepspeed"):
+        sys.modules.pop(name, None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        from swapper.zero.dcp_export import import_dcp
+        from swapper.zero.deepspeed import load_deepspeed
+    assert import_dcp is dcp_import.import_dcp
+    assert load_deepspeed is offload.load_deepspeed
+
+
 def test_names_never_moved_are_still_missing() -> None:
     assert any(isinstance(f, _moved.MovedFinder) for f in sys.meta_path)
     with pytest.raises(ModuleNotFoundError):

@@ -68,13 +68,23 @@ MOVED: dict[str, str] = {
     "deepspeed_training": "config.deepspeed_training",
 }
 
+#: Names that left their module when the knots were cut: (old module, name) -> the module
+#: (under ``swapper.zero.``) that defines it now. Importing the old module's path puts the
+#: name back on the module for that code (``from swapper.zero.dcp_export import
+#: import_dcp``); the new paths do not import each other for it.
+MOVED_NAMES: dict[tuple[str, str], str] = {
+    ("dcp_export", "import_dcp"): "checkpoint.dcp_import",
+    ("deepspeed", "load_deepspeed"): "config.offload",
+}
+
 _PREFIX = "swapper.zero."
 
 
 class _Alias(importlib.abc.Loader):
     """Loads an old path as the module now at ``target`` (imported on first use)."""
 
-    def __init__(self, target: str) -> None:
+    def __init__(self, old: str, target: str) -> None:
+        self._old = old
         self._target = target
         self._spec: importlib.machinery.ModuleSpec | None = None
 
@@ -90,8 +100,12 @@ class _Alias(importlib.abc.Loader):
 
     def exec_module(self, module: ModuleType) -> None:
         """Nothing to run (the module ran under its own name); put back its own
-        ``__spec__``, which the import system has just set to the old path's."""
+        ``__spec__``, which the import system has just set to the old path's; give it
+        back the names that moved out of it (:data:`MOVED_NAMES`)."""
         module.__spec__ = self._spec
+        for (old, name), home in MOVED_NAMES.items():
+            if old == self._old and not hasattr(module, name):
+                setattr(module, name, getattr(importlib.import_module(_PREFIX + home), name))
 
 
 class MovedFinder(importlib.abc.MetaPathFinder):
@@ -108,7 +122,9 @@ class MovedFinder(importlib.abc.MetaPathFinder):
         new = MOVED.get(fullname[len(_PREFIX) :])
         if new is None:
             return None
-        return importlib.util.spec_from_loader(fullname, _Alias(_PREFIX + new))
+        return importlib.util.spec_from_loader(
+            fullname, _Alias(fullname[len(_PREFIX) :], _PREFIX + new)
+        )
 
 
 def install() -> None:
