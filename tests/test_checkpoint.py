@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 import swapper
 from swapper import OffloadAdamW, OffloadConfig, StateDictError, StepConfig, SwapConfigError
 from swapper.manager import EntryInUseError
+from swapper.pressure.model import GPT, GPTConfig
 from swapper.step.resume import _decode_value, _encode_value
 from swapper.zero.checkpoint.snapshot import final_digest, save_snapshot
 from tiers.aio import AioEngine
@@ -175,6 +176,17 @@ def test_another_models_snapshot_is_refused_naming_the_file(tmp_path: Path) -> N
             OffloadAdamW(
                 wrapped.parameters(), tiers=wrapped, config=StepConfig(sub_group_numel=4096)
             )
+
+
+def test_a_snapshot_holding_parameters_the_model_lacks_is_refused(tmp_path: Path) -> None:
+    # Every parameter of the smaller model is adopted; the snapshot's others are found
+    # after (checkpoint.snapshot.finish_resume, given the model's keys), named.
+    swap = tmp_path / "swap"
+    train(swap, steps=2, every=2)
+    torch.manual_seed(0)
+    smaller = GPT(GPTConfig(vocab_size=64, context=16, d_model=32, n_layers=1, n_heads=2))
+    with pytest.raises(StateDictError, match=r"holds parameter 'blocks\.1\..*this model lacks"):
+        swapper.offload(smaller.to(torch.bfloat16), config(swap), resume=True)
 
 
 def test_resume_with_nothing_to_resume_starts_afresh(tmp_path: Path) -> None:

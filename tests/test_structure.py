@@ -186,7 +186,6 @@ ALLOWED_REACHES: dict[tuple[str, str], int] = {
     ("swapper/zero/checkpoint/rebuild.py", "_source"): 1,
     ("swapper/zero/checkpoint/shard_snapshot.py", "_ctx"): 2,
     ("swapper/zero/checkpoint/shard_snapshot.py", "_pipeline"): 1,
-    ("swapper/zero/checkpoint/snapshot.py", "_by_name"): 1,
     ("swapper/zero/checkpoint/snapshot.py", "_ctx"): 1,
     ("swapper/zero/checkpoint/snapshot.py", "_load_incomplete"): 1,
     ("swapper/zero/checkpoint/snapshot.py", "_pending"): 2,

@@ -41,7 +41,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Set
 from contextlib import nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -443,16 +443,16 @@ def adopt_param(manager: TierManager, resumed: ResumedState, key: str, param: to
         )
 
 
-def finish_resume(model: OffloadedModel, resumed: ResumedState) -> None:
-    """After every parameter is adopted: refuse parameters the model lacks, drop the
-    retained gradients (a resumed run starts its step afresh), restore the RNG states,
-    and leave the user's ``extra`` in ``resumed.extra``.
+def finish_resume(manager: TierManager, own: Set[str], resumed: ResumedState) -> None:
+    """After every parameter is adopted into ``manager``: refuse parameters the model
+    lacks (``own``: the model's parameter keys, ``param/<name>``), drop the retained
+    gradients (a resumed run starts its step afresh), restore the RNG states, and leave
+    the user's ``extra`` in ``resumed.extra``. (The model hands over its manager and keys,
+    not itself: this module is below the models.)
 
     Raises:
         StateDictError: the snapshot holds a parameter this model lacks (names the file).
     """
-    manager = model.manager
-    own = {slot.key for slot in model._by_name.values()}
     keys = manager.keys()
     for key in keys:
         if key.startswith("param/") and key not in own:

@@ -207,7 +207,8 @@ class OffloadedModel(ModuleHooks, nn.Module):
             grad_tier = tiers_of(manager_config, Kind.GRAD16)[0]
             self._lazy_norms = grad_tier in limits and limits[grad_tier] is None
             if self.resumed is not None:
-                checkpoint.finish_resume(self, self.resumed)
+                own = {slot.key for slot in self._by_name.values()}
+                checkpoint.finish_resume(self._manager, own, self.resumed)
             self._install_hooks(module)
             self._weights = WeightHooks(self, list(self._module_slots))
         except BaseException:
