@@ -360,10 +360,10 @@ class ManagerContext:
             return None
         try:
             deliver_pending()
+            self.stats.hit()
         except BaseException:
             self.unpin(self.entries[key])
             raise
-        self.stats.hit()
         return tensor
 
     def fetch_all_resident(
@@ -384,13 +384,22 @@ class ManagerContext:
                 tensors.append(tensor)
         try:
             deliver_pending()
+            self.stats.hit(len(keys))
         except BaseException:
-            with self.cond:
-                for key in keys:
-                    self.unpin_locked(self.entries[key])
+            self.unpin_keys(keys)
             raise
-        self.stats.hit(len(keys))
         return tensors
+
+    def unpin_key(self, key: str) -> None:
+        """:meth:`unpin` of a pinned key (lock not held): an undo for
+        :func:`~tiers.signals.undo_if_cut`."""
+        self.unpin(self.entries[key])
+
+    def unpin_keys(self, keys: list[str]) -> None:
+        """:meth:`unpin` of each pinned key in one lock hold (lock not held)."""
+        with self.cond:
+            for key in keys:
+                self.unpin_locked(self.entries[key])
 
     def resident_stamp(self, keys: list[str], tier: Tier) -> int | None:
         """Lock held. If every key is in memory tier ``tier`` now, ``departures``: while

@@ -73,7 +73,7 @@ from swapper.manager.shared import check_key, store_key_of, to_kind, to_tier, wi
 from swapper.manager.stats import ManagerStats
 from tiers.errors import SwapConfigError
 from tiers.protocols import MemoryBlock
-from tiers.signals import at_waits, held
+from tiers.signals import at_waits, held, undo_if_cut
 
 __all__ = ["TierManager"]
 
@@ -214,7 +214,14 @@ class TierManager:
             tensor = self._ctx.fetch_resident(key, tier, in_place)  # the common case
             if tensor is None:
                 tensor = self._mover.fetch(key, tier, self._ctx.timeout(timeout_s), in_place)
-        self._maybe_log()
+            # Pinned: nothing may raise between here and the caller without undoing it.
+            try:
+                self._maybe_log()
+            except BaseException:
+                self._ctx.unpin_key(key)
+                raise
+            # A signal that arrived since is delivered as the section ends: pin undone.
+            undo_if_cut(self._ctx.unpin_key, key)
         return tensor
 
     def release(self, key: str, *, modified: bool = True) -> None:
@@ -255,7 +262,10 @@ class TierManager:
         a time, by :meth:`fetch`). Each is released by :meth:`release` or
         :meth:`release_all`."""
         with at_waits:
-            return self._ctx.fetch_all_resident(keys, tier)
+            tensors = self._ctx.fetch_all_resident(keys, tier)
+            if tensors is not None:
+                undo_if_cut(self._ctx.unpin_keys, keys)  # as in fetch
+            return tensors
 
     def release_all(self, keys: Iterable[str], *, modified: bool = True) -> None:
         """:meth:`release` of each key, in one lock hold (it stops at the first error,

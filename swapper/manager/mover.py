@@ -38,7 +38,8 @@ the waits, not for every bytecode. Two rules make every cut safe:
                                                                         read ends, then
                                                                         ON_NVME, blocks freed
    fetch: → MOVING         device.copy                                  RESIDENT where it was
-   fetch: → IN_USE         a signal delivered as the fetch ends         pin undone: RESIDENT
+   fetch: → IN_USE         a signal or error after the pin (counting,   pin undone: RESIDENT
+                           logging, the section's end: ``undo_if_cut``)
    victim → WRITING        room for staging, device.copy,               RESIDENT, data kept
      (or CLEANING, flush)  budget.reserve (before the write is issued)
                            after it is issued: never (completion)       ON_NVME / RESIDENT
@@ -323,31 +324,32 @@ class Mover:
                 # This fetch moves it now; a read-ahead starting later would read it
                 # again after the caller has used it (and perhaps written it out).
                 entry.prefetch = Prefetch.NONE
-        hit, waited, ok = False, False, False
+        brought = False
         try:
             tensor, hit, waited = self.bring(entry, target, deadline)
-            try:
-                # A signal that came during the fetch is delivered here, with the pin
-                # undone, rather than after the caller holds the tensor without knowing.
-                deliver_pending()
-            except BaseException:
-                ctx.unpin(entry)
-                raise
-            ok = True
-            return tensor
+            brought = True
         finally:
             elapsed = time.monotonic() - start
             with ctx.cond:
                 entry.waiters -= 1
-            if ok:
-                ctx.stats.add(
-                    fetches=1,
-                    stall_s=elapsed if (waited or not hit) else 0.0,
-                    prefetch_hits=int(hit),
-                    prefetch_misses=int(not hit),
-                )
-            else:
+            if not brought:
                 ctx.stats.add(stall_s=elapsed)
+        # Pinned from here on: whatever cuts the rest (a signal, an error in the counting)
+        # undoes the pin before it leaves, so no entry stays in use without a holder.
+        try:
+            # A signal that came during the fetch is delivered here, with the pin
+            # undone, rather than after the caller holds the tensor without knowing.
+            deliver_pending()
+            ctx.stats.add(
+                fetches=1,
+                stall_s=elapsed if (waited or not hit) else 0.0,
+                prefetch_hits=int(hit),
+                prefetch_misses=int(not hit),
+            )
+        except BaseException:
+            ctx.unpin(entry)
+            raise
+        return tensor
 
     def bring(
         self, entry: SwapEntry, target: Tier, deadline: float
