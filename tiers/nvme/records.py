@@ -33,6 +33,7 @@ __all__ = [
     "DirUsage",
     "Extent",
     "ManifestError",
+    "OverlappingExtentsError",
     "StoreClosedError",
     "StoreExistsError",
     "StoreKeyError",
@@ -130,6 +131,22 @@ class StoreExistsError(SwapError, FileExistsError):
 class ManifestError(SwapError, ValueError):
     """The manifest or journal is missing, unreadable, of another version, malformed, or
     does not match the directories and files; the message names the file and the field."""
+
+
+class OverlappingExtentsError(ManifestError):
+    """Two tensors of a store's durable state (its manifest with the journal replayed)
+    claim the same bytes of a data file: reading one would return the other's bytes, so
+    the store is refused at open. ``keys``: the two keys (equal when one tensor names
+    the bytes twice); ``path``: the data file; ``offset``, ``nbytes``: the shared range."""
+
+    def __init__(
+        self, message: str, *, keys: tuple[str, str], path: Path, offset: int, nbytes: int
+    ) -> None:
+        super().__init__(message)
+        self.keys = keys
+        self.path = path
+        self.offset = offset
+        self.nbytes = nbytes
 
 
 #: The name this error had before reads were verified; the same class.
