@@ -87,7 +87,10 @@ class ManagerConfig:
             (``None``: half the host budget, or unlimited).
         stats_interval_s: log a stats line at INFO at most this often (``None``: never).
         timeout_s: how long an operation waits for room or for another thread's transfer
-            before raising.
+            before raising; also how long a fetch waits for its read from NVMe, and an
+            eviction for its write, before its waiters get
+            :class:`~tiers.errors.IOTimeoutError` naming the file and offset (the request
+            stays in flight, its memory kept, until the disk completes it).
         close_timeout_s: how long :meth:`~swapper.manager.TierManager.close` waits for
             writes in flight.
         device: ``None`` (CUDA if available, else the CPU stand-in), ``"cpu"``, ``"cuda"``,

@@ -45,6 +45,7 @@ from swapper.manager.errors import (
 from swapper.manager.policy import AccessOrder
 from swapper.manager.shared import entry_view, forget_view
 from swapper.manager.stats import StatsRecorder, TierStats
+from swapper.manager.watchdog import Watchdog
 from tiers.aio import AioEngine
 from tiers.budget import ByteBudget
 from tiers.config import check_swap_dirs
@@ -99,6 +100,8 @@ class ManagerContext:
         self.order: AccessOrder | None = None
         self.recorded: list[str] | None = None
         self.stats = StatsRecorder()
+        #: fails an eviction's future when its write is still in flight at its deadline
+        self.watchdog = Watchdog(config.store_name)
         self.closing = False
         self.removing = False  # close(remove=True) began: queued evictions are cancelled
         self.closed = False
@@ -185,6 +188,7 @@ class ManagerContext:
                 self.free_memory(entry, departed=False)
             self.closed = True
         self.notifier.shutdown(wait=True)  # every caller's future is resolved by now
+        self.watchdog.close()
         if self.store is not None:
             self.store.close(remove=remove)
         if self.engine is not None:

@@ -76,6 +76,7 @@ from swapper.manager.entry import EntryState, Prefetch, SwapEntry
 from swapper.manager.errors import ManagerTimeout
 from swapper.manager.placement import Placement
 from swapper.manager.shared import entry_view, forget_view, named_error, store_key_of, window_share
+from swapper.manager.watchdog import resolve_once
 from tiers.budget import ByteBudget, Reservation
 from tiers.errors import SwapError
 from tiers.protocols import MemoryBlock
@@ -250,6 +251,17 @@ class Mover:
             except BaseException:
                 ctx.stats.end(Tier.HOST, Tier.NVME, None)
                 raise
+            if not keep:
+                # An eviction's waiters (the step's write-behind, evict().result()) get a
+                # typed timeout at the deadline if the disk never completes the write; a
+                # flush (``keep``) judges its own writes at its deadline.
+                ctx.watchdog.watch(
+                    future,
+                    store_future,
+                    start=deadline - ctx.config.timeout_s,
+                    deadline=deadline,
+                    setting=f"ManagerConfig.timeout_s={ctx.config.timeout_s}",
+                )
         except BaseException as exc:
             named = named_error(exc, "writing", entry.key)
             self._end_write(entry, version, staging, window, named, keep)
@@ -263,10 +275,8 @@ class Mover:
             ctx.stats.end(Tier.HOST, Tier.NVME, None if error else entry.nbytes, entry.kind)
             named = None if error is None else named_error(error, "writing", entry.key)
             self._end_write(entry, version, staging, window, named, keep)
-            if named is None:
-                ctx.notifier.submit(future.set_result, None)
-            else:
-                ctx.notifier.submit(future.set_exception, named)
+            # (Once: the watchdog may have failed it with a timeout already.)
+            ctx.notifier.submit(resolve_once, future, named)
 
         store_future.add_done_callback(done)
 
@@ -462,7 +472,14 @@ class Mover:
             with ctx.stats.transfer(Tier.NVME, Tier.HOST, entry.nbytes, entry.kind):
                 future = ctx.nvme().read(store_key_of(entry), buffer.tensor)
                 try:
-                    wait_future(future, None, "store.read")
+                    waited = time.monotonic()
+                    if not wait_future(future, max(0.0, deadline - waited), "store.read"):
+                        # The disk never answered: name the file and offset; the read
+                        # goes on, and its completion frees the buffers (below).
+                        raise future.timed_out(
+                            time.monotonic() - waited,
+                            f"ManagerConfig.timeout_s={ctx.config.timeout_s}",
+                        )
                 except BaseException:
                     handed = True
                     future.add_done_callback(
