@@ -16,6 +16,7 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -32,10 +33,12 @@ from swapper.manager import (
     Tier,
     TierManager,
 )
+from swapper.manager.watchdog import Watchdog
 from tiers.aio.contexts import _ThreadContext
 from tiers.aio.requests import Op, _Piece
 from tiers.config import AioConfig, Backend
 from tiers.errors import IOTimeoutError
+from tiers.nvme.futures import StoreFuture
 
 KiB = 1024
 TIMEOUT_S = 1.0
@@ -261,3 +264,23 @@ def test_a_step_with_a_stuck_request_raises_a_typed_timeout(tmp_path: Path, gate
             _all_settle(opt.manager)
             result, _ = _within(opt.step)  # finishes the step
             assert result is None and opt.step_count == step
+
+
+def test_the_watchdog_keeps_about_what_is_in_flight() -> None:
+    """Ended writes are swept from the watchdog's heap as it grows (not held for their
+    whole timeout); one still in flight is failed at its deadline."""
+    dog = Watchdog("test")
+    try:
+        ended = StoreFuture(Op.WRITE, "k", 1)
+        ended.set_result(1)
+        for _ in range(5000):
+            dog.watch(Future(), ended, start=0.0, deadline=time.monotonic() + 60, setting="s")
+        assert len(dog._heap) <= 1024
+        stuck: Future[None] = Future()
+        now = time.monotonic()
+        dog.watch(stuck, StoreFuture(Op.WRITE, "k", 1), start=now, deadline=now + 0.2, setting="s")
+        error, took = _within(lambda: stuck.exception(timeout=HANG_S))
+        assert isinstance(error, IOTimeoutError) and error.path is None and took < SLACK_S
+        assert "waits for the flush" in str(error)
+    finally:
+        dog.close()

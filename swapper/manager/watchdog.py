@@ -16,8 +16,9 @@ future already resolved.
 How
 ---
 One daemon thread per manager, started at the first watched write, sleeping until the
-earliest deadline (a heap; writes that completed are dropped when they come up, not
-searched for). :meth:`Watchdog.close` stops it (``TierManager.close``).
+earliest deadline (a heap; writes that completed are dropped when they come up, or
+when the heap has doubled since the last sweep). :meth:`Watchdog.close` stops it
+(``TierManager.close``).
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ from concurrent.futures import Future, InvalidStateError
 from tiers.nvme.futures import StoreFuture
 
 __all__ = ["Watchdog", "resolve_once"]
+
+#: Watched writes held before the ended ones are dropped (then twice those left).
+_PRUNE_MIN = 1024
 
 
 def resolve_once(future: Future[None], error: BaseException | None) -> None:
@@ -56,6 +60,7 @@ class Watchdog:
         self._order = itertools.count()  # ties: first come, first judged
         self._thread: threading.Thread | None = None
         self._closed = False
+        self._prune_at = _PRUNE_MIN
 
     def watch(
         self, future: Future[None], io: StoreFuture, *, start: float, deadline: float, setting: str
@@ -66,6 +71,12 @@ class Watchdog:
         with self._cond:
             if self._closed:
                 return
+            if len(self._heap) >= self._prune_at:
+                # Writes end long before their deadlines: drop the ended ones now and then,
+                # so that the heap holds about what is in flight (amortized O(1) a write).
+                self._heap = [item for item in self._heap if not item[4].done()]
+                heapq.heapify(self._heap)
+                self._prune_at = max(_PRUNE_MIN, 2 * len(self._heap))
             heapq.heappush(self._heap, (deadline, next(self._order), start, future, io, setting))
             if self._thread is None:
                 self._thread = threading.Thread(
