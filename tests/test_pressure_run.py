@@ -106,6 +106,20 @@ def test_cli_writes_json_and_exits_0(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert data["bytes_moved"] > 0
     assert 0.0 <= data["stall_fraction"] <= 1.0
     assert list(swap.iterdir()) == []
+    # What the disk pays (issue 29): bytes written per step are the kinds' sum; the
+    # optimizer state dominates; per token and per day follow from them.
+    by_kind = data["nvme_written_bytes_per_step_by_kind"]
+    assert set(by_kind) == {"param16", "grad16", "optim_state", "grad32"} | {
+        "journal",
+        "manifest",
+        "snapshot",
+    }
+    per_step = data["nvme_written_bytes_per_step"]
+    assert per_step == pytest.approx(sum(by_kind.values()))
+    assert by_kind["optim_state"] > 0 and by_kind["journal"] > 0 and by_kind["grad32"] == 0
+    assert data["nvme_written_bytes_per_token"] == pytest.approx(per_step / (4 * 64))
+    assert data["nvme_written_bytes_per_day"] > 0
+    assert "NVMe written per step:" in captured.out and "per day" in captured.out
 
 
 @pytest.mark.parametrize(

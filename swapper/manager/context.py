@@ -196,6 +196,18 @@ class ManagerContext:
         self.host.close()
         self.device.close()
 
+    def metadata_written(self) -> dict[str, int]:
+        """The store's metadata bytes written since it opened: journal, manifest, snapshot
+        files (empty without a store)."""
+        if self.store is None:
+            return {}
+        w = self.store.written()
+        return {
+            "journal": w.journal_nbytes,
+            "manifest": w.manifest_nbytes,
+            "snapshot": w.snapshot_nbytes,
+        }
+
     def tier_stats(self) -> dict[Tier, TierStats]:
         """Budget, bytes held and peak of each memory tier; bytes allocated on NVMe."""
         tiers = {

@@ -522,8 +522,9 @@ class TierManager:
 
     def stats(self) -> ManagerStats:
         """Bytes moved per tier pair and their speed, stall time, read-ahead hits and misses,
-        bytes and peak bytes per tier."""
-        return self._ctx.stats.snapshot(self._ctx.tier_stats())
+        bytes and peak bytes per tier, and bytes written to NVMe by kind
+        (:meth:`ManagerStats.nvme_written`: tensors and the store's metadata)."""
+        return self._ctx.stats.snapshot(self._ctx.tier_stats(), self._ctx.metadata_written())
 
     def __repr__(self) -> str:
         state = "closed" if self._ctx.closed else f"{len(self._ctx.entries)} tensors"

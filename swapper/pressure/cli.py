@@ -52,6 +52,9 @@ PROG = "swapper-pressure"
 MAX_NPROC = 64
 #: StepConfig.moments' values (swapper.step.layout.MOMENTS; not imported: no torch).
 MOMENTS = ("fp32", "bf16", "int8")
+#: The store's files among ManagerStats.nvme_written's kinds
+#: (swapper.manager.stats.METADATA_KINDS; not imported: no torch).
+METADATA_KINDS = ("journal", "manifest", "snapshot")
 
 
 def nproc_arg(text: str) -> int:
@@ -178,6 +181,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--json", type=Path, metavar="FILE", help="write the results as JSON")
     return p
+
+
+def _writes_line(res: PressureResult) -> str:
+    """What the disk pays: bytes written per step and per token (split by kind) and the
+    drive writes a day at this run's measured rate."""
+    kinds = res.nvme_written_by_kind
+    steps = max(1, res.steps_run)
+    metadata = sum(kinds.get(k, 0) for k in METADATA_KINDS)
+    split = ", ".join(
+        f"{name} {show_nbytes(kinds.get(kind, 0) / steps)}"
+        for name, kind in (("params", "param16"), ("grads", "grad16"), ("state", "optim_state"))
+    )
+    return (
+        f"NVMe written per step: {show_nbytes(res.nvme_written_bytes_per_step)} "
+        f"({res.nvme_written_bytes_per_token:,.0f} B per token; {split}, metadata "
+        f"{show_nbytes(metadata / steps)}); at this rate the drive writes "
+        f"{show_nbytes(res.nvme_written_bytes_per_day)} per day"
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -356,6 +377,7 @@ def _summary(res: PressureResult) -> str:
         f"{res.state_read_bytes_per_param:.2f} B read + "
         f"{res.state_written_bytes_per_param:.2f} B written per parameter"
     )
+    lines.append(_writes_line(res))
     if res.timing is not None:
         lines.append(res.timing.summary())
     if res.resumed_from_step:

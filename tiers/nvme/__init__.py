@@ -34,6 +34,7 @@ from tiers.nvme.records import (
     StoredTensor,
     StoreExistsError,
     StoreKeyError,
+    StoreWrites,
     content_hash,
 )
 from tiers.nvme.snapshots import (
@@ -64,6 +65,7 @@ __all__ = [
     "StoreFuture",
     "StoreKeyError",
     "StoreLockedError",
+    "StoreWrites",
     "StoredTensor",
     "SwapCorruptionError",
     "content_hash",

@@ -37,6 +37,7 @@ __all__ = [
     "StoreClosedError",
     "StoreExistsError",
     "StoreKeyError",
+    "StoreWrites",
     "StoredTensor",
     "byte_view",
     "check_dirs",
@@ -201,6 +202,31 @@ class DirUsage:
     allocated_nbytes: int
     end_nbytes: int
     file_nbytes: int
+
+
+@dataclass(frozen=True)
+class StoreWrites:
+    """Bytes a store has written to its files since it was opened (its creation, or the
+    journal's compaction at open, not counted): what the disk is asked to take.
+
+    ``data_nbytes``: tensor bytes of writes that completed (each ``write``'s byte count);
+    ``journal_nbytes``, ``manifest_nbytes``, ``snapshot_nbytes``: the metadata files (the
+    journal's records and the zeros it grows by, each manifest saved, each snapshot
+    file); ``metadata_nbytes``: their sum; ``total_nbytes``: everything.
+    """
+
+    data_nbytes: int
+    journal_nbytes: int
+    manifest_nbytes: int
+    snapshot_nbytes: int
+
+    @property
+    def metadata_nbytes(self) -> int:
+        return self.journal_nbytes + self.manifest_nbytes + self.snapshot_nbytes
+
+    @property
+    def total_nbytes(self) -> int:
+        return self.data_nbytes + self.metadata_nbytes
 
 
 # -- checks of arguments ------------------------------------------------------------------
