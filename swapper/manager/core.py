@@ -51,6 +51,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+import warnings
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future
 
@@ -71,6 +72,7 @@ from swapper.manager.placement import Placement
 from swapper.manager.policy import AccessOrder
 from swapper.manager.shared import check_key, store_key_of, to_kind, to_tier, window_share
 from swapper.manager.stats import ManagerStats
+from swapper.manager.wear import WearMonitor, WearVerdict, WriteBudgetWarning
 from tiers.errors import SwapConfigError
 from tiers.protocols import MemoryBlock
 from tiers.signals import at_waits, held, undo_if_cut
@@ -129,6 +131,10 @@ class TierManager:
         self._placement.bind(self._mover)
         self._jobs = MoverJobs(self._ctx, self._placement, self._mover)
         self._last_log = time.monotonic()
+        budget = config.write_budget_bytes_per_day
+        self._wear = (
+            None if budget is None else WearMonitor(budget, strict=config.write_budget_strict)
+        )
 
     # -- public API -------------------------------------------------------------------
 
@@ -519,6 +525,33 @@ class TierManager:
     def __len__(self) -> int:
         with self._ctx.cond:
             return len(self._ctx.entries)
+
+    def check_write_budget(self) -> WearVerdict | None:
+        """Compare the NVMe write rate with ``config.write_budget_bytes_per_day``; the
+        optimizer calls it at the end of each step (a training loop of its own may too).
+        The first call sets the baseline; later ones project the bytes written since
+        (tensors and metadata) over a day. Over the budget: one
+        :class:`~swapper.manager.wear.WriteBudgetWarning` per manager;
+        with ``write_budget_strict``, every tensor is made durable (:meth:`flush`) and it
+        raises. None without a budget, at the baseline, or when no time has passed.
+
+        Raises:
+            WriteBudgetExceededError: strict, and the rate projects over the budget.
+            NotDurableError: as :meth:`flush`, when making the tensors durable failed.
+        """
+        monitor = self._wear
+        if monitor is None:
+            return None
+        verdict = monitor.check(self.stats().nvme_written_nbytes)
+        if verdict is None or not verdict.over:
+            return verdict
+        if monitor.strict:
+            self.flush()
+            raise monitor.error(verdict)
+        if not monitor.warned:
+            monitor.warned = True
+            warnings.warn(verdict.message, WriteBudgetWarning, stacklevel=2)
+        return verdict
 
     def stats(self) -> ManagerStats:
         """Bytes moved per tier pair and their speed, stall time, read-ahead hits and misses,

@@ -35,6 +35,7 @@ from swapper.cli_args import (
     count_arg,
     finite_arg,
     int_arg,
+    rate_per_day_arg,
     run_tool,
     show_nbytes,
     size_arg,
@@ -179,6 +180,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="how the optimizer stores its Adam moments, in both runs (StepConfig.moments; "
         "default fp32)",
     )
+    p.add_argument(
+        "--write-budget",
+        type=rate_per_day_arg,
+        metavar="RATE",
+        help="the most the budgeted run may write to NVMe, e.g. 1TB/day or 20GB/h "
+        "(write_budget_bytes_per_day): over it, one warning with what would lower it",
+    )
+    p.add_argument(
+        "--write-budget-strict",
+        action="store_true",
+        help="with --write-budget: stop with an error at the step that crosses it, every "
+        "tensor durable (resumable with --checkpoint-every/--resume)",
+    )
     p.add_argument("--json", type=Path, metavar="FILE", help="write the results as JSON")
     return p
 
@@ -212,6 +226,8 @@ def _run(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     # Every argument (and SWAPPER_AIO_*) is checked before torch loads or a file is made.
     check_output_path("--json", args.json)
+    if args.write_budget_strict and args.write_budget is None:
+        parser.error("--write-budget-strict needs --write-budget RATE")
     if (args.checkpoint_every is not None or args.resume) and not args.dirs:
         parser.error("--checkpoint-every and --resume need --dir (the snapshots outlive the run)")
     if args.export is not None and args.export.exists() and not args.export.is_dir():
@@ -255,6 +271,8 @@ def _run(argv: list[str]) -> int:
         export_dir=args.export,
         overlap=args.overlap,
         moments=args.moments,
+        write_budget_bytes_per_day=args.write_budget,
+        write_budget_strict=args.write_budget_strict,
     )
     if args.nproc > 1:
         return _run_ranks(

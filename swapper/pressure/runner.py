@@ -104,6 +104,9 @@ class PressureSettings:
     dtype: str = "bf16"
     batch: int = 4
     seq: int = 64
+    #: the budgeted run's ManagerConfig.write_budget_bytes_per_day / _strict (issue 29)
+    write_budget_bytes_per_day: float | None = None
+    write_budget_strict: bool = False
     sub_group_numel: int | None = None
     lr: float = 1e-3
     aio: AioConfig = dataclasses.field(default_factory=AioConfig)
@@ -361,6 +364,8 @@ def run_pressure(
                 sub_group_numel=sub_group, overlap=settings.overlap, moments=settings.moments
             ),
             device="cpu",
+            write_budget_bytes_per_day=settings.write_budget_bytes_per_day,
+            write_budget_strict=settings.write_budget_strict,
         )
         reset_peak_rss()
         pressure = _train(
