@@ -210,3 +210,26 @@ def test_one_process_refused_where_ranks_have_the_store(tmp_path: Path) -> None:
             assert sorted(p.name for p in swap.iterdir()) == ["rank0of2"]  # nothing made
     finally:
         rank.close(remove=True)
+
+
+def test_the_advice_for_a_ranks_store_left_in_the_way_works(tmp_path: Path) -> None:
+    """issue 28 item 1: two ranks' store left in ./swap refuses a one-process run there;
+    the message gives the shell command first, and the library call it names (each rank
+    directory, name= the store's) removes every file, identity records included, so the
+    next run is not refused again."""
+    from swapper.distributed import refuse_other_layout
+    from tiers.nvme import remove_store
+
+    swap = tmp_path / "swap"
+    dirs = [claim_store_identity([swap], "swapper-offload", r, 2)[0] for r in range(2)]
+    with pytest.raises(StoreLayoutError) as info:
+        refuse_other_layout([swap], "swapper-offload", None)
+    message = str(info.value)
+    shell = f"rm -r {dirs[0]} {dirs[1]}"
+    assert shell in message and "left on disk by an earlier run" in message, message
+    assert message.index(shell) < message.index("another nvme_dirs")  # the way out first
+    assert "name='swapper-offload'" in message
+    for d in dirs:
+        removed = remove_store([d], name="swapper-offload")
+        assert d / "swapper-offload.identity" in removed
+    refuse_other_layout([swap], "swapper-offload", None)  # nothing in the way now
