@@ -77,7 +77,7 @@ def run_tool(
     argv: Sequence[str] | None,
     body: Callable[[list[str]], int],
     *,
-    interrupted_note: str = "",
+    interrupted_note: str | Callable[[], str] = "",
 ) -> int:
     """Run a tool's ``body(arguments)`` with the exit codes of the module docstring.
 
@@ -92,7 +92,8 @@ def run_tool(
         argv: the arguments (``None``: ``sys.argv[1:]``).
         body: parses the arguments and runs the tool; returns the exit code.
         interrupted_note: appended to the "interrupted" line, e.g. "; temporary files
-            removed".
+            removed"; or a function giving it when the line is printed (what was removed
+            and what kept can depend on the arguments the body has read).
 
     Returns:
         The exit code.
@@ -104,7 +105,7 @@ def run_tool(
         except BaseException as exc:
             if fired() is not None:
                 settle()  # first thing: from here on no signal raises again
-            code = _exit_code(prog, exc, interrupted_note)
+            code = _exit_code(prog, exc, _note(interrupted_note))
             if code is None:
                 raise
             return_code = code
@@ -113,8 +114,12 @@ def run_tool(
             return return_code
         settle()  # (also when the body caught the Interrupted and returned)
         name = signal.Signals(signum).name
-        print(f"{prog}: interrupted ({name}){interrupted_note}", file=sys.stderr)
+        print(f"{prog}: interrupted ({name}){_note(interrupted_note)}", file=sys.stderr)
         return 128 + signum
+
+
+def _note(note: str | Callable[[], str]) -> str:
+    return note if isinstance(note, str) else note()
 
 
 def _exit_code(prog: str, exc: BaseException, interrupted_note: str) -> int | None:

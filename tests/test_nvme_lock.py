@@ -273,7 +273,7 @@ def test_remove_store_takes_the_identity_record_and_can_keep_snapshots(
 def test_lock_holder_names_a_live_holder_and_nobody_after_close(
     tmp_path: Path, engine: AioEngine
 ) -> None:
-    from tiers.nvme.lock import lock_holder
+    from tiers.files import lock_holder
 
     lock = tmp_path / "s.lock"
     assert lock_holder(lock) is None  # nothing there

@@ -42,8 +42,7 @@ from pathlib import Path
 
 from swapper.distributed.errors import StoreIdentityError, StoreLayoutError
 from tiers.errors import SwapConfigError, SwapIOError
-from tiers.files import make_private_dir
-from tiers.nvme.lock import lock_holder
+from tiers.files import lock_holder, make_private_dir
 from tiers.nvme.metafiles import StoreFiles, read_metadata, replace_file
 from tiers.nvme.records import ManifestError
 

@@ -41,6 +41,7 @@ from swapper.cli_args import (
     write_json,
 )
 from swapper.pressure.export import DCP_SUBDIR, existing_export
+from swapper.pressure.leftovers import CHECKPOINT_DIR, checkpoint_in_the_way
 from tiers.config import AioConfig
 
 if TYPE_CHECKING:
@@ -183,10 +184,18 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``swapper-pressure`` with ``argv`` (default ``sys.argv[1:]``); returns the exit
     code (see the module docstring)."""
-    return run_tool(PROG, argv, _run, interrupted_note="; its files removed")
+    kept: list[Path] = []  # the snapshot directories a run keeps, once the flags are read
+
+    def note() -> str:
+        if not kept:
+            return "; its files removed"
+        where = ", ".join(str(d / CHECKPOINT_DIR) for d in kept)
+        return f"; its temporary files removed, its snapshots kept in {where} (--resume continues)"
+
+    return run_tool(PROG, argv, lambda arguments: _run(arguments, kept), interrupted_note=note)
 
 
-def _run(argv: list[str]) -> int:
+def _run(argv: list[str], kept: list[Path] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     # Every argument (and SWAPPER_AIO_*) is checked before torch loads or a file is made.
@@ -212,6 +221,12 @@ def _run(argv: list[str]) -> int:
                 "trains batch / nproc sequences of every step)"
             )
     dirs = tuple(check_dirs(args.dirs)) if args.dirs else ()
+    if args.checkpoint_every is not None or args.resume:
+        in_the_way = checkpoint_in_the_way(dirs, resume=args.resume)
+        if in_the_way is not None:
+            parser.error(in_the_way)
+        if kept is not None:
+            kept.extend(dirs)
     aio = aio_environment()
     from swapper.pressure.runner import PressureSettings, run_pressure  # torch loads now
 

@@ -30,55 +30,15 @@ import os
 import stat
 
 from tiers.errors import StoreLockedError, SwapIOError
+from tiers.files import lock_holder, read_lock_pid
 from tiers.nvme.metafiles import StoreFiles
 
-__all__ = ["StoreLock", "lock_holder"]
+__all__ = ["StoreLock", "lock_holder"]  # (lock_holder: tiers.files, torch-free)
 
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _O_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
 _RETRIES = 20
-
-
-def _holder(fd: int) -> int | None:
-    try:
-        text = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
-    except OSError:
-        return None
-    return int(text) if text.isdigit() else None
-
-
-def lock_holder(path: str | os.PathLike[str]) -> int | None:
-    """Whether the store lock file at ``path`` is held, for a message that names who holds
-    it before any work starts (a command-line tool refusing a store in use).
-
-    Returns:
-        None when nothing is there or nobody holds it; otherwise the holder's pid as it
-        wrote it in the file, or ``0`` when the file names none (a holder between taking
-        the lock and writing its pid).
-
-    The test takes a shared lock for an instant and gives it back, so a store opening at
-    that very instant may be refused once (naming this process); it never changes a byte.
-    A path that is not a regular file counts as not held (opening the store says why).
-    """
-    try:
-        fd = os.open(path, os.O_RDONLY | _O_NOFOLLOW | _O_CLOEXEC | _O_NONBLOCK)
-    except OSError:
-        return None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            pid = _holder(fd)
-            return 0 if pid is None else pid
-        except OSError:
-            return None
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        return None
-    finally:
-        os.close(fd)
 
 
 class StoreLock:
@@ -136,7 +96,7 @@ class StoreLock:
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError:
-                    pid = _holder(fd)
+                    pid = read_lock_pid(fd)
                     mine = " (this process)" if pid == os.getpid() else ""
                     who = f"pid {pid}{mine}" if pid is not None else "a process of unknown pid"
                     raise StoreLockedError(
