@@ -34,9 +34,9 @@ from swapper.cli_args import (
     check_output_path,
     count_arg,
     finite_arg,
+    format_size,
     int_arg,
     run_tool,
-    show_nbytes,
     size_arg,
     write_json,
 )
@@ -312,12 +312,12 @@ def _ranks_summary(res: RanksResult) -> str:
         lines.append(f"{i:>4}  {a:<19.12g}  {b:<19.12g}")
     for r in res.per_rank:
         peaks = ", ".join(
-            f"{tier} peak {show_nbytes(r.peak_bytes[tier])} of {show_nbytes(limit)}"
+            f"{tier} peak {format_size(r.peak_bytes[tier])} of {format_size(limit)}"
             for tier, limit in res.budget_bytes.items()
         )
         lines.append(
-            f"rank {r.rank}: {peaks}; moved {show_nbytes(r.bytes_moved)}; offloaded "
-            f"{show_nbytes(r.offload_nbytes)} during backward; stalled "
+            f"rank {r.rank}: {peaks}; moved {format_size(r.bytes_moved)}; offloaded "
+            f"{format_size(r.offload_nbytes)} during backward; stalled "
             f"{100 * r.stall_fraction:.1f}% of {r.seconds:.2f} s"
         )
     if res.export_seconds is not None:
@@ -349,16 +349,16 @@ def _summary(res: PressureResult) -> str:
         lines.append(f"{i:>4}  {a:<19.12g}  {b:<19.12g}  {'yes' if a == b else 'NO'}")
     for tier in ("device", "host"):
         limit = res.budget_bytes[tier]
-        shown = "unlimited" if limit is None else show_nbytes(limit)
-        lines.append(f"{tier} peak {show_nbytes(res.peak_bytes[tier])} of budget {shown}")
+        shown = "unlimited" if limit is None else format_size(limit)
+        lines.append(f"{tier} peak {format_size(res.peak_bytes[tier])} of budget {shown}")
     lines.append(
-        f"peak RSS {show_nbytes(res.peak_rss_bytes)}, bound {show_nbytes(res.rss_bound_bytes)} "
-        f"(budgets + baseline {show_nbytes(res.baseline_rss_bytes)} + optimizer buffers "
-        f"{show_nbytes(res.optimizer_buffer_bytes)} + 2 x activations "
-        f"{show_nbytes(res.activation_bytes)})"
+        f"peak RSS {format_size(res.peak_rss_bytes)}, bound {format_size(res.rss_bound_bytes)} "
+        f"(budgets + baseline {format_size(res.baseline_rss_bytes)} + optimizer buffers "
+        f"{format_size(res.optimizer_buffer_bytes)} + 2 x activations "
+        f"{format_size(res.activation_bytes)})"
     )
     lines.append(
-        f"moved {show_nbytes(res.bytes_moved)} between tiers; stalled "
+        f"moved {format_size(res.bytes_moved)} between tiers; stalled "
         f"{res.stall_fraction * res.seconds:.2f} s waiting for bytes "
         f"({100 * res.stall_fraction:.1f}% of the budgeted run); "
         f"{res.seconds:.2f} s budgeted vs {res.reference_seconds:.2f} s unlimited"
@@ -377,8 +377,8 @@ def _summary(res: PressureResult) -> str:
         lines.append(f"resumed from step {res.resumed_from_step}")
     for snap in res.snapshots:
         lines.append(
-            f"snapshot {snap.name}: {show_nbytes(snap.written_nbytes)} written of "
-            f"{show_nbytes(snap.nbytes)} of state in {snap.seconds:.3f} s"
+            f"snapshot {snap.name}: {format_size(snap.written_nbytes)} written of "
+            f"{format_size(snap.nbytes)} of state in {snap.seconds:.3f} s"
         )
     if res.export_seconds is not None:
         lines.append(_export_line(res.settings.export_dir, res.export_seconds))

@@ -27,6 +27,7 @@ from swapper.zero.config import OffloadConfig
 from swapper.zero.dist_config import DistributedConfig
 from tiers.errors import SwapConfigError
 from tiers.nvme import content_hash
+from tiers.units import format_size
 
 __all__: list[str] = []  # internal to swapper.pressure.ranks
 
@@ -199,8 +200,9 @@ def _train(
                 )
                 if say is not None:
                     say(
-                        f"  pressure snapshot {snap.name}: {snap.written_nbytes:,} B written "
-                        f"of rank 0's {snap.nbytes:,} B of state, {snap.seconds:.3f} s",
+                        f"  pressure snapshot {snap.name}: "
+                        f"{format_size(snap.written_nbytes)} written "
+                        f"of rank 0's {format_size(snap.nbytes)} of state, {snap.seconds:.3f} s",
                         flush=True,
                     )
         seconds = time.perf_counter() - start

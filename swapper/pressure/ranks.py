@@ -68,6 +68,7 @@ from swapper.pressure.runner import DTYPES, PressureSettings, _swap_dirs
 from swapper.zero.config import OffloadConfig
 from swapper.zero.dist_config import DistributedConfig
 from tiers.errors import SwapConfigError, SwapError
+from tiers.units import format_size
 
 __all__ = ["MAX_NPROC", "RankFailedError", "RankReport", "RanksResult", "run_ranks"]
 
@@ -150,7 +151,8 @@ def run_ranks(
         f"swapper-pressure: GPT of {num_params:,} params ({model_config.n_layers} layers, "
         f"d_model {model_config.d_model}), {settings.dtype}, {settings.steps} steps on "
         f"{nproc} ranks (gloo), {settings.batch // nproc} of {settings.batch} sequences "
-        f"each; per-rank device budget {device:,} B, host budget {host:,} B; fetch by "
+        f"each; per-rank device budget {format_size(device)}, host budget "
+        f"{format_size(host)}; fetch by "
         f"{fetch_collective}, gradients reduced in {reduce_dtype or settings.dtype}"
         + ("; the budgeted ranks overlap each step with the next forward" * settings.overlap)
     )
