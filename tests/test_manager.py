@@ -126,7 +126,7 @@ def _fd_count() -> int:
     ("overrides", "name"),
     [
         ({"device_nbytes": -1}, "device_nbytes"),
-        ({"host_nbytes": "1GiB"}, "host_nbytes"),
+        ({"host_nbytes": "1 GiBs"}, "host_nbytes"),
         ({"nvme_dirs": "/tmp/one"}, "nvme_dirs"),
         ({"placement": {"bogus": ["host"]}}, "placement"),
         ({"placement": {"param16": ["gpu"]}}, "param16"),
