@@ -3,6 +3,7 @@ script in a subprocess, as a user would, with this tree first on PYTHONPATH."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -75,3 +76,73 @@ os.pwrite(fd, f"{os.getpid()}\\n".encode(), 0)
 print("READY", flush=True)
 time.sleep(120)
 """
+
+
+# -- item 8: a budget of 0 -----------------------------------------------------------------
+
+
+def test_pressure_host_budget_zero_is_an_argument_error(tmp_path: Path) -> None:
+    res = console("swapper-pressure", "--host-budget", "0", "--dir", str(tmp_path))
+    assert res.returncode == 2, res  # refused with the other bad arguments, before any work
+    line = _one_error_line(res, "swapper-pressure")
+    assert "--host-budget 0" in line and "param_tiers" not in line, line
+    assert res.stdout == ""  # nothing started
+    assert list(tmp_path.iterdir()) == []
+
+
+# -- item 10: --batch's default and --nproc 3; swapper-bench's block size; bench step ------
+
+
+def test_pressure_batch_default_fits_any_nproc(tmp_path: Path) -> None:
+    """--nproc 3 without --batch is no longer refused for the default batch of 4: the next
+    check (a missing --dir) is what speaks. The help shows the default."""
+    missing = tmp_path / "missing"
+    res = console("swapper-pressure", "--nproc", "3", "--dir", str(missing))
+    assert res.returncode == 2, res
+    line = _one_error_line(res, "swapper-pressure")
+    assert "not a multiple" not in line and str(missing) in line, line
+    res = console("swapper-pressure", "--nproc", "3", "--batch", "4", "--dir", str(tmp_path))
+    assert "--batch 4 is not a multiple of --nproc 3" in _one_error_line(res, "swapper-pressure")
+    helped = console("swapper-pressure", "--help")
+    assert helped.returncode == 0 and "(default 4; with --nproc N" in " ".join(
+        helped.stdout.split()
+    )
+
+
+def test_bench_disk_says_why_its_block_size_is_not_the_librarys(tmp_path: Path) -> None:
+    res = console(
+        "swapper-bench", "disk", "--dir", str(tmp_path), "--size", "4MiB", "--no-baselines",
+        "--loops", "1", "--warmup", "0", "--op", "read",
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    said = " ".join(res.stdout.split())
+    assert "the library's default (AioConfig(), SWAPPER_AIO_BLOCK_SIZE unset) is 1 MiB" in said
+    assert "--block-size 1MiB measures what training uses" in said
+    helped = " ".join(console("swapper-bench", "disk", "--help").stdout.split())
+    assert "the library's own default of 1 MiB" in helped
+
+
+def test_bench_step_default_host_budget_sends_state_through_the_disk(tmp_path: Path) -> None:
+    """issue 28: --params 20M --sub-group 5M read 0.00 B/param (the default host budget,
+    four sub-groups, held all four); at a twentieth of the size the same shape now reads
+    and writes every sub-group's state each step."""
+    out = tmp_path / "step.json"
+    work = tmp_path / "work"
+    work.mkdir()
+    res = console(
+        "swapper-bench", "step", "--dir", str(work), "--params", "1M", "--sub-group", "250K",
+        "--steps", "1", "--warmup", "1", "--json", str(out),
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    doc = json.loads(out.read_text())
+    assert doc["read_bytes_per_param"] > 0 and doc["write_bytes_per_param"] > 0, doc
+    assert "never touch the disk" not in res.stdout
+
+
+def test_bench_step_says_when_the_state_fits_in_the_host_budget(tmp_path: Path) -> None:
+    res = console(
+        "swapper-bench", "step", "--dir", str(tmp_path), "--params", "200K", "--sub-group",
+        "200K", "--steps", "1", "--warmup", "0",
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    assert "the steps never touch the disk" in " ".join(res.stdout.split())

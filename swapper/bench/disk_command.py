@@ -253,6 +253,14 @@ def header(plan: DiskPlan, sweep: bool) -> str:
         "  writes timed up to fsync; reads: page cache bypassed (O_DIRECT) or emptied "
         "before each pass (buffered), see the cache column"
     )
+    library = AioConfig().block_size
+    if any(s.block_size != library for s in main):
+        lines.append(
+            f"  block size: the library's default (AioConfig(), SWAPPER_AIO_BLOCK_SIZE unset) "
+            f"is {format_size(library)}; this measures the disk at the sizes above (8 MiB "
+            "by default: its ceiling in the sweeps of docs/benchmarks.md); --block-size "
+            f"{format_size(library).replace(' ', '')} measures what training uses"
+        )
     return "\n".join(lines)
 
 

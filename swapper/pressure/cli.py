@@ -53,6 +53,8 @@ PROG = "swapper-pressure"
 MAX_NPROC = 64
 #: StepConfig.moments' values (swapper.step.layout.MOMENTS; not imported: no torch).
 MOMENTS = ("fp32", "bf16", "int8")
+#: --batch when not given (rounded up to a multiple of --nproc).
+DEFAULT_BATCH = 4
 
 
 def nproc_arg(text: str) -> int:
@@ -103,7 +105,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16", help="default bf16")
     p.add_argument(
-        "--batch", type=at_least_arg(1), default=4, metavar="N", help="sequences per step"
+        "--batch",
+        type=at_least_arg(1),
+        metavar="N",
+        help=f"sequences per step, over all ranks (default {DEFAULT_BATCH}; with --nproc N, "
+        f"the least multiple of N from {DEFAULT_BATCH})",
     )
     p.add_argument(
         "--seq", type=at_least_arg(1), default=64, metavar="N", help="tokens per sequence"
@@ -206,6 +212,14 @@ def _run(argv: list[str], kept: list[Path] | None = None) -> int:
         parser.error(f"--export {args.export}: not a directory")
     if args.export is not None and (found := existing_export(args.export)) is not None:
         parser.error(f"--export {args.export}: {found} exists; export into an empty directory")
+    if args.batch is None:  # the default fits any --nproc (--nproc 3 trains 6 sequences)
+        args.batch = -(-DEFAULT_BATCH // args.nproc) * args.nproc
+    if args.host_budget == 0:
+        parser.error(
+            "--host-budget 0: the host tier holds every transfer's staging buffer and the "
+            "optimizer's sub-group in flight, so it cannot be empty; give a size (e.g. "
+            "1MiB) or leave the flag out for the default (a quarter of the optimizer state)"
+        )
     if args.nproc == 1 and (args.fetch_collective or args.reduce_dtype):
         parser.error("--fetch-collective and --reduce-dtype need --nproc N > 1 (collectives)")
     if args.nproc > 1:
