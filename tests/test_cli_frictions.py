@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -146,3 +149,37 @@ def test_bench_step_says_when_the_state_fits_in_the_host_budget(tmp_path: Path) 
     )  # fmt: skip
     assert res.returncode == 0, res.stderr
     assert "the steps never touch the disk" in " ".join(res.stdout.split())
+
+
+# -- item 10: the set-up installs what the main job and the tests need, not a type checker
+
+
+def test_test_extra_has_no_developer_tools_and_ci_installs_them() -> None:
+    tomllib = pytest.importorskip("tomllib")  # (Python 3.11+)
+
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
+    names = {e: {re.split(r"[\[<>=~! ]", r)[0] for r in reqs} for e, reqs in extras.items()}
+    assert not names["test"] & {"pyright", "ruff"}, names["test"]
+    assert {"pyright", "ruff"} <= names["dev"]
+    assert {"pytest", "hypothesis"} <= names["test"]
+    ci = (REPO / ".ci" / "run").read_text()
+    assert "-e '.[test,dev,plot,hf]'" in ci
+
+
+# -- item 5: progress ----------------------------------------------------------------------
+
+
+def test_bench_disk_says_each_measurement_before_the_table(tmp_path: Path) -> None:
+    res = console(
+        "swapper-bench", "disk", "--dir", str(tmp_path), "--size", "4MiB", "--loops", "1",
+        "--warmup", "0", "--json", str(tmp_path / "r.json"),
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout.splitlines()
+    table = next(i for i, line in enumerate(lines) if line.startswith("op "))
+    said = [line for line in lines[:table] if " GiB/s (median of 1)" in line]
+    assert len(said) == 8, lines  # write and read of libaio and the three baselines
+    assert said[0].lstrip().startswith("write") and said[1].lstrip().startswith("read")
+    assert res.stderr == ""  # --json (and no terminal): no bar
