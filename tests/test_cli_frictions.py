@@ -183,3 +183,19 @@ def test_bench_disk_says_each_measurement_before_the_table(tmp_path: Path) -> No
     assert len(said) == 8, lines  # write and read of libaio and the three baselines
     assert said[0].lstrip().startswith("write") and said[1].lstrip().startswith("read")
     assert res.stderr == ""  # --json (and no terminal): no bar
+
+
+@pytest.mark.dist
+def test_pressure_ranks_say_every_step_for_all_ranks() -> None:
+    """issue 28: --nproc 2 was silent between "started 2 ranks" and the table; now rank 0
+    says each step of each run, with the slowest rank's times, before the table."""
+    res = console("swapper-pressure", "--nproc", "2", "--steps", "2", "--params", "300K")
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout.splitlines()
+    table = lines.index("step  mean loss (N ranks)  loss (one process)")
+    said = [line for line in lines[:table] if " step " in line and "slowest of" in line]
+    assert [line.split(":")[0].strip() for line in said] == [
+        "pressure step 1", "pressure step 2", "unlimited step 1", "unlimited step 2",
+        "one process step 1", "one process step 2",
+    ], said  # fmt: skip
+    assert all("slowest of 2 ranks" in line for line in said[:4]), said
