@@ -199,3 +199,20 @@ def test_pressure_ranks_say_every_step_for_all_ranks() -> None:
         "one process step 1", "one process step 2",
     ], said  # fmt: skip
     assert all("slowest of 2 ranks" in line for line in said[:4]), said
+
+
+# -- item 4: the device budget's floor in one message ----------------------------------
+
+
+def test_pressure_device_budget_floor_in_one_run(tmp_path: Path) -> None:
+    """issue 28: 196608 -> "at least 245760" -> 418944 -> 493056, a run each; now the
+    first refusal names the floor, and the floor runs."""
+    res = console("swapper-pressure", "--device-budget", "196608", "--steps", "2")
+    assert res.returncode == 1, res
+    line = _one_error_line(res, "swapper-pressure")
+    assert "floor of 493056 bytes" in line and "at least 493056" in line, line
+    assert "blocks.0.mlp.fc" in line, line
+    res = console(
+        "swapper-pressure", "--device-budget", "493056", "--steps", "2", "--dir", str(tmp_path)
+    )
+    assert res.returncode == 0, res.stderr
