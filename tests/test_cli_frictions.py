@@ -6,8 +6,10 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -15,18 +17,57 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 
 
-def console(prog: str, *argv: str, timeout_s: float = 300.0) -> subprocess.CompletedProcess[str]:
-    """Run console script ``prog`` (the venv's, else ``python -m``) with ``argv``."""
+def _command(prog: str) -> list[str]:
+    """Console script ``prog``: the venv's, else ``python -m`` its module."""
     script = Path(sys.executable).parent / prog
     module = {"swapper-bench": "swapper.bench", "swapper-pressure": "swapper.pressure"}[prog]
-    command = [str(script)] if script.exists() else [sys.executable, "-m", module]
-    env = {
+    return [str(script)] if script.exists() else [sys.executable, "-m", module]
+
+
+def _env() -> dict[str, str]:
+    # the tree first, then whatever the caller put on the path (where its packages may be)
+    return {
         **os.environ,
+        "PYTHONUNBUFFERED": "1",
         "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
     }
+
+
+def console(prog: str, *argv: str, timeout_s: float = 300.0) -> subprocess.CompletedProcess[str]:
+    """Run console script ``prog`` with ``argv`` to its end."""
     return subprocess.run(
-        [*command, *argv], capture_output=True, text=True, env=env, timeout=timeout_s
+        [*_command(prog), *argv], capture_output=True, text=True, env=_env(), timeout=timeout_s
     )
+
+
+def _interrupt_when(argv: list[str], seen: str, *, timeout_s: float = 300.0) -> tuple[int, str]:
+    """Start ``swapper-pressure argv`` in a session of its own, and once a line of its
+    stdout contains ``seen`` send SIGINT to the whole group, as Ctrl-C in a terminal
+    does; return its exit code and stderr."""
+    proc = subprocess.Popen(
+        [*_command("swapper-pressure"), *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_env(),
+        start_new_session=True,
+    )
+    try:
+        assert proc.stdout is not None
+        deadline = time.monotonic() + timeout_s
+        for line in proc.stdout:
+            if seen in line:
+                break
+            assert time.monotonic() < deadline, f"no {seen!r} in time"
+        else:
+            raise AssertionError(f"ended before {seen!r}: {proc.wait()}")
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=timeout_s)
+        return proc.returncode, err
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
 
 
 def _one_error_line(res: subprocess.CompletedProcess[str], prog: str) -> str:
@@ -216,3 +257,31 @@ def test_pressure_device_budget_floor_in_one_run(tmp_path: Path) -> None:
         "swapper-pressure", "--device-budget", "493056", "--steps", "2", "--dir", str(tmp_path)
     )
     assert res.returncode == 0, res.stderr
+
+
+# -- item 9: interrupt messages ------------------------------------------------------------
+
+
+@pytest.mark.dist
+def test_ctrl_c_while_ranks_start_prints_one_line() -> None:
+    """issue 28: Ctrl-C during --nproc 2 start-up printed a rank's 28-line KeyboardInterrupt
+    traceback before the tool's line; now the ranks leave the signal to the tool."""
+    code, err = _interrupt_when(
+        ["--nproc", "2", "--steps", "50", "--params", "300K"], "started 2 ranks"
+    )
+    assert code == 130, err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    assert err.strip().splitlines()[-1].startswith("swapper-pressure: interrupted (SIGINT)"), err
+
+
+def test_ctrl_c_of_a_checkpointing_run_says_its_snapshots_are_kept(tmp_path: Path) -> None:
+    code, err = _interrupt_when(
+        ["--dir", str(tmp_path), "--checkpoint-every", "1", "--steps", "50"],
+        "pressure snapshot",
+    )
+    assert code == 130, err
+    checkpoint = tmp_path / "swapper-pressure-checkpoint"
+    last = err.strip().splitlines()[-1]
+    assert f"its snapshots kept in {checkpoint} (--resume continues)" in last, err
+    assert "its files removed" not in err
+    assert any(p.name.endswith(".snap") for p in checkpoint.iterdir())

@@ -272,6 +272,28 @@ def _entry(plan: _Plan, rank: int, port: int, dirs: list[str], out: str, parent_
     os._exit(0)
 
 
+#: What a terminal sends the whole process group (Ctrl-C, Ctrl-\\, a closed terminal):
+#: the parent alone answers it, stopping the ranks itself.
+_TERMINAL_SIGNALS = {signal.SIGINT, signal.SIGQUIT, signal.SIGHUP}
+
+
+@contextlib.contextmanager
+def _terminal_signals_blocked() -> Any:
+    """Block the terminal's signals while the ranks are started, so that each rank starts
+    (and keeps: a child inherits the signal mask through fork and exec) them blocked.
+
+    A Ctrl-C reaches every process of the terminal's group: a rank still importing
+    torch would print a KeyboardInterrupt traceback of ~30 lines before the parent's
+    one-line message (issue 28). The parent gets the signal as soon as the block ends (a
+    blocked signal waits, it is not lost), and its cleanup kills the ranks by handle.
+    """
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, _TERMINAL_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
 def _spawn(
     plan: _Plan, dirs: list[str], say: Callable[[str], None], *, grace_s: float = GRACE_S
 ) -> tuple[list[_Trained], list[_Trained]]:
@@ -294,8 +316,9 @@ def _spawn(
             for r in range(plan.world)
         ]
         try:
-            for p in procs:
-                p.start()
+            with _terminal_signals_blocked():
+                for p in procs:
+                    p.start()
             say(f"  started {plan.world} ranks (rendezvous on 127.0.0.1:{port})")
             results = _wait(procs, outs, grace_s)
         finally:
