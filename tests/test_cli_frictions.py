@@ -40,10 +40,19 @@ def console(prog: str, *argv: str, timeout_s: float = 300.0) -> subprocess.Compl
     )
 
 
-def _interrupt_when(argv: list[str], seen: str, *, timeout_s: float = 300.0) -> tuple[int, str]:
-    """Start ``swapper-pressure argv`` in a session of its own, and once a line of its
-    stdout contains ``seen`` send SIGINT to the whole group, as Ctrl-C in a terminal
-    does; return its exit code and stderr."""
+def _interrupt_when(
+    argv: list[str],
+    seen: str,
+    *,
+    after_s: float = 0.0,
+    parent_late_s: float = 0.0,
+    timeout_s: float = 300.0,
+) -> tuple[int, str]:
+    """Start ``swapper-pressure argv`` in a session of its own, and ``after_s`` seconds
+    after a line of its stdout contains ``seen`` send SIGINT to the whole group, as Ctrl-C
+    in a terminal does; return its exit code and stderr. With ``parent_late_s`` the tool's
+    own process is stopped meanwhile and goes on that long after the others got the signal
+    (the worst case of a race it otherwise wins or loses by milliseconds)."""
     proc = subprocess.Popen(
         [*_command("swapper-pressure"), *argv],
         stdout=subprocess.PIPE,
@@ -61,7 +70,13 @@ def _interrupt_when(argv: list[str], seen: str, *, timeout_s: float = 300.0) -> 
             assert time.monotonic() < deadline, f"no {seen!r} in time"
         else:
             raise AssertionError(f"ended before {seen!r}: {proc.wait()}")
+        time.sleep(after_s)
+        if parent_late_s:
+            os.kill(proc.pid, signal.SIGSTOP)
         os.killpg(proc.pid, signal.SIGINT)
+        if parent_late_s:
+            time.sleep(parent_late_s)
+            os.kill(proc.pid, signal.SIGCONT)
         _, err = proc.communicate(timeout=timeout_s)
         return proc.returncode, err
     finally:
@@ -266,8 +281,13 @@ def test_pressure_device_budget_floor_in_one_run(tmp_path: Path) -> None:
 def test_ctrl_c_while_ranks_start_prints_one_line() -> None:
     """issue 28: Ctrl-C during --nproc 2 start-up printed a rank's 28-line KeyboardInterrupt
     traceback before the tool's line; now the ranks leave the signal to the tool."""
+    # a second in, the ranks are importing torch (seconds here); the tool, which kills
+    # them as it stops, is made late (on a busy machine it was: the traceback came)
     code, err = _interrupt_when(
-        ["--nproc", "2", "--steps", "50", "--params", "300K"], "started 2 ranks"
+        ["--nproc", "2", "--steps", "50", "--params", "300K"],
+        "started 2 ranks",
+        after_s=1.0,
+        parent_late_s=3.0,
     )
     assert code == 130, err
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err

@@ -47,6 +47,7 @@ import pickle
 import signal
 import socket
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -272,26 +273,30 @@ def _entry(plan: _Plan, rank: int, port: int, dirs: list[str], out: str, parent_
     os._exit(0)
 
 
-#: What a terminal sends the whole process group (Ctrl-C, Ctrl-\\, a closed terminal):
-#: the parent alone answers it, stopping the ranks itself.
-_TERMINAL_SIGNALS = {signal.SIGINT, signal.SIGQUIT, signal.SIGHUP}
-
-
 @contextlib.contextmanager
-def _terminal_signals_blocked() -> Any:
-    """Block the terminal's signals while the ranks are started, so that each rank starts
-    (and keeps: a child inherits the signal mask through fork and exec) them blocked.
+def _ranks_ignore_ctrl_c() -> Any:
+    """Start the ranks (in the block) with SIGINT ignored, which they keep: a process
+    inherits an ignored signal through fork and exec, and Python turns SIGINT into
+    KeyboardInterrupt only where its parent left it at the default.
 
-    A Ctrl-C reaches every process of the terminal's group: a rank still importing
-    torch would print a KeyboardInterrupt traceback of ~30 lines before the parent's
-    one-line message (issue 28). The parent gets the signal as soon as the block ends (a
-    blocked signal waits, it is not lost), and its cleanup kills the ranks by handle.
+    Ctrl-C reaches every process of the terminal's group: a rank still importing torch
+    printed a KeyboardInterrupt traceback of ~30 lines before the tool's one-line message
+    (issue 28). The tool alone answers it, killing the ranks by handle as it stops.
+    Meanwhile SIGINT is blocked here, so one that comes while the ranks start waits (a
+    blocked signal is kept, not ignored) and reaches the tool's own handler after it.
     """
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, _TERMINAL_SIGNALS)
+    if threading.current_thread() is not threading.main_thread():
+        yield  # (only the main thread may set a handler; a library caller's ranks as before)
+        return
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
-        yield
+        handler = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGINT, handler)
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
 def _spawn(
@@ -316,7 +321,7 @@ def _spawn(
             for r in range(plan.world)
         ]
         try:
-            with _terminal_signals_blocked():
+            with _ranks_ignore_ctrl_c():
                 for p in procs:
                     p.start()
             say(f"  started {plan.world} ranks (rendezvous on 127.0.0.1:{port})")
