@@ -253,8 +253,7 @@ def add_step_arguments(p: argparse.ArgumentParser) -> None:
         type=size_arg,
         metavar="SIZE",
         help="host (pinned) budget of each NVMe-backed optimizer; bounds the sub-groups in "
-        "flight (default: 4 sub-groups' state, less one sub-group's where that would "
-        "hold the whole state: the disk is what is measured)",
+        "flight (default: 4 sub-groups' state)",
     )
     p.add_argument(
         "--moments",

@@ -133,11 +133,7 @@ def build_plan(args: argparse.Namespace) -> StepPlan:
         ),
     )
     largest = max(sg.state_nbytes for sg in plan.sub_groups())
-    # Four sub-groups in flight by default, but never the whole state: the point of the
-    # command is the disk, and a budget that holds every sub-group never touches it
-    # (issue 28: --params 20M --sub-group 5M read 0.00 B/param). One sub-group stays out.
-    default_host = min(4 * largest, max(largest, plan.state_nbytes - largest))
-    host = default_host if args.host_budget is None else args.host_budget
+    host = 4 * largest if args.host_budget is None else args.host_budget
     if host < largest:
         raise UsageError(
             f"--host-budget {format_size(host)} cannot hold one sub-group's state "
@@ -414,13 +410,6 @@ def run_step_command(args: argparse.Namespace) -> int:
         f"{plan.steps} timed round(s) after {plan.warmup} warm-up",
         flush=True,
     )
-    if plan.host_nbytes >= plan.state_nbytes:
-        print(
-            f"{PROG} {COMMAND}: note: the host budget holds the whole state, so the steps "
-            "never touch the disk; give --params several times --sub-group, or a smaller "
-            "--host-budget, to measure it",
-            flush=True,
-        )
 
     def say(line: str) -> None:
         print(line, flush=True)
@@ -429,6 +418,13 @@ def run_step_command(args: argparse.Namespace) -> int:
         results = _run_rounds(plan, list(workspace.tmpdirs), say)
     doc = summarize(plan, results)
     print(format_table(doc))
+    if doc["read_bytes_per_param"] == 0:  # measured, not predicted: say why it is 0.00
+        print(
+            f"note: the step read nothing from the disk: the state stayed in memory (host "
+            f"budget {format_size(plan.host_nbytes)}, state {format_size(plan.state_nbytes)}); "
+            "give --params several times --sub-group, or a smaller --host-budget, to "
+            "measure the disk"
+        )
     if args.json is not None:
         meta = {"command": COMMAND, "version": swapper.__version__, "torch": torch.__version__}
         write_json(args.json, {**doc, "meta": meta})
