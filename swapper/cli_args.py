@@ -4,7 +4,8 @@ their messages, the ``SWAPPER_AIO_*`` settings, the units of their human output,
 output files written whole or not at all.
 
 Units: what both tools print for people uses binary prefixes, always labelled —
-sizes as :func:`format_size` writes them (``95.2 MiB``), throughput in GiB/s
+sizes as :func:`tiers.units.format_size` writes them (``95.2 MiB``; re-exported here for
+the tools, the one formatter of every size swapper prints), throughput in GiB/s
 (:func:`gib_per_s`), times in seconds (``s``), fractions as percentages. ``--json`` keeps
 its keys: bytes as integers, and ``gbps`` fields in GB/s (10^9 bytes), as they always were.
 
