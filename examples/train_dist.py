@@ -86,7 +86,8 @@ def main() -> None:
         dist.all_gather(everyone, moved)
         if rank == 0:
             for r, (written, read) in enumerate(everyone):
-                print(f"rank {r}: wrote {format_size(written)} to NVMe, read {format_size(read)}")
+                wrote, got = format_size(float(written)), format_size(float(read))
+                print(f"rank {r}: wrote {wrote} to NVMe, read {got}")
         optimizer.close()
     dist.destroy_process_group()
 
