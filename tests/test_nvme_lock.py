@@ -283,3 +283,13 @@ def test_lock_holder_names_a_live_holder_and_nobody_after_close(
     finally:
         store.close()
     assert lock_holder(lock) is None  # the file stays, nobody holds it
+
+
+def test_close_remove_takes_the_identity_record(tmp_path: Path, engine: AioEngine) -> None:
+    """A rank's store closed with remove=True (no snapshot to keep) leaves nothing that
+    refuses the next run over the directory (issue 28: the identity record stayed)."""
+    store = NvmeStore([tmp_path], engine, name="s")
+    (tmp_path / "s.identity").write_text("{}")  # what swapper.distributed writes first
+    store.write("k", torch.ones(10)).result()
+    store.close(remove=True)
+    assert list(tmp_path.iterdir()) == []
