@@ -233,3 +233,31 @@ def test_the_advice_for_a_ranks_store_left_in_the_way_works(tmp_path: Path) -> N
         removed = remove_store([d], name="swapper-offload")
         assert d / "swapper-offload.identity" in removed
     refuse_other_layout([swap], "swapper-offload", None)  # nothing in the way now
+
+
+def _wrap_and_close(rank: int, world: int, tmp: str) -> str:
+    import torch.distributed as dist
+    from dist_ckpt_train import config, model
+
+    import swapper
+
+    with swapper.offload(model(), config(Path(tmp) / "swap"), dist.group.WORLD):
+        pass  # no snapshot: closing removes the store
+    return "closed"
+
+
+@pytest.mark.dist
+def test_two_ranks_then_one_process_in_the_same_directory(tmp_path: Path) -> None:
+    """issue 28 item 1: examples/train_dist.py (two ranks) then examples/hf_trainer.py (one
+    process) over ./swap: the ranks' stores, closed with nothing to keep, left their
+    identity records, and the one process was refused. Now nothing is left."""
+    from dist_ckpt_train import spawn
+
+    import swapper
+
+    results = spawn(_wrap_and_close, 2, tmp_path, join_s=120.0)
+    assert [r.get("value") for r in results] == ["closed", "closed"], results
+    swap = tmp_path / "swap"
+    assert [p for p in swap.rglob("*") if p.is_file()] == []
+    with swapper.offload(_tiny(), _one_process_config(swap)):
+        pass  # not refused
