@@ -276,7 +276,7 @@ def test_a_failed_run_exits_1(
         (3 << 30, "3 GiB"),
     ],
 )
-def test_show_nbytes(nbytes: int, text: str) -> None:
+def test_format_size_as_the_tools_print_it(nbytes: int, text: str) -> None:
     assert cli_args.format_size(nbytes) == text
 
 
