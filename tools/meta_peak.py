@@ -74,10 +74,12 @@ def main(argv: list[str] | None = None) -> int:
     largest = max(sum(p.numel() * 6 for p in m.parameters(recurse=False)) for m in model.modules())
     bound = args.device_budget + args.host_budget + largest + baseline
     print(
-        f"{config.num_params() / 1e6:.1f}M parameters ({format_size(2 * config.num_params())} bf16) "
+        f"{config.num_params() / 1e6:.1f}M parameters "
+        f"({format_size(2 * config.num_params())} bf16) "
         f"materialised in {seconds:.1f} s; peak RSS above the start {format_size(peak)}, bound "
         f"{format_size(bound)} = device budget {format_size(args.device_budget)} + host budget "
-        f"{format_size(args.host_budget)} + largest module {format_size(largest)} (bf16 + its fp32 init) "
+        f"{format_size(args.host_budget)} + largest module {format_size(largest)} "
+        "(bf16 + its fp32 init) "
         f"+ baseline {format_size(baseline)} (a 1M-parameter model the same way)"
     )
     return 0 if peak <= bound else 1
