@@ -288,3 +288,15 @@ def test_ctrl_c_of_a_checkpointing_run_says_its_snapshots_are_kept(tmp_path: Pat
     assert f"its snapshots kept in {checkpoint} (--resume continues)" in last, err
     assert "its files removed" not in err
     assert any(p.name.endswith(".snap") for p in checkpoint.iterdir())
+
+
+def test_bench_tiers_says_each_round_before_the_table(tmp_path: Path) -> None:
+    res = console(
+        "swapper-bench", "tiers", "--dir", str(tmp_path), "--size", "16MiB", "--tensor-min",
+        "1MiB", "--tensor-max", "4MiB", "--loops", "2",
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout.splitlines()
+    table = next(i for i, line in enumerate(lines) if line.startswith("op "))
+    rounds = [line.split(":")[0].strip() for line in lines[:table] if "GiB/s" in line]
+    assert rounds[-2:] == ["round 1", "round 2"] and rounds[0] == "warm-up", lines
