@@ -258,7 +258,7 @@ def test_cli_write_budget_warns_once_and_strict_stops_resumably(
     strict = [*base, "--checkpoint-every", "1", "--write-budget", "1KB/day"]
     assert main([*strict, "--write-budget-strict"]) == 1
     err = capsys.readouterr().err
-    assert "write budget of 1000B a day" in err and "durable" in err, err
+    assert "write budget of 1000 B a day" in err and "durable" in err, err
     out = tmp_path / "resumed.json"
     with pytest.warns(WriteBudgetWarning):  # still over it, without --write-budget-strict
         assert main([*strict, "--resume", "--json", str(out)]) == 0, capsys.readouterr().err
