@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from swapper.bench.step_floor import DiskRound, median_round, step_floor
+from swapper.bench.step_floor import DiskRound, floor_record, median_round, step_floor
 from tiers.errors import SwapConfigError
 
 GB = 10**9
@@ -103,3 +103,32 @@ def test_median_round_takes_each_rate_apart() -> None:
     assert median_round(rounds) == DiskRound(read_bps=2, write_bps=8, mixed_bps=5)
     with pytest.raises(SwapConfigError, match="no probe rounds"):
         median_round([])
+
+
+def test_floor_record_pairs_each_round_with_its_own_disk_and_compute() -> None:
+    rounds = [
+        DiskRound(read_bps=1 * GB, write_bps=1 * GB, mixed_bps=1 * GB),
+        DiskRound(read_bps=2 * GB, write_bps=2 * GB, mixed_bps=1 * GB),
+        DiskRound(read_bps=4 * GB, write_bps=4 * GB, mixed_bps=1 * GB),
+    ]
+    doc = floor_record(
+        step_seconds=[4.0, 2.0, 3.0],
+        read_nbytes=1 * GB,
+        written_nbytes=1 * GB,
+        compute_seconds=[0.5, 0.5, 2.0],
+        disk_rounds=rounds,
+    )
+    # floors: 2 s (1+1; mixed 2), 1 s (0.5+0.5; mixed 2), max(0.5, compute 2) = 2 s
+    assert doc["step_over_floor_per_round"] == pytest.approx([2.0, 2.0, 1.5])
+    assert doc["step_over_floor_median_per_round"] == pytest.approx(2.0)
+    # of the medians: rates 2 GB/s (floor 1 s), compute 0.5 s; step median 3 s
+    assert doc["floor"]["seconds"] == pytest.approx(1.0)
+    assert doc["step_over_floor"] == pytest.approx(3.0)
+    with pytest.raises(SwapConfigError, match="one of each per round"):
+        floor_record(
+            step_seconds=[1.0],
+            read_nbytes=1,
+            written_nbytes=1,
+            compute_seconds=[],
+            disk_rounds=rounds[:1],
+        )

@@ -51,14 +51,7 @@ from swapper.bench.args import (
 from swapper.bench.checks import check_dirs, check_free_space, check_memory
 from swapper.bench.disk import BenchError, Workspace
 from swapper.bench.legacy_step import LegacyGradSwapAdamW
-from swapper.bench.step_floor import (
-    PROBE_NBYTES,
-    DiskFloor,
-    DiskProbe,
-    DiskRound,
-    median_round,
-    step_floor,
-)
+from swapper.bench.step_floor import PROBE_NBYTES, DiskProbe, DiskRound, floor_record
 from swapper.cli_args import UsageError, aio_environment, check_output_path, table, write_json
 from swapper.manager import ManagerConfig
 from swapper.step import OffloadAdamW, StepConfig, StepPipeline
@@ -318,42 +311,6 @@ class _Outcome:
         result.written_nbytes = {k.value: v for k, v in self.traffic.written_nbytes.items()}
 
 
-def _floor_record(results: dict[str, _Pass], disk_rounds: list[DiskRound]) -> dict[str, Any]:
-    """The disk probe's rates and the step against its floor (:func:`step_floor`): of the
-    medians, and each round's step against that round's own floor."""
-    step = results["step"]
-    read = sum(step.read_nbytes.values())
-    written = sum(step.written_nbytes.values())
-
-    def floor(rates: DiskRound, compute_s: float) -> DiskFloor:
-        return step_floor(
-            read_nbytes=read, written_nbytes=written, rates=rates, compute_seconds=compute_s
-        )
-
-    median = floor(median_round(disk_rounds), results["compute-only"].median)
-    per_round = [
-        s_ / floor(r_, c_).seconds
-        for s_, r_, c_ in zip(
-            step.seconds, disk_rounds, results["compute-only"].seconds, strict=True
-        )
-    ]
-    rates = median_round(disk_rounds)
-    return {
-        "disk": {
-            "read_bytes_per_second": rates.read_bps,
-            "write_bytes_per_second": rates.write_bps,
-            "mixed_bytes_per_second": rates.mixed_bps,
-            "rounds": [dataclasses.asdict(r) for r in disk_rounds],
-            "method": "tiers.aio AioEngine with the stores' settings; writes timed to fsync; "
-            "mixed: the read and the write pass at once (bytes read + written / seconds)",
-        },
-        "floor": dataclasses.asdict(median),
-        "step_over_floor": step.median / median.seconds,
-        "step_over_floor_per_round": per_round,
-        "step_over_floor_median_per_round": statistics.median(per_round),
-    }
-
-
 def summarize(
     plan: StepPlan, results: dict[str, _Pass], disk_rounds: list[DiskRound]
 ) -> dict[str, Any]:
@@ -402,7 +359,16 @@ def summarize(
         },
     }
     doc["overlap_ratio_median_per_round"] = statistics.median(doc["overlap_ratio_per_round"])
-    doc.update(_floor_record(results, disk_rounds))
+    step_pass = results["step"]
+    doc.update(
+        floor_record(
+            step_seconds=step_pass.seconds,
+            read_nbytes=sum(step_pass.read_nbytes.values()),
+            written_nbytes=sum(step_pass.written_nbytes.values()),
+            compute_seconds=results["compute-only"].seconds,
+            disk_rounds=disk_rounds,
+        )
+    )
     if plan.legacy:
         legacy = results["legacy"]
         doc["legacy_step_seconds"] = legacy.median

@@ -35,6 +35,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 import torch
 
@@ -45,7 +46,7 @@ from tiers.config import AioConfig
 from tiers.errors import SwapConfigError
 from tiers.files import SwapFile
 
-__all__ = ["DiskFloor", "DiskProbe", "DiskRound", "step_floor"]
+__all__ = ["DiskFloor", "DiskProbe", "DiskRound", "floor_record", "median_round", "step_floor"]
 
 #: Bytes each probe pass moves in all (split over the swap directories), at most: large
 #: enough that a pass takes ~0.3-1 s on a 1-4 GB/s disk, small next to a step's state.
@@ -156,6 +157,58 @@ def median_round(rounds: Sequence[DiskRound]) -> DiskRound:
         write_bps=statistics.median(r.write_bps for r in rounds),
         mixed_bps=statistics.median(r.mixed_bps for r in rounds),
     )
+
+
+def floor_record(
+    *,
+    step_seconds: Sequence[float],
+    read_nbytes: int,
+    written_nbytes: int,
+    compute_seconds: Sequence[float],
+    disk_rounds: Sequence[DiskRound],
+) -> dict[str, Any]:
+    """The JSON part of ``swapper-bench step`` that judges the step by its floor: the
+    probe's rates, the floor of the medians, and each round's step against that round's
+    own floor (its disk rates and its compute-only pass; the lists pair round by round).
+
+    Raises:
+        SwapConfigError: no rounds, lists of different lengths, or what
+            :func:`step_floor` raises.
+    """
+    if not len(step_seconds) == len(compute_seconds) == len(disk_rounds):
+        raise SwapConfigError(
+            f"floor_record: {len(step_seconds)} step, {len(compute_seconds)} compute-only "
+            f"and {len(disk_rounds)} disk rounds: one of each per round is needed"
+        )
+
+    def floor(rates: DiskRound, compute_s: float) -> DiskFloor:
+        return step_floor(
+            read_nbytes=read_nbytes,
+            written_nbytes=written_nbytes,
+            rates=rates,
+            compute_seconds=compute_s,
+        )
+
+    rates = median_round(disk_rounds)
+    median = floor(rates, statistics.median(compute_seconds))
+    per_round = [
+        s_ / floor(r_, c_).seconds
+        for s_, r_, c_ in zip(step_seconds, disk_rounds, compute_seconds, strict=True)
+    ]
+    return {
+        "disk": {
+            "read_bytes_per_second": rates.read_bps,
+            "write_bytes_per_second": rates.write_bps,
+            "mixed_bytes_per_second": rates.mixed_bps,
+            "rounds": [dataclasses.asdict(r) for r in disk_rounds],
+            "method": "tiers.aio AioEngine with the stores' settings; writes timed to fsync; "
+            "mixed: the read and the write pass at once (bytes read + written / seconds)",
+        },
+        "floor": dataclasses.asdict(median),
+        "step_over_floor": statistics.median(step_seconds) / median.seconds,
+        "step_over_floor_per_round": per_round,
+        "step_over_floor_median_per_round": statistics.median(per_round),
+    }
 
 
 class DiskProbe:
