@@ -1,4 +1,4 @@
-"""The README's error table is true and complete.
+"""The error table (docs/errors.md, linked from the README) is true and complete.
 
 Every error it lists imports from where it says, derives from ``SwapError`` and from the
 builtin in brackets; every public ``SwapError`` subclass of swapper and tiers is listed.
@@ -18,7 +18,7 @@ import swapper
 import tiers
 from tiers.errors import SwapError
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+ERRORS_PAGE = Path(__file__).resolve().parent.parent / "docs" / "errors.md"
 
 # A table row: | `A` [`Base`], `B` (`module`; ...) | when | what to do |
 _ROW = re.compile(r"^\| (?P<names>[^|]*?) \| [^|]+ \| [^|]+ \|$")
@@ -26,8 +26,8 @@ _ROW = re.compile(r"^\| (?P<names>[^|]*?) \| [^|]+ \| [^|]+ \|$")
 
 def _rows() -> list[tuple[list[tuple[str, str | None]], list[str]]]:
     """([(name, bracketed base or None)], modules) for each row of the Errors table."""
-    text = README.read_text(encoding="utf-8")
-    section = text.split("\n## Errors\n", 1)[1].split("\n## ", 1)[0]
+    text = ERRORS_PAGE.read_text(encoding="utf-8")
+    section = text.split("\n## Every error\n", 1)[1].split("\n## ", 1)[0]
     rows = []
     for line in section.splitlines():
         match = _ROW.match(line)
@@ -86,4 +86,4 @@ def test_every_public_error_is_in_the_table() -> None:
     listed = {name for names, _ in _rows() for name, _ in names}
     listed.add("SwapError")
     missing = sorted(_public_errors() - listed)
-    assert not missing, f"errors a user can meet that the README's table leaves out: {missing}"
+    assert not missing, f"errors a user can meet that docs/errors.md leaves out: {missing}"

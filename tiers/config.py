@@ -1,7 +1,7 @@
 """I/O settings: a frozen, keyword-only dataclass validated on construction.
 
 Every setting has an environment variable (read by :meth:`AioConfig.from_env`); the
-README's settings table lists them with their defaults.
+table in docs/configuration.md lists them with their defaults.
 """
 
 from __future__ import annotations
