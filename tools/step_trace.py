@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import dataclasses
 import os
 import sys
 import tempfile
@@ -40,6 +41,7 @@ from typing import Any
 import torch
 
 import swapper
+import tiers.nvme.committer as nvme_committer
 import tiers.nvme.futures as nvme_futures
 import tiers.nvme.store as nvme_store
 from swapper.bench.step_floor import DiskProbe, step_floor
@@ -204,8 +206,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--io-only", action="store_true", help="the bare pipeline, no compute")
     parser.add_argument("--timeline", action="store_true", help="print each step's events")
+    parser.add_argument("--mover-threads", type=int, default=None, help="ManagerConfig's")
+    parser.add_argument(
+        "--gather-s",
+        type=float,
+        default=None,
+        help="the group commit's gather bound (tiers.nvme.committer.GATHER_S) for this run",
+    )
     args = parser.parse_args(argv)
     aio = AioConfig(**aio_environment())
+    if args.gather_s is not None:
+        nvme_committer.GATHER_S = args.gather_s  # read when each store is made
     numels = [10_000_000] * (args.params // 10_000_000)
     if args.params % 10_000_000:
         numels.append(args.params % 10_000_000)
@@ -227,6 +238,8 @@ def main(argv: list[str] | None = None) -> int:
             DiskProbe([work / "probe"], aio, min(1 << 30, sum(s.state_nbytes for s in sub_groups)))
         )
         config = ManagerConfig(device_nbytes=0, host_nbytes=4 * largest, nvme_dirs=[work], aio=aio)
+        if args.mover_threads is not None:
+            config = dataclasses.replace(config, mover_threads=args.mover_threads)
         run: Callable[[], tuple[int, int, float]]
         if args.io_only:
             manager = stack.enter_context(swapper.TierManager(config))
