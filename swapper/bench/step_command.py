@@ -486,6 +486,13 @@ def run_step_command(args: argparse.Namespace) -> int:
         results, disk_rounds = _run_rounds(plan, list(workspace.tmpdirs), say)
     doc = summarize(plan, results, disk_rounds)
     print(format_table(doc))
+    if doc["read_bytes_per_param"] == 0:  # measured, not predicted: say why it is 0.00
+        print(
+            f"note: the step read nothing from the disk: the state stayed in memory (host "
+            f"budget {format_size(plan.host_nbytes)}, state {format_size(plan.state_nbytes)}); "
+            "give --params several times --sub-group, or a smaller --host-budget, to "
+            "measure the disk"
+        )
     if args.json is not None:
         meta = {"command": COMMAND, "version": swapper.__version__, "torch": torch.__version__}
         write_json(args.json, {**doc, "meta": meta})
