@@ -46,7 +46,6 @@ from typing import Any
 
 import torch
 
-from swapper.cli_args import show_nbytes
 from swapper.manager import Tier
 from swapper.pressure.export import export_json
 from swapper.pressure.memory import reset_peak_rss, return_freed_memory
@@ -65,6 +64,7 @@ from swapper.pressure.runner import (
 from swapper.pressure.timing import DiskRates, Phases, measure_disk
 from swapper.zero.checkpoint import SnapshotReport
 from tiers.errors import SwapConfigError
+from tiers.units import format_size
 
 __all__ = [
     "BudgetComparison",
@@ -424,10 +424,10 @@ class BudgetedResult:
             if self.resumed_from_step
             else f"materialised {m.modules} modules in {m.seconds:.1f} s (wrap {m.model_s:.1f} s, "
             f"of which in-memory init {m.init_s:.1f} s; optimizer {m.optimizer_s:.1f} s; "
-            f"{show_nbytes(m.written_nbytes)} written); bound {m.bound_s:.1f} s"
+            f"{format_size(m.written_nbytes)} written); bound {m.bound_s:.1f} s"
         )
         lines = [
-            f"state {show_nbytes(self.state_nbytes)} beside {show_nbytes(_memory_total_nbytes())} "
+            f"state {format_size(self.state_nbytes)} beside {format_size(_memory_total_nbytes())} "
             f"of memory; disk {self.disk.write_bytes_per_s / 2**30:.2f} GiB/s write (to fsync), "
             f"{self.disk.read_bytes_per_s / 2**30:.2f} GiB/s read",
             built,
@@ -446,17 +446,17 @@ class BudgetedResult:
             )
         for tier, limit in self.budget_bytes.items():
             lines.append(
-                f"{tier} peak {show_nbytes(self.peak_bytes[tier])} of budget {show_nbytes(limit)}"
+                f"{tier} peak {format_size(self.peak_bytes[tier])} of budget {format_size(limit)}"
             )
         lines.append(
-            f"peak RSS {show_nbytes(self.peak_rss_bytes)}, "
-            f"bound {show_nbytes(self.rss_bound_bytes)}"
-            f" (budgets + 2 x activations {show_nbytes(self.activation_bytes)} + 1.5 GiB)"
+            f"peak RSS {format_size(self.peak_rss_bytes)}, "
+            f"bound {format_size(self.rss_bound_bytes)}"
+            f" (budgets + 2 x activations {format_size(self.activation_bytes)} + 1.5 GiB)"
         )
         for snap in self.snapshots:
             lines.append(
-                f"snapshot {snap.name}: {show_nbytes(snap.written_nbytes)} written of "
-                f"{show_nbytes(snap.nbytes)} of state in {snap.seconds:.2f} s"
+                f"snapshot {snap.name}: {format_size(snap.written_nbytes)} written of "
+                f"{format_size(snap.nbytes)} of state in {snap.seconds:.2f} s"
             )
         if self.export_seconds is not None:
             lines.append(f"export: {self.settings.export_dir}, {self.export_seconds:.2f} s")
@@ -499,9 +499,9 @@ def run_budgeted(
     say(
         f"swapper-pressure (no reference): GPT of {num_params:,} params "
         f"({model_config.n_layers} layers, d_model {model_config.d_model}), {settings.dtype}, "
-        f"{settings.steps} steps; training state {show_nbytes(state)} beside "
-        f"{show_nbytes(_memory_total_nbytes())} of memory; device budget {show_nbytes(device)}, "
-        f"host budget {show_nbytes(host)}, sub-group {sub_group:,} elements"
+        f"{settings.steps} steps; training state {format_size(state)} beside "
+        f"{format_size(_memory_total_nbytes())} of memory; device budget {format_size(device)}, "
+        f"host budget {format_size(host)}, sub-group {sub_group:,} elements"
     )
     floor_s = compute_floor(sub_group, settings.moments)
     say(f"  compute floor: {floor_s:.3f} s per sub-group in memory")
@@ -605,8 +605,8 @@ class BudgetComparison:
         for label, run in (("first", self.first), ("second", self.second)):
             s = run.settings
             lines.append(
-                f"--- {label} run: device {show_nbytes(run.budget_bytes['device'])}, host "
-                f"{show_nbytes(run.budget_bytes['host'])}, sub-group {run.sub_group_numel:,}, "
+                f"--- {label} run: device {format_size(run.budget_bytes['device'])}, host "
+                f"{format_size(run.budget_bytes['host'])}, sub-group {run.sub_group_numel:,}, "
                 f"overlap {'on' if s.overlap else 'off'}"
             )
             lines.append(run.summary())

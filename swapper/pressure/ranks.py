@@ -1,3 +1,5 @@
+# Size: ~530 lines: run_ranks and run_ranks_budgeted with their plan, spawn and wait;
+# RanksBudgeted (issue 23) could join ranks_report.py, which holds the other results.
 """``swapper-pressure --nproc N``: the pressure run over N gloo ranks it starts itself.
 
 One run (:func:`run_ranks`):
@@ -49,6 +51,7 @@ import pickle
 import signal
 import socket
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -58,7 +61,6 @@ from typing import Any
 
 import torch
 
-from swapper.cli_args import show_nbytes
 from swapper.pressure.model import GPT, GPTConfig
 from swapper.pressure.rank_train import _Plan, _train, _Trained
 from swapper.pressure.ranks_report import (
@@ -71,6 +73,7 @@ from swapper.pressure.runner import DTYPES, PressureSettings, swap_dirs
 from swapper.zero.config.distributed import DistributedConfig
 from swapper.zero.config.offload import OffloadConfig
 from tiers.errors import SwapConfigError, SwapError
+from tiers.units import format_size
 
 __all__ = [
     "MAX_NPROC",
@@ -220,7 +223,8 @@ def _plan(
         f"swapper-pressure: GPT of {num_params:,} params ({model_config.n_layers} layers, "
         f"d_model {model_config.d_model}), {settings.dtype}, {settings.steps} steps on "
         f"{nproc} ranks (gloo), {settings.batch // nproc} of {settings.batch} sequences "
-        f"each; per-rank device budget {device:,} B, host budget {host:,} B; fetch by "
+        f"each; per-rank device budget {format_size(device)}, host budget "
+        f"{format_size(host)}; fetch by "
         f"{fetch_collective}, gradients reduced in {reduce_dtype or settings.dtype}"
         + ("; the budgeted ranks overlap each step with the next forward" * settings.overlap)
         + ("; no unlimited reference" * budgeted_only)
@@ -293,7 +297,7 @@ class RanksBudgeted:
         lines = []
         for r in self.per_rank:
             peaks = ", ".join(
-                f"{t} peak {show_nbytes(r.peak_bytes[t])} of {show_nbytes(limit)}"
+                f"{t} peak {format_size(r.peak_bytes[t])} of {format_size(limit)}"
                 for t, limit in self.budget_bytes.items()
             )
             steps = "; ".join(
@@ -303,7 +307,7 @@ class RanksBudgeted:
                 )
             )
             lines.append(
-                f"rank {r.rank}: {steps}; {peaks}; peak RSS {show_nbytes(r.peak_rss_bytes)}; "
+                f"rank {r.rank}: {steps}; {peaks}; peak RSS {format_size(r.peak_rss_bytes)}; "
                 f"stalled {100 * r.stall_fraction:.1f}% of {r.seconds:.1f} s"
             )
         lines.append(f"final digest {self.per_rank[0].digest}")
@@ -421,6 +425,32 @@ def _entry(plan: _Plan, rank: int, port: int, dirs: list[str], out: str, parent_
     os._exit(0)
 
 
+@contextlib.contextmanager
+def _ranks_ignore_ctrl_c() -> Any:
+    """Start the ranks (in the block) with SIGINT ignored, which they keep: a process
+    inherits an ignored signal through fork and exec, and Python turns SIGINT into
+    KeyboardInterrupt only where its parent left it at the default.
+
+    Ctrl-C reaches every process of the terminal's group: a rank still importing torch
+    printed a KeyboardInterrupt traceback of ~30 lines before the tool's one-line message
+    (issue 28). The tool alone answers it, killing the ranks by handle as it stops.
+    Meanwhile SIGINT is blocked here, so one that comes while the ranks start waits (a
+    blocked signal is kept, not ignored) and reaches the tool's own handler after it.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield  # (only the main thread may set a handler; a library caller's ranks as before)
+        return
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        handler = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGINT, handler)
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
 def _spawn(
     plan: _Plan, dirs: list[str], say: Callable[[str], None], *, grace_s: float = GRACE_S
 ) -> tuple[list[_Trained], list[_Trained]]:
@@ -443,8 +473,9 @@ def _spawn(
             for r in range(plan.world)
         ]
         try:
-            for p in procs:
-                p.start()
+            with _ranks_ignore_ctrl_c():
+                for p in procs:
+                    p.start()
             say(f"  started {plan.world} ranks (rendezvous on 127.0.0.1:{port})")
             results = _wait(procs, outs, grace_s)
         finally:
