@@ -73,6 +73,7 @@ from swapper.step.sources import ParamGate, ParamSource
 from swapper.zero import checkpoint
 from swapper.zero.autograd import in_autograd
 from swapper.zero.config import OffloadConfig
+from swapper.zero.frozen import FrozenUse, check_trainable
 from swapper.zero.model_buffers import BufferMoves, move_buffers, restore_buffers
 from swapper.zero.module_apply import guard_apply, unguard_apply
 from swapper.zero.offload_hooks import ModuleHooks
@@ -170,6 +171,7 @@ class OffloadedModel(ModuleHooks, nn.Module):
         self._closed = False
         self._param_gate: ParamGate | None = None  # an overlapped optimizer's (set_param_gate)
         self._persist = Persistence()  # parameters kept fetched (swapper.zero.persist)
+        self._frozen_uses: list[FrozenUse] = []  # all-frozen modules (swapper.zero.frozen)
         self._check_modules(module)
         #: until placed: each parameter emptied, its bytes (None: materialised), its slot
         self._originals: list[tuple[nn.Parameter, torch.Tensor | None, Slot]] = []
@@ -302,6 +304,7 @@ class OffloadedModel(ModuleHooks, nn.Module):
         modules fetched are released before the exception propagates; holds that an
         aborted backward left are released at the next call."""
         if self._holds.forward_depth == 0:
+            check_trainable(self._by_name.values())  # (before anything moves)
             self.release_stale_holds()
         depth = len(self._forward_holds)
         self._holds.forward_depth += 1
@@ -497,6 +500,7 @@ class OffloadedModel(ModuleHooks, nn.Module):
             shape=param.shape,
             dtype=param.dtype,
             placeholder=torch.empty(0, dtype=param.dtype),
+            trainable=param.requires_grad,
             home=param.device,
         )
         if self.resumed is not None:  # its bytes are the snapshot's
