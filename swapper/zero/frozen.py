@@ -59,11 +59,42 @@ from tiers.errors import SwapConfigError
 if TYPE_CHECKING:
     from swapper.zero.params import Slot
 
-__all__ = ["FrozenUse", "TrainableSetChanged", "check_trainable", "frozen_use", "mark_inputs"]
+__all__ = [
+    "FrozenUse",
+    "ParametersChanged",
+    "TrainableSetChanged",
+    "check_known",
+    "check_trainable",
+    "frozen_use",
+    "mark_inputs",
+]
 
 
 class TrainableSetChanged(SwapConfigError):
     """A parameter's ``requires_grad`` changed after the model was wrapped."""
+
+
+class ParametersChanged(SwapConfigError):
+    """A parameter was added to the wrapped model after the wrap (adapters inserted into
+    it: ``peft.get_peft_model`` after ``swapper.offload``)."""
+
+
+def check_known(module: nn.Module, slots: Mapping[int, Any]) -> None:
+    """Refuse a model holding a parameter the wrap did not place (``slots``: by
+    ``id(param)``).
+
+    Raises:
+        ParametersChanged: naming the first such parameter, before anything moves.
+    """
+    for name, param in module.named_parameters():
+        if id(param) not in slots:
+            raise ParametersChanged(
+                f"offload: parameter {name!r} (shape {list(param.shape)}) was added to the "
+                "model after swapper.offload wrapped it (adapters inserted into a wrapped "
+                "model: peft.get_peft_model after swapper.offload?); swapper places a "
+                "model's parameters once: leave the block, add the adapters "
+                "(get_peft_model) and wrap the PEFT model"
+            )
 
 
 def mark_inputs(

@@ -73,7 +73,7 @@ from swapper.step.sources import ParamGate, ParamSource
 from swapper.zero import checkpoint
 from swapper.zero.autograd import in_autograd
 from swapper.zero.config import OffloadConfig
-from swapper.zero.frozen import FrozenUse, check_trainable
+from swapper.zero.frozen import FrozenUse, check_known, check_trainable
 from swapper.zero.model_buffers import BufferMoves, move_buffers, restore_buffers
 from swapper.zero.module_apply import guard_apply, unguard_apply
 from swapper.zero.offload_hooks import ModuleHooks
@@ -304,7 +304,8 @@ class OffloadedModel(ModuleHooks, nn.Module):
         modules fetched are released before the exception propagates; holds that an
         aborted backward left are released at the next call."""
         if self._holds.forward_depth == 0:
-            check_trainable(self._by_name.values())  # (before anything moves)
+            check_known(self.module, self._slots)  # (before anything moves)
+            check_trainable(self._by_name.values())
             self.release_stale_holds()
         depth = len(self._forward_holds)
         self._holds.forward_depth += 1
