@@ -25,7 +25,7 @@ transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
 import swapper  # noqa: E402
-from swapper import Kind, OffloadAdamW, OffloadConfig, StepConfig, Tier  # noqa: E402
+from swapper import Kind, OffloadAdamW, OffloadConfig, StepConfig, SwapConfigError, Tier  # noqa: E402
 from swapper.zero.frozen import ParametersChanged  # noqa: E402
 
 ADAM = {"lr": 1e-2, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 1e-2}
@@ -213,3 +213,11 @@ def test_peft_lora_example_runs(tmp_path: Path) -> None:
     argv = ["--steps", "2", "--swap-dir", str(tmp_path / "swap"), "--out", str(out)]
     assert example.main(argv) == 0  # the reloaded adapter gives identical logits
     assert (out / "adapter_model.safetensors").exists()
+
+
+def test_peft_default_fp32_adapters_refused_naming_the_adapter_and_the_fix() -> None:
+    config = peft.LoraConfig(r=8, target_modules=TARGETS, lora_dropout=0.0)
+    model = peft.get_peft_model(_base(), config)  # autocast_adapter_dtype=True: fp32 adapters
+    with pytest.raises(SwapConfigError, match=r"lora_A.*float32.*autocast_adapter_dtype=False"):
+        swapper.offload(model, _unlimited())
+    assert all(p.numel() for p in model.parameters())  # nothing moved
