@@ -9,6 +9,7 @@ written back; a trainable set changed after the wrap is refused, naming the para
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import pytest
@@ -161,18 +162,18 @@ def _train(config: OffloadConfig, ckpt: str = "none") -> Run:
     return run
 
 
-def _train_plain(ckpt: str = "none") -> Run:
-    """The reference: bf16 model, fp32 masters of the trainable parameters only, stepped
-    by torch.optim.AdamW(fused=True) and rounded back into the bf16 parameters."""
-    model = _net(ckpt)
+def plain_steps(model: nn.Module, losses: Iterable[Callable[[], torch.Tensor]]) -> list[float]:
+    """The reference: each loss (a call of the bf16 model) backpropagated, fp32 masters of
+    the trainable parameters only stepped by torch.optim.AdamW(fused=True) and rounded
+    back into the bf16 parameters; the losses."""
     params = [p for p in model.parameters() if p.requires_grad]
     masters = [p.detach().float().clone() for p in params]
     optimizer = torch.optim.AdamW(
         masters, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY, fused=True
     )
-    losses = []
-    for x, y in _data():
-        loss = _loss(model(x), y)
+    out = []
+    for compute in losses:
+        loss = compute()
         loss.backward()
         for param, master in zip(params, masters, strict=True):
             assert param.grad is not None
@@ -182,7 +183,14 @@ def _train_plain(ckpt: str = "none") -> Run:
         with torch.no_grad():
             for param, master in zip(params, masters, strict=True):
                 param.copy_(master)
-        losses.append(loss.item())
+        out.append(loss.item())
+    return out
+
+
+def _train_plain(ckpt: str = "none") -> Run:
+    model = _net(ckpt)
+    steps = [lambda x=x, y=y: _loss(model(x), y) for x, y in _data()]
+    losses = plain_steps(model, steps)
     return Run(losses, {k: v.detach().clone() for k, v in model.state_dict().items()})
 
 

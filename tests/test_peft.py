@@ -24,11 +24,14 @@ os.environ["HF_HUB_OFFLINE"] = "1"  # tiny models from configs: nothing to downl
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
+from test_frozen import BETAS, EPS, LR, WEIGHT_DECAY, plain_steps  # noqa: E402
+
 import swapper  # noqa: E402
 from swapper import Kind, OffloadAdamW, OffloadConfig, StepConfig, SwapConfigError, Tier  # noqa: E402
 from swapper.zero.frozen import ParametersChanged  # noqa: E402
 
-ADAM = {"lr": 1e-2, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 1e-2}
+# the hyper-parameters of test_frozen.plain_steps, the reference
+ADAM = {"lr": LR, "betas": BETAS, "eps": EPS, "weight_decay": WEIGHT_DECAY}
 STEPS = 10
 VOCAB = 96
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -109,23 +112,7 @@ def _train(model: nn.Module, config: OffloadConfig) -> tuple[list[float], int | 
 
 
 def _train_plain(model: nn.Module) -> list[float]:
-    params = [p for p in model.parameters() if p.requires_grad]
-    masters = [p.detach().float().clone() for p in params]
-    optimizer = torch.optim.AdamW(masters, **ADAM, fused=True)  # type: ignore[arg-type]
-    losses = []
-    for ids in _batches():
-        loss = _loss(model, ids)
-        loss.backward()
-        for param, master in zip(params, masters, strict=True):
-            assert param.grad is not None
-            master.grad = param.grad.float()
-            param.grad = None
-        optimizer.step()
-        with torch.no_grad():
-            for param, master in zip(params, masters, strict=True):
-                param.copy_(master)
-        losses.append(loss.item())
-    return losses
+    return plain_steps(model, [lambda ids=ids: _loss(model, ids) for ids in _batches()])
 
 
 def _logits(model: nn.Module) -> torch.Tensor:
