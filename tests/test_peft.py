@@ -159,6 +159,29 @@ def test_lora_quarter_budget_bit_identical_save_reload_merge(tmp_path: Path) -> 
     assert torch.equal(_logits(merged), _logits(merged_plain))
 
 
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_lora_with_checkpointing_quarter_budget_bit_identical(
+    reentrant: bool, tmp_path: Path
+) -> None:
+    """HF's gradient checkpointing on (enabled before the wrap: the floor is checked)."""
+
+    def build() -> nn.Module:
+        model = _lora()
+        inner = model.base_model.model  # type: ignore[union-attr]
+        inner.gradient_checkpointing_enable(  # type: ignore[operator]
+            gradient_checkpointing_kwargs={"use_reentrant": reentrant}
+        )
+        if reentrant:  # (the embedding is frozen: PEFT's way to give the blocks a grad)
+            model.enable_input_require_grads()  # type: ignore[operator]
+        return model.train()
+
+    tight_model, plain_model = build(), build()
+    tight, peak = _train(tight_model, _tight(tmp_path))
+    assert tight == _train_plain(plain_model)
+    assert peak is not None and 0 < peak <= DEVICE_NBYTES
+    _same_weights(tight_model, plain_model)
+
+
 def test_save_pretrained_inside_the_block_writes_the_trained_adapters(tmp_path: Path) -> None:
     model = _lora()
     with (
