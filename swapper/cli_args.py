@@ -188,6 +188,32 @@ def size_arg(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+#: Seconds of each period a write rate may be given per ("1TB/day", "20GB/h").
+_PERIOD_S = {"day": 86400.0, "d": 86400.0, "hour": 3600.0, "h": 3600.0, "s": 1.0}
+
+
+def rate_per_day_arg(text: str) -> float:
+    """A byte rate, as bytes per day: ``1TB/day``, ``20GB/h``, ``100MB/s`` (a size without
+    a period is per day).
+
+    Raises:
+        argparse.ArgumentTypeError: not a size per period, or not > 0.
+    """
+    size, _, period = text.strip().partition("/")
+    seconds = _PERIOD_S.get(period.strip().lower() or "day")
+    if seconds is None:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: the period must be /day, /h or /s (e.g. 1TB/day)"
+        )
+    try:
+        nbytes = parse_size(size.strip())
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r}: {exc}") from None
+    if nbytes <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be more than 0 bytes")
+    return nbytes * 86400.0 / seconds
+
+
 def count_arg(text: str) -> int:
     """A count with an optional decimal suffix: ``200M``, ``25M``, ``1.5G``, ``4096``."""
     text = text.strip()

@@ -23,7 +23,13 @@ import xxhash
 from tiers.aio import AioEngine
 from tiers.config import AioConfig
 from tiers.errors import SwapError, SwapIOError
-from tiers.nvme import MANIFEST_VERSION, MAX_METADATA_NBYTES, ManifestError, NvmeStore
+from tiers.nvme import (
+    MANIFEST_VERSION,
+    MAX_METADATA_NBYTES,
+    ManifestError,
+    NvmeStore,
+    OverlappingExtentsError,
+)
 
 KiB = 1024
 STRIPE = 64 * KiB
@@ -468,6 +474,86 @@ def test_hostile_files_are_refused(
 
 def test_case_table_is_large_enough() -> None:
     assert len(CASES) >= 40
+
+
+# -- hole 2 of issue 29: extents that overlap --------------------------------------------
+
+
+def _copy_of_b(key: str, xxh3_delta: int = 0) -> Callable[[Store], None]:
+    """A second key whose entry is b's (the same extents; its checksum changed by delta)."""
+
+    def change(doc: dict[str, Any]) -> None:
+        twin = json.loads(json.dumps(doc["tensors"]["b"]))
+        twin["extents"][0]["xxh3"] = (twin["extents"][0]["xxh3"] + xxh3_delta) % 2**64
+        doc["tensors"][key] = twin
+
+    return lambda s: s.edit(change)
+
+
+def _b_on_last_block_of_w(s: Store) -> None:
+    """b's one block moved onto the last 4 KiB block of w's first extent."""
+
+    def change(doc: dict[str, Any]) -> None:
+        w0 = doc["tensors"]["w"]["extents"][0]
+        b0 = doc["tensors"]["b"]["extents"][0]
+        b0["dir"], b0["offset"] = w0["dir"], w0["offset"] + w0["nbytes"] - 4096
+
+    s.edit(change)
+
+
+def _w_names_its_first_bytes_twice(s: Store) -> None:
+    def change(doc: dict[str, Any]) -> None:
+        w = doc["tensors"]["w"]["extents"]
+        w[2]["dir"], w[2]["offset"] = w[0]["dir"], w[0]["offset"]
+
+    s.edit(change)
+
+
+def _journal_puts_copy_of_b(s: Store) -> None:
+    """A journal record (metadata applied over the manifest) giving key x b's extents."""
+    _journal_with(json.dumps({"op": "put", "key": "x", "tensor": s.doc["tensors"]["b"]}).encode())(
+        s
+    )
+
+
+@pytest.mark.parametrize(
+    ("mutate", "keys", "shared_nbytes", "where"),
+    [
+        pytest.param(_copy_of_b("b2"), {"b", "b2"}, 4096, "manifest", id="shared-extent"),
+        pytest.param(
+            _copy_of_b("b2", 1), {"b", "b2"}, 4096, "manifest", id="shared-other-checksum"
+        ),
+        pytest.param(_b_on_last_block_of_w, {"w", "b"}, 4096, "manifest", id="one-block"),
+        pytest.param(_w_names_its_first_bytes_twice, {"w"}, 32768, "manifest", id="same-key"),
+        pytest.param(_journal_puts_copy_of_b, {"b", "x"}, 4096, "journal", id="journal-record"),
+    ],
+)
+def test_overlapping_extents_are_refused_naming_both_keys(
+    tmp_path: Path,
+    engine: AioEngine,
+    mutate: Callable[[Store], None],
+    keys: set[str],
+    shared_nbytes: int,
+    where: str,
+) -> None:
+    """Two keys given the same bytes (or one key given them twice) by the manifest or by
+    a journal record over it are refused at open with OverlappingExtentsError naming
+    both keys and the data file. Before issue 29 an identical extent under two keys
+    opened, and the second key read the first's bytes without error. (A data file holds
+    extents only: the manifest, journal and snapshot records are files of their own, so
+    the metadata that can overlap a tensor's bytes is a journal record's extents.)"""
+    store = _make_store(tmp_path, engine, journal=False)
+    mutate(store)
+    error = _open_within(store)
+    assert isinstance(error, OverlappingExtentsError), repr(error)
+    assert isinstance(error, ManifestError)
+    assert set(error.keys) == keys
+    for key in keys:
+        assert f"tensors[{key!r}]" in str(error)
+    assert error.path.name == "swapper-store.bin" and str(error.path) in str(error)
+    assert error.nbytes == shared_nbytes and error.offset % 4096 == 0
+    assert "overlap" in str(error) and where in str(error)
+    assert not [p for p in store.dirs[0].iterdir() if p.name.endswith(".tmp")]
 
 
 def _keys(store: Store) -> list[str]:

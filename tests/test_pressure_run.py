@@ -106,6 +106,20 @@ def test_cli_writes_json_and_exits_0(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert data["bytes_moved"] > 0
     assert 0.0 <= data["stall_fraction"] <= 1.0
     assert list(swap.iterdir()) == []
+    # What the disk pays (issue 29): bytes written per step are the kinds' sum; the
+    # optimizer state dominates; per token and per day follow from them.
+    by_kind = data["nvme_written_bytes_per_step_by_kind"]
+    assert set(by_kind) == {"param16", "grad16", "optim_state", "grad32"} | {
+        "journal",
+        "manifest",
+        "snapshot",
+    }
+    per_step = data["nvme_written_bytes_per_step"]
+    assert per_step == pytest.approx(sum(by_kind.values()))
+    assert by_kind["optim_state"] > 0 and by_kind["journal"] > 0 and by_kind["grad32"] == 0
+    assert data["nvme_written_bytes_per_token"] == pytest.approx(per_step / (4 * 64))
+    assert data["nvme_written_bytes_per_day"] > 0
+    assert "NVMe written per step:" in captured.out and "per day" in captured.out
 
 
 @pytest.mark.parametrize(
@@ -222,3 +236,29 @@ def test_cli_resume_passes_over_a_damaged_newest_snapshot(tmp_path: Path) -> Non
     assert again["identical"] is True
     assert again["losses"] == data["losses"][2:]
     assert again["final_digest"] == data["final_digest"]
+
+
+def test_cli_write_budget_warns_once_and_strict_stops_resumably(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--write-budget over a tiny budget: one WriteBudgetWarning, the run goes on. With
+    --write-budget-strict: exit 1 at the crossing step naming the budget, and the run
+    resumes from its snapshot (--resume) to the end, identical to the unlimited run."""
+    from swapper.manager import WriteBudgetWarning
+
+    swap = tmp_path / "swap"
+    swap.mkdir()
+    base = ["--params", "300k", "--steps", "3", "--dir", str(swap)]
+    with pytest.warns(WriteBudgetWarning) as caught:
+        assert main([*base, "--write-budget", "1KB/day"]) == 0, capsys.readouterr().err
+    assert len([w for w in caught if issubclass(w.category, WriteBudgetWarning)]) == 1
+    capsys.readouterr()
+    strict = [*base, "--checkpoint-every", "1", "--write-budget", "1KB/day"]
+    assert main([*strict, "--write-budget-strict"]) == 1
+    err = capsys.readouterr().err
+    assert "write budget of 1000B a day" in err and "durable" in err, err
+    out = tmp_path / "resumed.json"
+    with pytest.warns(WriteBudgetWarning):  # still over it, without --write-budget-strict
+        assert main([*strict, "--resume", "--json", str(out)]) == 0, capsys.readouterr().err
+    data = json.loads(out.read_text(encoding="utf-8"))
+    assert data["resumed_from_step"] >= 1 and data["identical"] is True

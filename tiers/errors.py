@@ -62,6 +62,42 @@ class EngineCloseTimeout(SwapError, TimeoutError):
         self.unfinished = unfinished
 
 
+class IOTimeoutError(SwapError, TimeoutError):
+    """A request to a swap file did not complete within the configured timeout: the disk
+    (or a layer under it) is stuck. The request is still in flight: its buffer stays
+    owned by it, never freed or reused, until the kernel completes it, and the tensor's
+    state settles then. Unset attributes are None.
+
+    Attributes:
+        op: "read" or "write".
+        key: the tensor's key.
+        path: the data file of the first piece still in flight (None: every piece is
+            done, and the write waits for the flush that makes it durable).
+        offset: that piece's byte offset in ``path``.
+        nbytes: that piece's length in bytes.
+        waited_s: seconds waited before giving up.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        op: str,
+        key: str,
+        waited_s: float,
+        path: str | None = None,
+        offset: int | None = None,
+        nbytes: int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.op = op
+        self.key = key
+        self.path = path
+        self.offset = offset
+        self.nbytes = nbytes
+        self.waited_s = waited_s
+
+
 class BackendUnavailableError(SwapError, RuntimeError):
     """The asked-for I/O backend cannot run here; the message says why."""
 

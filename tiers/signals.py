@@ -30,6 +30,11 @@ wraps each of SIGINT, SIGTERM and SIGHUP whose handler is a Python callable in
 passes a signal straight to the wrapped handler when no section is open. A section costs
 a few attribute updates (~1 µs).
 
+A call that hands the caller something it must give back (a pinned tensor) names its undo
+with :func:`undo_if_cut` as the last thing inside its section: when the outermost section
+ends by delivering a recorded signal whose handler raises, the undo runs first, with
+signals still recorded, so the raise never leaves a pin without a holder.
+
 What no code can close: a signal arriving in the few bytecodes between the end of the
 outermost section and the caller storing the returned value (``t = manager.fetch(k)``)
 is delivered there, and the value is lost. Callers that keep ownership in their own
@@ -59,6 +64,7 @@ __all__ = [
     "deliver_pending",
     "held",
     "set_wait_hook",
+    "undo_if_cut",
     "wait_cond",
     "wait_future",
     "wait_point",
@@ -86,13 +92,17 @@ WaitHook = Callable[[str], None]
 class _State:
     """Main-thread bookkeeping (only the main thread changes it; handlers run there too)."""
 
-    __slots__ = ("depth", "hard", "pending", "wrapped")
+    __slots__ = ("depth", "hard", "pending", "undo", "undo_arg", "wrapped")
 
     def __init__(self) -> None:
         self.depth = 0  # sections open
         self.hard = 0  # of which ``held``
         self.pending: list[int] = []  # signals recorded, in order
         self.wrapped: dict[int, Handler] = {}  # signal → the handler the relay calls
+        # ``undo_if_cut``'s undo of the outermost section (a function and its argument,
+        # not a closure: no allocation on the fetch path).
+        self.undo: Callable[[Any], None] | None = None
+        self.undo_arg: Any = None
 
 
 _state = _State()
@@ -101,11 +111,18 @@ _get_ident = threading.get_ident
 
 
 def _relay(signum: int, frame: FrameType | None) -> None:
-    """The installed handler: record the signal inside a section, else pass it on."""
-    if _state.depth:
-        _state.pending.append(signum)
+    """The installed handler: record the signal inside a section, else pass it on (with
+    the ending section's undo, see :func:`undo_if_cut`, if it is still set)."""
+    state = _state
+    if state.depth:
+        state.pending.append(signum)
         return
-    handler = _state.wrapped.get(signum)
+    if state.undo is not None:  # the outermost section's last lines, its result not out
+        state.depth = 1
+        state.pending.append(signum)
+        _leave_delivering(undoable=True)
+        return
+    handler = state.wrapped.get(signum)
     if handler is not None:
         handler(signum, frame)
 
@@ -150,16 +167,25 @@ class _Section:
         if self._hard:
             state.hard += 1
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: object, *exc: object) -> None:
         if _get_ident() != _MAIN:
             return
         state = _state
         if self._hard:
             state.hard -= 1
-        if state.depth == 1 and state.pending:
-            # Taken while still inside: a signal arriving now joins the list rather than
-            # being handled between the two lines.
-            _deliver_last()
+        if state.depth == 1:
+            if state.pending:
+                # Taken while still inside: a signal arriving now joins the list rather
+                # than being handled between the two lines.
+                _leave_delivering(undoable=exc_type is None)
+                return
+            state.depth = 0
+            if state.pending:  # recorded between the check above and the line before
+                state.depth = 1
+                _leave_delivering(undoable=exc_type is None)
+                return
+            # Until this line a signal reaches the relay with the undo still set.
+            state.undo = state.undo_arg = None
             return
         state.depth -= 1
 
@@ -175,6 +201,46 @@ def _deliver_last() -> None:
         handler = _state.wrapped.get(signum)
         if handler is not None:
             handler(signum, None)
+
+
+def _leave_delivering(*, undoable: bool) -> None:
+    """Leave the outermost section (depth 1, signals pending), handing over what it
+    recorded, with its undo if ``undoable`` (no exception is leaving it already)."""
+    state = _state
+    undo, arg = state.undo, state.undo_arg
+    state.undo = state.undo_arg = None
+    if undo is not None and undoable:
+        _deliver_undoing(undo, arg)
+    else:
+        _deliver_last()
+
+
+def _deliver_undoing(undo: Callable[[Any], None], arg: Any) -> None:
+    """Leave the outermost section handing over what it recorded; if a handler raises,
+    ``undo(arg)`` runs first, still inside (a signal arriving meanwhile is recorded, and
+    delivered after it)."""
+    try:
+        _deliver()
+    except BaseException:
+        undo(arg)
+        raise
+    finally:
+        if _state.pending:
+            _deliver_last()
+        else:
+            _state.depth = 0
+
+
+def undo_if_cut(undo: Callable[[Any], None], arg: Any) -> None:
+    """Call ``undo(arg)`` if the outermost section open now ends by delivering a recorded
+    signal whose handler raises (the value the section's call returns then never reaches
+    its caller). Only the outermost section's own call may name one: nested inside
+    another section (a caller that keeps its own records), or outside the main thread,
+    nothing is recorded. Call it last in the section, after everything that can raise;
+    one undo per section (a later call replaces it)."""
+    state = _state
+    if state.depth == 1 and _get_ident() == _MAIN:
+        state.undo, state.undo_arg = undo, arg
 
 
 #: Signals wait for the next :func:`wait_point` or the end of the outermost section.

@@ -24,6 +24,7 @@ from swapper.manager.stats import (
     background_work,
     in_background_work,
 )
+from swapper.manager.wear import WriteBudgetExceededError, WriteBudgetWarning
 
 __all__ = [
     "DEFAULT_PLACEMENT",
@@ -47,6 +48,8 @@ __all__ = [
     "TierStats",
     "TransferStats",
     "UnknownKeyError",
+    "WriteBudgetExceededError",
+    "WriteBudgetWarning",
     "background_work",
     "in_background_work",
 ]

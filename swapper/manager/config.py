@@ -87,7 +87,10 @@ class ManagerConfig:
             (``None``: half the host budget, or unlimited).
         stats_interval_s: log a stats line at INFO at most this often (``None``: never).
         timeout_s: how long an operation waits for room or for another thread's transfer
-            before raising.
+            before raising; also how long a fetch waits for its read from NVMe, and an
+            eviction for its write, before its waiters get
+            :class:`~tiers.errors.IOTimeoutError` naming the file and offset (the request
+            stays in flight, its memory kept, until the disk completes it).
         close_timeout_s: how long :meth:`~swapper.manager.TierManager.close` waits for
             writes in flight.
         device: ``None`` (CUDA if available, else the CPU stand-in), ``"cpu"``, ``"cuda"``,
@@ -101,6 +104,16 @@ class ManagerConfig:
             NVMe). Off only for disks you trust: nothing is checked without ``checksum``.
         host_arena_nbytes: size of each host arena (see :mod:`tiers.host`).
         mover_threads: threads that run ``evict`` and ``prefetch`` requests.
+        write_budget_bytes_per_day: the most the run may write to NVMe per day (a drive's
+            rated endurance spread over its life, e.g. ``600e12 / (5 * 365)``); ``None``:
+            no budget. Checked at the end of each optimizer step
+            (:meth:`~swapper.manager.TierManager.check_write_budget`): when the rate
+            measured since the first step projects over it, one
+            :class:`~swapper.manager.wear.WriteBudgetWarning` names the rate, the budget
+            and what would lower it.
+        write_budget_strict: instead of the warning, the step that crosses the budget
+            raises :class:`~swapper.manager.wear.WriteBudgetExceededError`, after making
+            every tensor durable (the step is complete: training can resume from there).
 
     Raises:
         SwapConfigError: a setting is invalid; the message names it and says what to fix.
@@ -124,6 +137,8 @@ class ManagerConfig:
     verify: bool = True
     host_arena_nbytes: int = 64 << 20
     mover_threads: int = 2
+    write_budget_bytes_per_day: float | None = None
+    write_budget_strict: bool = False
 
     def __post_init__(self) -> None:
         for name in (
@@ -155,6 +170,22 @@ class ManagerConfig:
         interval = self.stats_interval_s
         if interval is not None and (not _is_number(interval) or not interval > 0):
             raise SwapConfigError(f"stats_interval_s={interval!r} must be seconds > 0 or None")
+        budget = self.write_budget_bytes_per_day
+        if budget is not None and (
+            not _is_number(budget) or not math.isfinite(budget) or not budget > 0
+        ):
+            raise SwapConfigError(
+                f"write_budget_bytes_per_day={budget!r} must be a number of bytes > 0 or None "
+                "(e.g. 1e12 for 1 TB a day)"
+            )
+        if not isinstance(self.write_budget_strict, bool):
+            raise SwapConfigError(
+                f"write_budget_strict={self.write_budget_strict!r} must be True or False"
+            )
+        if self.write_budget_strict and budget is None:
+            raise SwapConfigError(
+                "write_budget_strict=True needs write_budget_bytes_per_day (the budget to hold)"
+            )
         if self.device is not None and not isinstance(self.device, str):
             raise SwapConfigError(f"device={self.device!r} must be None, 'cpu' or 'cuda[:N]'")
         if not isinstance(self.store_name, str) or not self.store_name:

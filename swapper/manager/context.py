@@ -45,6 +45,7 @@ from swapper.manager.errors import (
 from swapper.manager.policy import AccessOrder
 from swapper.manager.shared import entry_view, forget_view
 from swapper.manager.stats import StatsRecorder, TierStats
+from swapper.manager.watchdog import Watchdog
 from tiers.aio import AioEngine
 from tiers.budget import ByteBudget
 from tiers.config import check_swap_dirs
@@ -99,6 +100,8 @@ class ManagerContext:
         self.order: AccessOrder | None = None
         self.recorded: list[str] | None = None
         self.stats = StatsRecorder()
+        #: fails an eviction's future when its write is still in flight at its deadline
+        self.watchdog = Watchdog(config.store_name)
         self.closing = False
         self.removing = False  # close(remove=True) began: queued evictions are cancelled
         self.closed = False
@@ -185,12 +188,25 @@ class ManagerContext:
                 self.free_memory(entry, departed=False)
             self.closed = True
         self.notifier.shutdown(wait=True)  # every caller's future is resolved by now
+        self.watchdog.close()
         if self.store is not None:
             self.store.close(remove=remove)
         if self.engine is not None:
             self.engine.close()
         self.host.close()
         self.device.close()
+
+    def metadata_written(self) -> dict[str, int]:
+        """The store's metadata bytes written since it opened: journal, manifest, snapshot
+        files (empty without a store)."""
+        if self.store is None:
+            return {}
+        w = self.store.written()
+        return {
+            "journal": w.journal_nbytes,
+            "manifest": w.manifest_nbytes,
+            "snapshot": w.snapshot_nbytes,
+        }
 
     def tier_stats(self) -> dict[Tier, TierStats]:
         """Budget, bytes held and peak of each memory tier; bytes allocated on NVMe."""
@@ -360,10 +376,10 @@ class ManagerContext:
             return None
         try:
             deliver_pending()
+            self.stats.hit()
         except BaseException:
             self.unpin(self.entries[key])
             raise
-        self.stats.hit()
         return tensor
 
     def fetch_all_resident(
@@ -384,13 +400,22 @@ class ManagerContext:
                 tensors.append(tensor)
         try:
             deliver_pending()
+            self.stats.hit(len(keys))
         except BaseException:
-            with self.cond:
-                for key in keys:
-                    self.unpin_locked(self.entries[key])
+            self.unpin_keys(keys)
             raise
-        self.stats.hit(len(keys))
         return tensors
+
+    def unpin_key(self, key: str) -> None:
+        """:meth:`unpin` of a pinned key (lock not held): an undo for
+        :func:`~tiers.signals.undo_if_cut`."""
+        self.unpin(self.entries[key])
+
+    def unpin_keys(self, keys: list[str]) -> None:
+        """:meth:`unpin` of each pinned key in one lock hold (lock not held)."""
+        with self.cond:
+            for key in keys:
+                self.unpin_locked(self.entries[key])
 
     def resident_stamp(self, keys: list[str], tier: Tier) -> int | None:
         """Lock held. If every key is in memory tier ``tier`` now, ``departures``: while

@@ -51,6 +51,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+import warnings
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future
 
@@ -71,9 +72,10 @@ from swapper.manager.placement import Placement
 from swapper.manager.policy import AccessOrder
 from swapper.manager.shared import check_key, store_key_of, to_kind, to_tier, window_share
 from swapper.manager.stats import ManagerStats
+from swapper.manager.wear import WearMonitor, WearVerdict, WriteBudgetWarning
 from tiers.errors import SwapConfigError
 from tiers.protocols import MemoryBlock
-from tiers.signals import at_waits, held
+from tiers.signals import at_waits, held, undo_if_cut
 
 __all__ = ["TierManager"]
 
@@ -129,6 +131,10 @@ class TierManager:
         self._placement.bind(self._mover)
         self._jobs = MoverJobs(self._ctx, self._placement, self._mover)
         self._last_log = time.monotonic()
+        budget = config.write_budget_bytes_per_day
+        self._wear = (
+            None if budget is None else WearMonitor(budget, strict=config.write_budget_strict)
+        )
 
     # -- public API -------------------------------------------------------------------
 
@@ -214,7 +220,14 @@ class TierManager:
             tensor = self._ctx.fetch_resident(key, tier, in_place)  # the common case
             if tensor is None:
                 tensor = self._mover.fetch(key, tier, self._ctx.timeout(timeout_s), in_place)
-        self._maybe_log()
+            # Pinned: nothing may raise between here and the caller without undoing it.
+            try:
+                self._maybe_log()
+            except BaseException:
+                self._ctx.unpin_key(key)
+                raise
+            # A signal that arrived since is delivered as the section ends: pin undone.
+            undo_if_cut(self._ctx.unpin_key, key)
         return tensor
 
     def release(self, key: str, *, modified: bool = True) -> None:
@@ -255,7 +268,10 @@ class TierManager:
         a time, by :meth:`fetch`). Each is released by :meth:`release` or
         :meth:`release_all`."""
         with at_waits:
-            return self._ctx.fetch_all_resident(keys, tier)
+            tensors = self._ctx.fetch_all_resident(keys, tier)
+            if tensors is not None:
+                undo_if_cut(self._ctx.unpin_keys, keys)  # as in fetch
+            return tensors
 
     def release_all(self, keys: Iterable[str], *, modified: bool = True) -> None:
         """:meth:`release` of each key, in one lock hold (it stops at the first error,
@@ -510,10 +526,38 @@ class TierManager:
         with self._ctx.cond:
             return len(self._ctx.entries)
 
+    def check_write_budget(self) -> WearVerdict | None:
+        """Compare the NVMe write rate with ``config.write_budget_bytes_per_day``; the
+        optimizer calls it at the end of each step (a training loop of its own may too).
+        The first call sets the baseline; later ones project the bytes written since
+        (tensors and metadata) over a day. Over the budget: one
+        :class:`~swapper.manager.wear.WriteBudgetWarning` per manager;
+        with ``write_budget_strict``, every tensor is made durable (:meth:`flush`) and it
+        raises. None without a budget, at the baseline, or when no time has passed.
+
+        Raises:
+            WriteBudgetExceededError: strict, and the rate projects over the budget.
+            NotDurableError: as :meth:`flush`, when making the tensors durable failed.
+        """
+        monitor = self._wear
+        if monitor is None:
+            return None
+        verdict = monitor.check(self.stats().nvme_written_nbytes)
+        if verdict is None or not verdict.over:
+            return verdict
+        if monitor.strict:
+            self.flush()
+            raise monitor.error(verdict)
+        if not monitor.warned:
+            monitor.warned = True
+            warnings.warn(verdict.message, WriteBudgetWarning, stacklevel=2)
+        return verdict
+
     def stats(self) -> ManagerStats:
         """Bytes moved per tier pair and their speed, stall time, read-ahead hits and misses,
-        bytes and peak bytes per tier."""
-        return self._ctx.stats.snapshot(self._ctx.tier_stats())
+        bytes and peak bytes per tier, and bytes written to NVMe by kind
+        (:meth:`ManagerStats.nvme_written`: tensors and the store's metadata)."""
+        return self._ctx.stats.snapshot(self._ctx.tier_stats(), self._ctx.metadata_written())
 
     def __repr__(self) -> str:
         state = "closed" if self._ctx.closed else f"{len(self._ctx.entries)} tensors"

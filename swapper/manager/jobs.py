@@ -273,7 +273,13 @@ class MoverJobs:
                     f"{key!r} ({errors[key]})" if key in errors else f"{key!r} (still in flight)"
                     for key in not_durable[:10]
                 )
-                + (" ..." if len(not_durable) > 10 else ""),
+                + (" ..." if len(not_durable) > 10 else "")
+                + (
+                    ". The writes still in flight go on (their memory kept until they end): "
+                    "call close() (or flush()) again to keep waiting"
+                    if pending
+                    else ""
+                ),
                 keys=not_durable,
                 errors=errors,
             )
@@ -287,6 +293,7 @@ class MoverJobs:
             NotDurableError: as ``close`` documents.
         """
         ctx = self._ctx
+        deadline = time.monotonic() + ctx.config.close_timeout_s
         with ctx.cond:
             if ctx.closed:
                 return
@@ -294,11 +301,25 @@ class MoverJobs:
             ctx.removing = ctx.removing or remove
             ctx.notify()
             # Queued evictions run (with ``remove``: are cancelled); queued read-aheads give
-            # up. (Waited for here, not in the pool's shutdown, so that Ctrl-C can stop it.)
+            # up. (Waited for here, not in the pool's shutdown, so that Ctrl-C can stop it;
+            # and only until the deadline: a read-ahead the disk never completes counts
+            # here until it does.)
             while ctx.jobs:
-                wait_cond(ctx.cond, None, "manager.close")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    busy = sorted(e.key for e in ctx.entries.values() if e.state.transient)
+                    raise NotDurableError(
+                        f"close: {ctx.jobs} request(s) (evictions, read-aheads) still "
+                        f"running after close_timeout_s={ctx.config.close_timeout_s} s"
+                        + (f", moving {', '.join(repr(k) for k in busy[:10])}" if busy else "")
+                        + (" ..." if len(busy) > 10 else "")
+                        + ": the disk has not completed them. Nothing was freed or written; "
+                        "call close() again to keep waiting",
+                        keys=busy,
+                        errors={},
+                    )
+                wait_cond(ctx.cond, left, "manager.close")
         ctx.pool.shutdown(wait=True)
-        deadline = time.monotonic() + ctx.config.close_timeout_s
         if remove:
             with ctx.cond:
                 # Nothing is written, but memory that I/O uses is freed only once it ends.

@@ -38,7 +38,8 @@ the waits, not for every bytecode. Two rules make every cut safe:
                                                                         read ends, then
                                                                         ON_NVME, blocks freed
    fetch: → MOVING         device.copy                                  RESIDENT where it was
-   fetch: → IN_USE         a signal delivered as the fetch ends         pin undone: RESIDENT
+   fetch: → IN_USE         a signal or error after the pin (counting,   pin undone: RESIDENT
+                           logging, the section's end: ``undo_if_cut``)
    victim → WRITING        room for staging, device.copy,               RESIDENT, data kept
      (or CLEANING, flush)  budget.reserve (before the write is issued)
                            after it is issued: never (completion)       ON_NVME / RESIDENT
@@ -75,6 +76,7 @@ from swapper.manager.entry import EntryState, Prefetch, SwapEntry
 from swapper.manager.errors import ManagerTimeout
 from swapper.manager.placement import Placement
 from swapper.manager.shared import entry_view, forget_view, named_error, store_key_of, window_share
+from swapper.manager.watchdog import resolve_once
 from tiers.budget import ByteBudget, Reservation
 from tiers.errors import SwapError
 from tiers.protocols import MemoryBlock
@@ -249,6 +251,17 @@ class Mover:
             except BaseException:
                 ctx.stats.end(Tier.HOST, Tier.NVME, None)
                 raise
+            if not keep:
+                # An eviction's waiters (the step's write-behind, evict().result()) get a
+                # typed timeout at the deadline if the disk never completes the write; a
+                # flush (``keep``) judges its own writes at its deadline.
+                ctx.watchdog.watch(
+                    future,
+                    store_future,
+                    start=deadline - ctx.config.timeout_s,
+                    deadline=deadline,
+                    setting=f"ManagerConfig.timeout_s={ctx.config.timeout_s}",
+                )
         except BaseException as exc:
             named = named_error(exc, "writing", entry.key)
             self._end_write(entry, version, staging, window, named, keep)
@@ -262,10 +275,8 @@ class Mover:
             ctx.stats.end(Tier.HOST, Tier.NVME, None if error else entry.nbytes, entry.kind)
             named = None if error is None else named_error(error, "writing", entry.key)
             self._end_write(entry, version, staging, window, named, keep)
-            if named is None:
-                ctx.notifier.submit(future.set_result, None)
-            else:
-                ctx.notifier.submit(future.set_exception, named)
+            # (Once: the watchdog may have failed it with a timeout already.)
+            ctx.notifier.submit(resolve_once, future, named)
 
         store_future.add_done_callback(done)
 
@@ -323,31 +334,32 @@ class Mover:
                 # This fetch moves it now; a read-ahead starting later would read it
                 # again after the caller has used it (and perhaps written it out).
                 entry.prefetch = Prefetch.NONE
-        hit, waited, ok = False, False, False
+        brought = False
         try:
             tensor, hit, waited = self.bring(entry, target, deadline)
-            try:
-                # A signal that came during the fetch is delivered here, with the pin
-                # undone, rather than after the caller holds the tensor without knowing.
-                deliver_pending()
-            except BaseException:
-                ctx.unpin(entry)
-                raise
-            ok = True
-            return tensor
+            brought = True
         finally:
             elapsed = time.monotonic() - start
             with ctx.cond:
                 entry.waiters -= 1
-            if ok:
-                ctx.stats.add(
-                    fetches=1,
-                    stall_s=elapsed if (waited or not hit) else 0.0,
-                    prefetch_hits=int(hit),
-                    prefetch_misses=int(not hit),
-                )
-            else:
+            if not brought:
                 ctx.stats.add(stall_s=elapsed)
+        # Pinned from here on: whatever cuts the rest (a signal, an error in the counting)
+        # undoes the pin before it leaves, so no entry stays in use without a holder.
+        try:
+            # A signal that came during the fetch is delivered here, with the pin
+            # undone, rather than after the caller holds the tensor without knowing.
+            deliver_pending()
+            ctx.stats.add(
+                fetches=1,
+                stall_s=elapsed if (waited or not hit) else 0.0,
+                prefetch_hits=int(hit),
+                prefetch_misses=int(not hit),
+            )
+        except BaseException:
+            ctx.unpin(entry)
+            raise
+        return tensor
 
     def bring(
         self, entry: SwapEntry, target: Tier, deadline: float
@@ -460,7 +472,14 @@ class Mover:
             with ctx.stats.transfer(Tier.NVME, Tier.HOST, entry.nbytes, entry.kind):
                 future = ctx.nvme().read(store_key_of(entry), buffer.tensor)
                 try:
-                    wait_future(future, None, "store.read")
+                    waited = time.monotonic()
+                    if not wait_future(future, max(0.0, deadline - waited), "store.read"):
+                        # The disk never answered: name the file and offset; the read
+                        # goes on, and its completion frees the buffers (below).
+                        raise future.timed_out(
+                            time.monotonic() - waited,
+                            f"ManagerConfig.timeout_s={ctx.config.timeout_s}",
+                        )
                 except BaseException:
                     handed = True
                     future.add_done_callback(

@@ -12,7 +12,7 @@ import torch
 from swapper.manager.config import Kind, Tier
 from swapper.manager.entry import SwapEntry
 from tiers.budget import ByteBudget
-from tiers.errors import SwapIOError
+from tiers.errors import IOTimeoutError, SwapIOError
 
 __all__ = [
     "check_key",
@@ -62,8 +62,9 @@ def window_share(budget: ByteBudget, nbytes: int) -> int:
 
 
 def named_error(error: BaseException, doing: str, key: str) -> BaseException:
-    """An I/O error re-raised with the manager's key in its message; the file stays."""
-    if not isinstance(error, OSError):
+    """An I/O error re-raised with the manager's key in its message; the file stays.
+    A timeout (:class:`~tiers.errors.IOTimeoutError`, an OSError too) names it already."""
+    if not isinstance(error, OSError) or isinstance(error, IOTimeoutError):
         return error
     cls = type(error) if isinstance(error, SwapIOError) else SwapIOError
     code = error.errno if error.errno is not None else errno.EIO

@@ -13,6 +13,7 @@ from swapper.manager.config import Kind, Tier
 from tiers.units import format_size
 
 __all__ = [
+    "METADATA_KINDS",
     "ManagerStats",
     "StatsRecorder",
     "TierStats",
@@ -20,6 +21,9 @@ __all__ = [
     "background_work",
     "in_background_work",
 ]
+
+#: The store's own files in :meth:`ManagerStats.nvme_written`, beside the tensor kinds.
+METADATA_KINDS = ("journal", "manifest", "snapshot")
 
 #: Per thread: whether its fetches' waits count as background stall (``background_work``).
 _thread = threading.local()
@@ -105,6 +109,9 @@ class ManagerStats:
             ``transfers``).
         background_stall_s: the part of ``stall_s`` waited by threads doing background
             work (:func:`background_work`: an overlapped optimizer step's update).
+        metadata_written: the store's own metadata written since it opened, in bytes:
+            ``"journal"``, ``"manifest"``, ``"snapshot"`` (snapshot files); see
+            :meth:`nvme_written`.
     """
 
     transfers: Mapping[tuple[Tier, Tier], TransferStats]
@@ -120,6 +127,25 @@ class ManagerStats:
         default_factory=lambda: MappingProxyType({})
     )
     background_stall_s: float = 0.0
+    metadata_written: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
+
+    def nvme_written(self) -> dict[str, int]:
+        """Bytes written to NVMe by kind: each tensor kind's value (``"param16"``,
+        ``"grad16"``, ``"optim_state"``, ``"grad32"``: bytes of the writes that completed)
+        and the store's metadata (``"journal"``, ``"manifest"``, ``"snapshot"``); every
+        key present, zeros included. Their sum is :attr:`nvme_written_nbytes`."""
+        out = {kind.value: 0 for kind in Kind}
+        for (kind, _, dst), nbytes in self.kind_nbytes.items():
+            if dst is Tier.NVME:
+                out[kind.value] += nbytes
+        for name in METADATA_KINDS:
+            out[name] = self.metadata_written.get(name, 0)
+        return out
+
+    @property
+    def nvme_written_nbytes(self) -> int:
+        """Every byte written to NVMe: tensors of every kind and the store's metadata."""
+        return sum(self.nvme_written().values())
 
     @property
     def foreground_stall_s(self) -> float:
@@ -232,7 +258,9 @@ class StatsRecorder:
             if background and "stall_s" in counts:
                 self.background_stall_s += counts["stall_s"]
 
-    def snapshot(self, tiers: Mapping[Tier, TierStats]) -> ManagerStats:
+    def snapshot(
+        self, tiers: Mapping[Tier, TierStats], metadata: Mapping[str, int] | None = None
+    ) -> ManagerStats:
         with self._lock:
             now = time.monotonic()
             transfers = {
@@ -253,4 +281,5 @@ class StatsRecorder:
                 write_errors=self.write_errors,
                 kind_nbytes=MappingProxyType(dict(self._kind_nbytes)),
                 background_stall_s=self.background_stall_s,
+                metadata_written=MappingProxyType(dict(metadata or {})),
             )

@@ -35,6 +35,7 @@ from swapper.cli_args import (
     count_arg,
     finite_arg,
     int_arg,
+    rate_per_day_arg,
     run_tool,
     show_nbytes,
     size_arg,
@@ -52,6 +53,9 @@ PROG = "swapper-pressure"
 MAX_NPROC = 64
 #: StepConfig.moments' values (swapper.step.layout.MOMENTS; not imported: no torch).
 MOMENTS = ("fp32", "bf16", "int8")
+#: The store's files among ManagerStats.nvme_written's kinds
+#: (swapper.manager.stats.METADATA_KINDS; not imported: no torch).
+METADATA_KINDS = ("journal", "manifest", "snapshot")
 
 
 def nproc_arg(text: str) -> int:
@@ -176,8 +180,39 @@ def build_parser() -> argparse.ArgumentParser:
         help="how the optimizer stores its Adam moments, in both runs (StepConfig.moments; "
         "default fp32)",
     )
+    p.add_argument(
+        "--write-budget",
+        type=rate_per_day_arg,
+        metavar="RATE",
+        help="the most the budgeted run may write to NVMe, e.g. 1TB/day or 20GB/h "
+        "(write_budget_bytes_per_day): over it, one warning with what would lower it",
+    )
+    p.add_argument(
+        "--write-budget-strict",
+        action="store_true",
+        help="with --write-budget: stop with an error at the step that crosses it, every "
+        "tensor durable (resumable with --checkpoint-every/--resume)",
+    )
     p.add_argument("--json", type=Path, metavar="FILE", help="write the results as JSON")
     return p
+
+
+def _writes_line(res: PressureResult) -> str:
+    """What the disk pays: bytes written per step and per token (split by kind) and the
+    drive writes a day at this run's measured rate."""
+    kinds = res.nvme_written_by_kind
+    steps = max(1, res.steps_run)
+    metadata = sum(kinds.get(k, 0) for k in METADATA_KINDS)
+    split = ", ".join(
+        f"{name} {show_nbytes(kinds.get(kind, 0) / steps)}"
+        for name, kind in (("params", "param16"), ("grads", "grad16"), ("state", "optim_state"))
+    )
+    return (
+        f"NVMe written per step: {show_nbytes(res.nvme_written_bytes_per_step)} "
+        f"({res.nvme_written_bytes_per_token:,.0f} B per token; {split}, metadata "
+        f"{show_nbytes(metadata / steps)}); at this rate the drive writes "
+        f"{show_nbytes(res.nvme_written_bytes_per_day)} per day"
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -191,6 +226,8 @@ def _run(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     # Every argument (and SWAPPER_AIO_*) is checked before torch loads or a file is made.
     check_output_path("--json", args.json)
+    if args.write_budget_strict and args.write_budget is None:
+        parser.error("--write-budget-strict needs --write-budget RATE")
     if (args.checkpoint_every is not None or args.resume) and not args.dirs:
         parser.error("--checkpoint-every and --resume need --dir (the snapshots outlive the run)")
     if args.export is not None and args.export.exists() and not args.export.is_dir():
@@ -234,6 +271,8 @@ def _run(argv: list[str]) -> int:
         export_dir=args.export,
         overlap=args.overlap,
         moments=args.moments,
+        write_budget_bytes_per_day=args.write_budget,
+        write_budget_strict=args.write_budget_strict,
     )
     if args.nproc > 1:
         return _run_ranks(
@@ -356,6 +395,7 @@ def _summary(res: PressureResult) -> str:
         f"{res.state_read_bytes_per_param:.2f} B read + "
         f"{res.state_written_bytes_per_param:.2f} B written per parameter"
     )
+    lines.append(_writes_line(res))
     if res.timing is not None:
         lines.append(res.timing.summary())
     if res.resumed_from_step:

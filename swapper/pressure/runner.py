@@ -104,6 +104,9 @@ class PressureSettings:
     dtype: str = "bf16"
     batch: int = 4
     seq: int = 64
+    #: the budgeted run's ManagerConfig.write_budget_bytes_per_day / _strict (issue 29)
+    write_budget_bytes_per_day: float | None = None
+    write_budget_strict: bool = False
     sub_group_numel: int | None = None
     lr: float = 1e-3
     aio: AioConfig = dataclasses.field(default_factory=AioConfig)
@@ -156,6 +159,9 @@ class _Run:
     state_written_nbytes: int = 0
     #: seconds the training's thread waited for bytes (see ``timing._stall``)
     stall_s: float = 0.0
+    #: bytes written to NVMe over the steps run, by kind (``ManagerStats.nvme_written``)
+    nvme_written: dict[str, int] = dataclasses.field(default_factory=dict)
+    steps_run: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,6 +195,28 @@ class PressureResult:
     #: optimizer state bytes per parameter read from / written to NVMe by the last step
     state_read_bytes_per_param: float = 0.0
     state_written_bytes_per_param: float = 0.0
+    #: bytes written to NVMe by the budgeted run's steps (snapshots included), by kind:
+    #: tensor kinds and the store's metadata (``ManagerStats.nvme_written``)
+    nvme_written_by_kind: dict[str, int] = dataclasses.field(default_factory=dict)
+    steps_run: int = 0
+
+    @property
+    def nvme_written_bytes_per_step(self) -> float:
+        """Bytes written to NVMe per step of the budgeted run (every kind, metadata too)."""
+        return sum(self.nvme_written_by_kind.values()) / max(1, self.steps_run)
+
+    @property
+    def nvme_written_bytes_per_token(self) -> float:
+        """The same per token trained (batch x sequence length tokens a step)."""
+        return self.nvme_written_bytes_per_step / (self.settings.batch * self.settings.seq)
+
+    @property
+    def nvme_written_bytes_per_day(self) -> float:
+        """What the drive would be asked to write in a day at this run's measured rate
+        (its bytes written over its wall time, snapshots included)."""
+        if self.seconds <= 0:
+            return 0.0
+        return sum(self.nvme_written_by_kind.values()) / self.seconds * 86400
 
     @property
     def within_budgets(self) -> bool:
@@ -252,6 +280,13 @@ class PressureResult:
             "sub_group_numel": self.sub_group_numel,
             "activation_bytes": self.activation_bytes,
             "bytes_moved": self.bytes_moved,
+            "nvme_written_bytes_per_step": self.nvme_written_bytes_per_step,
+            "nvme_written_bytes_per_token": self.nvme_written_bytes_per_token,
+            "nvme_written_bytes_per_step_by_kind": {
+                kind: nbytes / max(1, self.steps_run)
+                for kind, nbytes in self.nvme_written_by_kind.items()
+            },
+            "nvme_written_bytes_per_day": self.nvme_written_bytes_per_day,
             "stall_fraction": self.stall_fraction,
             "steps_detail": {
                 "forward_backward_seconds": self.phases.model_s,
@@ -329,6 +364,8 @@ def run_pressure(
                 sub_group_numel=sub_group, overlap=settings.overlap, moments=settings.moments
             ),
             device="cpu",
+            write_budget_bytes_per_day=settings.write_budget_bytes_per_day,
+            write_budget_strict=settings.write_budget_strict,
         )
         reset_peak_rss()
         pressure = _train(
@@ -375,6 +412,8 @@ def run_pressure(
         resumed_from_step=pressure.resumed_from,
         snapshots=tuple(pressure.snapshots),
         export_seconds=pressure.export_seconds,
+        nvme_written_by_kind=pressure.nvme_written,
+        steps_run=pressure.steps_run,
         timing=Timing.of(pressure.phases, reference.phases, plain, disk),
         state_read_bytes_per_param=pressure.state_read_nbytes / num_params,
         state_written_bytes_per_param=pressure.state_written_nbytes / num_params,
@@ -423,9 +462,12 @@ def _train(
             say(f"  {label}: resumed from step {resumed_from}")
         every = settings.checkpoint_every if checkpoint else None
         snapshots: list[SnapshotReport] = []
+        written_before: dict[str, int] | None = None  # at the first step run
         for step, tokens in enumerate(data, 1):
             if step <= resumed_from:
                 continue
+            if written_before is None:
+                written_before = wrapped.stats().nvme_written()
             phases.begin(wrapped.stats(), optimizer.overlap_waited_s)
             with activations.counting():
                 loss = model.loss(tokens)
@@ -455,6 +497,8 @@ def _train(
         traffic = optimizer.last_step.traffic if optimizer.last_step is not None else None
         peak = peak_rss()
         stats = wrapped.stats()
+        written = stats.nvme_written()
+        written = {k: v - (written_before or written).get(k, 0) for k, v in written.items()}
         hashes = {name: content_hash(t) for name, t in wrapped.iter_state_dict()}
         digest = final_digest(wrapped, optimizer)
         export_s = None
@@ -479,6 +523,8 @@ def _train(
         state_read_nbytes=traffic.read_nbytes.get(Kind.OPTIM_STATE, 0) if traffic else 0,
         state_written_nbytes=traffic.written_nbytes.get(Kind.OPTIM_STATE, 0) if traffic else 0,
         stall_s=stall_s,
+        nvme_written=written,
+        steps_run=len(losses),
     )
 
 

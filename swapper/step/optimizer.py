@@ -298,8 +298,7 @@ class OffloadAdamW(SubGroupMath, torch.optim.Optimizer):
         stall_before = self.manager.stats().stall_s
         target = self._step_count + 1
         source = self._source
-        # (with budgets that hold everything: the parameters and gradients fetched once,
-        # the gradients converted to fp32 once)
+        # (budgets that hold everything: params and grads fetched once, grads made fp32 once)
         with (
             (
                 source.resident(self._all_params())
@@ -325,6 +324,7 @@ class OffloadAdamW(SubGroupMath, torch.optim.Optimizer):
                     self.loss_scaler.update(False)
         norm = None if grad_norm is None else float(grad_norm)
         self._report(started, before, stall_before, norm, skipped=skipped)
+        self.manager.check_write_budget()  # issue 29: warns once, or (strict) raises
 
     @contextlib.contextmanager
     def _flat_grads(self, resident: bool) -> Iterator[None]:

@@ -29,10 +29,12 @@ from tiers.nvme.records import (
     DirUsage,
     Extent,
     ManifestError,
+    OverlappingExtentsError,
     StoreClosedError,
     StoredTensor,
     StoreExistsError,
     StoreKeyError,
+    StoreWrites,
     content_hash,
 )
 from tiers.nvme.snapshots import (
@@ -52,6 +54,7 @@ __all__ = [
     "Extent",
     "ManifestError",
     "NvmeStore",
+    "OverlappingExtentsError",
     "SnapshotDamagedError",
     "SnapshotError",
     "SnapshotExistsError",
@@ -62,6 +65,7 @@ __all__ = [
     "StoreFuture",
     "StoreKeyError",
     "StoreLockedError",
+    "StoreWrites",
     "StoredTensor",
     "SwapCorruptionError",
     "content_hash",

@@ -41,7 +41,8 @@ from tiers.nvme.committer import CommitItem, GroupCommitter
 from tiers.nvme.futures import ReadCheck, StoreFuture
 from tiers.nvme.journal import encode_put
 from tiers.nvme.manifest import encode_manifest
-from tiers.nvme.records import Extent, StoreClosedError, byte_view, check_key
+from tiers.nvme.metafiles import written_nbytes, written_nbytes_like
+from tiers.nvme.records import Extent, StoreClosedError, StoreWrites, byte_view, check_key
 from tiers.nvme.versions import Outcome, Version, VersionTable
 
 __all__ = ["JOURNAL_COMPACT_NBYTES", "VERIFY_THREADS", "StoreCore"]
@@ -68,6 +69,8 @@ class StoreCore:
         self._checksum = opened.checksum
         self._verify = verify
         self._table = VersionTable(opened.placement)
+        self._data_written = 0  # tensor bytes of completed writes (``written``)
+        self._meta_base = self._metadata_counts()  # what the open itself wrote
         snapshots = [s.content.tensors.values() for s in opened.snapshots]
         held = self._table.load(opened.tensors, snapshots)
         self._load_snapshots(opened, held)
@@ -266,6 +269,8 @@ class StoreCore:
                 error = SwapIOError(errno.EIO, f"the store is not writing: {self._broken}")
             outcome = self._table.finish_write(version, stored, ok=error is None)
             self._writing -= 1
+            if error is None:
+                self._data_written += stored.nbytes
             if outcome is Outcome.COMMITTED:
                 self._committer.put(
                     CommitItem(
@@ -282,6 +287,24 @@ class StoreCore:
                 self._committer.nudge()  # a group may be waiting for this write to join
         if outcome is Outcome.FAILED:
             future._resolve(error)
+
+    def _metadata_counts(self) -> tuple[int, int, int]:
+        """(journal, manifest, snapshot files) bytes this process wrote to this store's
+        metadata files (:func:`~tiers.nvme.metafiles.count_written`)."""
+        files = self._files
+        return (
+            written_nbytes([files.journal]),
+            written_nbytes([files.manifest]),
+            written_nbytes_like(files.dirs[0], f"{files.name}.", ".snap"),
+        )
+
+    def written(self) -> StoreWrites:
+        """Bytes written to this store's files since it was opened, by file kind."""
+        journal, manifest, snapshot = self._metadata_counts()
+        base = self._meta_base
+        with self._lock:
+            data = self._data_written
+        return StoreWrites(data, journal - base[0], manifest - base[1], snapshot - base[2])
 
     def _resolve_write(self, future: StoreFuture, error: BaseException | None) -> None:
         """The committer's verdict on a write (its thread)."""

@@ -22,7 +22,7 @@ import torch
 import xxhash
 
 from tiers.aio.engine import IOFuture, Op
-from tiers.errors import SwapCorruptionError, SwapIOError
+from tiers.errors import IOTimeoutError, SwapCorruptionError, SwapIOError
 from tiers.nvme.records import Extent
 
 __all__ = ["ReadCheck", "StoreFuture", "digest", "name_key"]
@@ -52,6 +52,8 @@ class StoreFuture(concurrent.futures.Future):
         self._error: BaseException | None = None
         self._finish: Callable[[BaseException | None], None] | None = None
         self._resolved = False
+        # The engine requests, so that a waiter that gives up can name the one stuck.
+        self._pieces: list[IOFuture] = []
 
     def describe(self) -> str:
         return f"{self.op.value} of key={self.key!r} ({self.nbytes} bytes)"
@@ -63,6 +65,33 @@ class StoreFuture(concurrent.futures.Future):
     def __repr__(self) -> str:
         state = "done" if self.done() else "pending"
         return f"<StoreFuture {self.describe()} ({state})>"
+
+    def stuck(self) -> IOFuture | None:
+        """The first engine request of this one still in flight (None: all are done)."""
+        return next((p for p in self._pieces if not p.done()), None)
+
+    def timed_out(self, waited_s: float, setting: str) -> IOTimeoutError:
+        """The error a waiter raises when this request has not completed after
+        ``waited_s`` seconds (``setting``: the timeout it waited, named in the message).
+        It names the file and offset of the first piece still in flight."""
+        piece = self.stuck()
+        if piece is None:
+            where = "every piece is done; it waits for the flush that makes it durable"
+            path = offset = nbytes = None
+        else:
+            where = f"stuck: the {piece.describe()} has not completed"
+            path, offset, nbytes = piece.path, piece.offset, piece.nbytes
+        return IOTimeoutError(
+            f"{self.describe()} did not complete within {waited_s:.3g} s ({setting}); "
+            f"{where}. The request stays in flight (its buffer is kept until it ends). "
+            f"Check the swap disk (dmesg, the device's health), or raise {setting}",
+            op=self.op.value,
+            key=self.key,
+            waited_s=waited_s,
+            path=path,
+            offset=offset,
+            nbytes=nbytes,
+        )
 
     # The store drives these; they are not for callers.
 
@@ -81,6 +110,7 @@ class StoreFuture(concurrent.futures.Future):
         """Count ``piece`` as one part: done when it is, or when ``then(piece)`` (which
         must call :meth:`_part_done` once) says so."""
         self._issued += 1
+        self._pieces.append(piece)
         piece.add_done_callback(then if then is not None else self._piece_done)
 
     def _piece_done(self, piece: concurrent.futures.Future) -> None:

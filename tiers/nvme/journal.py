@@ -49,7 +49,7 @@ import xxhash
 
 from tiers.errors import SwapIOError
 from tiers.nvme.manifest import loads_strict, tensor_from_json, tensor_to_json
-from tiers.nvme.metafiles import replace_file, write_all
+from tiers.nvme.metafiles import count_written, replace_file, write_all
 from tiers.nvme.records import ManifestError, StoredTensor
 
 __all__ = [
@@ -256,8 +256,10 @@ class Journal:
             if end > self._allocated:  # grow by zeros first: the file's size changes rarely
                 grown = max(2 * self._allocated, end)
                 write_all(self._fd, bytes(grown - self._allocated), self._allocated)
+                count_written(self.path, grown - self._allocated)
                 self._allocated = grown
             write_all(self._fd, data, self.end)
+            count_written(self.path, len(data))
             os.fdatasync(self._fd)
         except OSError as exc:
             raise SwapIOError(

@@ -24,8 +24,10 @@ the file and the field (e.g. ``tensors['w'].shape[0]``), never a raw Python exce
   ``nbytes``; dtypes from :data:`~tiers.nvme.records.DTYPES`;
 - extents in tensor order adding up to ``nbytes``, 4 KiB-aligned, 1 to ``stripe_nbytes``
   bytes each, in a named directory, with a checksum exactly when the store records them.
-  That extents do not overlap and lie inside the data files is checked by the store once
-  the journal is replayed (the files' sizes are needed).
+  That extents lie inside the data files and do not overlap (no two keys, nor one key
+  twice, share a byte: :class:`~tiers.nvme.records.OverlappingExtentsError` names both
+  keys) is checked by the store once the journal is replayed (the files' sizes and the
+  journal's records are needed).
 
 Versions other than 3 are refused with a message naming :func:`~tiers.nvme.remove_store`:
 a version-2 manifest holds one checksum per tensor, which cannot verify a chunk.

@@ -34,13 +34,53 @@ import os
 import re
 import secrets
 import stat
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 from tiers.errors import SwapIOError
 from tiers.nvme.records import MAX_METADATA_NBYTES, ManifestError
 
-__all__ = ["StoreFiles", "read_metadata", "remove_orphans", "replace_file"]
+__all__ = [
+    "StoreFiles",
+    "count_written",
+    "read_metadata",
+    "remove_orphans",
+    "replace_file",
+    "written_nbytes",
+    "written_nbytes_like",
+]
+
+# Bytes written to each metadata file (journal, manifest, snapshot files) by this process,
+# keyed by the file's final path: the store's write accounting (NvmeStore.metadata_written).
+# A path is one store's (its lock), so a store reads its own files' counts.
+_written_lock = threading.Lock()
+_written: dict[Path, int] = {}
+
+
+def count_written(path: Path, nbytes: int) -> None:
+    """Count ``nbytes`` written to metadata file ``path`` (temporary files count as the
+    file they replace)."""
+    with _written_lock:
+        _written[path] = _written.get(path, 0) + nbytes
+
+
+def written_nbytes(paths: list[Path]) -> int:
+    """Bytes counted for the metadata files ``paths``."""
+    with _written_lock:
+        return sum(_written.get(p, 0) for p in paths)
+
+
+def written_nbytes_like(parent: Path, prefix: str, suffix: str) -> int:
+    """Bytes counted for every file in ``parent`` named ``prefix...suffix`` (a store's
+    snapshot files, dropped ones included)."""
+    with _written_lock:
+        return sum(
+            n
+            for p, n in _written.items()
+            if p.parent == parent and p.name.startswith(prefix) and p.name.endswith(suffix)
+        )
+
 
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
@@ -219,6 +259,7 @@ def replace_file(path: Path, data: bytes, what: str, *, keep_open: bool = False)
                 tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_CLOEXEC, 0o600
             )
             write_all(fd, data, 0)
+            count_written(path, len(data))
             os.fsync(fd)
             os.replace(tmp, path)
         except OSError as exc:

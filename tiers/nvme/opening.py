@@ -56,7 +56,13 @@ from tiers.nvme.metafiles import (
     replace_file,
 )
 from tiers.nvme.placement import Placement
-from tiers.nvme.records import Extent, ManifestError, StoredTensor, check_distinct
+from tiers.nvme.records import (
+    Extent,
+    ManifestError,
+    OverlappingExtentsError,
+    StoredTensor,
+    check_distinct,
+)
 from tiers.nvme.snapshots import SnapshotDamagedError, SnapshotFile, parse_snapshot
 
 __all__ = ["LoadedSnapshot", "Opened", "create", "reopen"]
@@ -147,7 +153,8 @@ def _recover(files: StoreFiles, engine: AioEngine) -> _Recovered:
     Raises:
         ManifestError: no manifest or journal, or one that is refused (see
             :mod:`tiers.nvme.manifest` and :mod:`tiers.nvme.journal`), a data file
-            missing, an extent outside its file or overlapping another.
+            missing, an extent outside its file.
+        OverlappingExtentsError: two extents share bytes (a ManifestError naming both keys).
         SwapIOError: a data file is not a regular file, or cannot be opened.
     """
     paths = list(files.dirs)
@@ -210,6 +217,8 @@ def _recover(files: StoreFiles, engine: AioEngine) -> _Recovered:
                         f"{e.offset + e.nbytes} of {files.data(e.dir_index)}, which has only "
                         f"{size}: the data file was truncated"
                     )
+        replayed = journal.generation == spec.generation and bool(journal.payloads)
+        _check_disjoint(files, tensors, replayed)
         owners = {e: t for t in tensors.values() for e in t.extents}
         try:
             placement = Placement.rebuild(len(paths), spec.stripe_nbytes, list(owners))
@@ -223,6 +232,50 @@ def _recover(files: StoreFiles, engine: AioEngine) -> _Recovered:
             f.close()
         raise
     return _Recovered(spec, journal, tensors, opened, placement, snapshots, damaged)
+
+
+def _check_disjoint(files: StoreFiles, tensors: dict[str, StoredTensor], replayed: bool) -> None:
+    """No two extents of the durable state share a byte of a data file (as allocated:
+    each rounded up to 4 KiB). Checked on its own, before the free lists are rebuilt,
+    because those key extents by value: two tensors naming one identical extent
+    (checksum and all) would pass as one, and the second would read the first's bytes.
+
+    Raises:
+        OverlappingExtentsError: naming both keys, the data file and the shared range.
+    """
+    by_dir: dict[int, list[tuple[int, int, str]]] = {}
+    for stored in tensors.values():
+        for e in stored.extents:
+            by_dir.setdefault(e.dir_index, []).append(
+                (e.offset, e.offset + e.allocated_nbytes, stored.key)
+            )
+    where = f"manifest {files.manifest}"
+    if replayed:
+        where += f" with the records of journal {files.journal} applied"
+    for dir_index, ranges in sorted(by_dir.items()):
+        ranges.sort()
+        reach, holder = 0, ""  # the furthest end seen so far, and whose extent it is
+        for offset, end, key in ranges:
+            if offset < reach:
+                shared = min(end, reach) - offset
+                path = files.data(dir_index)
+                whose = (
+                    f"tensors[{key!r}] names bytes [{offset}, {offset + shared}) twice"
+                    if key == holder
+                    else f"tensors[{holder!r}] and tensors[{key!r}] both claim bytes "
+                    f"[{offset}, {offset + shared})"
+                )
+                raise OverlappingExtentsError(
+                    f"{where}: extents overlap: {whose} of data file {path}: a read of one would "
+                    "return the other's bytes, so the store is not opened. Restore the manifest "
+                    f"and journal from a backup, or {_remove_hint(files)}",
+                    keys=(holder, key),
+                    path=path,
+                    offset=offset,
+                    nbytes=shared,
+                )
+            if end > reach:
+                reach, holder = end, key
 
 
 def _load_snapshots(

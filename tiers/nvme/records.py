@@ -33,9 +33,11 @@ __all__ = [
     "DirUsage",
     "Extent",
     "ManifestError",
+    "OverlappingExtentsError",
     "StoreClosedError",
     "StoreExistsError",
     "StoreKeyError",
+    "StoreWrites",
     "StoredTensor",
     "byte_view",
     "check_dirs",
@@ -132,6 +134,22 @@ class ManifestError(SwapError, ValueError):
     does not match the directories and files; the message names the file and the field."""
 
 
+class OverlappingExtentsError(ManifestError):
+    """Two tensors of a store's durable state (its manifest with the journal replayed)
+    claim the same bytes of a data file: reading one would return the other's bytes, so
+    the store is refused at open. ``keys``: the two keys (equal when one tensor names
+    the bytes twice); ``path``: the data file; ``offset``, ``nbytes``: the shared range."""
+
+    def __init__(
+        self, message: str, *, keys: tuple[str, str], path: Path, offset: int, nbytes: int
+    ) -> None:
+        super().__init__(message)
+        self.keys = keys
+        self.path = path
+        self.offset = offset
+        self.nbytes = nbytes
+
+
 #: The name this error had before reads were verified; the same class.
 ChecksumError = SwapCorruptionError
 
@@ -184,6 +202,31 @@ class DirUsage:
     allocated_nbytes: int
     end_nbytes: int
     file_nbytes: int
+
+
+@dataclass(frozen=True)
+class StoreWrites:
+    """Bytes a store has written to its files since it was opened (its creation, or the
+    journal's compaction at open, not counted): what the disk is asked to take.
+
+    ``data_nbytes``: tensor bytes of writes that completed (each ``write``'s byte count);
+    ``journal_nbytes``, ``manifest_nbytes``, ``snapshot_nbytes``: the metadata files (the
+    journal's records and the zeros it grows by, each manifest saved, each snapshot
+    file); ``metadata_nbytes``: their sum; ``total_nbytes``: everything.
+    """
+
+    data_nbytes: int
+    journal_nbytes: int
+    manifest_nbytes: int
+    snapshot_nbytes: int
+
+    @property
+    def metadata_nbytes(self) -> int:
+        return self.journal_nbytes + self.manifest_nbytes + self.snapshot_nbytes
+
+    @property
+    def total_nbytes(self) -> int:
+        return self.data_nbytes + self.metadata_nbytes
 
 
 # -- checks of arguments ------------------------------------------------------------------

@@ -1,0 +1,286 @@
+"""A stuck I/O request is not a hang (issue 29).
+
+A backend call that never returns (injected: the thread backend's worker blocks on a
+gate before doing the read or write) must make the waiting fetch, evict, optimizer step
+and close() give up within their configured timeouts with a typed error naming the file
+and offset, while the request's buffer stays owned by it (never freed or reused) until
+the gate opens and the request really completes; afterwards everything works as before.
+
+Every call that could hang runs in a daemon thread joined with a limit (:func:`_within`),
+so a regression fails the test instead of hanging the suite.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from swapper import OffloadAdamW, StepConfig, StepFailedError
+from swapper.manager import (
+    EntryState,
+    Kind,
+    ManagerConfig,
+    NotDurableError,
+    Tier,
+    TierManager,
+)
+from swapper.manager.watchdog import Watchdog
+from tiers.aio.contexts import _ThreadContext
+from tiers.aio.requests import Op, _Piece
+from tiers.config import AioConfig, Backend
+from tiers.errors import IOTimeoutError
+from tiers.nvme.futures import StoreFuture
+
+KiB = 1024
+TIMEOUT_S = 1.0
+#: What a bounded call may take beyond its timeout on a loaded 2-core machine.
+SLACK_S = 4.0
+#: The longest any call in these tests may run before the test calls it a hang.
+HANG_S = 30.0
+
+
+class Gate:
+    """Blocks the thread backend's reads or writes (``arm``) until ``release``."""
+
+    def __init__(self) -> None:
+        self.op: Op | None = None
+        self.opened = threading.Event()
+        self.stuck: list[tuple[str, int, int]] = []  # (file, offset, nbytes) blocked
+
+    def arm(self, op: Op) -> None:
+        self.op = op
+        self.opened.clear()
+
+    def release(self) -> None:
+        self.op = None
+        self.opened.set()
+
+
+@pytest.fixture
+def gate(monkeypatch: pytest.MonkeyPatch) -> Iterator[Gate]:
+    g = Gate()
+    real = _ThreadContext._run
+
+    def run(self: _ThreadContext, piece: _Piece) -> None:
+        if g.op is not None and piece.request.op is g.op:
+            g.stuck.append((str(piece.request.file.path), piece.offset, piece.nbytes))
+            g.opened.wait(HANG_S)
+        real(self, piece)
+
+    monkeypatch.setattr(_ThreadContext, "_run", run)
+    try:
+        yield g
+    finally:
+        g.release()  # the blocked workers finish, so the engine can close
+
+
+def _config(tmp_path: Path, **overrides: Any) -> ManagerConfig:
+    settings: dict[str, Any] = {
+        "device_nbytes": 64 * KiB,
+        "host_nbytes": 256 * KiB,
+        "nvme_dirs": [tmp_path / "nvme"],
+        "host_arena_nbytes": 64 * KiB,
+        "timeout_s": TIMEOUT_S,
+        "close_timeout_s": TIMEOUT_S,
+        "device": "cpu",
+        "aio": AioConfig(backend=Backend.THREADS),
+    }
+    settings.update(overrides)
+    return ManagerConfig(**settings)
+
+
+@pytest.fixture
+def manager(tmp_path: Path, gate: Gate) -> Iterator[TierManager]:
+    m = TierManager(_config(tmp_path))
+    try:
+        yield m
+    finally:
+        gate.release()
+        with contextlib.suppress(NotDurableError):
+            m.close()
+
+
+def _within(call: Callable[[], Any], limit_s: float = HANG_S) -> tuple[Any, float]:
+    """``call()`` in a daemon thread: (its result or the exception it raised, seconds);
+    fails the test if it runs past ``limit_s``."""
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            outcome["value"] = call()
+        except BaseException as exc:  # the test judges what came out
+            outcome["value"] = exc
+
+    start = time.monotonic()
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(limit_s)
+    assert not thread.is_alive(), f"hung for {limit_s} s"
+    return outcome["value"], time.monotonic() - start
+
+
+def _settles(manager: TierManager, key: str, state: EntryState) -> None:
+    deadline = time.monotonic() + HANG_S
+    while manager.info(key).state is not state:
+        assert time.monotonic() < deadline, f"{key} never became {state}"
+        time.sleep(0.01)
+
+
+def _all_settle(manager: TierManager) -> None:
+    """Every entry's requests ended (none transient), within HANG_S."""
+    deadline = time.monotonic() + HANG_S
+    while any(info.state.transient for info in map(manager.info, manager.keys())):
+        assert time.monotonic() < deadline, "an entry never settled"
+        time.sleep(0.01)
+
+
+def _tensor(seed: int, numel: int = 4096) -> torch.Tensor:
+    return torch.randn(numel, generator=torch.Generator().manual_seed(seed))
+
+
+def _names_the_stuck_piece(error: IOTimeoutError, gate: Gate, key: str) -> None:
+    path, offset, nbytes = gate.stuck[0]
+    assert (error.path, error.offset, error.nbytes) == (path, offset, nbytes)
+    assert path in str(error) and f"offset {offset}" in str(error)
+    # (The store's key: the manager's, under its kind.)
+    assert error.key.endswith(f"/{key}") and f"key={error.key!r}" in str(error)
+    assert "ManagerConfig.timeout_s" in str(error)
+
+
+def test_stuck_read_times_out_fetch_and_the_buffer_waits_for_it(
+    manager: TierManager, gate: Gate
+) -> None:
+    a = _tensor(1)
+    manager.register("a", a, Kind.OPTIM_STATE)
+    manager.evict("a", Tier.NVME).result(timeout=HANG_S)
+    gate.arm(Op.READ)
+    error, took = _within(lambda: manager.fetch("a", Tier.HOST))
+    assert isinstance(error, IOTimeoutError), repr(error)
+    assert TIMEOUT_S * 0.9 <= took <= TIMEOUT_S + SLACK_S
+    assert error.op == "read"
+    _names_the_stuck_piece(error, gate, "a")
+    # The read is still in flight: the entry stays READING (its buffer the read's).
+    assert manager.info("a").state is EntryState.READING
+    gate.release()
+    _settles(manager, "a", EntryState.ON_NVME)
+    assert torch.equal(manager.fetch("a", Tier.HOST), a)
+    manager.release("a", modified=False)
+
+
+def test_stuck_write_fails_the_eviction_future_and_keeps_the_data(
+    manager: TierManager, gate: Gate
+) -> None:
+    b = _tensor(2)
+    manager.register("b", b, Kind.OPTIM_STATE)
+    gate.arm(Op.WRITE)
+    future = manager.evict("b", Tier.NVME)
+    error, took = _within(lambda: future.exception(timeout=HANG_S))
+    assert isinstance(error, IOTimeoutError), repr(error)
+    assert took <= TIMEOUT_S + SLACK_S
+    assert error.op == "write"
+    _names_the_stuck_piece(error, gate, "b")
+    # Still being written: its memory is kept until the write ends.
+    assert manager.info("b").state is EntryState.WRITING
+    gate.release()
+    _settles(manager, "b", EntryState.ON_NVME)
+    assert torch.equal(manager.fetch("b", Tier.HOST), b)
+    manager.release("b")
+
+
+def test_close_returns_within_its_timeout_naming_what_is_not_durable(
+    manager: TierManager, gate: Gate
+) -> None:
+    c = _tensor(3)
+    manager.register("c", c, Kind.OPTIM_STATE)
+    gate.arm(Op.WRITE)
+    manager.evict("c", Tier.NVME)
+    error, took = _within(manager.close)
+    assert isinstance(error, NotDurableError), repr(error)
+    assert took <= TIMEOUT_S + SLACK_S
+    assert error.keys == ["c"] and "'c'" in str(error) and "again to keep waiting" in str(error)
+    gate.release()
+    _settles(manager, "c", EntryState.ON_NVME)
+    result, _ = _within(manager.close)
+    assert result is None
+
+
+def test_close_with_a_stuck_read_ahead_returns_within_its_timeout(
+    manager: TierManager, gate: Gate
+) -> None:
+    d = _tensor(4)
+    manager.register("d", d, Kind.OPTIM_STATE)
+    manager.evict("d", Tier.NVME).result(timeout=HANG_S)
+    gate.arm(Op.READ)
+    assert manager.prefetch(["d"], Tier.HOST) == 1
+    deadline = time.monotonic() + HANG_S
+    while not gate.stuck:  # the read-ahead's read is issued (and blocked)
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    error, took = _within(manager.close)
+    assert isinstance(error, NotDurableError), repr(error)
+    assert took <= TIMEOUT_S + SLACK_S
+    assert "still running" in str(error) and "again to keep waiting" in str(error)
+    gate.release()
+    result, _ = _within(manager.close)
+    assert result is None
+
+
+def test_a_step_with_a_stuck_request_raises_a_typed_timeout(tmp_path: Path, gate: Gate) -> None:
+    """The optimizer step: a stuck write-behind fails the step (StepFailedError caused by
+    the IOTimeoutError, naming the file), a stuck read raises the IOTimeoutError; once
+    the disk answers, step() again finishes the step."""
+    model = nn.Linear(64, 64).to(torch.bfloat16)
+    config = _config(tmp_path, device_nbytes=0, host_nbytes=3 * 12 * 4096)
+    with OffloadAdamW(
+        model.parameters(), tiers=config, config=StepConfig(sub_group_numel=1024)
+    ) as opt:
+
+        def grads() -> None:
+            for p in model.parameters():
+                p.grad = torch.full_like(p, 0.01)
+
+        grads()
+        opt.step()
+        for step, op in ((2, Op.WRITE), (3, Op.READ)):
+            opt.zero_grad()
+            grads()
+            gate.arm(op)
+            error, took = _within(opt.step)
+            assert took <= 2 * TIMEOUT_S + SLACK_S
+            cause = error.__cause__ if isinstance(error, StepFailedError) else error
+            assert isinstance(cause, IOTimeoutError), (op, repr(error))
+            assert cause.op == op.value
+            assert cause.path is not None and cause.path in str(error)
+            gate.release()
+            _all_settle(opt.manager)
+            result, _ = _within(opt.step)  # finishes the step
+            assert result is None and opt.step_count == step
+
+
+def test_the_watchdog_keeps_about_what_is_in_flight() -> None:
+    """Ended writes are swept from the watchdog's heap as it grows (not held for their
+    whole timeout); one still in flight is failed at its deadline."""
+    dog = Watchdog("test")
+    try:
+        ended = StoreFuture(Op.WRITE, "k", 1)
+        ended.set_result(1)
+        for _ in range(5000):
+            dog.watch(Future(), ended, start=0.0, deadline=time.monotonic() + 60, setting="s")
+        assert len(dog._heap) <= 1024
+        stuck: Future[None] = Future()
+        now = time.monotonic()
+        dog.watch(stuck, StoreFuture(Op.WRITE, "k", 1), start=now, deadline=now + 0.2, setting="s")
+        error, took = _within(lambda: stuck.exception(timeout=HANG_S))
+        assert isinstance(error, IOTimeoutError) and error.path is None and took < SLACK_S
+        assert "waits for the flush" in str(error)
+    finally:
+        dog.close()
