@@ -30,7 +30,7 @@ import torch
 import swapper
 from swapper import DynamicLossScaler, OffloadAdamW, OffloadConfig, StepConfig
 from swapper.pressure.model import GPT, GPTConfig, init_weights_
-from swapper.zero.checkpoint import final_digest, save_snapshot
+from swapper.zero.checkpoint.snapshot import final_digest, save_snapshot
 
 # A tiny GPT with tied embedding / head weights: 28 032 parameters.
 CONFIG = GPTConfig(vocab_size=64, context=16, d_model=32, n_layers=2, n_heads=2)

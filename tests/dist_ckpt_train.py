@@ -42,8 +42,8 @@ import torch.nn.functional as F
 import swapper
 from swapper import OffloadAdamW, OffloadConfig, StepConfig
 from swapper.pressure.model import GPT, GPTConfig, init_weights_
-from swapper.zero.checkpoint import final_digest, save_snapshot
-from swapper.zero.dist_config import DistributedConfig
+from swapper.zero.checkpoint.snapshot import final_digest, save_snapshot
+from swapper.zero.config.distributed import DistributedConfig
 
 CONFIG = GPTConfig(vocab_size=64, context=16, d_model=32, n_layers=2, n_heads=2)
 #: Per rank, below its optimizer state (12 B x ~14 000 elements): the state spills to NVMe.
@@ -176,7 +176,7 @@ def train(
 def _arm_commit_kill(when: str, step: int, optimizer: OffloadAdamW) -> None:
     """SIGKILL the job just before (``snapshot-commit``) or after (``snapshot-done``)
     rank 0 writes the commit record of ``step``'s snapshot."""
-    from swapper.zero import shard_snapshot
+    from swapper.zero.checkpoint import shard_snapshot
 
     original = shard_snapshot.write_commit
 

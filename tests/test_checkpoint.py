@@ -1,4 +1,4 @@
-"""Training snapshots and resume (swapper.zero.checkpoint, swapper.step.resume,
+"""Training snapshots and resume (swapper.zero.checkpoint.snapshot, swapper.step.resume,
 swapper.manager.snapshot): a run stopped and resumed from a snapshot ends bit-identical
 to an uninterrupted one; a snapshot writes only what is dirty; bad snapshots are refused
 by name and the last good one is used. The SIGKILL test is tests/test_checkpoint_kill.py.
@@ -20,8 +20,9 @@ from hypothesis import strategies as st
 import swapper
 from swapper import OffloadAdamW, OffloadConfig, StateDictError, StepConfig, SwapConfigError
 from swapper.manager import EntryInUseError
+from swapper.pressure.model import GPT, GPTConfig
 from swapper.step.resume import _decode_value, _encode_value
-from swapper.zero.checkpoint import final_digest, save_snapshot
+from swapper.zero.checkpoint.snapshot import final_digest, save_snapshot
 from tiers.aio import AioEngine
 from tiers.config import AioConfig
 from tiers.errors import SwapEOFError, SwapIOError
@@ -85,7 +86,7 @@ def test_snapshot_writes_only_what_is_dirty_and_keeps_the_last_k(tmp_path: Path)
         assert again.written_nbytes == file_nbytes
         # after a step, what the step left dirty is 16-bit params (the optimizer's state
         # is durable when step() returns), each its fp32 master rounded: left out and
-        # rebuilt at resume (swapper.zero.rebuild), so only the file is written
+        # rebuilt at resume (swapper.zero.checkpoint.rebuild), so only the file is written
         assert report.written_nbytes == report.path.stat().st_size
         assert 0 < report.rebuilt_nbytes <= 2 * 28_032
         store = wrapped.manager._ctx.store
@@ -105,7 +106,7 @@ def test_a_snapshot_leaves_out_gradient_entries_kept_empty(
 ) -> None:
     """With budgets that hold everything ``zero_grad`` keeps the gradient entries (empty,
     to be copied into); a snapshot must not write them: they hold no gradient. Persistent
-    parameters (swapper.zero.persist) keep no gradient entry at all."""
+    parameters (swapper.zero.local.persist) keep no gradient entry at all."""
     gpt = model()
     unlimited = OffloadConfig.create(
         device_nbytes=None,
@@ -175,6 +176,17 @@ def test_another_models_snapshot_is_refused_naming_the_file(tmp_path: Path) -> N
             OffloadAdamW(
                 wrapped.parameters(), tiers=wrapped, config=StepConfig(sub_group_numel=4096)
             )
+
+
+def test_a_snapshot_holding_parameters_the_model_lacks_is_refused(tmp_path: Path) -> None:
+    # Every parameter of the smaller model is adopted; the snapshot's others are found
+    # after (checkpoint.snapshot.finish_resume, given the model's keys), named.
+    swap = tmp_path / "swap"
+    train(swap, steps=2, every=2)
+    torch.manual_seed(0)
+    smaller = GPT(GPTConfig(vocab_size=64, context=16, d_model=32, n_layers=1, n_heads=2))
+    with pytest.raises(StateDictError, match=r"holds parameter 'blocks\.1\..*this model lacks"):
+        swapper.offload(smaller.to(torch.bfloat16), config(swap), resume=True)
 
 
 def test_resume_with_nothing_to_resume_starts_afresh(tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""safetensors export (swapper.zero.export): shards and an index, streamed a parameter at
+"""safetensors export (swapper.zero.checkpoint.export): shards and an index, streamed a parameter at
 a time, that a plain PyTorch model (no swapper) loads and computes the offloaded model's
 logits with, bitwise; read by our own parser, and by ``safetensors`` where installed.
 """
@@ -17,7 +17,7 @@ from ckpt_train import CONFIG, config, model
 import swapper
 from swapper import OffloadAdamW, StateDictError, SwapConfigError
 from swapper.pressure.model import GPT
-from swapper.zero.export import export_safetensors
+from swapper.zero.checkpoint.export import export_safetensors
 
 _DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
 
@@ -101,7 +101,7 @@ def test_dcp_export_loads_per_parameter_into_plain_tensors(tmp_path: Path) -> No
     import torch.distributed.checkpoint as dcp
 
     from swapper.step.layout import STATE_ROWS
-    from swapper.zero.dcp_export import export_dcp
+    from swapper.zero.checkpoint.dcp_export import export_dcp
 
     wrapped, _, optimizer = _trained(tmp_path)
     with wrapped, optimizer:
@@ -145,8 +145,9 @@ def test_dcp_export_loads_per_parameter_into_plain_tensors(tmp_path: Path) -> No
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_dcp_import_into_another_sub_group_size_continues_identically(tmp_path: Path) -> None:
-    from swapper.zero.checkpoint import final_digest
-    from swapper.zero.dcp_export import export_dcp, import_dcp
+    from swapper.zero.checkpoint.dcp_export import export_dcp
+    from swapper.zero.checkpoint.dcp_import import import_dcp
+    from swapper.zero.checkpoint.snapshot import final_digest
 
     def one_step(gpt: GPT, optimizer: OffloadAdamW) -> None:
         gpt.loss(
@@ -181,8 +182,9 @@ def test_dcp_import_into_another_sub_group_size_continues_identically(tmp_path: 
 def test_dcp_round_trip_with_frozen_parameters_is_bitwise(tmp_path: Path) -> None:
     """Frozen parameters (requires_grad=False, left out of the optimizer) are exported
     without optimizer rows; the import takes them as weights only, bitwise."""
-    from swapper.zero.checkpoint import final_digest
-    from swapper.zero.dcp_export import export_dcp, import_dcp
+    from swapper.zero.checkpoint.dcp_export import export_dcp
+    from swapper.zero.checkpoint.dcp_import import import_dcp
+    from swapper.zero.checkpoint.snapshot import final_digest
 
     def frozen_model() -> GPT:
         gpt = model()

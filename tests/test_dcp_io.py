@@ -1,4 +1,4 @@
-"""swapper.zero.dcp_io: the zero-copy DCP writer writes archives a plain
+"""swapper.zero.checkpoint.dcp_io: the zero-copy DCP writer writes archives a plain
 ``torch.distributed.checkpoint.load`` reads bitwise, whatever the items' sizes and
 addresses (direct bodies at any phase, copied items, held items released once, after
 their write); its XXH3 sidecar lets swapper's reader refuse any flipped byte of an item,
@@ -15,11 +15,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from swapper.zero import dcp_io
-from swapper.zero.dcp_io import SIDECAR_SUFFIX, AioStorageWriter
-from swapper.zero.dcp_planners import BoxSource, CheckedReader, StreamingSavePlanner
-from swapper.zero.dcp_reshard import DcpCheckpointError, flat_boxes
-from swapper.zero.dcp_templates import template as _template
+from swapper.zero.checkpoint import dcp_io
+from swapper.zero.checkpoint.dcp_io import SIDECAR_SUFFIX, AioStorageWriter
+from swapper.zero.checkpoint.dcp_planners import BoxSource, CheckedReader, StreamingSavePlanner
+from swapper.zero.checkpoint.dcp_reshard import DcpCheckpointError, flat_boxes
+from swapper.zero.checkpoint.dcp_templates import template as _template
 
 _IGNORED = "torch.distributed is disabled"
 

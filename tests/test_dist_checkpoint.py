@@ -1,4 +1,4 @@
-"""Snapshots and resume over several ranks (swapper.zero.shard_snapshot, shard_resume,
+"""Snapshots and resume over several ranks (swapper.zero.checkpoint.shard_snapshot, shard_resume,
 snapshot_commit): each rank's part, one commit record, keep_last across ranks; a resume
 agreed by every rank that continues bit-exactly; bad inputs refused by name or passed
 over with a logged reason; another world size refused with the DCP advice; final_digest
@@ -23,7 +23,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import swapper
-from swapper.zero.snapshot_commit import (
+from swapper.zero.checkpoint.commit import (
     CommitRecordError,
     RankPart,
     WorldSizeMismatchError,
@@ -60,7 +60,7 @@ class _Warnings(logging.Handler):
 def _resume(rank: int, world: int, swap: Path, resume: bool | str) -> dict[str, Any]:
     """Wrap with ``resume`` and close at once: what was resumed, or the error raised."""
     handler = _Warnings()
-    logging.getLogger("swapper.zero.shard_resume").addHandler(handler)
+    logging.getLogger("swapper.zero.checkpoint.shard_resume").addHandler(handler)
     try:
         import torch.distributed as dist
 
@@ -68,7 +68,7 @@ def _resume(rank: int, world: int, swap: Path, resume: bool | str) -> dict[str, 
     except Exception as exc:
         return {"error": type(exc).__name__, "message": str(exc), "warnings": handler.messages}
     finally:
-        logging.getLogger("swapper.zero.shard_resume").removeHandler(handler)
+        logging.getLogger("swapper.zero.checkpoint.shard_resume").removeHandler(handler)
     resumed = wrapped.resumed
     wrapped.close()
     return {"step": None if resumed is None else resumed.step, "warnings": handler.messages}
@@ -524,7 +524,7 @@ def test_a_commit_record_that_cannot_be_read_is_raised_not_listed_damaged(
     import errno
     import os
 
-    from swapper.zero import snapshot_commit
+    from swapper.zero.checkpoint import commit as snapshot_commit
     from tiers.errors import SwapIOError
     from tiers.nvme.records import ManifestError
 

@@ -14,7 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from swapper import OffloadConfig, SwapConfigError
-from swapper.zero.dist_config import DistributedConfig
+from swapper.zero.config.distributed import DistributedConfig
 
 DS_BASE: dict[str, Any] = {"zero_optimization": {"stage": 3}}
 

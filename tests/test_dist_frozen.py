@@ -1,4 +1,4 @@
-"""Frozen parameters at 2 gloo ranks (swapper.zero.frozen through swapper.zero.sharded;
+"""Frozen parameters at 2 gloo ranks (swapper.zero.model.frozen through swapper.zero.sharded;
 issue 27): the hand-written LoRA model of test_frozen trains with each rank's device
 budget at a quarter of the whole model's 16-bit bytes, bit-identical to unlimited budgets
 at the same ranks and close to one plain PyTorch process (the tolerance of
@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from swapper.zero.dist_config import DistributedConfig
 from test_dist_train import PG_TIMEOUT_S, _spawn
 from test_frozen import (
     BATCH,
@@ -32,7 +33,6 @@ from test_frozen import (
 
 import swapper
 from swapper import OffloadAdamW, OffloadConfig, StepConfig, Tier
-from swapper.zero.dist_config import DistributedConfig
 
 pytestmark = pytest.mark.dist
 

@@ -1,6 +1,6 @@
 """Gathered buffers charged to the device budget at N > 1 (issue 12 follow-up).
 
-Two gloo ranks, one spawn: the floor a wrap reports (:mod:`swapper.zero.gather_budget`)
+Two gloo ranks, one spawn: the floor a wrap reports (:mod:`swapper.zero.sharded.gather_budget`)
 is probed with budgets of 1 byte and floor - 1 byte (refused on every rank with a
 :class:`SwapConfigError` naming the module and the bytes to set), then a few steps are
 trained at the floor and with an unlimited device budget: bit-identical, and the device
@@ -24,7 +24,7 @@ from torch import nn
 
 import swapper
 from swapper import OffloadAdamW, OffloadConfig, StepConfig, Tier
-from swapper.zero.dist_config import DistributedConfig
+from swapper.zero.config.distributed import DistributedConfig
 from tiers.errors import SwapConfigError
 
 pytestmark = pytest.mark.dist

@@ -1,5 +1,5 @@
 """The overlapped optimizer step (``StepConfig(overlap=True)``) over a model sharded on 2
-gloo ranks (issue 14): :mod:`swapper.zero.shard_overlap`.
+gloo ranks (issue 14): :mod:`swapper.zero.sharded.overlap`.
 
 Parity: per-step losses, evaluation outputs, the consolidated parameters and each rank's
 optimizer state (fp32 master weights and both moments) are bit-identical between the
@@ -37,8 +37,8 @@ from test_dist_train import BATCH, TIGHT, VOCAB, _batches, _model, _same, _spawn
 
 import swapper
 from swapper import OffloadAdamW, OffloadConfig, StepConfig, SwapIOError, Tier
-from swapper.zero.checkpoint import final_digest, save_snapshot
-from swapper.zero.dist_config import DistributedConfig
+from swapper.zero.checkpoint.snapshot import final_digest, save_snapshot
+from swapper.zero.config.distributed import DistributedConfig
 
 pytestmark = pytest.mark.dist
 

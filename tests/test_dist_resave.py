@@ -6,7 +6,7 @@ the stores: the whole run lost).
 
 Each case spawns 2 gloo ranks twice (tests/dist_ckpt_train.py: a tiny GPT, a 20 s
 timeout on every collective): a run that saves ``s`` after step 1, again after step 2
-with a kill armed in :mod:`swapper.zero.shard_snapshot` (rank 0 SIGKILLs every rank,
+with a kill armed in :mod:`swapper.zero.checkpoint.shard_snapshot` (rank 0 SIGKILLs every rank,
 itself last); then a resume that reports its step and ``final_digest``.
 """
 
@@ -27,8 +27,7 @@ from hypothesis import strategies as st
 
 import swapper
 from swapper import OffloadAdamW
-from swapper.zero.checkpoint import final_digest, save_snapshot
-from swapper.zero.snapshot_commit import (
+from swapper.zero.checkpoint.commit import (
     CommitRecordError,
     RankPart,
     encode_commit,
@@ -36,6 +35,7 @@ from swapper.zero.snapshot_commit import (
     part_name,
     read_commits,
 )
+from swapper.zero.checkpoint.snapshot import final_digest, save_snapshot
 from tiers.nvme.snapshots import check_snapshot_name
 
 pytestmark = pytest.mark.dist
@@ -55,7 +55,7 @@ def _kill_all(run: Path) -> None:
 def _arm(point: str, run: Path) -> None:
     """Kill the job at ``point`` of the next snapshot (rank 0 only; a marker file says
     that the point was reached and whether the new record was written by then)."""
-    from swapper.zero import shard_snapshot as ss
+    from swapper.zero.checkpoint import shard_snapshot as ss
 
     def at(where: str) -> None:
         if where == point:

@@ -1,4 +1,5 @@
-"""Distributed Checkpoint export at N ranks, import at M (swapper.zero.dcp_export, issue 13).
+"""Distributed Checkpoint export at N ranks, import at M
+(swapper.zero.checkpoint.dcp_export, issue 13).
 
 One spawn of 2 gloo ranks (the harness of tests/test_dist_train.py: a short process-group
 timeout and ``distributed.timeout_s`` on every collective, joined with a deadline) trains
@@ -47,9 +48,10 @@ from test_dist_train import (
 import swapper
 from swapper import OffloadAdamW, StateDictError
 from swapper.step.layout import STATE_ROWS
-from swapper.zero.dcp_export import DcpCheckpointError, export_dcp, import_dcp
-from swapper.zero.dcp_reshard import flat_boxes
-from swapper.zero.export import INDEX_NAME, export_safetensors
+from swapper.zero.checkpoint.dcp_export import DcpCheckpointError, export_dcp
+from swapper.zero.checkpoint.dcp_import import import_dcp
+from swapper.zero.checkpoint.dcp_reshard import flat_boxes
+from swapper.zero.checkpoint.export import INDEX_NAME, export_safetensors
 
 pytestmark = [pytest.mark.dist, pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
 
@@ -427,7 +429,7 @@ def test_bad_checkpoints_are_refused_on_every_rank_at_two_ranks(
 def frozen_run(rank: int, world: int, tmp: str) -> dict[str, Any]:
     """Frozen fc1 and pos (left out of the optimizer): train 2 steps, export, train 1;
     then a fresh wrap of other weights (the same frozen set) imports and trains the 1."""
-    from swapper.zero.checkpoint import final_digest
+    from swapper.zero.checkpoint.snapshot import final_digest
 
     def frozen(bump: float) -> torch.nn.Module:
         model = _model()

@@ -45,7 +45,7 @@ from swapper import OffloadAdamW, OffloadConfig, StepConfig, SwapIOError, Tier
 from swapper.distributed import ModelMismatchError, PeerFailedError, StoreIdentityError
 from swapper.distributed.identity import claim_store_identity
 from swapper.pressure.model import GPT, GPTConfig, batches, init_weights_, materialize_
-from swapper.zero.dist_config import DistributedConfig
+from swapper.zero.config.distributed import DistributedConfig
 
 pytestmark = pytest.mark.dist
 
@@ -60,7 +60,7 @@ SUB_GROUP_NUMEL = 1024
 #: Per rank, below its share of parameters + gradients + optimizer state (12 B/element):
 #: every rank writes to and reads from NVMe. The device budget is just above the floor
 #: of the gathered buffers (fc1's buffer, all_gather staging, its shards and the tied
-#: embedding's buffer: 55296 B at N=2, see swapper.zero.gather_budget), which the wrap
+#: embedding's buffer: 55296 B at N=2, see swapper.zero.sharded.gather_budget), which the wrap
 #: refuses to go below.
 TIGHT = {"device_nbytes": 56_000, "host_nbytes": 48_000, "timeout_s": 20.0}
 

@@ -1,7 +1,7 @@
 """Sharded models (issue 12): writes outside the hooks, dtype refusals, contiguous
-ownership and the measured backward offload (:mod:`swapper.zero.shard_writes`,
-:func:`swapper.zero.shard_setup.dtype_refusal`, ``DistributedConfig.ownership``,
-:attr:`swapper.zero.shard_grads.GradReducer.trace`).
+ownership and the measured backward offload (:mod:`swapper.zero.sharded.writes`,
+:func:`swapper.zero.sharded.setup.dtype_refusal`, ``DistributedConfig.ownership``,
+:attr:`swapper.zero.sharded.grads.GradReducer.trace`).
 
 The multi-process tests spawn 2 gloo ranks with the harness and tiny model of
 ``tests/test_dist_train.py`` (a timeout on the process group and on every collective;
@@ -22,8 +22,8 @@ from test_dist_train import BATCH, PG_TIMEOUT_S, VOCAB, _batches, _model, _same,
 import swapper
 from swapper import OffloadAdamW, OffloadConfig, StepConfig
 from swapper.distributed import ParamInfo, plan_contiguous, plan_partition, plan_windows
-from swapper.zero.dist_config import DistributedConfig
-from swapper.zero.shard_setup import dtype_refusal
+from swapper.zero.config.distributed import DistributedConfig
+from swapper.zero.sharded.setup import dtype_refusal
 from tiers.errors import SwapConfigError
 
 pytestmark = pytest.mark.dist

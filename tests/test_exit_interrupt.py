@@ -20,7 +20,7 @@ from sigint_cut import SigintAt as _Cut
 
 import swapper
 from swapper import OffloadAdamW
-from swapper.zero.checkpoint import save_snapshot
+from swapper.zero.checkpoint.snapshot import save_snapshot
 from tiers import signals
 
 

@@ -1,4 +1,4 @@
-"""Frozen parameters under swapper.offload (swapper.zero.frozen; issue 27): a frozen base
+"""Frozen parameters under swapper.offload (swapper.zero.model.frozen; issue 27): a frozen base
 with small trainable adapters (LoRA written by hand over frozen nn.Linear) trains under a
 device budget of a quarter of the model's 16-bit bytes, bit-identical to unlimited
 budgets and to plain PyTorch (torch.optim.AdamW over fp32 masters of the trainable
@@ -21,7 +21,7 @@ from torch.utils.checkpoint import checkpoint
 import swapper
 from swapper import Kind, OffloadAdamW, OffloadConfig, StepConfig, Tier
 from swapper.manager import ManagerStats
-from swapper.zero.frozen import TrainableSetChanged
+from swapper.zero.model.frozen import TrainableSetChanged
 
 LR, BETAS, EPS, WEIGHT_DECAY = 1e-2, (0.9, 0.999), 1e-8, 1e-2
 IN, D, H, R, BLOCKS, BATCH = 32, 64, 128, 4, 4, 8
@@ -248,7 +248,7 @@ def test_frozen_base_trains_within_a_quarter_budget_bit_identical(
         # a frozen parameter is only ever read: its NVMe copy stays clean (written once)
         assert not (run.written & frozen)
     # no retained gradient of a frozen parameter, ever (the unlimited run keeps them by
-    # reference, in no manager entry: swapper.zero.persist)
+    # reference, in no manager entry: swapper.zero.local.persist)
     assert tight.grad_keys == {f"grad/{n}" for n, p in model.named_parameters() if p.requires_grad}
     # ... so the 16-bit parameters written to NVMe are at most the frozen ones once and
     # the trainable ones once per step (and the initial write)

@@ -1,4 +1,4 @@
-"""The floor of the gathered buffers (swapper.zero.gather_budget), without ranks."""
+"""The floor of the gathered buffers (swapper.zero.sharded.gather_budget), without ranks."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
 
-from swapper.zero.config import OffloadConfig
-from swapper.zero.dist_config import DistributedConfig
-from swapper.zero.gather_budget import GatherNeed, check_device_floor, device_floor
-from swapper.zero.shard_setup import gather_floor
+from swapper.zero.config.distributed import DistributedConfig
+from swapper.zero.config.offload import OffloadConfig
+from swapper.zero.sharded.gather_budget import GatherNeed, check_device_floor, device_floor
+from swapper.zero.sharded.setup import gather_floor
 from tiers.errors import SwapConfigError
 
 needs = st.lists(

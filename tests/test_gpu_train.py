@@ -35,7 +35,7 @@ import swapper
 from swapper import DynamicLossScaler, OffloadAdamW, OffloadConfig, StepConfig, Tier
 from swapper.manager import ManagerStats
 from swapper.pressure.model import GPT, GPTConfig, batches, init_weights_
-from swapper.zero.dist_config import DistributedConfig
+from swapper.zero.config.distributed import DistributedConfig
 
 pytestmark = pytest.mark.gpu
 

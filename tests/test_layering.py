@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import ast
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -74,15 +75,19 @@ def _targets(module: str, is_package: bool, node: ast.Import | ast.ImportFrom) -
     return {f"{source}.{alias.name}" for alias in node.names} | {source}
 
 
-def import_graph() -> dict[str, set[str]]:
-    """Module -> the project modules it imports at import time."""
+def import_graph(
+    statements: Callable[[ast.Module], list[ast.Import | ast.ImportFrom]] | None = None,
+) -> dict[str, set[str]]:
+    """Module -> the project modules it imports at import time (or, given ``statements``,
+    through the import statements that function picks from a module's tree)."""
+    pick = _top_level_imports if statements is None else statements
     modules = _modules()
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
         tree = ast.parse(path.read_text(), filename=str(path))
         is_package = path.name == "__init__.py"
         edges: set[str] = set()
-        for node in _top_level_imports(tree):
+        for node in pick(tree):
             targets = _targets(name, is_package, node)
             submodules = {t for t in targets if t in modules and t.rsplit(".", 1)[0] in targets}
             # `from pkg import sub` imports pkg.sub; don't also count pkg when pkg is an

@@ -1,4 +1,4 @@
-"""``model.to(...)`` and the like on a wrapped model (swapper.zero.module_apply): a move to
+"""``model.to(...)`` and the like on a wrapped model (swapper.zero.model.module_apply): a move to
 the device the parameters are used on is accepted and changes nothing; any other
 conversion of a parameter is refused before anything changes; leaving the block gives the
 modules their own ``_apply`` back."""
@@ -81,7 +81,7 @@ def test_leaving_the_block_gives_each_module_its_own_apply_back() -> None:
 def _sharded_rank(rank: int, world: int, tmp: str) -> dict[str, object]:
     import torch.distributed as dist
 
-    from swapper.zero.dist_config import DistributedConfig
+    from swapper.zero.config.distributed import DistributedConfig
 
     model = _model()
     expected = model(_x())

@@ -15,7 +15,7 @@ import torch
 import swapper
 import tiers.config as tiers_config
 from swapper.manager import ManagerConfig, TierManager
-from swapper.zero.config import OffloadConfig
+from swapper.zero.config.offload import OffloadConfig
 from tiers.config import check_swap_dirs
 from tiers.errors import SwapConfigError
 

@@ -451,13 +451,13 @@ def test_read_ahead_is_bounded_in_tensors(monkeypatch: pytest.MonkeyPatch) -> No
     ones along the recorded order, and every later fetch only the few entering the window
     (before, every fetch re-requested all of them: a hook's cost grew with the model's
     tensor count)."""
-    from swapper.zero.readahead import DEFAULT_MAX_TENSORS, RETRY
+    from swapper.zero.model.readahead import DEFAULT_MAX_TENSORS, RETRY
 
     layers = DEFAULT_MAX_TENSORS  # 2 tensors each: twice the bound
     model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(layers)]).to(torch.bfloat16)
     x = torch.randn(2, 4).to(torch.bfloat16)
     with swapper.offload(model, _unlimited()) as wrapped:
-        wrapped.set_persistent(False)  # (else no hook runs at all: swapper.zero.persist)
+        wrapped.set_persistent(False)  # (else no hook runs at all: swapper.zero.local.persist)
         # as if some parameter were never resident (else nothing is read ahead at all:
         # test_no_read_ahead_when_everything_is_resident)
         monkeypatch.setattr(wrapped.manager, "resident_stamp", lambda keys, tier: None)
@@ -484,7 +484,7 @@ def test_no_read_ahead_when_everything_is_resident(monkeypatch: pytest.MonkeyPat
     model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(4)]).to(torch.bfloat16)
     x = torch.randn(2, 4).to(torch.bfloat16)
     with swapper.offload(model, _unlimited()) as wrapped:
-        # (persistent parameters run no hook and cannot be evicted: swapper.zero.persist)
+        # (persistent parameters run no hook and cannot be evicted: swapper.zero.local.persist)
         wrapped.set_persistent(False)
         wrapped(x).float().sum().backward()  # records the order
         requests: list[list[str]] = []

@@ -1,4 +1,4 @@
-"""Persistent parameters (``swapper.zero.persist``, issue 14): with budgets that hold
+"""Persistent parameters (``swapper.zero.local.persist``, issue 14): with budgets that hold
 everything the parameters stay fetched between uses, the module hooks are off and the
 gradients are kept by reference. Nothing a user sees changes: the numbers are those of a
 run under tight budgets bit for bit (clipping, accumulation, fp16 with skipped steps),
@@ -19,7 +19,7 @@ from torch import nn
 import swapper
 from swapper import OffloadAdamW, OffloadConfig, StepConfig
 from swapper.step.scaler import DynamicLossScaler
-from swapper.zero.checkpoint import save_snapshot
+from swapper.zero.checkpoint.snapshot import save_snapshot
 
 
 def _model(dtype: torch.dtype = torch.bfloat16) -> nn.Sequential:

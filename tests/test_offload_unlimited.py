@@ -129,7 +129,7 @@ def test_forward_without_backward_then_a_step_and_training_goes_on(persistent: b
     """Holds kept from a forward whose backward never runs are released before the step
     writes the parameters (no 'in use' error) and by the next forward; a backward of an
     older graph after a newer forward still sees real bytes. Persistent parameters hold
-    one fetch each throughout (swapper.zero.persist)."""
+    one fetch each throughout (swapper.zero.local.persist)."""
     with swapper.offload(_model(), _unlimited()) as wrapped:
         wrapped.set_persistent(persistent)
         optimizer = OffloadAdamW(wrapped.parameters(), tiers=wrapped)

@@ -28,7 +28,7 @@ from test_frozen import BETAS, EPS, LR, WEIGHT_DECAY, plain_steps  # noqa: E402
 
 import swapper  # noqa: E402
 from swapper import Kind, OffloadAdamW, OffloadConfig, StepConfig, SwapConfigError, Tier  # noqa: E402
-from swapper.zero.frozen import ParametersChanged  # noqa: E402
+from swapper.zero.model.frozen import ParametersChanged  # noqa: E402
 
 # the hyper-parameters of test_frozen.plain_steps, the reference
 ADAM = {"lr": LR, "betas": BETAS, "eps": EPS, "weight_decay": WEIGHT_DECAY}

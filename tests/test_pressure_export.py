@@ -82,9 +82,9 @@ def _digest_of_import(directory: Path) -> str:
     same state is the same at every world size)."""
     import swapper
     from swapper.step import OffloadAdamW, StepConfig
-    from swapper.zero.checkpoint import final_digest
-    from swapper.zero.config import OffloadConfig
-    from swapper.zero.dcp_export import import_dcp
+    from swapper.zero.checkpoint.dcp_import import import_dcp
+    from swapper.zero.checkpoint.snapshot import final_digest
+    from swapper.zero.config.offload import OffloadConfig
 
     gpt = GPT(GPTConfig.for_params(PARAMS)).to(torch.bfloat16)  # other weights: overwritten
     config = OffloadConfig.create(device_nbytes=None, host_nbytes=None, device="cpu")

@@ -242,7 +242,7 @@ def test_nproc_2_resume_passes_over_bad_snapshots_to_the_last_good_one(tmp_path:
     """``--resume`` over a newest snapshot with a truncated rank part, and a commit record
     without its parts newer still: both passed over, the run continues from the last
     good snapshot and ends with the uninterrupted run's final_digest."""
-    from swapper.zero.snapshot_commit import commit_path, encode_commit, read_commits
+    from swapper.zero.checkpoint.commit import commit_path, encode_commit, read_commits
 
     swap = tmp_path / "swap"
     swap.mkdir()

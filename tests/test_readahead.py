@@ -1,4 +1,4 @@
-"""The read-ahead plan along a recorded fetch order (swapper.zero.readahead): what each
+"""The read-ahead plan along a recorded fetch order (swapper.zero.model.readahead): what each
 fetch asks for stays inside the window, everything inside the window has been asked for,
 and the work per step is linear in the order's length, not quadratic."""
 
@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from swapper.zero.readahead import RETRY, ReadAhead
+from swapper.zero.model.readahead import RETRY, ReadAhead
 from tiers.errors import SwapConfigError
 
 

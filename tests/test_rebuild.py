@@ -1,5 +1,5 @@
 """16-bit parameters left out of a training snapshot and rebuilt from the fp32 master at
-resume (swapper.zero.rebuild): left out only when they are exactly their masters rounded,
+resume (swapper.zero.checkpoint.rebuild): left out only when they are exactly their masters rounded,
 written otherwise; a rebuilt parameter whose digest differs refuses its snapshot by name;
 malformed records are refused; and the rounding the design rests on (``copy_`` into a
 16-bit tensor == ``.to``) holds bit for bit, NaN, -0.0 and subnormals included.
@@ -21,8 +21,8 @@ from hypothesis import strategies as st
 
 import swapper
 from swapper import DynamicLossScaler, OffloadAdamW
-from swapper.zero import rebuild
-from swapper.zero.checkpoint import SnapshotReport, final_digest, save_snapshot
+from swapper.zero.checkpoint import rebuild
+from swapper.zero.checkpoint.snapshot import SnapshotReport, final_digest, save_snapshot
 from tiers.aio import AioEngine
 from tiers.config import AioConfig
 from tiers.nvme import NvmeStore, SnapshotDamagedError

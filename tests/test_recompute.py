@@ -1,4 +1,4 @@
-"""swapper.zero.recompute: activation checkpointing (``torch.utils.checkpoint``) under
+"""swapper.zero.model.recompute: activation checkpointing (``torch.utils.checkpoint``) under
 ``swapper.offload`` (issue 15).
 
 A checkpointed block's forward runs again inside the backward and the module hooks with it.
@@ -25,7 +25,7 @@ from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 import swapper
 from swapper import OffloadAdamW, OffloadConfig, StepConfig, SwapConfigError, Tier
-from swapper.zero.recompute import checkpointed_need
+from swapper.zero.model.recompute import checkpointed_need
 
 ADAM = {"lr": 1e-2, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 1e-2}
 STEPS = 4

@@ -10,7 +10,7 @@ from test_step_int8_scales import _config, _old_snapshot, model
 import swapper
 from swapper import OffloadAdamW
 from swapper.step.scales import HeldScales
-from swapper.zero.checkpoint import final_digest
+from swapper.zero.checkpoint.snapshot import final_digest
 from tiers.errors import SwapIOError
 
 

@@ -1,4 +1,4 @@
-"""Review findings on the overlapped step over ranks (swapper.zero.shard_overlap)."""
+"""Review findings on the overlapped step over ranks (swapper.zero.sharded.overlap)."""
 
 from __future__ import annotations
 
@@ -135,7 +135,8 @@ def import_while_pending(rank: int, world: int, tmp: str) -> dict[str, Any]:
     the imported weights (the update's later writes overwrote some of them)."""
     from test_dist_overlap import _hold_update
 
-    from swapper.zero.dcp_export import export_dcp, import_dcp
+    from swapper.zero.checkpoint.dcp_export import export_dcp
+    from swapper.zero.checkpoint.dcp_import import import_dcp
 
     config = _config(tmp, "import", tight=False, overlap=True)
     out: dict[str, Any] = {}

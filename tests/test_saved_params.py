@@ -1,4 +1,4 @@
-"""Tests of swapper.zero.saved: autograd's saved views of parameters under budgets that
+"""Tests of swapper.zero.model.saved: autograd's saved views of parameters under budgets that
 cannot hold every parameter (the blocks move between a module's forward and backward).
 
 Before the fix, ``addmm`` kept ``weight.t()``, a view of the block the forward fetched;
@@ -26,7 +26,7 @@ from torch.utils.checkpoint import checkpoint
 import swapper
 from swapper import OffloadAdamW, OffloadConfig, StepConfig
 from swapper.zero import final_digest
-from swapper.zero.saved import SavedParamError, SavedParams
+from swapper.zero.model.saved import SavedParamError, SavedParams
 
 
 def _run(

@@ -18,8 +18,8 @@ import swapper
 from swapper import OffloadAdamW, StepConfig, SwapConfigError
 from swapper.manager import EntryState, TierManager
 from swapper.step import optimizer as optimizer_module
-from swapper.zero import checkpoint
-from swapper.zero.checkpoint import final_digest, save_snapshot
+from swapper.zero.checkpoint import snapshot as checkpoint
+from swapper.zero.checkpoint.snapshot import final_digest, save_snapshot
 from tiers.aio import AioEngine
 from tiers.config import AioConfig
 from tiers.errors import SwapIOError
@@ -232,7 +232,8 @@ def _ctrl_c_in_a_resume(rank: int, world: int, tmp: str, where: str) -> dict[str
     import dist_ckpt_train
     import torch.distributed as dist
 
-    from swapper.zero import shard_resume, shard_setup
+    from swapper.zero.checkpoint import shard_resume
+    from swapper.zero.sharded import setup as shard_setup
 
     swap = str(Path(tmp) / "swap")
     first = dist_ckpt_train.train(rank, world, swap, steps=2, every=2)

@@ -1,4 +1,4 @@
-"""The RNG record of a training snapshot (:mod:`swapper.zero.snapshot_rng`): a record
+"""The RNG record of a training snapshot (:mod:`swapper.zero.checkpoint.rng`): a record
 whose states torch would refuse is a damaged snapshot naming the file, never a raw
 RuntimeError/TypeError from ``torch.set_rng_state`` at resume."""
 
@@ -14,7 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from swapper.zero.snapshot_rng import decode_rng, rng_state, set_rng_state
+from swapper.zero.checkpoint.rng import decode_rng, rng_state, set_rng_state
 from tiers.nvme.snapshots import SnapshotDamagedError
 
 WHERE = "/tmp/somewhere/snapshot-7.json"

@@ -413,7 +413,7 @@ def _ckpt_config(swap: Path, moments: str) -> swapper.OffloadConfig:
 def test_snapshot_keeps_the_compressed_form_and_refuses_other_moments(tmp_path: Path) -> None:
     from ckpt_train import model
 
-    from swapper.zero.checkpoint import final_digest, save_snapshot
+    from swapper.zero.checkpoint.snapshot import final_digest, save_snapshot
 
     swap = tmp_path / "swap"
     gpt = model()
@@ -451,7 +451,8 @@ def test_snapshot_keeps_the_compressed_form_and_refuses_other_moments(tmp_path: 
 def test_dcp_export_of_compressed_moments_is_decoded_fp32(tmp_path: Path) -> None:
     from ckpt_train import model
 
-    from swapper.zero.dcp_export import export_dcp, import_dcp
+    from swapper.zero.checkpoint.dcp_export import export_dcp
+    from swapper.zero.checkpoint.dcp_import import import_dcp
 
     gpt = model()
     with (
@@ -552,7 +553,7 @@ def _ranks_train(rank: int, world: int, tmp: str, moments: str, tight: bool) -> 
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    from swapper.zero.dist_config import DistributedConfig
+    from swapper.zero.config.distributed import DistributedConfig
 
     settings = {**d.TIGHT, "nvme_dirs": [os.path.join(tmp, f"{moments}-tight")]} if tight else {}
     config = swapper.OffloadConfig(

@@ -23,7 +23,7 @@ from swapper import Kind, ManagerConfig, OffloadAdamW, StepConfig, SwapConfigErr
 from swapper.step.compress import MomentCodec
 from swapper.step.layout import INT8_BLOCK_NUMEL, STORED_ALIGN_NBYTES, round_up
 from swapper.step.state import StateDictError
-from swapper.zero.checkpoint import final_digest, save_snapshot
+from swapper.zero.checkpoint.snapshot import final_digest, save_snapshot
 from tiers.aio import AioEngine
 from tiers.config import AioConfig
 from tiers.errors import SwapCorruptionError
@@ -295,7 +295,7 @@ def _inband(opt: OffloadAdamW) -> None:
 def _old_snapshot(swap: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[str, str, str]:
     """An int8 snapshot of the layout before at step 2: its name, the digest then, and
     the digest two more steps on."""
-    import swapper.zero.checkpoint as checkpoint
+    import swapper.zero.checkpoint.snapshot as checkpoint
 
     real_meta = checkpoint.optimizer_meta
 

@@ -1,4 +1,4 @@
-"""swapper.zero.weights: an offloaded model's weights are never silently empty (issue 15).
+"""swapper.zero.local.weights: an offloaded model's weights are never silently empty (issue 15).
 
 Inside ``with swapper.offload(model, ...)`` the model's own ``state_dict()`` (hence
 ``torch.save``) gives the real, trained weights; ``load_state_dict`` writes through to the
@@ -25,8 +25,8 @@ import swapper
 from swapper import OffloadAdamW, OffloadConfig, StepConfig, Tier
 from swapper.manager import ManagerClosedError
 from swapper.pressure.model import GPT, GPTConfig, batches, init_weights_
-from swapper.zero import weights
-from swapper.zero.weights import OffloadedWriteError, WeightsDoNotFitError
+from swapper.zero.local import weights
+from swapper.zero.local.weights import OffloadedWriteError, WeightsDoNotFitError
 
 ADAM = {"lr": 1e-2, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 1e-2}
 STEPS = 3

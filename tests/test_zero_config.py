@@ -1,4 +1,4 @@
-"""swapper.zero.config: OffloadConfig (a manager and a step section) built by create() from
+"""swapper.zero.config.offload: OffloadConfig (a manager and a step section) built by create() from
 flat settings, validation, from_dict (flat or nested) / from_json / from_deepspeed, and an
 as_dict round trip over random configs."""
 
@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 
 from swapper.manager import Kind, ManagerConfig, Policy, Tier
 from swapper.step import StepConfig
-from swapper.zero.config import OffloadConfig
-from swapper.zero.settings import tiers_of
+from swapper.zero.config.offload import OffloadConfig
+from swapper.zero.config.settings import tiers_of
 from tiers.config import AioConfig, Backend
 from tiers.errors import SwapConfigError, SwapError
 

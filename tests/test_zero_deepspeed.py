@@ -1,4 +1,4 @@
-"""The DeepSpeed config reader (swapper/zero/deepspeed.py, deepspeed_training.py): the
+"""The DeepSpeed config reader (swapper/zero/config/deepspeed.py, deepspeed_training.py): the
 training sections honoured (optimizer, gradient_clipping, fp16/bf16), the nested ``aio``
 layout of Hugging Face's guide, one warning naming every key not honoured, and a
 ``sub_group_size`` the host budget cannot hold reduced to fit with one log line.
@@ -17,12 +17,11 @@ import torch
 
 from swapper.manager.config import ManagerConfig
 from swapper.step import OffloadAdamW
-from swapper.zero.config import OffloadConfig
-from swapper.zero.deepspeed import load_deepspeed
+from swapper.zero.config.offload import OffloadConfig, load_deepspeed
 from tiers.config import AioConfig
 from tiers.errors import SwapConfigError
 
-LOGGER = "swapper.zero.deepspeed"
+LOGGER = "swapper.zero.config.deepspeed"
 
 #: The NVMe example of Hugging Face transformers' DeepSpeed guide: ``aio`` inside
 #: ``zero_optimization``, "auto" placeholders that the Trainer fills.

@@ -2,7 +2,7 @@
 Distributed Checkpoint export's bytes per second, measured in one run on one directory.
 
 Each round runs ``swapper-bench disk --op write`` (its default AIO settings, O_DIRECT,
-no baselines) on ``--dir``, then :func:`swapper.zero.dcp_export.export_dcp` of a GPT
+no baselines) on ``--dir``, then :func:`swapper.zero.checkpoint.dcp_export.export_dcp` of a GPT
 of about ``--params`` parameters and its :class:`~swapper.OffloadAdamW` (14 bytes per
 parameter: bf16 weights and three fp32 state rows) into a fresh directory under
 ``--dir``, timed up to ``save`` returning (files fsync'd, metadata written). The
@@ -42,7 +42,7 @@ from swapper import OffloadAdamW, OffloadConfig, StepConfig
 from swapper.bench import main as bench_main
 from swapper.cli_args import size_arg
 from swapper.pressure.model import GPT, GPTConfig, init_weights_
-from swapper.zero.dcp_export import export_dcp
+from swapper.zero.checkpoint.dcp_export import export_dcp
 from tiers.aio import AioEngine
 from tiers.buffers import allocate
 from tiers.config import AioConfig

@@ -38,7 +38,7 @@ import torch
 from swapper.pressure.model import GPT, GPTConfig, init_weights_
 from swapper.step import OffloadAdamW, StepConfig
 from swapper.zero import OffloadConfig
-from swapper.zero.offload import OffloadedModel
+from swapper.zero.local.offload import OffloadedModel
 
 Phases = Callable[[], tuple[float, float]]
 

@@ -8,7 +8,7 @@ default; ``--host-budget`` makes them spill to NVMe) and trains ``--steps`` step
 the last step's backward each rank records, per module window (one gradient group's
 reduce-scatter), the bytes of gradient shards it actually handed to its tiers, the bytes
 its manager wrote down a tier (evictions) and the seconds the offload took
-(:class:`swapper.zero.shard_grads.ReduceRecord`). Rank 0 prints, per ownership:
+(:class:`swapper.zero.sharded.grads.ReduceRecord`). Rank 0 prints, per ownership:
 
 - measured ``max/mean`` over the windows (``sum_w max_r / sum_w mean_r``, 1.00 perfect,
   N one rank at a time; :func:`swapper.distributed.balance_report`), of the retained
@@ -47,8 +47,8 @@ from swapper.distributed import (
 )
 from swapper.distributed.balance import BalanceReport
 from swapper.pressure.model import GPT, GPTConfig, batches, init_weights_
-from swapper.zero.dist_config import OWNERSHIPS, DistributedConfig
-from swapper.zero.shard_grads import ReduceRecord
+from swapper.zero.config.distributed import OWNERSHIPS, DistributedConfig
+from swapper.zero.sharded.grads import ReduceRecord
 
 TIMEOUT_S = 120.0
 

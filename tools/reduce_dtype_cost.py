@@ -7,7 +7,7 @@ unlimited budgets: only the collectives differ), one per ``DistributedConfig.
 reduce_dtype`` (``None``: the gradients' bf16; ``"float32"``), and trains them side by
 side on the same batches, alternating which goes first each step. Per step and model it
 measures the whole step (forward, backward, optimizer) and, from
-:class:`swapper.zero.shard_grads.ReduceRecord`, the gradient collectives: their seconds
+:class:`swapper.zero.sharded.grads.ReduceRecord`, the gradient collectives: their seconds
 (copy into the rank-major buffer, sum, average, copy out) and the bytes each rank put in
 (a ring reduce-scatter sends ``(N - 1) / N`` of them). Rank 0 prints the medians over the
 steps after the first, and how far apart the two models' parameters end.
@@ -33,8 +33,8 @@ import swapper
 from swapper import OffloadAdamW, OffloadConfig, StepConfig
 from swapper.distributed.groups import all_gather_single, reduce_scatter_single
 from swapper.pressure.model import GPT, GPTConfig, batches, init_weights_
-from swapper.zero.dist_config import DistributedConfig
-from swapper.zero.shard_grads import ReduceRecord
+from swapper.zero.config.distributed import DistributedConfig
+from swapper.zero.sharded.grads import ReduceRecord
 
 TIMEOUT_S = 120.0
 VARIANTS: tuple[str | None, ...] = (None, "float32")

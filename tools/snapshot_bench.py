@@ -43,9 +43,9 @@ from swapper.manager import Tier
 from swapper.pressure.model import GPT, GPTConfig, batches
 from swapper.pressure.weights import materialize_
 from swapper.step import OffloadAdamW, StepConfig
-from swapper.zero.checkpoint import final_digest, save_snapshot
-from swapper.zero.config import OffloadConfig
-from swapper.zero.offload import OffloadedModel
+from swapper.zero.checkpoint.snapshot import final_digest, save_snapshot
+from swapper.zero.config.offload import OffloadConfig
+from swapper.zero.local.offload import OffloadedModel
 
 GOAL = 0.05  # of the state's bytes, written by a snapshot right after a step
 

@@ -6,7 +6,7 @@ One layout at every ``--nproc``::
                           the 16-bit weights (swapper.zero.export_safetensors)
     DIR/dcp/.metadata, DIR/dcp/__<rank>_0.distcp
                           weights and fp32 optimizer state as a PyTorch Distributed
-                          Checkpoint (swapper.zero.dcp_export.export_dcp; one file per
+                          Checkpoint (swapper.zero.checkpoint.dcp_export.export_dcp; one file per
                           rank that wrote it), loadable at any world size
 
 With several ranks every rank calls :func:`export_final` alike (both exports are
@@ -26,14 +26,14 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from swapper.step import OffloadAdamW
-    from swapper.zero.offload import OffloadedModel
-    from swapper.zero.sharded import ShardedModel
+    from swapper.zero.local.offload import OffloadedModel
+    from swapper.zero.sharded.model import ShardedModel
 
 __all__ = ["DCP_SUBDIR", "INDEX_NAME", "existing_export", "export_final", "export_json"]
 
 #: Where in ``--export DIR`` the Distributed Checkpoint goes.
 DCP_SUBDIR = "dcp"
-#: The safetensors index (swapper.zero.export.INDEX_NAME; not imported: no torch here).
+#: The safetensors index (swapper.zero.checkpoint.export.INDEX_NAME; not imported: no torch here).
 INDEX_NAME = "model.safetensors.index.json"
 
 
@@ -73,11 +73,12 @@ def export_final(
     Raises:
         SwapConfigError: ``directory`` holds an export already (on every rank).
         SwapIOError: a file could not be written (named).
-        and what :func:`~swapper.zero.export.export_safetensors` and
-        :func:`~swapper.zero.dcp_export.export_dcp` raise (collective failures among them).
+        and what :func:`~swapper.zero.checkpoint.export.export_safetensors` and
+        :func:`~swapper.zero.checkpoint.dcp_export.export_dcp` raise (collective failures
+        among them).
     """
-    from swapper.zero.dcp_export import export_dcp
-    from swapper.zero.export import export_safetensors
+    from swapper.zero.checkpoint.dcp_export import export_dcp
+    from swapper.zero.checkpoint.export import export_safetensors
 
     start = time.perf_counter()
     weights = _Progress("safetensors", say) if say is not None else None

@@ -23,8 +23,8 @@ from swapper.pressure.ranks_report import (
 )
 from swapper.pressure.runner import DTYPES, PressureSettings
 from swapper.step import DynamicLossScaler, OffloadAdamW, StepConfig
-from swapper.zero.config import OffloadConfig
-from swapper.zero.dist_config import DistributedConfig
+from swapper.zero.config.distributed import DistributedConfig
+from swapper.zero.config.offload import OffloadConfig
 from tiers.errors import SwapConfigError
 from tiers.nvme import content_hash
 
@@ -95,7 +95,7 @@ def _train(
     import torch.distributed as dist
 
     import swapper
-    from swapper.zero.checkpoint import final_digest, save_snapshot
+    from swapper.zero.checkpoint.snapshot import final_digest, save_snapshot
 
     settings = plan.settings
     dtype = DTYPES[settings.dtype]

@@ -4,7 +4,7 @@ One run (:func:`run_ranks`):
 
 1. starts N ranks (``torch.multiprocessing``, spawn; a ``tcp://127.0.0.1`` rendezvous on
    a free port; ``timeout_s`` on the process group and on every collective of
-   :class:`~swapper.zero.sharded.ShardedModel`);
+   :class:`~swapper.zero.sharded.model.ShardedModel`);
 2. in those ranks, trains the model twice, one after the other: under the **per-rank**
    budgets (each rank spilling to NVMe in its own ``rank{r}of{N}`` directory), then with
    unlimited budgets; each rank trains its ``batch / N`` sequences of every global batch;
@@ -14,7 +14,7 @@ One run (:func:`run_ranks`):
 and reports, per rank of the budgeted run, the tier peaks against the budgets, bytes
 moved, bytes stored by kind, bytes offloaded during backward and the stall fraction;
 whether the budgeted ranks are bit-identical to the unlimited ranks (losses, parameters,
-and each rank's optimizer state through :func:`~swapper.zero.checkpoint.final_digest`),
+and each rank's optimizer state through :func:`~swapper.zero.checkpoint.snapshot.final_digest`),
 and how far the N ranks' parameters are from the single process's.
 
 Why not bitwise against one process: the N ranks' gradients are the average of N
@@ -65,8 +65,8 @@ from swapper.pressure.ranks_report import (
     compare_params,
 )
 from swapper.pressure.runner import DTYPES, PressureSettings, _swap_dirs
-from swapper.zero.config import OffloadConfig
-from swapper.zero.dist_config import DistributedConfig
+from swapper.zero.config.distributed import DistributedConfig
+from swapper.zero.config.offload import OffloadConfig
 from tiers.errors import SwapConfigError, SwapError
 
 __all__ = ["MAX_NPROC", "RankFailedError", "RankReport", "RanksResult", "run_ranks"]
@@ -102,13 +102,13 @@ def run_ranks(
     Budgets (``settings.device_nbytes`` / ``host_nbytes``) are per rank; by default a
     quarter of the rank's share (1/N) of the 16-bit parameters / optimizer state (the
     device budget at least the floor of the gathered buffers that the wrap refuses to go
-    below: :func:`~swapper.zero.shard_setup.gather_floor`).
+    below: :func:`~swapper.zero.sharded.setup.gather_floor`).
     ``settings.batch`` is the global batch and must be a multiple of ``nproc``.
     ``fetch_collective`` and ``reduce_dtype`` are those of
-    :class:`~swapper.zero.dist_config.DistributedConfig` (the unlimited ranks use the
+    :class:`~swapper.zero.config.distributed.DistributedConfig` (the unlimited ranks use the
     same; the one process has no collectives). With ``settings.checkpoint_every`` the
     budgeted ranks take a snapshot every that many steps
-    (:func:`~swapper.zero.checkpoint.save_snapshot`: each rank's part in
+    (:func:`~swapper.zero.checkpoint.snapshot.save_snapshot`: each rank's part in
     ``<dir>/swapper-pressure-checkpoint/rank{r}of{N}``, rank 0's commit record in
     ``<dir>/swapper-pressure-checkpoint``; kept after the run, as the single-process
     runner keeps its store); with ``settings.resume`` they continue from the newest
@@ -203,7 +203,7 @@ def _gather_floor(
     model_config: GPTConfig, nproc: int, timeout_s: float, *, fetch_collective: str = "all_gather"
 ) -> int:
     """Device bytes the wrap needs at least on each of ``nproc`` ranks (a meta model)."""
-    from swapper.zero.shard_setup import gather_floor
+    from swapper.zero.sharded.setup import gather_floor
 
     with torch.device("meta"):
         model = GPT(model_config)

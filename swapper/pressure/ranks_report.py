@@ -91,7 +91,7 @@ class RanksResult:
 
     @property
     def final_digest(self) -> str:
-        """The budgeted ranks' :func:`~swapper.zero.checkpoint.final_digest` (the same on
+        """The budgeted ranks' :func:`~swapper.zero.checkpoint.snapshot.final_digest` (the same on
         every rank, and at any world size for the same training)."""
         return self.per_rank[0].digest
 

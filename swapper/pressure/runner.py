@@ -25,7 +25,7 @@ PyTorch run, the I/O floor from the disk's rates measured in the swap directorie
 stall split).
 
 With ``checkpoint_every`` the pressure run takes a training snapshot every that many steps
-(:func:`swapper.zero.checkpoint.save_snapshot`, the ``keep_last`` newest kept) in a store
+(:func:`swapper.zero.checkpoint.snapshot.save_snapshot`, the ``keep_last`` newest kept) in a store
 that outlives the process (``<dir>/swapper-pressure-checkpoint``, not removed); with
 ``resume`` it continues from the newest usable snapshot there (or starts afresh), and the
 comparison covers the steps it ran and the final state.
@@ -52,9 +52,9 @@ from swapper.pressure.memory import SavedBytes, peak_rss, reset_peak_rss, return
 from swapper.pressure.model import GPT, GPTConfig, batches, materialize_
 from swapper.pressure.timing import Phases, Timing, measure_disk, plain_run
 from swapper.step import DynamicLossScaler, OffloadAdamW, StepConfig
-from swapper.zero.checkpoint import SnapshotReport, final_digest, save_snapshot
-from swapper.zero.config import OffloadConfig
-from swapper.zero.offload import OffloadedModel
+from swapper.zero.checkpoint.snapshot import SnapshotReport, final_digest, save_snapshot
+from swapper.zero.config.offload import OffloadConfig
+from swapper.zero.local.offload import OffloadedModel
 from tiers.config import AioConfig
 from tiers.errors import SwapConfigError
 from tiers.nvme import content_hash

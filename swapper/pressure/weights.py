@@ -7,20 +7,19 @@ larger than memory never exists whole before the swap manager takes its paramete
 
 Invariant: the weights depend only on the seed and the module's names and shapes, never
 on the order modules are visited in or on the device.
+
+The functions take any ``nn.Module`` (they walk ``named_modules()``), so this module never
+imports :mod:`swapper.pressure.model`, which builds on it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from tiers.errors import SwapConfigError
-
-if TYPE_CHECKING:
-    from swapper.pressure.model import GPT
 
 #: Standard deviation of the normal init of Linear and Embedding weights.
 INIT_STD = 0.02
@@ -72,7 +71,7 @@ def init_module_(
             param.copy_(values)
 
 
-def init_weights_(model: GPT, seed: int) -> None:
+def init_weights_(model: nn.Module, seed: int) -> None:
     """Initialise every parameter of ``model`` deterministically from ``seed``.
 
     Walks ``model.named_modules()`` in order with one CPU generator seeded once and calls
@@ -97,7 +96,7 @@ def init_weights_(model: GPT, seed: int) -> None:
 
 
 def materialize_(
-    model: GPT,
+    model: nn.Module,
     *,
     dtype: torch.dtype,
     seed: int,

@@ -1,15 +1,25 @@
-"""Training integration: ZeRO-3-style parameter offload through the tiers."""
+"""Training integration: ZeRO-3-style parameter offload through the tiers.
 
-from swapper.zero.checkpoint import SnapshotReport, final_digest, save_snapshot
-from swapper.zero.config import OffloadConfig
-from swapper.zero.dcp_export import export_dcp, import_dcp
-from swapper.zero.deepspeed import load_deepspeed
-from swapper.zero.dist_config import DistributedConfig
-from swapper.zero.export import export_safetensors
-from swapper.zero.offload import OffloadedModel
-from swapper.zero.sharded import ShardedModel
-from swapper.zero.weights import OffloadedWriteError, WeightsDoNotFitError
+Rooms (each ``__init__`` says what it offers and what it may import): ``model`` (what the
+two hook lifecycles share), ``local`` (one process: ``OffloadedModel``), ``sharded`` (N
+ranks: ``ShardedModel``), ``checkpoint`` (snapshots, resume, safetensors and DCP exports),
+``config`` (every setting); ``wrap`` chooses the model. The paths modules had before the
+rooms still import (:mod:`swapper.zero._moved`).
+"""
+
+from swapper.zero import _moved
+from swapper.zero.checkpoint.dcp_export import export_dcp
+from swapper.zero.checkpoint.dcp_import import import_dcp
+from swapper.zero.checkpoint.export import export_safetensors
+from swapper.zero.checkpoint.snapshot import SnapshotReport, final_digest, save_snapshot
+from swapper.zero.config.distributed import DistributedConfig
+from swapper.zero.config.offload import OffloadConfig, load_deepspeed
+from swapper.zero.local.offload import OffloadedModel
+from swapper.zero.local.weights import OffloadedWriteError, WeightsDoNotFitError
+from swapper.zero.sharded.model import ShardedModel
 from swapper.zero.wrap import offload
+
+_moved.install()  # (old paths are asked for after this package is imported, never during)
 
 __all__ = [
     "DistributedConfig",

@@ -1,8 +1,8 @@
 """``swapper.offload``: wrap a model so its training state lives in the tiers.
 
 One process (no process group, or a group of one rank): an
-:class:`~swapper.zero.offload.OffloadedModel`, exactly as before multi-rank support.
-A group of N > 1 ranks: a :class:`~swapper.zero.sharded.ShardedModel` (ZeRO-3: each
+:class:`~swapper.zero.local.offload.OffloadedModel`, exactly as before multi-rank support.
+A group of N > 1 ranks: a :class:`~swapper.zero.sharded.model.ShardedModel` (ZeRO-3: each
 rank keeps 1/N of the parameters, gradients and optimizer state).
 """
 
@@ -13,9 +13,9 @@ from typing import Any, overload
 from torch import nn
 
 from swapper.distributed import DistGroup
-from swapper.zero.config import OffloadConfig
-from swapper.zero.offload import Materialize, OffloadedModel, is_wrapped
-from swapper.zero.sharded import ShardedModel
+from swapper.zero.config.offload import OffloadConfig
+from swapper.zero.local.offload import Materialize, OffloadedModel, is_wrapped
+from swapper.zero.sharded.model import ShardedModel
 from tiers.errors import SwapConfigError
 
 __all__ = ["offload"]
@@ -52,7 +52,7 @@ def offload(
     resume: bool | str = False,
 ) -> OffloadedModel | ShardedModel:
     """Wrap ``model`` so its 16-bit parameters live in the tiers (see
-    :mod:`swapper.zero.offload`).
+    :mod:`swapper.zero.local.offload`).
 
     The parameters must be bf16 or fp16; a model built on the meta device is given values
     module by module by ``materialize`` (see :class:`OffloadedModel`). Use the result as
@@ -61,18 +61,18 @@ def offload(
 
     With ``process_group`` (a ``torch.distributed`` group, e.g. ``dist.group.WORLD``) of
     N > 1 ranks, every rank keeps only its 1/N of the parameters, gradients and optimizer
-    state (:class:`~swapper.zero.sharded.ShardedModel`): call it on every rank with the
+    state (:class:`~swapper.zero.sharded.model.ShardedModel`): call it on every rank with the
     same model and ``config.distributed``. ``None``, or a group of one rank, is the
     single-process path, bit for bit.
 
     ``resume=True`` continues from the newest usable training snapshot in the store
-    (:func:`swapper.zero.checkpoint.save_snapshot`), or starts afresh when there is none;
+    (:func:`swapper.zero.checkpoint.snapshot.save_snapshot`), or starts afresh when there is none;
     an older snapshot is used only when the newer ones are proven damaged or incomplete
     (an I/O error reading one is raised, never a silent roll-back);
     ``resume="name"`` from that snapshot. With several ranks, every rank must pass the
     same ``resume``; they agree on the newest snapshot whose commit record is valid and
     whose parts every rank reads back whole, at the same world size
-    (:mod:`swapper.zero.shard_resume`).
+    (:mod:`swapper.zero.checkpoint.shard_resume`).
 
     Raises:
         SwapConfigError: the model is wrapped already; a parameter is not 16-bit; the
@@ -85,7 +85,7 @@ def offload(
         SwapIOError: ``resume=True`` could not read the newest snapshot (an I/O error that
             does not prove it damaged; names the snapshot and file).
         ModelMismatchError, StoreIdentityError, CollectiveError: with several ranks, see
-            :class:`~swapper.zero.sharded.ShardedModel`.
+            :class:`~swapper.zero.sharded.model.ShardedModel`.
         and what :class:`TierManager` raises.
     """
     if process_group is not None:

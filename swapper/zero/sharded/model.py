@@ -1,0 +1,518 @@
+# Size: ~520 lines: the set-up, the surface and the hooks of one state machine (gathers,
+# gradients, checkpoints, overlap and writes are in the sharded room's other modules).
+"""``swapper.offload(model, config, process_group)`` over N > 1 ranks: ZeRO-3.
+
+Each rank holds 1/N of every 16-bit parameter (:mod:`swapper.distributed.partition`: flat
+shards padded to the alignment, small tensors owned whole by one rank, balanced over the
+backward order) in its own :class:`~swapper.manager.TierManager`, whose NVMe files live
+in ``<nvme dir>/rank{r}of{N}`` (:func:`~swapper.distributed.claim_store_identity`: a rank
+never opens another's store, nor one made under another world size).
+
+Around each module that owns parameters (``recurse=False``):
+
+- forward pre-hook: the module's gather (started by read-ahead, or now) is waited on:
+  one collective (``config.distributed.fetch_collective``) from every rank's shards into
+  the module's param-major buffer (:func:`~swapper.distributed.start_fetch`; charged to
+  the device budget, :mod:`swapper.zero.sharded.gather_budget`), whose views become the
+  parameters' ``.data``; then the next ``fetch_ahead`` modules along the order recorded
+  in the first step are started. Forward hook: released (the buffer freed, the shards
+  stay), the outputs marked (:class:`~swapper.zero.model.autograd.BeforeBackward`) so the
+  module is gathered again before its backward. Autograd's saved views of a gathered
+  parameter are kept as positions and read from the backward's gather
+  (:meth:`~swapper.zero.model.saved.SavedParams.around`): kept as tensors, they kept each freed
+  buffer alive outside the device budget until the backward;
+- a module's backward holds are released when every one of its parameters that
+  requires grad has had its gradient accumulated (a tied parameter: after its last use);
+- gradients are collected per :class:`~swapper.zero.sharded.state.GradGroup` (the
+  parameters whose first use is one module); when a group's are all in, they are
+  reduce-scattered and averaged over the ranks into this rank's retained 16-bit gradient
+  shards (kind ``grad16``; added to on later micro-steps), and the full gradients freed.
+  At the end of a backward, a group with some gradients missing (parameters unused in
+  this pass) is reduced with zeros for them.
+
+Every rank must run the same modules in the same order: the collectives are paired by
+the order they are issued in. A gather started by read-ahead is never used after the
+parameters changed: the optimizer's first write waits for (and drops) every gather in
+flight (with an overlapped optimizer, ``step()`` drops them and each gather waits for
+this rank's update of its shards: :mod:`swapper.zero.sharded.overlap`). Writes outside
+the hooks: :mod:`swapper.zero.sharded.writes`; a gather's life (start, read-ahead, wait,
+settle, free): :mod:`swapper.zero.sharded.gathers`.
+
+:class:`~swapper.step.OffloadAdamW` steps only this rank's shards
+(:class:`~swapper.zero.sharded.state.ShardedParams`); the global gradient norm and the
+fp16 overflow flag are reduced over the ranks, so clipping and skipped steps agree.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import weakref
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from swapper.distributed import (
+    DistGroup,
+    PartitionPlan,
+)
+from swapper.manager import Kind, ManagerStats, Tier, TierManager
+from swapper.step.config import StepConfig
+from swapper.step.sources import ParamGate, ParamSource
+from swapper.zero.checkpoint.snapshot import keeps_store
+from swapper.zero.config.offload import OffloadConfig
+from swapper.zero.config.settings import tiers_of
+from swapper.zero.model.autograd import in_autograd, mark_outputs
+from swapper.zero.model.frozen import check_trainable, mark_inputs
+from swapper.zero.model.model_buffers import move_buffers, restore_buffers
+from swapper.zero.model.module_apply import guard_apply, unguard_apply
+from swapper.zero.model.saved import SavedParams
+from swapper.zero.sharded.gather_budget import GatherBudget, charges_device
+from swapper.zero.sharded.gathers import GatherMixin
+from swapper.zero.sharded.grads import GradReducer
+from swapper.zero.sharded.overlap import ShardOverlap
+from swapper.zero.sharded.setup import Materialize, place_model
+from swapper.zero.sharded.state import ModuleState, ShardedParams, ShardSlot
+from swapper.zero.sharded.state_dicts import consolidated, iter_full, load_sharded, sharded
+from swapper.zero.sharded.writes import WriteGuard
+from tiers import signals
+from tiers.errors import SwapConfigError
+
+__all__ = ["ShardedModel"]
+
+log = logging.getLogger(__name__)
+
+
+#: Models wrapped by a ShardedModel so far (a module may be wrapped once).
+_WRAPPED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+
+class ShardedModel(GatherMixin, nn.Module):
+    """A module whose 16-bit parameters are partitioned over the ranks of ``group``.
+
+    Built by :func:`swapper.offload` when its process group has more than one rank; see
+    the module docstring. Every rank must wrap the same model (checked: names, shapes and
+    dtypes) with the same ``config.distributed``. A model built on the meta device is
+    given values by ``materialize`` one module at a time, each rank keeping only its
+    shards (see :func:`~swapper.zero.sharded.setup.place_model`).
+
+    Raises:
+        SwapConfigError: wrapped already, a parameter not 16-bit, several dtypes, or
+            the model on the meta device.
+        ModelMismatchError: the ranks wrap different models (on every rank).
+        StoreIdentityError: this rank's NVMe directories hold another rank's store, or
+            one of another world size (on that rank; the others raise PeerFailedError).
+        CollectiveError: a collective of the wrap failed or timed out.
+        WorldSizeMismatchError, SnapshotNotFoundError, CommitRecordError,
+            SnapshotDamagedError: ``resume`` could not be honoured (on every rank; see
+            :func:`~swapper.zero.checkpoint.shard_resume.choose_sharded`).
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        config: OffloadConfig,
+        group: DistGroup,
+        *,
+        materialize: Materialize | None = None,
+        resume: bool | str = False,
+    ) -> None:
+        super().__init__()
+        if not isinstance(module, nn.Module):
+            raise SwapConfigError(f"offload: expected an nn.Module, got {type(module).__name__}")
+        if isinstance(module, ShardedModel) or module in _WRAPPED:
+            raise SwapConfigError(
+                f"offload: this {type(module).__name__} is already wrapped; wrap a model once"
+            )
+        self.module = module
+        self.config = config
+        self.group = group
+        self._dist = config.distributed
+        self._use_tier = tiers_of(config.manager, Kind.PARAM16)[0]
+        self._device = group.control_device
+        self._lock = threading.RLock()
+        self._handles: list[Any] = []
+        self._order: list[ModuleState] | None = None
+        self._recording: list[ModuleState] | None = []
+        self._position: dict[ModuleState, list[int]] = {}
+        self._cursor = -1
+        self._forward_holds: list[ModuleState | None] = []
+        #: autograd's saved views of gathered parameters (swapper.zero.model.saved)
+        self._saved = SavedParams(
+            lambda slot: any(state.gathered is not None for state in slot.modules)
+        )
+        self._forward_depth = 0
+        self._in_backward = False
+        self._manager_recording: contextlib.AbstractContextManager[None] | None = None
+        self._manager_recorded = False
+        self._closed = False
+
+        placed = place_model(module, config, group, materialize, resume)
+        #: the snapshot resumed from (``resume=``; the optimizer adopts its state), or None
+        self.resumed = placed.resumed
+        self.plan: PartitionPlan = placed.plan
+        self._manager = placed.manager
+        self._by_index = placed.slots
+        self._slots = placed.by_id
+        self._states = placed.states
+        self._writes = WriteGuard(group, placed.slots)  # writes outside the hooks: raised
+        self._budget = GatherBudget(
+            placed.manager, group, config.manager.device_nbytes, placed.device_floor,
+            self._dist.fetch_collective, self._device,
+            charge=charges_device(config.manager, self._device),
+        )  # fmt: skip
+        reduce_dtype = torch.float32 if self._dist.reduce_dtype == "float32" else None
+        self._grads = GradReducer(
+            group, placed.manager, placed.slots, placed.groups, placed.group_of,
+            self._device, reduce_dtype,
+        )  # fmt: skip
+        #: an overlapped optimizer's gate and agreements (swapper.zero.sharded.overlap)
+        self._overlap = ShardOverlap(group, self.drain)
+        # buffers on the gathers' device; model.to() guarded (swapper.zero.model.module_apply)
+        self._buffer_moves = move_buffers(module, self._device)
+        self._apply_guarded = guard_apply(module, self._device)
+        self._install_hooks()
+        _WRAPPED.add(module)
+
+    def _install_hooks(self) -> None:
+        for sub, state in self._states.items():
+            state.all_frozen = bool(state.slots) and not any(s.trainable for s in state.slots)
+            pre = self._pre_forward_hook(state)  # (with_kwargs: inputs given by keyword)
+            self._handles.append(sub.register_forward_pre_hook(pre, with_kwargs=True))
+            self._handles.append(sub.register_forward_hook(self._post_forward_hook(state)))
+        for slot in self._by_index:
+            if slot.param.requires_grad:
+                self._handles.append(
+                    slot.param.register_post_accumulate_grad_hook(self._grad_hook(slot))
+                )
+
+    # -- what the optimizer and the user see ----------------------------------------------
+
+    @property
+    def manager(self) -> TierManager:
+        """This rank's tier manager (its shards, and the optimizer's state)."""
+        return self._manager
+
+    def param_source(self) -> ParamSource:
+        """This rank's shards and their retained gradients, for the optimizer."""
+        return ShardedParams(self)
+
+    def step_config(self) -> StepConfig:
+        """The optimizer settings ``config`` gives (``config.step``)."""
+        return self.config.step
+
+    def slot_of(self, param: torch.Tensor) -> ShardSlot | None:
+        """The record of one of the model's parameters (None for another tensor)."""
+        return self._slots.get(id(param))
+
+    def stats(self) -> ManagerStats:
+        """This rank's manager's counters."""
+        return self._manager.stats()
+
+    def local_nbytes(self) -> dict[str, int]:
+        """Bytes this rank stores of the 16-bit parameters and gradients (padding
+        included): ``{"param16": ..., "grad16": ...}``."""
+        param = sum(s.local_numel * s.dtype.itemsize for s in self._by_index)
+        grad = sum(s.local_numel * s.dtype.itemsize for s in self._by_index if s.has_grad)
+        return {"param16": param, "grad16": grad}
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The wrapped model's forward (every rank must call it alike). If it raises,
+        the modules it gathered are released before the exception propagates."""
+        if self._forward_depth == 0:
+            check_trainable(self._by_index)  # (before anything moves, on every rank alike)
+            self.release_stale_holds()
+            self._writes.check("forward")  # (an agreement: every rank raises alike)
+        depth = len(self._forward_holds)
+        self._forward_depth += 1
+        try:
+            with self._saved.around(self._gathered_now):
+                out = self.module(*args, **kwargs)
+            if self._forward_depth == 1:
+                self._overlap.forward_ended()  # (an agreement while an update is open)
+            return out
+        except BaseException:
+            with signals.held:
+                self._drop_forward_holds(depth)
+            raise
+        finally:
+            self._forward_depth -= 1
+
+    def _gathered_now(self) -> list[ShardSlot]:
+        """The parameters of the modules whose forward runs now (gathered)."""
+        return [slot for state in self._forward_holds if state is not None for slot in state.slots]
+
+    def release_stale_holds(self) -> int:
+        """Release what a forward or backward that raised left gathered; returns how many
+        holds that was (0 while a forward or backward runs)."""
+        if self._forward_depth or in_autograd():
+            return 0
+        if not self._forward_holds and not self._in_backward:
+            return 0
+        with signals.held:
+            dropped = self._drop_forward_holds(0)
+            self._in_backward = False
+            for state in self._states.values():
+                holds, state.backward_holds = state.backward_holds, 0
+                state.waiting.clear()
+                state.frozen_pending = 0
+                for _ in range(holds):
+                    self._release(state)
+                dropped += holds
+            self._grads.discard()
+        if dropped:
+            log.warning("offload: released %d module hold(s) left by a failed pass", dropped)
+        return dropped
+
+    def _drop_forward_holds(self, depth: int) -> int:
+        dropped = 0
+        while len(self._forward_holds) > depth:
+            state = self._forward_holds.pop()
+            if state is not None:
+                self._release(state)
+                dropped += 1
+        return dropped
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop the retained gradient shards: the next backward starts them afresh. With
+        an overlapped optimizer, waits for its update first (an agreement while one is
+        open: call it on every rank alike; raises as :meth:`settle_update`)."""
+        self._overlap.settle("zero_grad")
+        super().zero_grad(set_to_none=set_to_none)
+        self.drop_grads(self._by_index)
+
+    def drop_grads(self, slots: Iterable[ShardSlot]) -> None:
+        """Unregister the retained gradient shards of ``slots``."""
+        self._grads.drop(slots)
+
+    def before_param_write(self, slot: ShardSlot) -> None:
+        """Called before the optimizer writes a shard: no gather in flight may deliver
+        the old values later, and no module may be using the parameter.
+
+        Raises:
+            SwapConfigError: the parameter is in use (a step inside a forward/backward).
+        """
+        if self._overlap.in_update():
+            # An overlapped update writes from its own thread: step() drained the gathers
+            # in the caller's thread before it started, and the gate keeps every later
+            # gather from reading this shard until it is published. Any other write (a
+            # load, a failed update finished by step()) is the caller's: it drains.
+            return
+        self.drain()
+        if any(m.users for m in slot.modules):
+            self.release_stale_holds()
+        busy = [m.name for m in slot.modules if m.users]
+        if busy:
+            raise SwapConfigError(
+                f"optimizer step while parameter {slot.name!r} is in use by module(s) {busy} "
+                "(inside a forward or backward?)"
+            )
+
+    # -- the overlapped optimizer (swapper.zero.sharded.overlap) ---------------------------
+
+    def set_param_gate(self, gate: ParamGate | None, *, update_nbytes: int = 0) -> None:
+        """Install the gate of an overlapped optimizer (:mod:`swapper.step.deferred`);
+        None removes it. Raises as :meth:`~swapper.zero.sharded.overlap.ShardOverlap.install`."""
+        host = self._manager.config.host_nbytes if self._use_tier is Tier.HOST else None
+        self._overlap.install(gate, update_nbytes, self._states.values(), self._by_index, host)
+
+    def step_started(self) -> None:
+        """The overlapped optimizer starts a step's update (every rank alike): see
+        :meth:`~swapper.zero.sharded.overlap.ShardOverlap.step_started`."""
+        self._overlap.step_started()
+
+    def agree_update(self, finish: Callable[[], None] | None) -> bool:
+        """Called by the overlapped optimizer's ``step()`` on every rank: see
+        :meth:`~swapper.zero.sharded.overlap.ShardOverlap.agree_update`."""
+        return self._overlap.agree_update(finish)
+
+    def settle_update(self, what: str) -> None:
+        """Wait for an overlapped optimizer's whole update; an agreement while one is open
+        (call on every rank alike).
+
+        Raises:
+            DeferredStepError: this rank's update failed; PeerFailedError: another's did;
+            CollectiveError: the agreement failed or timed out.
+        """
+        self._overlap.settle(what)
+
+    @property
+    def slots(self) -> tuple[ShardSlot, ...]:
+        """Every parameter's record, in plan (forward) order."""
+        return tuple(self._by_index)
+
+    def iter_state_dict(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, full CPU copy) of every parameter, gathered one at a time (a collective
+        each: call it on every rank alike). Raises CollectiveError (a gather failed or
+        timed out), OffloadedWriteError or PeerFailedError (:mod:`.shard_writes`)."""
+        self._overlap.settle("iter_state_dict")
+        self._writes.check("iter_state_dict")
+        return iter_full(self)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
+        """The consolidated state dict on rank 0 (parameters gathered one at a time; tied
+        parameters under every name; buffers as they are); ``{}`` on the other ranks.
+        Call it on every rank alike. Raises as :meth:`iter_state_dict`."""
+        if args or kwargs:
+            raise TypeError("state_dict() of a sharded model takes no arguments")
+        self._overlap.settle("state_dict")
+        self._writes.check("state_dict")
+        return consolidated(self)
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """This rank's shards, for a per-rank checkpoint (see
+        :func:`swapper.zero.sharded.state_dicts.sharded`)."""
+        self._overlap.settle("sharded_state_dict")
+        self._writes.check("sharded_state_dict")
+        return sharded(self)
+
+    def load_sharded_state_dict(self, state: dict[str, Any]) -> None:
+        """Load what :meth:`sharded_state_dict` returned on this rank (on every rank
+        alike; see :func:`swapper.zero.sharded.state_dicts.load_sharded`).
+
+        Raises:
+            SwapConfigError: another rank's, world size's or partition's, or malformed;
+            PeerFailedError: another rank's check failed.
+        """
+        self._overlap.settle("load_sharded_state_dict")
+        load_sharded(self, state)
+
+    def close(self) -> None:
+        """Remove the hooks and drop this rank's tiers (its files deleted, unless its
+        store holds snapshots: kept for ``resume``). Idempotent; waits for gathers in
+        flight first. A close cut by a Ctrl-C (while gathers are waited for or the manager
+        closes) is finished by calling it again: the store stays locked until then."""
+        if self._closed:
+            if self._manager_open:  # an interrupt cut the close: finish it
+                self._close_manager()
+            return
+        if self._overlap.gate is not None:
+            with contextlib.suppress(Exception):  # (the optimizer raises it at its next call)
+                self._overlap.gate(None)  # the update stops using the manager first
+        self._closed = True
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._writes.close()
+        unguard_apply(self._apply_guarded)
+        with contextlib.suppress(Exception):  # (small; a failed copy leaves one on the GPU)
+            restore_buffers(self._buffer_moves)
+        self._close_manager()
+
+    #: False once the manager's close() returned (see close())
+    _manager_open = True
+
+    def _close_manager(self) -> None:
+        self._settle_gathers()  # their buffers are the manager's blocks
+        self._manager.close(remove=not keeps_store(self._manager))  # snapshots are kept
+        self._manager_open = False
+        _WRAPPED.discard(self.module)
+
+    def __enter__(self) -> ShardedModel:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- hooks ----------------------------------------------------------------------------
+
+    def _pre_forward_hook(self, state: ModuleState) -> Callable[..., Any]:
+        def after() -> None:  # all frozen: its backward is over (swapper.zero.model.frozen)
+            with signals.held:
+                if not state.frozen_pending:
+                    return  # (released already: the backward ended)
+                state.frozen_pending -= 1
+                state.backward_holds -= 1
+                self._release(state)
+
+        def hook(module: nn.Module, args: Any, kwargs: Any) -> Any:
+            self._step_boundary()
+            self._forward_holds.append(None)
+            with signals.at_waits:
+                self._acquire(state)
+                self._forward_holds[-1] = state
+            if state.all_frozen and torch.is_grad_enabled():
+                return mark_inputs(args, kwargs, after)
+            return None
+
+        return hook
+
+    def _post_forward_hook(self, state: ModuleState) -> Callable[..., Any]:
+        def before_backward() -> None:
+            if not self._in_backward:
+                # the update reads the gradients this backward adds to: it ends first
+                self._overlap.settle("the backward after an overlapped optimizer step")
+            self._backward_started()
+            with signals.at_waits:
+                self._acquire(state)
+                with self._lock:
+                    if not state.backward_holds:
+                        state.waiting = {s.index for s in state.slots if s.param.requires_grad}
+                    state.backward_holds += 1
+                    if state.all_frozen:
+                        state.frozen_pending += 1  # (what its AfterBackward releases)
+
+        def hook(module: nn.Module, args: Any, output: Any) -> Any:
+            with signals.held:
+                taken = self._forward_holds.pop() if self._forward_holds else None
+                if taken is not None:
+                    self._release(taken)
+            if not torch.is_grad_enabled():
+                return output
+            return mark_outputs(output, before_backward)
+
+        return hook
+
+    def _grad_hook(self, slot: ShardSlot) -> Callable[[torch.Tensor], None]:
+        def hook(param: torch.Tensor) -> None:
+            grad = param.grad
+            param.grad = None  # moved: the group holds it until reduced
+            with signals.held:
+                for state in slot.modules:
+                    if slot.index in state.waiting:
+                        state.waiting.discard(slot.index)
+                        if not state.waiting:
+                            holds, state.backward_holds = state.backward_holds, 0
+                            for _ in range(holds):
+                                self._release(state)
+            self._grads.add(slot, grad)
+
+        return hook
+
+    def _step_boundary(self) -> None:
+        """Record the manager's accesses over the first whole step (as the one-rank path
+        does), so its eviction order covers forward, backward and the optimizer."""
+        if self._manager_recording is None and not self._manager_recorded:
+            self._manager_recording = self._manager.recording()
+            self._manager_recording.__enter__()
+        elif self._manager_recording is not None and self._order is not None:
+            recording, self._manager_recording = self._manager_recording, None
+            self._manager_recorded = True
+            recording.__exit__(None, None, None)
+
+    def _backward_started(self) -> None:
+        if self._in_backward:
+            return
+        self._in_backward = True
+        torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
+
+    def _backward_ended(self) -> None:
+        with signals.held:
+            self._in_backward = False
+            for state in self._states.values():
+                holds, state.backward_holds = state.backward_holds, 0
+                state.waiting.clear()
+                state.frozen_pending = 0
+                for _ in range(holds):
+                    self._release(state)
+        self._grads.flush()  # parameters unused in this pass: zeros
+        if self._recording is not None and self._recording:
+            self._order, self._recording = self._recording, None
+            for i, state in enumerate(self._order):
+                self._position.setdefault(state, []).append(i)
+            log.info("offload: recorded a gather order of %d modules", len(self._order))
+
+    # -- gathering and releasing: swapper.zero.sharded.gathers (GatherMixin) ---------------
