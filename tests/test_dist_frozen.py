@@ -15,7 +15,6 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from swapper.zero.dist_config import DistributedConfig
 from test_dist_train import PG_TIMEOUT_S, _spawn
 from test_frozen import (
     BATCH,
@@ -33,6 +32,7 @@ from test_frozen import (
 
 import swapper
 from swapper import OffloadAdamW, OffloadConfig, StepConfig, Tier
+from swapper.zero.config.distributed import DistributedConfig
 
 pytestmark = pytest.mark.dist
 
