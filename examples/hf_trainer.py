@@ -46,6 +46,7 @@ import torch
 
 import swapper
 from swapper import OffloadAdamW, OffloadConfig, StepConfig, Tier
+from tiers.units import format_size
 
 VOCAB = 256
 SEQ = 32
@@ -178,9 +179,9 @@ def train(
         + " ".join(f"{x:.3f}" for x in losses)
     )
     print(
-        f"parameters: {params_nbytes / 1024:.0f} KiB in bf16; written to NVMe: "
-        f"{stats.moved(Tier.HOST, Tier.NVME).nbytes / 1024:.0f} KiB, read back: "
-        f"{stats.moved(Tier.NVME, Tier.HOST).nbytes / 1024:.0f} KiB; last step's gradient "
+        f"parameters: {format_size(params_nbytes)} in bf16; written to NVMe: "
+        f"{format_size(stats.moved(Tier.HOST, Tier.NVME).nbytes)}, read back: "
+        f"{format_size(stats.moved(Tier.NVME, Tier.HOST).nbytes)}; last step's gradient "
         f"norm (before clipping to 1.0): {last.grad_norm if last else float('nan'):.3f}"
     )
     if args.out is not None:

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 import swapper
 from swapper import DistributedConfig, OffloadAdamW, OffloadConfig, StepConfig, Tier
 from swapper.pressure.model import GPT, GPTConfig, batches, init_weights_
+from tiers.units import format_size
 
 
 def main() -> None:
@@ -85,7 +86,8 @@ def main() -> None:
         dist.all_gather(everyone, moved)
         if rank == 0:
             for r, (written, read) in enumerate(everyone):
-                print(f"rank {r}: wrote {int(written)} B to NVMe, read {int(read)} B")
+                wrote, got = format_size(float(written)), format_size(float(read))
+                print(f"rank {r}: wrote {wrote} to NVMe, read {got}")
         optimizer.close()
     dist.destroy_process_group()
 

@@ -4,7 +4,8 @@ their messages, the ``SWAPPER_AIO_*`` settings, the units of their human output,
 output files written whole or not at all.
 
 Units: what both tools print for people uses binary prefixes, always labelled —
-sizes as :func:`show_nbytes` writes them (``95.2 MiB``), throughput in GiB/s
+sizes as :func:`tiers.units.format_size` writes them (``95.2 MiB``; re-exported here for
+the tools, the one formatter of every size swapper prints), throughput in GiB/s
 (:func:`gib_per_s`), times in seconds (``s``), fractions as percentages. ``--json`` keeps
 its keys: bytes as integers, and ``gbps`` fields in GB/s (10^9 bytes), as they always were.
 
@@ -33,7 +34,7 @@ from typing import Any, NoReturn, TypeVar
 from swapper.interrupts import fired, interrupts_raise, settle
 from tiers.config import AioConfig
 from tiers.errors import SwapConfigError, SwapError
-from tiers.units import parse_size
+from tiers.units import format_size, parse_size
 
 __all__ = [
     "OneLineParser",
@@ -45,13 +46,13 @@ __all__ = [
     "count_arg",
     "enum_arg",
     "finite_arg",
+    "format_size",
     "gib_per_s",
     "int_arg",
     "list_arg",
     "one_line",
     "output_file",
     "run_tool",
-    "show_nbytes",
     "size_arg",
     "table",
     "write_json",
@@ -77,7 +78,7 @@ def run_tool(
     argv: Sequence[str] | None,
     body: Callable[[list[str]], int],
     *,
-    interrupted_note: str = "",
+    interrupted_note: str | Callable[[], str] = "",
 ) -> int:
     """Run a tool's ``body(arguments)`` with the exit codes of the module docstring.
 
@@ -92,7 +93,8 @@ def run_tool(
         argv: the arguments (``None``: ``sys.argv[1:]``).
         body: parses the arguments and runs the tool; returns the exit code.
         interrupted_note: appended to the "interrupted" line, e.g. "; temporary files
-            removed".
+            removed"; or a function giving it when the line is printed (what was removed
+            and what kept can depend on the arguments the body has read).
 
     Returns:
         The exit code.
@@ -104,7 +106,7 @@ def run_tool(
         except BaseException as exc:
             if fired() is not None:
                 settle()  # first thing: from here on no signal raises again
-            code = _exit_code(prog, exc, interrupted_note)
+            code = _exit_code(prog, exc, _note(interrupted_note))
             if code is None:
                 raise
             return_code = code
@@ -113,8 +115,12 @@ def run_tool(
             return return_code
         settle()  # (also when the body caught the Interrupted and returned)
         name = signal.Signals(signum).name
-        print(f"{prog}: interrupted ({name}){interrupted_note}", file=sys.stderr)
+        print(f"{prog}: interrupted ({name}){_note(interrupted_note)}", file=sys.stderr)
         return 128 + signum
+
+
+def _note(note: str | Callable[[], str]) -> str:
+    return note if isinstance(note, str) else note()
 
 
 def _exit_code(prog: str, exc: BaseException, interrupted_note: str) -> int | None:
@@ -314,19 +320,9 @@ def check_output_path(flag: str, path: Path | None) -> None:
         raise UsageError(f"{flag} {path}: the file exists and is not writable")
 
 
-_BINARY_UNITS = (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10))
 #: Bytes in a GiB, and in the GB of ``--json``'s ``gbps`` fields.
 GIB = 1 << 30
 GB = 10**9
-
-
-def show_nbytes(nbytes: float) -> str:
-    """A byte count for people: the largest binary unit it reaches, one decimal, labelled
-    (``512 B``, ``1.5 KiB``, ``95.2 MiB``, ``3.0 GiB``)."""
-    for unit, factor in _BINARY_UNITS:
-        if abs(nbytes) >= factor:
-            return f"{nbytes / factor:.1f} {unit}"
-    return f"{nbytes:.0f} B"
 
 
 def gib_per_s(gbps: float) -> float:

@@ -134,7 +134,7 @@ def test_several_dirs_split_the_size(tmp_path: Path, capsys: pytest.CaptureFixtu
     for r in data["results"]:
         check_record(r, loops=1, nbytes=8 << 20)
         assert r["dirs"] == [str(d) for d in dirs]
-    assert "4MiB each" in out
+    assert "4 MiB each" in out
     assert data["meta"]["file_nbytes"] == 4 << 20
     assert_empty(*dirs)
 

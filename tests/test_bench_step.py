@@ -53,6 +53,21 @@ def test_step_json_record(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
         ]
     )
     assert len(doc["legacy_speedup_per_round"]) == 2
+    # the step judged against the disk measured in the same run
+    disk = doc["disk"]
+    assert len(disk["rounds"]) == 2
+    assert all(r["read_bps"] > 0 and r["mixed_bps"] > 0 for r in disk["rounds"])
+    read, written = (padded * 300_000 for _ in range(2))
+    floor = doc["floor"]
+    assert floor["separate_seconds"] == pytest.approx(
+        read / disk["read_bytes_per_second"] + written / disk["write_bytes_per_second"]
+    )
+    assert floor["seconds"] == pytest.approx(
+        max(floor["disk_seconds"], doc["compute_only_seconds"])
+    )
+    assert doc["step_over_floor"] == pytest.approx(doc["step_seconds"] / floor["seconds"])
+    assert len(doc["step_over_floor_per_round"]) == 2
+    assert "step / floor" in printed
     assert list(work.iterdir()) == []  # everything it made is gone
 
 

@@ -85,7 +85,7 @@ def test_too_large_fails_at_once_with_names_and_sizes() -> None:
     assert time.monotonic() - start < 1.0
     message = str(info.value)
     assert "layer3.weight" in message
-    assert "3MiB" in message and "1MiB" in message and "'pinned'" in message
+    assert "3 MiB" in message and "1 MiB" in message and "'pinned'" in message
     assert isinstance(info.value, SwapError) and isinstance(info.value, ValueError)
     assert (info.value.what, info.value.nbytes, info.value.limit_nbytes) == (
         "layer3.weight",
@@ -107,7 +107,7 @@ def test_timeout_names_what_size_budget_use_and_timeout() -> None:
     elapsed = time.monotonic() - start
     assert 0.15 <= elapsed < 2.0
     message = str(info.value)
-    for part in ("opt.exp_avg", "4KiB", "'device'", "8KiB", "6KiB in use", "0.2s"):
+    for part in ("opt.exp_avg", "4 KiB", "'device'", "8 KiB", "6 KiB in use", "0.2s"):
         assert part in message, (part, message)
     assert isinstance(info.value, TimeoutError) and isinstance(info.value, SwapError)
     assert budget.waiting == 0  # the timed-out waiter left the queue

@@ -272,12 +272,12 @@ def test_a_failed_run_exits_1(
         (0, "0 B"),
         (1023, "1023 B"),
         (1536, "1.5 KiB"),
-        (100 << 20, "100.0 MiB"),
-        (3 << 30, "3.0 GiB"),
+        (100 << 20, "100 MiB"),
+        (3 << 30, "3 GiB"),
     ],
 )
-def test_show_nbytes(nbytes: int, text: str) -> None:
-    assert cli_args.show_nbytes(nbytes) == text
+def test_format_size_as_the_tools_print_it(nbytes: int, text: str) -> None:
+    assert cli_args.format_size(nbytes) == text
 
 
 def _pressure_result() -> Any:
@@ -311,10 +311,10 @@ def test_pressure_summary_units() -> None:
     from swapper.pressure.cli import _summary
 
     text = _summary(_pressure_result())
-    assert "device peak 136.7 KiB of budget 142.1 KiB" in text
-    assert "host peak 781.2 KiB of budget unlimited" in text
-    assert "peak RSS 300.0 MiB, bound 257.1 MiB (budgets + baseline 250.0 MiB" in text
-    assert "moved 5.0 GiB between tiers" in text
+    assert "device peak 137 KiB of budget 142 KiB" in text
+    assert "host peak 781 KiB of budget unlimited" in text
+    assert "peak RSS 300 MiB, bound 257 MiB (budgets + baseline 250 MiB" in text
+    assert "moved 5 GiB between tiers" in text
     assert "stalled 0.50 s waiting for bytes (25.0% of the budgeted run)" in text
     assert " GB" not in text and "MB" not in text  # no decimal prefixes
     data = _pressure_result().to_json()  # --json: integers in bytes, the same keys

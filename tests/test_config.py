@@ -105,11 +105,12 @@ def test_limits_accepted(kwargs: dict) -> None:
 
 
 def test_describe() -> None:
-    assert AioConfig(backend=Backend.LIBAIO).describe() == "libaio bs=1MiB qd=32 threads=1 direct"
+    described = AioConfig(backend=Backend.LIBAIO).describe()
+    assert described == "libaio, bs 1 MiB, qd 32, threads 1, direct"
     cfg = AioConfig(
         backend=Backend.THREADS, block_size=8192, queue_depth=2, num_threads=3, direct=False
     )
-    assert cfg.describe() == "threads bs=8KiB qd=2 threads=3 buffered"
+    assert cfg.describe() == "threads, bs 8 KiB, qd 2, threads 3, buffered"
 
 
 # -- from_env -------------------------------------------------------------------------

@@ -210,3 +210,54 @@ def test_one_process_refused_where_ranks_have_the_store(tmp_path: Path) -> None:
             assert sorted(p.name for p in swap.iterdir()) == ["rank0of2"]  # nothing made
     finally:
         rank.close(remove=True)
+
+
+def test_the_advice_for_a_ranks_store_left_in_the_way_works(tmp_path: Path) -> None:
+    """issue 28 item 1: two ranks' store left in ./swap refuses a one-process run there;
+    the message gives the shell command first, and the library call it names (each rank
+    directory, name= the store's) removes every file, identity records included, so the
+    next run is not refused again."""
+    from swapper.distributed import refuse_other_layout
+    from tiers.nvme import remove_store
+
+    swap = tmp_path / "swap"
+    dirs = [claim_store_identity([swap], "swapper-offload", r, 2)[0] for r in range(2)]
+    with pytest.raises(StoreLayoutError) as info:
+        refuse_other_layout([swap], "swapper-offload", None)
+    message = str(info.value)
+    shell = f"rm -r {dirs[0]} {dirs[1]}"
+    assert shell in message and "left on disk by an earlier run" in message, message
+    assert message.index(shell) < message.index("another nvme_dirs")  # the way out first
+    assert "name='swapper-offload'" in message
+    for d in dirs:
+        removed = remove_store([d], name="swapper-offload")
+        assert d / "swapper-offload.identity" in removed
+    refuse_other_layout([swap], "swapper-offload", None)  # nothing in the way now
+
+
+def _wrap_and_close(rank: int, world: int, tmp: str) -> str:
+    import torch.distributed as dist
+    from dist_ckpt_train import config, model
+
+    import swapper
+
+    with swapper.offload(model(), config(Path(tmp) / "swap"), dist.group.WORLD):
+        pass  # no snapshot: closing removes the store
+    return "closed"
+
+
+@pytest.mark.dist
+def test_two_ranks_then_one_process_in_the_same_directory(tmp_path: Path) -> None:
+    """issue 28 item 1: examples/train_dist.py (two ranks) then examples/hf_trainer.py (one
+    process) over ./swap: the ranks' stores, closed with nothing to keep, left their
+    identity records, and the one process was refused. Now nothing is left."""
+    from dist_ckpt_train import spawn
+
+    import swapper
+
+    results = spawn(_wrap_and_close, 2, tmp_path, join_s=120.0)
+    assert [r.get("value") for r in results] == ["closed", "closed"], results
+    swap = tmp_path / "swap"
+    assert [p for p in swap.rglob("*") if p.is_file()] == []
+    with swapper.offload(_tiny(), _one_process_config(swap)):
+        pass  # not refused

@@ -322,7 +322,7 @@ def _wide_llama() -> nn.Module:
 def test_checkpointed_model_below_recompute_floor_refused_at_wrap(tmp_path: Path) -> None:
     model = _wide_llama()
     _enable_checkpointing(model)
-    with pytest.raises(SwapConfigError, match=r"recomputed .*raise it to at least 16384"):
+    with pytest.raises(SwapConfigError, match=r"recomputed.*raise it to at least 16384"):
         swapper.offload(model, _config(tmp_path, 8192 + 4096, None))
 
 

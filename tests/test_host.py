@@ -82,7 +82,7 @@ def test_too_large_names_what_size_and_budget() -> None:
         with pytest.raises(BudgetExceededError) as info:
             tier.try_alloc(10_000, what="key='big'")
         message = str(info.value)
-        assert "key='big'" in message and "12KiB" in message and "'host'" in message
+        assert "key='big'" in message and "12 KiB" in message and "'host'" in message
         assert info.value.limit_nbytes == 8 * KiB
 
 

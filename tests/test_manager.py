@@ -126,7 +126,7 @@ def _fd_count() -> int:
     ("overrides", "name"),
     [
         ({"device_nbytes": -1}, "device_nbytes"),
-        ({"host_nbytes": "1GiB"}, "host_nbytes"),
+        ({"host_nbytes": "1 GiBs"}, "host_nbytes"),
         ({"nvme_dirs": "/tmp/one"}, "nvme_dirs"),
         ({"placement": {"bogus": ["host"]}}, "placement"),
         ({"placement": {"param16": ["gpu"]}}, "param16"),
@@ -252,7 +252,7 @@ def test_too_large_for_every_memory_tier_goes_to_nvme(manager: TierManager) -> N
     info = manager.info("big")
     assert info.state is EntryState.ON_NVME and info.home is Tier.NVME
     assert manager.stats().moved(Tier.HOST, Tier.NVME).nbytes == 160 * KiB
-    with pytest.raises(BudgetExceededError, match=r"key='big'.*160KiB.*'device'"):
+    with pytest.raises(BudgetExceededError, match=r"key='big'.*160 KiB.*'device'"):
         manager.fetch("big")
     with pytest.raises(BudgetExceededError, match=r"key='big'.*'host'"):
         manager.fetch("big", "host")
@@ -264,7 +264,7 @@ def test_too_large_without_nvme_fails_with_the_budget_error() -> None:
         with pytest.raises(BudgetExceededError) as info:
             m.register("huge", torch.zeros(64 * KiB), "param16")  # 256 KiB
         message = str(info.value)
-        assert "key='huge'" in message and "256KiB" in message and "'host'" in message
+        assert "key='huge'" in message and "256 KiB" in message and "'host'" in message
         assert "huge" not in m
         # Without NVMe, a full device demotes to host, and a full host just waits.
         for i in range(12):
@@ -498,10 +498,11 @@ def test_stats_and_periodic_log(dirs: list[Path], caplog: pytest.LogCaptureFixtu
         assert stats.tiers[Tier.HOST].peak_nbytes == 64 * KiB
         assert stats.tiers[Tier.HOST].limit_nbytes == 128 * KiB
         assert stats.tiers[Tier.NVME].used_nbytes >= 64 * KiB
-        assert any("fetches=1" in r.getMessage() for r in caplog.records)
-        assert "host->nvme=64KiB" in stats.summary()
+        assert any("fetches 1," in r.getMessage() for r in caplog.records)
+        assert "host->nvme 64 KiB at " in stats.summary()
         # one unit family on the line: binary sizes, binary rates
-        assert f"@{write.gib_per_s:.2f}GiB/s" in stats.summary() and "GB/s" not in stats.summary()
+        summary = stats.summary()
+        assert f" at {write.gib_per_s:.2f} GiB/s" in summary and "GB/s" not in summary
         assert write.gib_per_s == pytest.approx(write.gbps * 1e9 / 2**30)
 
 

@@ -79,7 +79,7 @@ def test_a_run_over_a_tiny_budget_warns_once_naming_rate_budget_and_remedies(
     found, _ = _run_with_budget(tmp_path, 1000.0)
     assert len(found) == 1, found  # (the extra check at the end warns no more either)
     message = found[0]
-    assert "a day to NVMe" in message and "budget of 1000B a day" in message
+    assert "a day to NVMe" in message and "budget of 1000 B a day" in message
     assert "write_budget_bytes_per_day" in message
     assert "moments='int8'" in message and "host_nbytes" in message and "snapshots" in message
 

@@ -41,6 +41,7 @@ from tiers.nvme import (
     content_hash,
 )
 from tiers.nvme.journal import Journal
+from tiers.nvme.placement import REGION_ALIGN_NBYTES
 
 KiB = 1024
 STRIPE = 64 * KiB
@@ -271,6 +272,57 @@ def test_allocator_first_fit_coalescing_and_double_free() -> None:
     assert b.holes == [(4096, 4096)] and b.end_nbytes == 12288 and b.used_nbytes == 8192
     with pytest.raises(ValueError, match="overlaps"):
         RangeAllocator.rebuild([(0, 8192), (4096, 4096)])
+
+
+def test_allocator_aligned_leaves_the_skipped_space_free() -> None:
+    a = RangeAllocator()
+    assert a.allocate(4096) == 0
+    mib = 1 << 20
+    assert a.allocate(2 * mib, mib) == mib  # [4096, 1 MiB) skipped, left as a hole
+    assert a.holes == [(4096, mib - 4096)] and a.end_nbytes == 3 * mib
+    assert a.allocate(8192) == 4096  # a smaller one takes the skipped space
+    a.free(4096, 8192)
+    a.free(0, 4096)
+    a.free(mib, 2 * mib)
+    assert a.holes == [] and a.end_nbytes == 0 and a.used_nbytes == 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.integers(1, 600), st.sampled_from([1, 2, 64, 256]), st.booleans()),
+        max_size=40,
+    )
+)
+def test_allocator_aligned_ranges_never_overlap(ops: list[tuple[int, int, bool]]) -> None:
+    # sizes and alignments in 4 KiB pages; each op allocates, or frees the oldest range
+    a = RangeAllocator()
+    held: list[tuple[int, int]] = []
+    for pages, align_pages, free in ops:
+        if free and held:
+            a.free(*held.pop(0))
+            continue
+        offset = a.allocate(pages * 4096, align_pages * 4096)
+        assert offset % (align_pages * 4096) == 0
+        held.append((offset, pages * 4096))
+    spans = sorted(held)
+    for (o1, n1), (o2, _) in itertools.pairwise(spans):
+        assert o1 + n1 <= o2
+    assert a.used_nbytes == sum(n for _, n in held)
+    assert all(o + n <= a.end_nbytes for o, n in held)
+    assert RangeAllocator.rebuild(held).used_nbytes == a.used_nbytes
+
+
+def test_large_tensors_start_on_a_mib_boundary(tmp_path: Path, engine: AioEngine) -> None:
+    # a small tensor first, so that a 4 KiB-aligned region would start unaligned
+    with NvmeStore(_dirs(tmp_path, 1), engine) as store:
+        store.write("small", torch.zeros(1000, dtype=torch.uint8)).result()
+        big = torch.arange(3 * (1 << 20) // 4 + 5, dtype=torch.float32)
+        store.write("big", big).result()
+        assert all(e.offset % REGION_ALIGN_NBYTES == 0 for e in store.info("big").extents)
+        assert _same_bits(_read(store, "big"), big)
+        store.write("small2", torch.ones(5000, dtype=torch.uint8)).result()
+        assert store.info("small2").extents[0].offset < REGION_ALIGN_NBYTES  # the gap reused
 
 
 def test_allocator_double_free_detected() -> None:

@@ -244,3 +244,52 @@ def test_lock_is_taken_quickly(tmp_path: Path, engine: AioEngine) -> None:
         with pytest.raises(StoreLockedError):
             NvmeStore.open(dirs, engine)
         assert time.monotonic() - start < 1.0  # refused at once, never waits
+
+
+def test_remove_store_takes_the_identity_record_and_can_keep_snapshots(
+    tmp_path: Path, engine: AioEngine
+) -> None:
+    """Every file swapper makes for a store goes with it, the identity record a rank's
+    store keeps beside it included (issue 28: it stayed, and the next run was refused
+    again); with keep_snapshots only the lock and an interrupted save's leftovers go."""
+    kept = tmp_path / "kept"
+    with NvmeStore([kept], engine, name="s") as store:
+        store.write("k", torch.ones(10)).result()
+        store.snapshot("a")
+    (kept / "s.identity").write_text("{}")
+    (kept / ".s.json.abcd1234.tmp").write_text("{")
+    removed = {p.name for p in remove_store([kept], name="s", keep_snapshots=True)}
+    assert removed == {"s.lock", ".s.json.abcd1234.tmp"}
+    assert sorted(p.name for p in kept.iterdir()) == [
+        "s.a.snap", "s.bin", "s.identity", "s.journal", "s.json",
+    ]  # fmt: skip
+    with NvmeStore.open([kept], engine, name="s") as store:
+        assert [i.name for i in store.snapshots()] == ["a"]
+    removed = {p.name for p in remove_store([kept], name="s")}
+    assert {"s.identity", "s.a.snap", "s.bin", "s.json", "s.lock"} <= removed
+    assert list(kept.iterdir()) == []
+
+
+def test_lock_holder_names_a_live_holder_and_nobody_after_close(
+    tmp_path: Path, engine: AioEngine
+) -> None:
+    from tiers.files import lock_holder
+
+    lock = tmp_path / "s.lock"
+    assert lock_holder(lock) is None  # nothing there
+    store = NvmeStore([tmp_path], engine, name="s")
+    try:
+        assert lock_holder(lock) == os.getpid()
+    finally:
+        store.close()
+    assert lock_holder(lock) is None  # the file stays, nobody holds it
+
+
+def test_close_remove_takes_the_identity_record(tmp_path: Path, engine: AioEngine) -> None:
+    """A rank's store closed with remove=True (no snapshot to keep) leaves nothing that
+    refuses the next run over the directory (issue 28: the identity record stayed)."""
+    store = NvmeStore([tmp_path], engine, name="s")
+    (tmp_path / "s.identity").write_text("{}")  # what swapper.distributed writes first
+    store.write("k", torch.ones(10)).result()
+    store.close(remove=True)
+    assert list(tmp_path.iterdir()) == []

@@ -796,3 +796,17 @@ def test_meta_init_keeps_no_module_alive_and_refuses_meta_buffers() -> None:
     with pytest.raises(SwapConfigError, match=r"inv_freq.*meta.*buffers"):
         swapper.offload(model, _unlimited(), materialize=params_only)
     assert all(p.is_meta for p in model.parameters())  # given back as it was: on meta
+
+
+def test_check_modules_names_the_floor_not_the_first_module() -> None:
+    """issue 28 item 4: the refusal gives the largest need over every module (here the
+    second, larger layer), so one run finds the floor."""
+    from swapper.zero.placing import check_modules
+
+    from swapper.manager import Tier
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 32)).to(torch.bfloat16)
+    small, large = (8 * 8 + 8) * 2, (8 * 32 + 32) * 2
+    with pytest.raises(SwapConfigError, match=rf"floor of {large} bytes.*'1' \(Linear\)"):
+        check_modules(model, Tier.DEVICE, small - 2)
+    check_modules(model, Tier.DEVICE, large)  # the floor fits

@@ -134,7 +134,7 @@ def test_nproc_2_checkpoints_and_resumes_to_the_same_digest(
         ["--nproc", "0"],
         ["--nproc", "65"],
         ["--nproc", "x"],
-        ["--nproc", "3"],  # the default batch of 4 does not split over 3 ranks
+        ["--nproc", "3", "--batch", "4"],  # a batch of 4 does not split over 3 ranks
         ["--fetch-collective", "all_reduce"],  # one process: no collectives
         ["--reduce-dtype", "float32"],
         ["--nproc", "2", "--reduce-dtype", "float64"],

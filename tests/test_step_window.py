@@ -246,3 +246,36 @@ def test_auto_over_an_offloaded_model_matches_window_one(tmp_path: Path, overlap
     assert all(n > 0 for n in auto[2]), auto[2]  # the model's bytes were seen
     for _, _, _, peak, host in (one, auto):
         assert 0 < peak <= host
+
+
+def test_far_read_ahead_is_asked_after_the_eviction_before_it(tmp_path: Path) -> None:
+    # The manager runs read-aheads and evictions on the same mover threads in the order
+    # asked; a read-ahead waiting for room there must not stand before the eviction that
+    # frees it (swapper/step/pipeline.py, _read_ahead).
+    from swapper.step import StepPipeline
+    from swapper.step.layout import plan_sub_groups
+
+    sub_groups = plan_sub_groups([[4096] * 6], 4096)
+    config = ManagerConfig(
+        device_nbytes=0, host_nbytes=4 * sub_groups[0].state_nbytes, nvme_dirs=[tmp_path]
+    )
+    asked: list[tuple[str, str]] = []
+    with TierManager(config) as manager:
+        pipeline = StepPipeline(manager, sub_groups, name="o", readahead=2)
+        pipeline.initialize(lambda sg, buffer: None)
+        real_prefetch, real_evict = manager.prefetch, manager.evict
+
+        def prefetch(keys: list[str], *a: object, **k: object) -> int:
+            asked.extend(("prefetch", key) for key in keys)
+            return real_prefetch(keys)
+
+        def evict(key: str, *a: object, **k: object) -> object:
+            asked.append(("evict", key))
+            return real_evict(key, Tier.NVME)
+
+        manager.prefetch, manager.evict = prefetch, evict  # type: ignore[method-assign,assignment]
+        pipeline.run(1, lambda sg, state, extra: None, lambda sg, state: None)
+        pipeline.close()
+    for k in range(len(sub_groups) - 2):
+        far = asked.index(("prefetch", pipeline.key(k + 2)))
+        assert asked.index(("evict", pipeline.key(k))) < far, asked

@@ -159,9 +159,9 @@ def test_tier_names_normalised_to_enums(tmp_path: Path) -> None:
     ("kwargs", "setting", "hint"),
     [
         ({"device_nbytes": -1}, "device_nbytes=-1", ">= 0"),
-        ({"device_nbytes": True}, "device_nbytes=True", "int number of bytes"),
-        ({"host_nbytes": 1.5}, "host_nbytes=1.5", "int number of bytes"),
-        ({"host_nbytes": "1GiB"}, "host_nbytes='1GiB'", "from_dict"),
+        ({"device_nbytes": True}, "device_nbytes=True", "number of bytes"),
+        ({"host_nbytes": 1.5}, "host_nbytes=1.5", "such as '64MiB'"),
+        ({"host_nbytes": "1 GiBs"}, "host_nbytes='1 GiBs'", "unknown size unit"),
         ({"prefetch_nbytes": -5}, "prefetch_nbytes=-5", ">= 0"),
         ({"prefetch_nbytes": 0}, "prefetch_nbytes=0", "> 0 bytes"),
         ({"nvme_dirs": "/tmp/x"}, "nvme_dirs='/tmp/x'", "list of directories"),
@@ -1063,3 +1063,31 @@ def _direct_configs(draw: st.DrawFn) -> OffloadConfig:
 def test_as_dict_round_trips_direct_configs(cfg: OffloadConfig) -> None:
     data = json.loads(json.dumps(cfg.as_dict()))
     assert OffloadConfig.from_dict(data) == cfg
+
+
+def test_sizes_as_strings_everywhere_through_one_parser() -> None:
+    """issue 28 item 7: create, ManagerConfig, from_dict and DeepSpeed files all take
+    "1MiB" (create refused it); every one reads it with tiers.units.parse_size."""
+    from swapper.manager import ManagerConfig
+
+    cfg = OffloadConfig.create(
+        host_nbytes="1MiB", device_nbytes="512KiB", prefetch_nbytes="64KiB", device="cpu"
+    )
+    assert (cfg.manager.host_nbytes, cfg.manager.device_nbytes) == (1 << 20, 512 << 10)
+    assert cfg.manager.prefetch_window_nbytes == 64 << 10
+    manager = ManagerConfig(
+        device_nbytes=None,
+        host_nbytes="2MiB",  # type: ignore[arg-type]  # (the annotation says what it holds)
+        write_behind_nbytes="1.5MiB",  # type: ignore[arg-type]
+        stripe_nbytes="8MiB",  # type: ignore[arg-type]
+    )
+    assert manager.host_nbytes == 2 << 20 and manager.write_behind_nbytes == 3 << 19
+    assert manager.stripe_nbytes == 8 << 20
+    from_json = OffloadConfig.from_dict({"host_nbytes": "1MiB", "device": "cpu"})
+    assert from_json.manager.host_nbytes == 1 << 20
+    with pytest.raises(SwapConfigError, match=r"stripe_nbytes='8 furlongs'.*unknown size unit"):
+        ManagerConfig(
+            device_nbytes=None,
+            host_nbytes=None,
+            stripe_nbytes="8 furlongs",  # type: ignore[arg-type]
+        )

@@ -134,11 +134,11 @@ class AioConfig:
             raise SwapConfigError(f"num_threads={self.num_threads} must be between 1 and 64")
 
     def describe(self) -> str:
-        """One line for logs: ``libaio bs=1MiB qd=32 threads=1 direct``."""
+        """One line for logs: ``libaio, bs 1 MiB, qd 32, threads 1, direct``."""
         direct = "direct" if self.direct else "buffered"
         return (
-            f"{self.backend.value} bs={format_size(self.block_size)} qd={self.queue_depth} "
-            f"threads={self.num_threads} {direct}"
+            f"{self.backend.value}, bs {format_size(self.block_size)}, qd {self.queue_depth}, "
+            f"threads {self.num_threads}, {direct}"
         )
 
     @staticmethod

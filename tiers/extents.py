@@ -27,20 +27,26 @@ class RangeAllocator:
     end_nbytes: int = 0
     used_nbytes: int = 0
 
-    def allocate(self, nbytes: int) -> int:
-        """Offset of ``nbytes`` (a positive multiple of 4 KiB) newly allocated bytes."""
+    def allocate(self, nbytes: int, align: int = DIRECT_ALIGNMENT) -> int:
+        """Offset of ``nbytes`` (a positive multiple of 4 KiB) newly allocated bytes, a
+        multiple of ``align`` (a multiple of 4 KiB). The space skipped to reach an aligned
+        offset stays free (a hole), for smaller allocations."""
         for i, (offset, size) in enumerate(self.holes):
-            if size >= nbytes:
-                if size == nbytes:
-                    del self.holes[i]
-                else:
-                    self.holes[i] = (offset + nbytes, size - nbytes)
+            start = -(-offset // align) * align
+            if start + nbytes <= offset + size:
+                rest = offset + size - start - nbytes
+                pieces = [(offset, start - offset)] if start > offset else []
+                if rest:
+                    pieces.append((start + nbytes, rest))
+                self.holes[i : i + 1] = pieces
                 self.used_nbytes += nbytes
-                return offset
-        offset = self.end_nbytes
-        self.end_nbytes += nbytes
+                return start
+        start = -(-self.end_nbytes // align) * align
+        if start > self.end_nbytes:  # (no hole touches the end: this one stands alone)
+            self.holes.append((self.end_nbytes, start - self.end_nbytes))
+        self.end_nbytes = start + nbytes
         self.used_nbytes += nbytes
-        return offset
+        return start
 
     def free(self, offset: int, nbytes: int) -> None:
         """Return ``[offset, offset + nbytes)``, merging it with neighbouring free space.

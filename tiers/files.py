@@ -22,6 +22,7 @@ are 0700 whatever the umask, parents included.
 from __future__ import annotations
 
 import errno
+import fcntl
 import logging
 import os
 import stat
@@ -35,6 +36,7 @@ log = logging.getLogger("swapper.tiers.files")
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_O_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
 
 _O_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
 
@@ -400,3 +402,47 @@ def _open(path: Path, flags: int) -> int:
                 errno.ELOOP, "swap file path is a symbolic link; refusing to follow it", str(path)
             ) from exc
         raise SwapIOError(exc.errno, exc.strerror, str(path)) from exc
+
+
+def read_lock_pid(fd: int) -> int | None:
+    """The pid a store lock file's holder wrote in it (:mod:`tiers.nvme.lock`), or None."""
+    try:
+        text = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def lock_holder(path: str | os.PathLike[str]) -> int | None:
+    """Whether the store lock file at ``path`` is held, for a message that names who holds
+    it before any work starts (a command-line tool refusing a store in use).
+
+    Returns:
+        None when nothing is there or nobody holds it; otherwise the holder's pid as it
+        wrote it in the file, or ``0`` when the file names none (a holder between taking
+        the lock and writing its pid).
+
+    The test takes a shared lock for an instant and gives it back, so a store opening at
+    that very instant may be refused once (naming this process); it never changes a byte.
+    A path that is not a regular file counts as not held (opening the store says why).
+    Here rather than in :mod:`tiers.nvme.lock` so that a command-line tool can ask before
+    it imports torch.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | _O_NOFOLLOW | _O_CLOEXEC | _O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            pid = read_lock_pid(fd)
+            return 0 if pid is None else pid
+        except OSError:
+            return None
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)

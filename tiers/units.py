@@ -1,4 +1,5 @@
-"""Human byte sizes: ``parse_size("8MiB") == 8 << 20``, ``format_size(3 << 30) == "3GiB"``."""
+"""Byte sizes: one parser for every size swapper reads (``parse_size("8MiB") == 8 << 20``)
+and one formatter for every size it prints (``format_size(3 << 30) == "3 GiB"``)."""
 
 from __future__ import annotations
 
@@ -45,17 +46,29 @@ def parse_size(text: str | int) -> int:
     return int(value)
 
 
-def format_size(nbytes: int) -> str:
-    """Format a byte count exactly with the largest binary unit that divides it.
+_BINARY = (("TiB", 1024**4), ("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024))
 
-    Counts no binary unit divides are shown with one decimal of the largest unit that fits
-    (``format_size(1500) == "1.5KiB"``): only those lose precision.
+
+def format_size(nbytes: float) -> str:
+    """A byte count for people: the one formatter of every human-readable size swapper
+    prints (command-line output, log lines, error messages, ``stats().summary()``).
+
+    Binary units (KiB = 1024 B), the largest the count reaches, to three significant
+    digits, labelled after a space; plain bytes below 1 KiB: ``format_size(512) ==
+    "512 B"``, ``format_size(1536) == "1.5 KiB"``, ``format_size(1_134_336) == "1.08
+    MiB"``, ``format_size(8 << 20) == "8 MiB"``, ``format_size(240_009_216) == "229
+    MiB"``. Counts of 1000 to 1023 of a unit keep their four digits (``"1023 KiB"``),
+    never an exponent. A rate is ``format_size(bytes_per_s) + "/s"``.
+
+    It rounds, so it is for reading, not for parsing back: a message that must name an
+    exact count gives the bytes beside it. Negative counts (a difference) keep their sign.
     """
-    units = (("TiB", 1024**4), ("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024))
-    for unit, factor in units:
-        if nbytes >= factor and nbytes % factor == 0:
-            return f"{nbytes // factor}{unit}"
-    if nbytes < 1024:
-        return f"{nbytes}B"
-    unit, factor = next((u, f) for u, f in units if nbytes >= f)
-    return f"{nbytes / factor:.1f}{unit}"
+    magnitude = abs(nbytes)
+    for unit, factor in _BINARY:
+        if magnitude >= factor:
+            value = nbytes / factor
+            text = f"{value:.3g}"
+            if "e" in text:  # 999.5 and up rounds to 1e+03: show the whole number
+                text = f"{value:.0f}"
+            return f"{text} {unit}"
+    return f"{nbytes:.0f} B"

@@ -33,6 +33,7 @@ from swapper.cli_args import size_arg
 from swapper.pressure.model import GPT, GPTConfig
 from swapper.pressure.weights import materialize_
 from swapper.zero import OffloadConfig
+from tiers.units import format_size
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
@@ -73,17 +74,15 @@ def main(argv: list[str] | None = None) -> int:
     largest = max(sum(p.numel() * 6 for p in m.parameters(recurse=False)) for m in model.modules())
     bound = args.device_budget + args.host_budget + largest + baseline
     print(
-        f"{config.num_params() / 1e6:.1f}M parameters ({_mib(2 * config.num_params())} bf16) "
-        f"materialised in {seconds:.1f} s; peak RSS above the start {_mib(peak)}, bound "
-        f"{_mib(bound)} = device budget {_mib(args.device_budget)} + host budget "
-        f"{_mib(args.host_budget)} + largest module {_mib(largest)} (bf16 + its fp32 init) "
-        f"+ baseline {_mib(baseline)} (a 1M-parameter model the same way)"
+        f"{config.num_params() / 1e6:.1f}M parameters "
+        f"({format_size(2 * config.num_params())} bf16) "
+        f"materialised in {seconds:.1f} s; peak RSS above the start {format_size(peak)}, bound "
+        f"{format_size(bound)} = device budget {format_size(args.device_budget)} + host budget "
+        f"{format_size(args.host_budget)} + largest module {format_size(largest)} "
+        "(bf16 + its fp32 init) "
+        f"+ baseline {format_size(baseline)} (a 1M-parameter model the same way)"
     )
     return 0 if peak <= bound else 1
-
-
-def _mib(nbytes: int) -> str:
-    return f"{nbytes / 2**20:.1f} MiB"
 
 
 def _wrap(config: GPTConfig, args: argparse.Namespace) -> tuple[int, float]:

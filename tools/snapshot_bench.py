@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from swapper.cli_args import count_arg, show_nbytes, size_arg
+from swapper.cli_args import count_arg, format_size, size_arg
 from swapper.manager import Tier
 from swapper.pressure.model import GPT, GPTConfig, batches
 from swapper.pressure.weights import materialize_
@@ -107,9 +107,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         device="cpu",
     )
     print(
-        f"GPT of {num_params:,} params, bf16; state {show_nbytes(14 * num_params)} "
-        f"(2 + 12 B/param); host budget {show_nbytes(args.host_budget)}, device "
-        f"{show_nbytes(device)}; swap {swap}",
+        f"GPT of {num_params:,} params, bf16; state {format_size(14 * num_params)} "
+        f"(2 + 12 B/param); host budget {format_size(args.host_budget)}, device "
+        f"{format_size(device)}; swap {swap}",
         flush=True,
     )
     snapshots: list[dict[str, Any]] = []
@@ -154,7 +154,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         cp_s, fsync_s, copied = _copy_store(swap, work / "copy")
         shutil.rmtree(work / "copy")
         print(
-            f"copying the store ({show_nbytes(copied)}): cp -r {cp_s:.2f} s + fsync "
+            f"copying the store ({format_size(copied)}): cp -r {cp_s:.2f} s + fsync "
             f"{fsync_s:.2f} s = {cp_s + fsync_s:.2f} s",
             flush=True,
         )

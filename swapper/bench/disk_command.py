@@ -8,11 +8,8 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import sys
 from collections.abc import Callable, Sequence
 from typing import Any
-
-from tqdm import tqdm
 
 import swapper
 from swapper.bench import report
@@ -47,7 +44,8 @@ from swapper.bench.disk import (
     run_disk,
     split_nbytes,
 )
-from swapper.cli_args import UsageError, aio_environment, check_output_path
+from swapper.cli_args import UsageError, aio_environment, check_output_path, gib_per_s
+from swapper.progress import Progress
 from tiers.config import DIRECT_ALIGNMENT, AioConfig, Backend
 from tiers.errors import SwapConfigError
 from tiers.units import format_size
@@ -253,6 +251,14 @@ def header(plan: DiskPlan, sweep: bool) -> str:
         "  writes timed up to fsync; reads: page cache bypassed (O_DIRECT) or emptied "
         "before each pass (buffered), see the cache column"
     )
+    library = AioConfig().block_size
+    if any(s.block_size != library for s in main):
+        lines.append(
+            f"  block size: the library's default (AioConfig(), SWAPPER_AIO_BLOCK_SIZE unset) "
+            f"is {format_size(library)}; this measures the disk at the sizes above (8 MiB "
+            "by default: its ceiling in the sweeps of docs/benchmarks.md); --block-size "
+            f"{format_size(library).replace(' ', '')} measures what training uses"
+        )
     return "\n".join(lines)
 
 
@@ -272,22 +278,27 @@ def _meta(plan: DiskPlan, run: DiskRun) -> dict[str, Any]:
     }
 
 
-def _run_with_progress(plan: DiskPlan) -> DiskRun:
-    """run_disk with a progress bar on stderr (terminals only) when there are several."""
-    show = len(plan.settings) > 1
-    with tqdm(
-        total=len(plan.settings),
-        desc=PROG,
-        unit="setting",
-        file=sys.stderr,
-        disable=None if show else True,  # None: only on a terminal
-        leave=False,
-    ) as bar:
+def _run_with_progress(plan: DiskPlan, *, bar: bool | None) -> DiskRun:
+    """run_disk, saying each measurement as it finishes (:class:`swapper.progress.Progress`:
+    a line each, and a bar on a terminal unless ``bar`` is False)."""
+    total = len(plan.settings) * len(plan.ops)
+    with Progress(total, PROG, "measurement", bar=bar) as progress:
 
-        def setting_done(_done: list[Measurement]) -> None:
-            bar.update(1)
+        def setting_done(done: list[Measurement]) -> None:
+            for m in done:
+                progress.done(measured_line(m))
 
         return run_disk(plan, on_setting_done=setting_done)
+
+
+def measured_line(m: Measurement) -> str:
+    """One finished measurement, as it is said during the run."""
+    s = m.setting
+    how = "O_DIRECT" if m.direct else "buffered"
+    return (
+        f"  {m.op:<5} {m.backend} {how} bs {format_size(s.block_size)} qd {s.queue_depth} "
+        f"threads {s.threads}: {gib_per_s(m.gbps):.2f} GiB/s (median of {len(m.seconds)})"
+    )
 
 
 def _write_outputs(
@@ -312,7 +323,7 @@ def run_disk_command(args: argparse.Namespace) -> int:
     """``swapper-bench disk``: returns the exit code."""
     plan = build_plan(args)
     print(header(plan, args.sweep), flush=True)
-    run = _run_with_progress(plan)
+    run = _run_with_progress(plan, bar=False if args.json is not None else None)
     measurements: list[Measurement] = run.measurements
     print(report.format_table(measurements))
     best = report.best_settings(measurements)

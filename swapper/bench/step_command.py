@@ -13,13 +13,18 @@ tensors of at most 10M, bf16), and in the same directories:
 - **step-bf16**, **step-int8** (``--moments bf16,int8``): **step** with the Adam moments
   stored compressed (``StepConfig.moments``), to weigh fewer bytes against the encoding;
 - **step-ra1**, **step-ra2**, **step-raauto**, ... (``--readahead 1,2,auto``): **step**
-  with that read-ahead window (``StepConfig.readahead``; "step" has the default).
+  with that read-ahead window (``StepConfig.readahead``; "step" has the default);
+- **disk**: the disk itself, through an engine with the stores' settings: a read pass, a
+  write pass timed to fsync and both at once (:mod:`swapper.bench.step_floor`).
 
 and runs them in turns, one step of each per round (the order rotating every round), so
 that the shared disk's changes of speed hit all alike. The figures are medians over the
-timed rounds; the pipeline's figure of merit is ``step / max(io-only, compute-only)``
-(1.0: I/O and compute fully overlapped) and, with ``--legacy-grad-swap``,
-``legacy / step``.
+timed rounds. The figure of merit is ``step / floor``, the floor being
+``max(the step's bytes at the disk's rates, compute-only)``
+(:func:`~swapper.bench.step_floor.step_floor`; 1.0: the step runs at the disk's rate or
+the update's). ``step / max(io-only, compute-only)`` stays as a diagnostic of the
+overlap (the io-only pass is the pipeline's own I/O, not the disk's), and with
+``--legacy-grad-swap`` ``legacy / step``.
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ from swapper.bench.args import (
 from swapper.bench.checks import check_dirs, check_free_space, check_memory
 from swapper.bench.disk import BenchError, Workspace
 from swapper.bench.legacy_step import LegacyGradSwapAdamW
+from swapper.bench.step_floor import PROBE_NBYTES, DiskProbe, DiskRound, floor_record
 from swapper.cli_args import UsageError, aio_environment, check_output_path, table, write_json
 from swapper.manager import ManagerConfig
 from swapper.step import OffloadAdamW, StepConfig, StepPipeline
@@ -59,6 +65,8 @@ COMMAND = "step"
 TENSOR_NUMEL = 10_000_000
 STATE_BYTES_PER_PARAM = 12
 PASSES = ("io-only", "compute-only", "step", "legacy")
+#: the disk probe's turn in a round (not a pass of the optimizer)
+DISK = "disk"
 
 __all__ = ["build_plan", "run_step_command", "summarize"]
 
@@ -85,6 +93,12 @@ class StepPlan:
     @property
     def state_nbytes(self) -> int:
         return sum(sg.state_nbytes for sg in self.sub_groups())
+
+    @property
+    def probe_nbytes(self) -> int:
+        """Bytes each disk-probe pass moves: the state's size, at most 1 GiB, at least
+        4 KiB per directory."""
+        return max(min(PROBE_NBYTES, self.state_nbytes), 4096 * len(self.dirs))
 
     def sub_groups(self) -> list[Any]:
         return plan_sub_groups([_tensor_numels(self.params)], self.sub_group)
@@ -144,9 +158,13 @@ def build_plan(args: argparse.Namespace) -> StepPlan:
     # ones are smaller; counted as fp32: an upper bound)
     stores = (3 if plan.legacy else 2) + len(plan.moments) + len(plan.readaheads)
     # params + grads (bf16), the in-memory state, each store's host budget, grad buffers
-    check_memory(4 * params + plan.state_nbytes + stores * host + 4 * sub_group * 4)
-    # every store may hold a second version of a sub-group while it is being rewritten
-    per_dir = stores * (plan.state_nbytes + 2 * largest) // len(dirs)
+    # (and the disk probe's buffer: a read half and a write half)
+    check_memory(
+        4 * params + plan.state_nbytes + stores * host + 4 * sub_group * 4 + 2 * plan.probe_nbytes
+    )
+    # every store may hold a second version of a sub-group while it is being rewritten;
+    # the disk probe has a file to read and one to write
+    per_dir = (stores * (plan.state_nbytes + 2 * largest) + 2 * plan.probe_nbytes) // len(dirs)
     if plan.legacy:
         per_dir += 4 * params // len(dirs)
     check_free_space(dirs, per_dir)
@@ -185,11 +203,16 @@ def _manager_config(plan: StepPlan, dirs: list[Path], name: str) -> ManagerConfi
     )
 
 
-def _run_rounds(plan: StepPlan, dirs: list[Path], say: Callable[[str], None]) -> dict[str, _Pass]:
+def _run_rounds(
+    plan: StepPlan, dirs: list[Path], say: Callable[[str], None]
+) -> tuple[dict[str, _Pass], list[DiskRound]]:
     params = _make_params(plan)
     sub_groups = plan.sub_groups()
     results = {name: _Pass() for name in plan.passes}
+    disk_rounds: list[DiskRound] = []
     with contextlib.ExitStack() as stack:
+        say(f"  setting up the disk probe ({format_size(plan.probe_nbytes)} a pass)")
+        probe = stack.enter_context(DiskProbe(dirs, plan.aio, plan.probe_nbytes))
         say("  setting up the state (io-only, step" + (", legacy" if plan.legacy else "") + ")")
         io_manager = stack.enter_context(
             swapper.TierManager(_manager_config(plan, dirs, "io-only"))
@@ -248,19 +271,30 @@ def _run_rounds(plan: StepPlan, dirs: list[Path], say: Callable[[str], None]) ->
         runs: dict[str, Callable[[], _Outcome]] = {"io-only": io_only}
         for name, opt in optimizers.items():
             runs[name] = lambda opt=opt: optimizer_step(opt)
-        names = list(plan.passes)
+        names = [*plan.passes, DISK]
         for round_ in range(plan.warmup + plan.steps):
             timed = round_ >= plan.warmup
             order = names[round_ % len(names) :] + names[: round_ % len(names)]
             cells = []
             for name in order:
+                if name == DISK:
+                    rates = probe.round()
+                    cells.append(
+                        f"disk r {rates.read_bps / 1e9:.2f} w {rates.write_bps / 1e9:.2f} "
+                        f"r+w {rates.mixed_bps / 1e9:.2f} GB/s"
+                    )
+                    if timed:
+                        disk_rounds.append(rates)
+                    continue
                 outcome = runs[name]()
                 cells.append(f"{name} {outcome.seconds:.2f}s")
                 if timed:
                     outcome.add_to(results[name])
             label = f"round {round_ + 1 - plan.warmup}" if timed else "warm-up"
             say(f"  {label}: " + ", ".join(cells))
-    return results
+        if not probe.direct:
+            say("  note: the disk probe's files are not O_DIRECT: its reads may be the cache's")
+    return results, disk_rounds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -277,8 +311,14 @@ class _Outcome:
         result.written_nbytes = {k.value: v for k, v in self.traffic.written_nbytes.items()}
 
 
-def summarize(plan: StepPlan, results: dict[str, _Pass]) -> dict[str, Any]:
-    """The JSON document (also what the table prints)."""
+def summarize(
+    plan: StepPlan, results: dict[str, _Pass], disk_rounds: list[DiskRound]
+) -> dict[str, Any]:
+    """The JSON document (also what the table prints).
+
+    Raises:
+        SwapConfigError: ``disk_rounds`` is empty or holds a rate that is not positive.
+    """
     step, io, compute = (results[n].median for n in ("step", "io-only", "compute-only"))
     per_param = plan.params
     doc: dict[str, Any] = {
@@ -319,6 +359,16 @@ def summarize(plan: StepPlan, results: dict[str, _Pass]) -> dict[str, Any]:
         },
     }
     doc["overlap_ratio_median_per_round"] = statistics.median(doc["overlap_ratio_per_round"])
+    step_pass = results["step"]
+    doc.update(
+        floor_record(
+            step_seconds=step_pass.seconds,
+            read_nbytes=sum(step_pass.read_nbytes.values()),
+            written_nbytes=sum(step_pass.written_nbytes.values()),
+            compute_seconds=results["compute-only"].seconds,
+            disk_rounds=disk_rounds,
+        )
+    )
     if plan.legacy:
         legacy = results["legacy"]
         doc["legacy_step_seconds"] = legacy.median
@@ -371,10 +421,28 @@ def format_table(doc: dict[str, Any]) -> str:
             )
         )
     lines = table(rows)
+    disk, floor = doc["disk"], doc["floor"]
+    mixed = floor["mixed_seconds"]
+    lines.append(
+        f"disk (same engine settings, medians): read {disk['read_bytes_per_second'] / 1e9:.2f}"
+        f", write to fsync {disk['write_bytes_per_second'] / 1e9:.2f}, both at once "
+        f"{disk['mixed_bytes_per_second'] / 1e9:.2f} GB/s"
+    )
+    lines.append(
+        f"floor {floor['seconds']:.3f} s = max(disk {floor['disk_seconds']:.3f} s [read then "
+        f"write {floor['separate_seconds']:.3f} s"
+        + (f", both at once {mixed:.3f} s" if mixed is not None else "")
+        + f"], compute-only {floor['compute_seconds']:.3f} s): bound by {floor['bound']}"
+    )
+    lines.append(
+        f"step / floor = {doc['step_over_floor']:.3f} of the medians, "
+        f"{doc['step_over_floor_median_per_round']:.3f} median of the rounds' own "
+        "(1.0: the step at the disk's rate or the update's)"
+    )
     lines.append(
         f"step / max(io-only, compute-only) = {doc['overlap_ratio']:.3f} of the medians, "
         f"{doc['overlap_ratio_median_per_round']:.3f} median of the rounds' own "
-        "(1.0: I/O and compute fully overlapped)"
+        "(diagnostic: 1.0 = the pipeline's own I/O and compute fully overlapped)"
     )
     for moments, entry in doc.get("moments", {}).items():
         lines.append(
@@ -415,9 +483,16 @@ def run_step_command(args: argparse.Namespace) -> int:
         print(line, flush=True)
 
     with Workspace(plan.dirs) as workspace:
-        results = _run_rounds(plan, list(workspace.tmpdirs), say)
-    doc = summarize(plan, results)
+        results, disk_rounds = _run_rounds(plan, list(workspace.tmpdirs), say)
+    doc = summarize(plan, results, disk_rounds)
     print(format_table(doc))
+    if doc["read_bytes_per_param"] == 0:  # measured, not predicted: say why it is 0.00
+        print(
+            f"note: the step read nothing from the disk: the state stayed in memory (host "
+            f"budget {format_size(plan.host_nbytes)}, state {format_size(plan.state_nbytes)}); "
+            "give --params several times --sub-group, or a smaller --host-budget, to "
+            "measure the disk"
+        )
     if args.json is not None:
         meta = {"command": COMMAND, "version": swapper.__version__, "torch": torch.__version__}
         write_json(args.json, {**doc, "meta": meta})

@@ -220,7 +220,9 @@ def _fetch_all(manager: TierManager, keys: list[str], hashes: dict[str, int] | N
     return seconds
 
 
-def _timed_passes(plan: TiersPlan, workspace: Workspace) -> tuple[dict[str, _Passes], str, bool]:
+def _timed_passes(
+    plan: TiersPlan, workspace: Workspace, say: Callable[[str], None]
+) -> tuple[dict[str, _Passes], str, bool]:
     """Warm-up and timed passes, raw disk and manager alternating in every pass.
 
     Per pass: raw write, manager evict, raw read, manager fetch, so that a change in the
@@ -265,20 +267,28 @@ def _timed_passes(plan: TiersPlan, workspace: Workspace) -> tuple[dict[str, _Pas
                 # The first pass, timed or not, proves the bytes come back intact.
                 "fetch": lambda i=i: _fetch_all(manager, keys, hashes if i == 0 else None),
             }
+            cells = []
             for op, run in runs.items():
                 elapsed, cpu = _timed(run)
+                moved = file_nbytes * len(files) if op in ("write", "read") else plan.total_nbytes
+                cells.append(f"{op} {moved / elapsed / GIB:.2f}")
                 if i >= plan.warmup:
                     passes[op].seconds.append(elapsed)
                     passes[op].cpu_seconds += cpu
+            label = f"round {i + 1 - plan.warmup}" if i >= plan.warmup else "warm-up"
+            say(f"  {label}: " + ", ".join(cells) + " GiB/s")  # (progress: as each ends)
         backend = engine.backend.value
         direct = all(f.direct_fd is not None for f in files)
     return passes, backend, direct
 
 
-def run_tiers(plan: TiersPlan) -> list[TiersMeasurement]:
-    """Measure the manager and the raw disk, alternating, in the same directories."""
+def run_tiers(
+    plan: TiersPlan, say: Callable[[str], None] = lambda line: None
+) -> list[TiersMeasurement]:
+    """Measure the manager and the raw disk, alternating, in the same directories;
+    ``say`` gets a line per round as it ends (its four passes' GiB/s)."""
     with Workspace(plan.dirs) as workspace:
-        passes, backend, direct = _timed_passes(plan, workspace)
+        passes, backend, direct = _timed_passes(plan, workspace, say)
     raw_nbytes = split_nbytes(plan.total_nbytes, len(plan.dirs)) * len(plan.dirs)
 
     def measurement(op: str, nbytes: int, engine: str) -> Measurement:
@@ -346,7 +356,7 @@ def run_tiers_command(args: argparse.Namespace) -> int:
         file=sys.stdout,
         flush=True,
     )
-    results = run_tiers(plan)
+    results = run_tiers(plan, say=lambda line: print(line, flush=True))
     print(format_table(results))
     if args.json is not None:
         meta = {"command": COMMAND, "version": swapper.__version__, "gb": "10^9 bytes"}

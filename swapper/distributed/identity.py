@@ -36,18 +36,20 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 from collections.abc import Sequence
 from pathlib import Path
 
 from swapper.distributed.errors import StoreIdentityError, StoreLayoutError
 from tiers.errors import SwapConfigError, SwapIOError
-from tiers.files import make_private_dir
-from tiers.nvme.metafiles import read_metadata, replace_file
+from tiers.files import lock_holder, make_private_dir
+from tiers.nvme.metafiles import StoreFiles, read_metadata, replace_file
 from tiers.nvme.records import ManifestError
 
 __all__ = [
     "IDENTITY_FORMAT",
     "claim_store_identity",
+    "delete_advice",
     "identity_path",
     "rank_dirs",
     "refuse_other_layout",
@@ -89,8 +91,9 @@ def rank_dirs(
 
 
 def identity_path(dirs: Sequence[Path], store_name: str) -> Path:
-    """Where a store's identity record lives: ``dirs[0] / f"{store_name}.identity"``."""
-    return Path(dirs[0]) / f"{store_name}.identity"
+    """Where a store's identity record lives: ``dirs[0] / f"{store_name}.identity"``
+    (:attr:`tiers.nvme.metafiles.StoreFiles.identity`, which ``remove_store`` deletes)."""
+    return StoreFiles(tuple(Path(d) for d in dirs), store_name).identity
 
 
 def _has_store(directory: Path, store_name: str) -> bool:
@@ -117,6 +120,37 @@ def _read(path: Path) -> tuple[int, int, str] | None:
         ) from exc  # fmt: skip
 
 
+def _rank_store_dirs(base: Path, store_name: str, world_size: int) -> list[Path]:
+    """The ``rank*of{world_size}`` directories under ``base`` holding store ``store_name``."""
+    try:
+        names = sorted(os.listdir(base))
+    except OSError:
+        return []
+    return [
+        base / n
+        for n in names
+        if (m := _RANK_DIR.match(n)) and int(m.group(2)) == world_size
+        and _has_store(base / n, store_name)
+    ]  # fmt: skip
+
+
+def delete_advice(base: Path, store_name: str, world_size: int | None) -> str:
+    """How to delete store ``store_name`` of ``world_size`` ranks (None: one process) left
+    in ``base``: the shell command first (every path, quoted as a shell needs), then the
+    exact library call, which also removes the identity records and lock files."""
+    if world_size is None:
+        paths = [str(base / f"{store_name}.*")]
+        call = f"tiers.nvme.remove_store([{str(base)!r}], name={store_name!r})"
+    else:
+        found = _rank_store_dirs(base, store_name, world_size)
+        paths = [shlex.quote(str(d)) for d in found] or [f"{base}/rank*of{world_size}"]
+        call = (
+            f"tiers.nvme.remove_store([d], name={store_name!r}) for each d in "
+            f"{base}/rank*of{world_size}"
+        )
+    return f"rm -r {' '.join(paths)} (from Python: {call})"
+
+
 def _world_size_changed(base: Path, rank_dir: str, store_name: str, world_size: int) -> str:
     """The message for a store of another world size found in ``base / rank_dir``: the
     directory, both world sizes, and the three ways on."""
@@ -129,9 +163,8 @@ def _world_size_changed(base: Path, rank_dir: str, store_name: str, world_size: 
         f"snapshot); or (2) reshard: at world size {stored}, resume and "
         "swapper.zero.export_dcp(wrapped, DIR, optimizer), then here, over a fresh "
         "directory, swapper.zero.import_dcp(wrapped, DIR, optimizer); or (3) start "
-        f"afresh: another nvme_dirs or store_name, or delete the old store (each "
-        f"{base}/rank*of{stored} directory, tiers.nvme.remove_store) if nothing in it "
-        "is needed"
+        "afresh: another nvme_dirs or store_name, or, if nothing in it is needed, delete "
+        f"it: {delete_advice(base, store_name, stored)}"
     )
 
 
@@ -197,22 +230,27 @@ def _layout_message(
     base: Path, store: str, path: Path, theirs: int | None, mine: int | None
 ) -> str:
     where = f"{base}/{store}.*" if theirs is None else f"{base}/rank*of{theirs}/{store}.*"
-    old = (
-        f"tiers.nvme.remove_store([{str(base)!r}], name={store!r})"
-        if theirs is None
-        else f"tiers.nvme.remove_store on each {base}/rank*of{theirs} directory"
-    )
     return (
         f"NVMe directory {base} holds store {store!r} in the layout of "
-        f"{_layout(theirs)} ({where}; found {path}), open in another process or left on "
-        f"disk, but this run opens it as {_layout(mine)}; two layouts of one store in one "
-        "directory would be two processes sharing it unawares. Either (1) give this run "
-        "another nvme_dirs or store_name; or (2) stop the other run and continue it as it "
-        f"was ({_layout(theirs)}; offload(..., resume=True) continues from its newest "
-        "snapshot); or (3) move its state over through the portable form "
-        "(swapper.zero.export_dcp there, swapper.zero.import_dcp here); or (4) if nothing "
-        f"in it is needed, delete it: {old}"
+        f"{_layout(theirs)} ({where}; found {path}), {_in_use(path, store)}, but this "
+        f"run opens it as {_layout(mine)}; two layouts of one store in one directory would "
+        "be two processes sharing it unawares. Either (1) if nothing in it is needed, "
+        f"delete it: {delete_advice(base, store, theirs)}; or (2) give this run another "
+        "nvme_dirs or store_name (a script's swap-directory flag); or (3) "
+        f"continue the other run as it was ({_layout(theirs)}; offload(..., resume=True) "
+        "continues from its newest snapshot); or (4) move its state over through the "
+        "portable form (swapper.zero.export_dcp there, swapper.zero.import_dcp here)"
     )
+
+
+def _in_use(path: Path, store: str) -> str:
+    """``open in process N`` when a live process holds the store's lock, else ``left on
+    disk by an earlier run``."""
+    lock = (path if path.is_dir() else path.parent) / f"{store}.lock"
+    pid = lock_holder(lock)
+    if pid is None:
+        return "left on disk by an earlier run"
+    return f"open in process {pid}" if pid else "open in another process"
 
 
 def claim_store_identity(

@@ -13,8 +13,9 @@ from typing import Any, cast
 
 from tiers.config import DIRECT_ALIGNMENT, AioConfig, enum_names, parse_enum
 from tiers.errors import SwapConfigError
+from tiers.units import parse_size
 
-__all__ = ["DEFAULT_PLACEMENT", "Kind", "ManagerConfig", "Policy", "Tier"]
+__all__ = ["DEFAULT_PLACEMENT", "Kind", "ManagerConfig", "Policy", "Tier", "size_setting"]
 
 
 class Tier(str, enum.Enum):
@@ -67,6 +68,9 @@ DEFAULT_PLACEMENT: Mapping[Kind, tuple[Tier, ...]] = MappingProxyType(
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ManagerConfig:
     """Settings of a :class:`~swapper.manager.TierManager`. Sizes in bytes, times in seconds.
+
+    Every size may also be given as a string (``host_nbytes="1GiB"``), read by
+    :func:`tiers.units.parse_size`; the field holds the int after construction.
 
     Attributes:
         device_nbytes: device tier budget (``None``: unlimited).
@@ -147,10 +151,10 @@ class ManagerConfig:
             "prefetch_window_nbytes",
             "write_behind_nbytes",
         ):
-            _check_bytes(name, getattr(self, name), allow_none=True)
+            self._set(name, size_setting(name, getattr(self, name), allow_none=True))
         for name in ("stripe_nbytes", "host_arena_nbytes"):
-            value = getattr(self, name)
-            _check_bytes(name, value, allow_none=False)
+            value = size_setting(name, getattr(self, name), allow_none=False) or 0
+            self._set(name, value)
             if value <= 0 or value % DIRECT_ALIGNMENT:
                 raise SwapConfigError(
                     f"{name}={value} must be a positive multiple of {DIRECT_ALIGNMENT} bytes"
@@ -276,12 +280,28 @@ class ManagerConfig:
             )
 
 
-def _check_bytes(name: str, value: object, *, allow_none: bool) -> None:
+def size_setting(name: str, value: object, *, allow_none: bool) -> int | None:
+    """Setting ``name``'s size in bytes: an int ``>= 0``, or a string that
+    :func:`tiers.units.parse_size` reads (``"64MiB"``, ``"1.5GB"``, ``"4096"``), the one
+    parser of every size swapper takes (flags, JSON, DeepSpeed files, keywords).
+
+    Raises:
+        SwapConfigError: anything else (or ``None`` where not allowed), naming the setting.
+    """
     if value is None and allow_none:
-        return
+        return None
+    if isinstance(value, str):
+        try:
+            return parse_size(value)
+        except ValueError as exc:
+            raise SwapConfigError(f"{name}={value!r}: {exc}") from None
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         extra = " or None" if allow_none else ""
-        raise SwapConfigError(f"{name}={value!r} must be an int number of bytes >= 0{extra}")
+        raise SwapConfigError(
+            f"{name}={value!r} must be a number of bytes >= 0 (an int, or a size such as "
+            f"'64MiB'){extra}"
+        )
+    return value
 
 
 def _is_number(value: object) -> bool:

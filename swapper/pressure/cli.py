@@ -34,14 +34,15 @@ from swapper.cli_args import (
     check_output_path,
     count_arg,
     finite_arg,
+    format_size,
     int_arg,
     rate_per_day_arg,
     run_tool,
-    show_nbytes,
     size_arg,
     write_json,
 )
 from swapper.pressure.export import DCP_SUBDIR, existing_export
+from swapper.pressure.leftovers import CHECKPOINT_DIR, checkpoint_in_the_way
 from tiers.config import AioConfig
 
 if TYPE_CHECKING:
@@ -53,6 +54,8 @@ PROG = "swapper-pressure"
 MAX_NPROC = 64
 #: StepConfig.moments' values (swapper.step.layout.MOMENTS; not imported: no torch).
 MOMENTS = ("fp32", "bf16", "int8")
+#: --batch when not given (rounded up to a multiple of --nproc).
+DEFAULT_BATCH = 4
 #: The store's files among ManagerStats.nvme_written's kinds
 #: (swapper.manager.stats.METADATA_KINDS; not imported: no torch).
 METADATA_KINDS = ("journal", "manifest", "snapshot")
@@ -106,7 +109,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16", help="default bf16")
     p.add_argument(
-        "--batch", type=at_least_arg(1), default=4, metavar="N", help="sequences per step"
+        "--batch",
+        type=at_least_arg(1),
+        metavar="N",
+        help=f"sequences per step, over all ranks (default {DEFAULT_BATCH}; with --nproc N, "
+        f"the least multiple of N from {DEFAULT_BATCH})",
     )
     p.add_argument(
         "--seq", type=at_least_arg(1), default=64, metavar="N", help="tokens per sequence"
@@ -204,24 +211,32 @@ def _writes_line(res: PressureResult) -> str:
     steps = max(1, res.steps_run)
     metadata = sum(kinds.get(k, 0) for k in METADATA_KINDS)
     split = ", ".join(
-        f"{name} {show_nbytes(kinds.get(kind, 0) / steps)}"
+        f"{name} {format_size(kinds.get(kind, 0) / steps)}"
         for name, kind in (("params", "param16"), ("grads", "grad16"), ("state", "optim_state"))
     )
     return (
-        f"NVMe written per step: {show_nbytes(res.nvme_written_bytes_per_step)} "
+        f"NVMe written per step: {format_size(res.nvme_written_bytes_per_step)} "
         f"({res.nvme_written_bytes_per_token:,.0f} B per token; {split}, metadata "
-        f"{show_nbytes(metadata / steps)}); at this rate the drive writes "
-        f"{show_nbytes(res.nvme_written_bytes_per_day)} per day"
+        f"{format_size(metadata / steps)}); at this rate the drive writes "
+        f"{format_size(res.nvme_written_bytes_per_day)} per day"
     )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``swapper-pressure`` with ``argv`` (default ``sys.argv[1:]``); returns the exit
     code (see the module docstring)."""
-    return run_tool(PROG, argv, _run, interrupted_note="; its files removed")
+    kept: list[Path] = []  # the snapshot directories a run keeps, once the flags are read
+
+    def note() -> str:
+        if not kept:
+            return "; its files removed"
+        where = ", ".join(str(d / CHECKPOINT_DIR) for d in kept)
+        return f"; its temporary files removed, its snapshots kept in {where} (--resume continues)"
+
+    return run_tool(PROG, argv, lambda arguments: _run(arguments, kept), interrupted_note=note)
 
 
-def _run(argv: list[str]) -> int:
+def _run(argv: list[str], kept: list[Path] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     # Every argument (and SWAPPER_AIO_*) is checked before torch loads or a file is made.
@@ -234,6 +249,14 @@ def _run(argv: list[str]) -> int:
         parser.error(f"--export {args.export}: not a directory")
     if args.export is not None and (found := existing_export(args.export)) is not None:
         parser.error(f"--export {args.export}: {found} exists; export into an empty directory")
+    if args.batch is None:  # the default fits any --nproc (--nproc 3 trains 6 sequences)
+        args.batch = -(-DEFAULT_BATCH // args.nproc) * args.nproc
+    if args.host_budget == 0:
+        parser.error(
+            "--host-budget 0: the host tier holds every transfer's staging buffer and the "
+            "optimizer's sub-group in flight, so it cannot be empty; give a size (e.g. "
+            "1MiB) or leave the flag out for the default (a quarter of the optimizer state)"
+        )
     if args.nproc == 1 and (args.fetch_collective or args.reduce_dtype):
         parser.error("--fetch-collective and --reduce-dtype need --nproc N > 1 (collectives)")
     if args.nproc > 1:
@@ -249,6 +272,12 @@ def _run(argv: list[str]) -> int:
                 "trains batch / nproc sequences of every step)"
             )
     dirs = tuple(check_dirs(args.dirs)) if args.dirs else ()
+    if args.checkpoint_every is not None or args.resume:
+        in_the_way = checkpoint_in_the_way(dirs, resume=args.resume)
+        if in_the_way is not None:
+            parser.error(in_the_way)
+        if kept is not None:
+            kept.extend(dirs)
     aio = aio_environment()
     from swapper.pressure.runner import PressureSettings, run_pressure  # torch loads now
 
@@ -336,12 +365,12 @@ def _ranks_summary(res: RanksResult) -> str:
         lines.append(f"{i:>4}  {a:<19.12g}  {b:<19.12g}")
     for r in res.per_rank:
         peaks = ", ".join(
-            f"{tier} peak {show_nbytes(r.peak_bytes[tier])} of {show_nbytes(limit)}"
+            f"{tier} peak {format_size(r.peak_bytes[tier])} of {format_size(limit)}"
             for tier, limit in res.budget_bytes.items()
         )
         lines.append(
-            f"rank {r.rank}: {peaks}; moved {show_nbytes(r.bytes_moved)}; offloaded "
-            f"{show_nbytes(r.offload_nbytes)} during backward; stalled "
+            f"rank {r.rank}: {peaks}; moved {format_size(r.bytes_moved)}; offloaded "
+            f"{format_size(r.offload_nbytes)} during backward; stalled "
             f"{100 * r.stall_fraction:.1f}% of {r.seconds:.2f} s"
         )
     if res.export_seconds is not None:
@@ -373,16 +402,16 @@ def _summary(res: PressureResult) -> str:
         lines.append(f"{i:>4}  {a:<19.12g}  {b:<19.12g}  {'yes' if a == b else 'NO'}")
     for tier in ("device", "host"):
         limit = res.budget_bytes[tier]
-        shown = "unlimited" if limit is None else show_nbytes(limit)
-        lines.append(f"{tier} peak {show_nbytes(res.peak_bytes[tier])} of budget {shown}")
+        shown = "unlimited" if limit is None else format_size(limit)
+        lines.append(f"{tier} peak {format_size(res.peak_bytes[tier])} of budget {shown}")
     lines.append(
-        f"peak RSS {show_nbytes(res.peak_rss_bytes)}, bound {show_nbytes(res.rss_bound_bytes)} "
-        f"(budgets + baseline {show_nbytes(res.baseline_rss_bytes)} + optimizer buffers "
-        f"{show_nbytes(res.optimizer_buffer_bytes)} + 2 x activations "
-        f"{show_nbytes(res.activation_bytes)})"
+        f"peak RSS {format_size(res.peak_rss_bytes)}, bound {format_size(res.rss_bound_bytes)} "
+        f"(budgets + baseline {format_size(res.baseline_rss_bytes)} + optimizer buffers "
+        f"{format_size(res.optimizer_buffer_bytes)} + 2 x activations "
+        f"{format_size(res.activation_bytes)})"
     )
     lines.append(
-        f"moved {show_nbytes(res.bytes_moved)} between tiers; stalled "
+        f"moved {format_size(res.bytes_moved)} between tiers; stalled "
         f"{res.stall_fraction * res.seconds:.2f} s waiting for bytes "
         f"({100 * res.stall_fraction:.1f}% of the budgeted run); "
         f"{res.seconds:.2f} s budgeted vs {res.reference_seconds:.2f} s unlimited"
@@ -402,8 +431,8 @@ def _summary(res: PressureResult) -> str:
         lines.append(f"resumed from step {res.resumed_from_step}")
     for snap in res.snapshots:
         lines.append(
-            f"snapshot {snap.name}: {show_nbytes(snap.written_nbytes)} written of "
-            f"{show_nbytes(snap.nbytes)} of state in {snap.seconds:.3f} s"
+            f"snapshot {snap.name}: {format_size(snap.written_nbytes)} written of "
+            f"{format_size(snap.nbytes)} of state in {snap.seconds:.3f} s"
         )
     if res.export_seconds is not None:
         lines.append(_export_line(res.settings.export_dir, res.export_seconds))

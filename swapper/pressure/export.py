@@ -24,6 +24,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from tiers.units import format_size
+
 if TYPE_CHECKING:
     from swapper.step import OffloadAdamW
     from swapper.zero.local.offload import OffloadedModel
@@ -54,7 +56,10 @@ class _Progress:
 
     def __call__(self, done: int, total: int) -> None:
         while self._next <= 4 and done * 4 >= total * self._next:
-            self._say(f"  export: {self._what} {25 * self._next}% ({done:,} of {total:,} B)")
+            self._say(
+                f"  export: {self._what} {25 * self._next}% ({format_size(done)} of "
+                f"{format_size(total)})"
+            )
             self._next += 1
 
 

@@ -27,6 +27,7 @@ from swapper.zero.config.distributed import DistributedConfig
 from swapper.zero.config.offload import OffloadConfig
 from tiers.errors import SwapConfigError
 from tiers.nvme import content_hash
+from tiers.units import format_size
 
 __all__: list[str] = []  # internal to swapper.pressure.ranks
 
@@ -85,6 +86,18 @@ class _Trained:
     @property
     def param_hashes(self) -> dict[str, int]:
         return self.report.param_hashes
+
+
+def _slowest(group: Any, model_s: float, optimizer_s: float) -> tuple[float, float]:
+    """The largest forward+backward and optimizer seconds of this step over the ranks (one
+    all_reduce of two numbers, under the group's timeout; the times themselves without a
+    group). Progress only: nothing it returns reaches the training."""
+    import torch.distributed as dist
+
+    times = torch.tensor([model_s, optimizer_s], dtype=torch.float64)
+    if group is not None:
+        dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
+    return float(times[0]), float(times[1])
 
 
 def _train(
@@ -147,9 +160,10 @@ def _train(
             raise SwapConfigError(f"injected fault on rank {rank}")
         resumed_from = optimizer.step_count
         every = settings.checkpoint_every if checkpoint else None
-        # rank 0 of a checkpointed run says what the single-process runner says (the
-        # lines tools/kill_bench.py places its kills by)
-        say = print if checkpoint and rank == 0 else None
+        # rank 0 speaks for every rank, a line per step (the lines tools/kill_bench.py
+        # places its kills by start "  pressure step N:"), with the slowest rank's times
+        say = print if rank == 0 else None
+        label = "pressure" if dirs is not None else "unlimited" if world > 1 else "one process"
         if say is not None and resumed_from:
             say(f"  pressure: resumed from step {resumed_from}", flush=True)
         model_s: list[float] = []
@@ -180,10 +194,12 @@ def _train(
             losses.append(float(loss.detach()))
             model_s.append(stepped - began)
             optimizer_s.append(time.perf_counter() - stepped)
+            slowest = _slowest(group, model_s[-1], optimizer_s[-1])  # every rank takes part
             if say is not None:
                 say(
-                    f"  pressure step {step}: rank 0 loss {losses[-1]:.6f}  (forward+backward "
-                    f"{model_s[-1]:.2f} s; optimizer {optimizer_s[-1]:.2f} s)",
+                    f"  {label} step {step}: rank 0 loss {losses[-1]:.6f}  (of {len(data)} "
+                    f"steps; slowest of {world} rank{'s' * (world > 1)}: forward+backward "
+                    f"{slowest[0]:.2f} s, optimizer {slowest[1]:.2f} s)",
                     flush=True,
                 )
             if every is not None and step % every == 0:  # every rank alike
@@ -199,8 +215,9 @@ def _train(
                 )
                 if say is not None:
                     say(
-                        f"  pressure snapshot {snap.name}: {snap.written_nbytes:,} B written "
-                        f"of rank 0's {snap.nbytes:,} B of state, {snap.seconds:.3f} s",
+                        f"  pressure snapshot {snap.name}: "
+                        f"{format_size(snap.written_nbytes)} written "
+                        f"of rank 0's {format_size(snap.nbytes)} of state, {snap.seconds:.3f} s",
                         flush=True,
                     )
         seconds = time.perf_counter() - start

@@ -47,6 +47,7 @@ import pickle
 import signal
 import socket
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -68,6 +69,7 @@ from swapper.pressure.runner import DTYPES, PressureSettings, _swap_dirs
 from swapper.zero.config.distributed import DistributedConfig
 from swapper.zero.config.offload import OffloadConfig
 from tiers.errors import SwapConfigError, SwapError
+from tiers.units import format_size
 
 __all__ = ["MAX_NPROC", "RankFailedError", "RankReport", "RanksResult", "run_ranks"]
 
@@ -150,7 +152,8 @@ def run_ranks(
         f"swapper-pressure: GPT of {num_params:,} params ({model_config.n_layers} layers, "
         f"d_model {model_config.d_model}), {settings.dtype}, {settings.steps} steps on "
         f"{nproc} ranks (gloo), {settings.batch // nproc} of {settings.batch} sequences "
-        f"each; per-rank device budget {device:,} B, host budget {host:,} B; fetch by "
+        f"each; per-rank device budget {format_size(device)}, host budget "
+        f"{format_size(host)}; fetch by "
         f"{fetch_collective}, gradients reduced in {reduce_dtype or settings.dtype}"
         + ("; the budgeted ranks overlap each step with the next forward" * settings.overlap)
     )
@@ -270,6 +273,32 @@ def _entry(plan: _Plan, rank: int, port: int, dirs: list[str], out: str, parent_
     os._exit(0)
 
 
+@contextlib.contextmanager
+def _ranks_ignore_ctrl_c() -> Any:
+    """Start the ranks (in the block) with SIGINT ignored, which they keep: a process
+    inherits an ignored signal through fork and exec, and Python turns SIGINT into
+    KeyboardInterrupt only where its parent left it at the default.
+
+    Ctrl-C reaches every process of the terminal's group: a rank still importing torch
+    printed a KeyboardInterrupt traceback of ~30 lines before the tool's one-line message
+    (issue 28). The tool alone answers it, killing the ranks by handle as it stops.
+    Meanwhile SIGINT is blocked here, so one that comes while the ranks start waits (a
+    blocked signal is kept, not ignored) and reaches the tool's own handler after it.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield  # (only the main thread may set a handler; a library caller's ranks as before)
+        return
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        handler = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGINT, handler)
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
 def _spawn(
     plan: _Plan, dirs: list[str], say: Callable[[str], None], *, grace_s: float = GRACE_S
 ) -> tuple[list[_Trained], list[_Trained]]:
@@ -292,8 +321,9 @@ def _spawn(
             for r in range(plan.world)
         ]
         try:
-            for p in procs:
-                p.start()
+            with _ranks_ignore_ctrl_c():
+                for p in procs:
+                    p.start()
             say(f"  started {plan.world} ranks (rendezvous on 127.0.0.1:{port})")
             results = _wait(procs, outs, grace_s)
         finally:

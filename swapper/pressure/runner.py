@@ -44,7 +44,6 @@ from typing import Any
 
 import torch
 
-from swapper.cli_args import show_nbytes
 from swapper.interrupts import critical
 from swapper.manager import Kind, Tier
 from swapper.pressure.export import export_final, export_json
@@ -58,6 +57,7 @@ from swapper.zero.local.offload import OffloadedModel
 from tiers.config import AioConfig
 from tiers.errors import SwapConfigError
 from tiers.nvme import content_hash
+from tiers.units import format_size
 
 __all__ = ["PressureResult", "PressureSettings", "run_pressure"]
 
@@ -348,8 +348,8 @@ def run_pressure(
     say(
         f"swapper-pressure: GPT of {num_params:,} params ({model_config.n_layers} layers, "
         f"d_model {model_config.d_model}), {settings.dtype}, {settings.steps} steps; "
-        f"device budget {show_nbytes(device)} (16-bit params {show_nbytes(param_nbytes)}), "
-        f"host budget {show_nbytes(host)} (optimizer state {show_nbytes(state_nbytes)})"
+        f"device budget {format_size(device)} (16-bit params {format_size(param_nbytes)}), "
+        f"host budget {format_size(host)} (optimizer state {format_size(state_nbytes)})"
     )
     # checkpointed: the store lives in DIR/swapper-pressure-checkpoint, kept for --resume
     kept = [d / "swapper-pressure-checkpoint" for d in settings.dirs]
@@ -488,8 +488,9 @@ def _train(
                 report = save_snapshot(wrapped, optimizer, keep_last=settings.keep_last)
                 snapshots.append(report)
                 say(
-                    f"  {label} snapshot {report.name}: {report.written_nbytes:,} B written "
-                    f"of {report.nbytes:,} B of state, {report.seconds:.3f} s"
+                    f"  {label} snapshot {report.name}: "
+                    f"{format_size(report.written_nbytes)} written "
+                    f"of {format_size(report.nbytes)} of state, {report.seconds:.3f} s"
                 )
         seconds = time.perf_counter() - start
         # (before final_digest, whose wait for the last overlapped update is no training's)

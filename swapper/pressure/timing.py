@@ -43,6 +43,7 @@ from tiers.aio import AioEngine
 from tiers.buffers import allocate
 from tiers.config import AioConfig
 from tiers.errors import SwapConfigError
+from tiers.units import format_size
 
 __all__ = ["DiskRates", "Phases", "PlainRun", "Timing", "measure_disk", "plain_run"]
 
@@ -340,8 +341,8 @@ class Timing:
             f"per step (median after the first): {self.seconds_per_step:.3f} s budgeted, "
             f"{self.reference_seconds_per_step:.3f} s unlimited, "
             f"{self.plain_seconds_per_step:.3f} s plain PyTorch, I/O floor "
-            f"{self.io_floor_seconds:.3f} s (disk {self.disk.write_bytes_per_s / 2**20:.0f} MiB/s "
-            f"write, {self.disk.read_bytes_per_s / 2**20:.0f} MiB/s read"
+            f"{self.io_floor_seconds:.3f} s (disk {format_size(self.disk.write_bytes_per_s)}/s "
+            f"write, {format_size(self.disk.read_bytes_per_s)}/s read"
             f"{'' if self.disk.direct else ', not O_DIRECT'}); stalled {s['forward']:.3f} s "
             f"forward, {s['backward']:.3f} s backward, {s['step']:.3f} s step"
         )

@@ -12,7 +12,7 @@ model's hooks first asked for them; sub-groups of parameters not seen yet last, 
 index), and returns. Each sub-group's update reads only its own state and gradients, so
 the order changes no result: the run is bit-identical to the ordinary step. The model
 records its manager's eviction order over one whole overlapped cycle (see
-:meth:`~swapper.zero.readahead.FetchPlan.overlapped`; :meth:`step` tells it where a step
+:meth:`~swapper.zero.model.readahead.FetchPlan.overlapped`; :meth:`step` tells it where a step
 starts), so that the order holds the update's fetches as they interleave with the forward.
 
 The model's hooks call the :class:`DeferredSteps` gate (:data:`~swapper.step.sources.ParamGate`)
@@ -55,13 +55,13 @@ the training thread's waits for it (the gate, a backward, ``step()``) are summed
 
 Over a model sharded across ranks the same thread steps this rank's shards; the model
 gates its gathers and agrees the update's end over the ranks in the caller's thread (the
-update's thread issues no collective): :mod:`swapper.zero.shard_overlap`.
+update's thread issues no collective): :mod:`swapper.zero.sharded.overlap`.
 
 Requirement on budgets: while the forward holds a module's parameters, the update of a
 later sub-group must find room in the host budget for its state and one parameter or
 gradient (as the ordinary step does with nothing held). Where parameters are used in the
 host tier, a budget that cannot hold both is refused when the optimizer is made
-(``SwapConfigError`` naming both needs: :func:`swapper.zero.placing.check_overlap_room`;
+(``SwapConfigError`` naming both needs: :func:`swapper.zero.local.placing.check_overlap_room`;
 it made the update time out before), and a forward keeps its holds for the backward only
 when every parameter fits beside the update.
 """
@@ -128,7 +128,7 @@ class DeferredSteps:
 
     Over a model sharded across ranks (its step a :class:`SharedStep`), the model agrees
     the updates over the ranks (:class:`~swapper.step.sources.AgreedModel`,
-    :mod:`swapper.zero.shard_overlap`): ``step()`` starts with that agreement, and a failed
+    :mod:`swapper.zero.sharded.overlap`): ``step()`` starts with that agreement, and a failed
     update does not refuse ``zero_grad()`` (the ranks learn of it at the next agreement;
     ``step()`` then finishes it and drops the gradients).
 

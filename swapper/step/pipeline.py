@@ -1,4 +1,4 @@
-# Size: ~550 lines: the sub-group state machine, its bookkeeping and the whole-sub-group
+# Size: ~575 lines: the sub-group state machine, its bookkeeping and the whole-sub-group
 # read/write (fp32 in and out, stored through compress.MomentCodec) stay one class.
 """The step pipeline: optimizer state streamed through memory, one sub-group at a time.
 
@@ -342,10 +342,14 @@ class StepPipeline:
             for sg in todo:
                 index = sg.index
                 progress = self.progress[index]
-                if progress.applied < step:
+                computing = progress.applied < step
+                if computing:
 
                     def read_ahead(sg: SubGroup = sg) -> None:
-                        self._read_ahead(compute_todo, position[sg.index] + 1, extra)
+                        # One short of the window before k computes: the farthest one is
+                        # asked for once k's eviction is queued (below), see _read_ahead.
+                        depth = min(self.readahead, max(1, self.readahead - 1))
+                        self._read_ahead(compute_todo, position[sg.index] + 1, extra, depth)
 
                     self._compute_one(sg, compute, publish, extra(sg), step, timeout_s, read_ahead)
                 elif progress.published < step:
@@ -354,6 +358,8 @@ class StepPipeline:
                     progress.durable = step
                 else:
                     writes[index] = self.manager.evict(self.key(index), Tier.NVME)
+                if computing:
+                    self._read_ahead(compute_todo, position[index] + 1, extra, self.readahead)
         except BaseException as exc:  # raised below, once the writes have ended
             error = exc
         finally:
@@ -373,10 +379,26 @@ class StepPipeline:
         raise StepFailedError(what, step=step, undone=undone) from cause
 
     def _read_ahead(
-        self, order: list[SubGroup], start: int, extra: Callable[[SubGroup], list[str]]
+        self,
+        order: list[SubGroup],
+        start: int,
+        extra: Callable[[SubGroup], list[str]],
+        depth: int,
     ) -> None:
+        """Ask the manager to read ahead ``order[start : start + depth]`` (keys already
+        asked for are skipped by the manager).
+
+        Why the window's far end waits for the eviction of the sub-group before it: the
+        manager runs read-aheads and evictions on the same few mover threads, in the
+        order asked, and a read-ahead with no room waits on its thread for room that only
+        that eviction frees. Asked before it (k+1..k+r, then evict k), the read-aheads held
+        both of the default two threads while evict k sat queued behind them, until
+        something else woke them: 0.4-1.0 s between asking to evict a sub-group and its
+        write starting, at 64M parameters on the 2-core VM (tools/step_trace.py
+        --timeline; with 4 mover threads 17-50 ms).
+        """
         keys: list[str] = []
-        for sg in order[start : start + self.readahead]:
+        for sg in order[start : start + depth]:
             if sg.index not in self._held:
                 keys.append(self.key(sg.index))
             keys.extend(extra(sg))

@@ -72,7 +72,7 @@ class ResumedState:
         rng: the RNG states it recorded (restored by the model at resume).
         taken: an optimizer has adopted the state (a second one starts afresh).
         rebuilt: the 16-bit parameters the snapshot left out, rebuilt from its fp32
-            masters and checked (:mod:`swapper.zero.rebuild`), until they are registered.
+            masters and checked (:mod:`swapper.zero.checkpoint.rebuild`), until they are registered.
     """
 
     name: str

@@ -190,7 +190,7 @@ class AgreedModel(Protocol):
     """A :class:`GatedModel` partitioned over ranks (what ``swapper.offload`` returns with a
     process group): its overlapped updates are agreed over the ranks at points every rank
     reaches in the same order, never from the update's thread
-    (:mod:`swapper.zero.shard_overlap`)."""
+    (:mod:`swapper.zero.sharded.overlap`)."""
 
     def agree_update(self, finish: Callable[[], None] | None) -> bool:
         """Called by ``step()`` on every rank, first, once this rank's update ended;

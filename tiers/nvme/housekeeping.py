@@ -65,22 +65,34 @@ def create_exclusive(files: StoreFiles, path: Path) -> None:
 
 
 def remove_store(
-    dirs: Sequence[str | os.PathLike[str]], *, name: str = "swapper-store"
+    dirs: Sequence[str | os.PathLike[str]],
+    *,
+    name: str = "swapper-store",
+    keep_snapshots: bool = False,
 ) -> list[Path]:
-    """Delete the store named ``name`` in ``dirs``: its data files, manifest, journal,
-    snapshot files, lock files and the temporary files of an interrupted save; nothing
-    else.
+    """Delete the store named ``name`` in ``dirs``: every file a store of that name keeps
+    there (data files, manifest, journal, snapshot files, lock files, the identity record
+    of a rank's store and the temporary files of an interrupted save); nothing else.
 
     For a store that cannot be reopened (a crash while it was being created, a damaged
     or foreign manifest) as well as for one that can. Directories are kept. Directories
     that do not exist are skipped; files already gone are fine.
+
+    Args:
+        dirs: the store's swap directories, in the order it was made with (for a rank's
+            store, its ``<dir>/rank{r}of{N}`` directories).
+        name: the store's name (``offload`` and ``swapper-pressure`` use
+            ``"swapper-offload"``, :class:`~tiers.nvme.NvmeStore` ``"swapper-store"``).
+        keep_snapshots: keep the retained snapshots and what they need to be reopened
+            (data files, manifest, journal, identity record); delete only the lock files
+            and the temporary files of an interrupted save.
 
     Returns:
         The paths deleted.
 
     Raises:
         StoreLockedError: the store is open (in a live process, perhaps this one); nothing
-            is deleted.
+            is deleted. The message names the holder's pid.
         SwapConfigError: ``dirs`` or ``name`` are not usable.
         SwapIOError: a file cannot be deleted (e.g. a directory is in its place).
     """
@@ -93,10 +105,14 @@ def remove_store(
     lock = StoreLock.acquire(StoreFiles(tuple(paths[i] for i in present), name))
     removed: list[Path] = []
     try:
-        targets = [files.data(i) for i in present]
+        targets = [] if keep_snapshots else [files.data(i) for i in present]
         if 0 in present:
-            snapshots = [path for _, path in files.snapshots()]
-            targets += [files.manifest, files.journal, *snapshots, *files.orphans()]
+            if not keep_snapshots:
+                snapshots = [path for _, path in files.snapshots()]
+                # The identity last but one, the manifest last: a removal cut part-way
+                # leaves files that still say whose store they were.
+                targets += [*snapshots, files.journal, files.identity, files.manifest]
+            targets += files.orphans()
         for path in targets:
             try:
                 os.unlink(path)

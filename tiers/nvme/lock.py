@@ -30,22 +30,15 @@ import os
 import stat
 
 from tiers.errors import StoreLockedError, SwapIOError
+from tiers.files import lock_holder, read_lock_pid
 from tiers.nvme.metafiles import StoreFiles
 
-__all__ = ["StoreLock"]
+__all__ = ["StoreLock", "lock_holder"]  # (lock_holder: tiers.files, torch-free)
 
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _O_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
 _RETRIES = 20
-
-
-def _holder(fd: int) -> int | None:
-    try:
-        text = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
-    except OSError:
-        return None
-    return int(text) if text.isdigit() else None
 
 
 class StoreLock:
@@ -103,7 +96,7 @@ class StoreLock:
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError:
-                    pid = _holder(fd)
+                    pid = read_lock_pid(fd)
                     mine = " (this process)" if pid == os.getpid() else ""
                     who = f"pid {pid}{mine}" if pid is not None else "a process of unknown pid"
                     raise StoreLockedError(

@@ -10,6 +10,8 @@ Files of a store named ``<name>`` (nothing else is ever created or deleted):
 - ``<name>.lock`` in every swap directory: the advisory lock, holding the holder's pid;
 - ``<name>.json`` in ``dirs[0]``: the manifest (the durable state at its generation);
 - ``<name>.journal`` in ``dirs[0]``: the records of the changes since the manifest;
+- ``<name>.identity`` in ``dirs[0]``: whose store it is (rank, world size), written by the
+  layer above (:mod:`swapper.distributed.identity`); never read here, deleted with the store;
 - ``<name>.<snapshot>.snap`` in ``dirs[0]``: a retained snapshot (:mod:`tiers.nvme.snapshots`);
   a snapshot name has no '.', so the files of a store named ``a.b`` are never a's;
 - ``.<name>.json.<8 chars>.tmp`` / ``.<name>.journal.<8 chars>.tmp`` /
@@ -109,6 +111,13 @@ class StoreFiles:
     def journal(self) -> Path:
         return self.dirs[0] / f"{self.name}.journal"
 
+    @property
+    def identity(self) -> Path:
+        """The record a layer above keeps beside the store (the rank and world size that
+        own it, :mod:`swapper.distributed.identity`): tiers never reads it, but it is one of
+        the store's files, so :func:`~tiers.nvme.remove_store` deletes it."""
+        return self.dirs[0] / f"{self.name}.identity"
+
     def snapshot(self, snapshot: str) -> Path:
         """The file of the retained snapshot named ``snapshot`` (a name without '.')."""
         return self.dirs[0] / f"{self.name}.{snapshot}.snap"
@@ -123,7 +132,7 @@ class StoreFiles:
         """Temporary manifests, journals and snapshots in ``dirs[0]`` (only a crash
         leaves them)."""
         pattern = re.compile(
-            rf"^\.{re.escape(self.name)}\.(json|journal|[A-Za-z0-9_][A-Za-z0-9_-]*\.snap)"
+            rf"^\.{re.escape(self.name)}\.(json|journal|identity|[A-Za-z0-9_][A-Za-z0-9_-]*\.snap)"
             rf"\.[A-Za-z0-9_]{{8}}\.tmp$"
         )
         return sorted(self.dirs[0] / n for n in self._names() if pattern.match(n))

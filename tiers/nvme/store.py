@@ -417,7 +417,8 @@ class NvmeStore(SnapshotStore):
         ``StoreClosedError``) and nothing more is flushed before the files go.
 
         The store's files stay on disk unless ``remove``: then they are deleted (data
-        files, manifest, journal, snapshot files, lock files) and the directories the
+        files, manifest, journal, snapshot files, lock files, the identity record a rank's
+        store keeps beside them) and the directories the
         constructor created are removed if nothing else is in them. Nothing else is ever deleted.
 
         Raises:
@@ -454,6 +455,7 @@ class NvmeStore(SnapshotStore):
                 self._files.journal,
                 *(path for _, path in self._files.snapshots()),
                 *self._files.orphans(),
+                self._files.identity,  # (a rank's store: whose it was, gone with it)
             ]:
                 with contextlib.suppress(FileNotFoundError):
                     path.unlink()

@@ -225,7 +225,16 @@ def _decide(
         error: Exception | None = None
         try:
             local.close(remove=True)
-            remove_store(local.config.nvme_dirs, name=local.config.store_name)
+            config = local.config
+            remove_store(config.nvme_dirs, name=config.store_name)
+            # remove_store took the identity record too: this rank's fresh store claims
+            # its directories again (they are <shared dir>/rank{r}of{N}).
+            claim_store_identity(
+                [Path(d).parent for d in config.nvme_dirs],
+                config.store_name,
+                group.rank,
+                group.world_size,
+            )
         except Exception as exc:
             error = exc
         agree_or_raise(group, error, "resume: removing the stores to start afresh")

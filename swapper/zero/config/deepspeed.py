@@ -41,7 +41,7 @@ from swapper.zero.config.deepspeed_training import (
 )
 from tiers.config import AioConfig, read_json_object
 from tiers.errors import SwapConfigError
-from tiers.units import parse_size
+from tiers.units import format_size, parse_size
 
 __all__ = ["deepspeed_settings", "read_deepspeed"]
 
@@ -150,17 +150,12 @@ def _fit_sub_group(values: dict[str, Any], overrides: Mapping[str, Any]) -> None
         "host_nbytes=%d (%s) holds: reduced to %d elements (%s each, a quarter of the "
         "host budget: one sub-group steps while others are read ahead and written behind)",
         where,
-        _mib(_STATE_BYTES * padded),
+        format_size(_STATE_BYTES * padded),
         host,
-        _mib(host),
+        format_size(host),
         fitted,
-        _mib(_STATE_BYTES * fitted),
+        format_size(_STATE_BYTES * fitted),
     )
-
-
-def _mib(nbytes: int) -> str:
-    """Bytes for a log line, in MiB (binary, labelled) with one decimal."""
-    return f"{nbytes / (1 << 20):,.1f} MiB"
 
 
 def _names(tiers: Sequence[Tier]) -> list[str]:

@@ -145,21 +145,23 @@ class OffloadConfig:
     def create(
         cls,
         *,
-        device_nbytes: int | None = None,
-        host_nbytes: int | None = None,
+        device_nbytes: int | str | None = None,
+        host_nbytes: int | str | None = None,
         nvme_dirs: Sequence[str | os.PathLike[str]] = (),
         aio: AioConfig | None = None,
         param_tiers: Sequence[Tier | str] | None = None,
         grad_tiers: Sequence[Tier | str] | None = None,
         optimizer_tiers: Sequence[Tier | str] | None = None,
-        prefetch_nbytes: int | None = None,
+        prefetch_nbytes: int | str | None = None,
         step: StepConfig | None = None,
         distributed: DistributedConfig | None = None,
         device: str | None = None,
         store_name: str = "swapper-offload",
         **manager: Any,
     ) -> OffloadConfig:
-        """A config from the flat settings a training script writes. Sizes in bytes.
+        """A config from the flat settings a training script writes. Sizes in bytes: an
+        int, or a string such as ``"1GiB"`` (:func:`tiers.units.parse_size`, as in
+        ``from_dict``, JSON, DeepSpeed files and the command-line flags).
 
         Args:
             device_nbytes: device-tier budget, for the 16-bit parameters being used

@@ -23,11 +23,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from swapper.manager.config import MEMORY_TIERS, Kind, ManagerConfig, Tier
+from swapper.manager.config import MEMORY_TIERS, Kind, ManagerConfig, Tier, size_setting
 from swapper.step.config import StepConfig
 from tiers.config import AioConfig, parse_enum
 from tiers.errors import SwapConfigError
-from tiers.units import parse_size
 
 __all__ = [
     "FLAT_KEYS",
@@ -118,14 +117,14 @@ def check_device(device: object, name: str = "device") -> None:
 
 def manager_settings(
     *,
-    device_nbytes: int | None,
-    host_nbytes: int | None,
+    device_nbytes: int | str | None,
+    host_nbytes: int | str | None,
     nvme_dirs: Sequence[str | os.PathLike[str]],
     aio: AioConfig | None,
     param_tiers: Sequence[Tier | str] | None,
     grad_tiers: Sequence[Tier | str] | None,
     optimizer_tiers: Sequence[Tier | str] | None,
-    prefetch_nbytes: int | None,
+    prefetch_nbytes: int | str | None,
     device: str | None,
     store_name: str,
     other: Mapping[str, Any],
@@ -146,18 +145,10 @@ def manager_settings(
         SwapConfigError: a setting is invalid (named as the caller wrote it), or ``other``
             names a key that is not a passthrough manager field.
     """
-    for name, value in (
-        ("device_nbytes", device_nbytes),
-        ("host_nbytes", host_nbytes),
-        ("prefetch_nbytes", prefetch_nbytes),
-    ):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-            raise SwapConfigError(
-                f"{name}={value!r} must be an int number of bytes >= 0, or None "
-                "(from_dict also takes sizes such as '64MiB')"
-            )
-        if value is not None and value < 0:
-            raise SwapConfigError(f"{name}={value} must be >= 0 bytes, or None")
+    # one parser for every size: ints, or strings such as "64MiB" (tiers.units.parse_size)
+    device_nbytes = size_setting("device_nbytes", device_nbytes, allow_none=True)
+    host_nbytes = size_setting("host_nbytes", host_nbytes, allow_none=True)
+    prefetch_nbytes = size_setting("prefetch_nbytes", prefetch_nbytes, allow_none=True)
     if prefetch_nbytes == 0:
         raise SwapConfigError("prefetch_nbytes=0 must be > 0 bytes, or None for the default window")
     dirs = _checked_dirs(nvme_dirs)
@@ -324,10 +315,7 @@ def coerce_flat(name: str, value: Any) -> Any:
         SwapConfigError: a size does not parse, or the ``aio`` object does not validate.
     """
     if name in _BYTE_KEYS and isinstance(value, str):
-        try:
-            return parse_size(value)
-        except ValueError as exc:
-            raise SwapConfigError(f"{name}={value!r}: {exc}") from None
+        return size_setting(name, value, allow_none=False)
     if name == "aio" and isinstance(value, Mapping):
         try:
             return AioConfig.from_dict(value)

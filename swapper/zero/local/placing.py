@@ -62,30 +62,42 @@ def check_modules(module: nn.Module, first: Tier, limit: int | None) -> None:
             seen.add(id(p))
     if limit is None:
         return
+    # Every need is computed, then the largest is reported: one message gives the floor,
+    # not the first module that does not fit (issue 28: four runs to find it).
+    needs: list[tuple[int, str]] = []
     recompute = checkpointed_need(module, nbytes_of)
-    if recompute is not None and recompute[0] + shared > limit:
-        need = recompute[0] + shared
-        raise SwapConfigError(
-            f"offload: {recompute[1]} needs {need} bytes ({format_size(need)}) of "
-            f"{first.value} memory at once"
-            + (" (with tied parameters held through the backward)" if shared else "")
-            + f", more than the {first.value} budget of {limit} bytes: raise it to at "
-            f"least {need}"
+    if recompute is not None:
+        needs.append(
+            (
+                recompute[0] + shared,
+                f"{recompute[1]}"
+                + (" (with tied parameters held through the backward)" if shared else ""),
+            )
         )
     for name, sub in module.named_modules():
         own = [p for p in sub.parameters(recurse=False)]
         nbytes = sum(nbytes_of(p) for p in own)
         tied_elsewhere = shared - sum(nbytes_of(p) for p in own if uses[id(p)] > 1)
-        need = nbytes + tied_elsewhere
-        if own and need > limit:
-            raise SwapConfigError(
-                f"offload: module {name or type(sub).__name__!r} "
-                f"({type(sub).__name__}) needs {need} bytes ({format_size(need)}) of "
-                f"{first.value} memory at once (its parameters"
-                + (", and tied parameters held through the backward" if tied_elsewhere else "")
-                + f"), more than the {first.value} budget of {limit} bytes: raise it to "
-                f"at least {need}"
+        if own:
+            needs.append(
+                (
+                    nbytes + tied_elsewhere,
+                    f"module {name or type(sub).__name__!r} ({type(sub).__name__}) (its "
+                    "parameters"
+                    + (", and tied parameters held through the backward" if tied_elsewhere else "")
+                    + ")",
+                )
             )
+    if not needs:
+        return
+    need, what = max(needs, key=lambda n: n[0])  # (the first of equal needs)
+    if need > limit:
+        raise SwapConfigError(
+            f"offload: the {first.value} budget of {limit} bytes ({format_size(limit)}) is "
+            f"below this model's floor of {need} bytes ({format_size(need)}), the most any "
+            f"module needs of {first.value} memory at once: {what}; raise it to at least "
+            f"{need}"
+        )
 
 
 def forward_hold(module: nn.Module, nbytes_of: Callable[[nn.Parameter], int]) -> tuple[int, str]:
