@@ -106,7 +106,7 @@ class OffloadAdamW(SubGroupMath, torch.optim.Optimizer):
 
     A parameter whose ``.grad`` is None at a step is stepped with a zero gradient (its
     moments decay, weight decay applies), as in ZeRO's flat partitions; ``torch.optim``
-    would skip it.
+    would skip it; over an offloaded model a frozen one is left out instead (no state).
 
     Args:
         params: 16-bit (bf16 or fp16), contiguous tensors, or param groups (dicts), as for

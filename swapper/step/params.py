@@ -10,20 +10,44 @@ from typing import Any
 import torch
 
 from swapper.step.layout import SIXTEEN_BIT
-from swapper.step.sources import ParamSource
+from swapper.step.sources import LocalParams, ParamSource
 from tiers.errors import SwapConfigError
 
-__all__ = ["check_params", "fp32_accumulators"]
+__all__ = ["check_params", "drop_frozen", "fp32_accumulators"]
+
+
+def drop_frozen(param_groups: Sequence[dict[str, Any]]) -> int:
+    """Take the frozen parameters (``requires_grad=False``) out of the groups (and their
+    ``param_names``), in place; returns how many. Why: the step treats a parameter
+    without a gradient as one with a zero gradient (weight decay applies), so a frozen
+    parameter kept would change, and cost 12 B of optimizer state per element; users pass
+    ``model.parameters()`` to ``torch.optim`` optimizers with frozen ones among them."""
+    dropped = 0
+    for group in param_groups:
+        params = group["params"]
+        keep = [i for i, p in enumerate(params) if p.requires_grad]
+        if len(keep) == len(params):
+            continue
+        dropped += len(params) - len(keep)
+        group["params"] = [params[i] for i in keep]
+        names = group.get("param_names")
+        if names is not None:
+            group["param_names"] = [names[i] for i in keep]
+    return dropped
 
 
 def check_params(param_groups: Sequence[dict[str, Any]], source: ParamSource) -> None:
     """Check every parameter is 16-bit, contiguous and given once (``source`` answers for
-    its shape and dtype: an offloaded parameter's ``.data`` is a placeholder).
+    its shape and dtype: an offloaded parameter's ``.data`` is a placeholder), after
+    taking the frozen ones of an offloaded model out of the groups (:func:`drop_frozen`;
+    plain tensors keep ZeRO's flat-partition rule: no gradient steps as zeros).
 
     Raises:
         SwapConfigError: the first parameter at fault, named by group, index, name (when
             the group has ``param_names``) and shape.
     """
+    if not isinstance(source, LocalParams):
+        drop_frozen(param_groups)
     seen: dict[int, str] = {}
     for g_index, group in enumerate(param_groups):
         names = group.get("param_names")

@@ -88,6 +88,7 @@ from swapper.zero.local.weights import (
     unwrap,
 )
 from swapper.zero.model.autograd import in_autograd
+from swapper.zero.model.frozen import FrozenUse, check_known, check_trainable
 from swapper.zero.model.model_buffers import BufferMoves, move_buffers, restore_buffers
 from swapper.zero.model.module_apply import guard_apply, unguard_apply
 from swapper.zero.model.readahead import FetchPlan
@@ -170,6 +171,7 @@ class OffloadedModel(ModuleHooks, nn.Module):
         self._closed = False
         self._param_gate: ParamGate | None = None  # an overlapped optimizer's (set_param_gate)
         self._persist = Persistence()  # parameters kept fetched (swapper.zero.local.persist)
+        self._frozen_uses: list[FrozenUse] = []  # all-frozen modules (swapper.zero.model.frozen)
         self._check_modules(module)
         #: until placed: each parameter emptied, its bytes (None: materialised), its slot
         self._originals: list[tuple[nn.Parameter, torch.Tensor | None, Slot]] = []
@@ -303,6 +305,8 @@ class OffloadedModel(ModuleHooks, nn.Module):
         modules fetched are released before the exception propagates; holds that an
         aborted backward left are released at the next call."""
         if self._holds.forward_depth == 0:
+            check_known(self.module, self._slots)  # (before anything moves)
+            check_trainable(self._by_name.values())
             self.release_stale_holds()
         depth = len(self._forward_holds)
         self._holds.forward_depth += 1
@@ -498,6 +502,7 @@ class OffloadedModel(ModuleHooks, nn.Module):
             shape=param.shape,
             dtype=param.dtype,
             placeholder=torch.empty(0, dtype=param.dtype),
+            trainable=param.requires_grad,
             home=param.device,
         )
         if self.resumed is not None:  # its bytes are the snapshot's

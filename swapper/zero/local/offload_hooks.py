@@ -26,6 +26,7 @@ from swapper.zero.local.persist import Persistence, drop_native, enter, retain_h
 from swapper.zero.local.resident import acquire_resident
 from swapper.zero.local.weights import check_unwritten
 from swapper.zero.model.autograd import hook_outputs, in_autograd
+from swapper.zero.model.frozen import FrozenUse, mark_inputs
 from swapper.zero.model.readahead import FetchPlan
 from swapper.zero.model.recompute import no_room
 from swapper.zero.model.saved import SavedParams
@@ -50,6 +51,7 @@ class ModuleHooks:
     _keep_held: bool
     _lazy_norms: bool
     _persist: Persistence
+    _frozen_uses: list[FrozenUse]  # modules whose parameters are all frozen
 
     def _drop_forward_holds(self, depth: int) -> int:
         """Release the slots fetched by the modules whose forward began above ``depth``
@@ -62,12 +64,19 @@ class ModuleHooks:
                 dropped += 1
         return dropped
 
-    def _pre_forward_hook(self, slots: list[Slot]) -> Callable[..., None]:
-        def hook(module: nn.Module, args: Any) -> None:
+    def _pre_forward_hook(
+        self, slots: list[Slot], frozen: FrozenUse | None = None
+    ) -> Callable[..., Any]:
+        after = None
+        if frozen is not None:  # (recorded: the end of a backward resets its count)
+            self._frozen_uses.append(frozen)
+            after = self._frozen_after(frozen)
+
+        def hook(module: nn.Module, args: Any, kwargs: Any) -> Any:
             if enter(
                 self
             ):  # persistent from here: this hook is taken off (swapper.zero.local.persist)
-                return
+                return None
             self._plan.step_boundary()
             self._check_room(slots)
             taken: list[Slot] = []
@@ -86,10 +95,33 @@ class ModuleHooks:
                     # (swapper.zero.model.saved). Decided by the budget alone, so the same in a
                     # recompute as in its forward (checkpointing counts saved tensors).
                     self._saved.push(len(self._forward_holds) - 1, taken)
+            if after is not None and not self._keep_held and torch.is_grad_enabled():
+                # all frozen: released when its backward is over (swapper.zero.model.frozen)
+                return mark_inputs(args, kwargs, after)
+            return None
 
         return hook
 
-    def _post_forward_hook(self, slots: list[Slot]) -> Callable[..., Any]:
+    def _frozen_after(self, frozen: FrozenUse) -> Callable[[], None]:
+        """The AfterBackward hook (:mod:`swapper.zero.model.frozen`) of a module whose
+        parameters are all frozen: release the holds one backward of it took."""
+
+        def after() -> None:
+            with signals.held:  # uncounted and released, or neither
+                with self._lock:
+                    if not frozen.pending:
+                        return  # (its holds were released already: the backward ended)
+                    frozen.pending -= 1
+                    for slot in frozen.slots:
+                        slot.backward_holds -= 1
+                for slot in frozen.slots:
+                    self._release(slot)
+
+        return after
+
+    def _post_forward_hook(
+        self, slots: list[Slot], frozen: FrozenUse | None = None
+    ) -> Callable[..., Any]:
         def before_backward() -> None:
             if self._param_gate is not None:
                 # An overlapped update still running reads the gradients this backward is
@@ -110,6 +142,9 @@ class ModuleHooks:
                     self._acquire(slot)
                     with self._lock:
                         slot.backward_holds += 1
+                if frozen is not None:
+                    with self._lock:
+                        frozen.pending += 1  # (what its AfterBackward releases)
 
         def hook(module: nn.Module, args: Any, output: Any) -> Any:
             with signals.held:
@@ -192,6 +227,8 @@ class ModuleHooks:
                 slot.backward_holds = 0
                 slot.carried -= kept
                 self._holds.carried -= kept
+            for frozen in self._frozen_uses:
+                frozen.pending = 0
         for slot, holds, kept in leftovers:
             for _ in range(holds + kept):
                 self._release(slot)

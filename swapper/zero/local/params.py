@@ -153,6 +153,9 @@ class Slot:
     shape: torch.Size
     dtype: torch.dtype
     placeholder: torch.Tensor
+    #: ``requires_grad`` when wrapped (fixed from then: swapper.zero.model.frozen); a frozen
+    #: parameter has no gradient hook, no retained gradient and no optimizer state
+    trainable: bool = True
     users: int = 0  # fetches outstanding (forward and backward holds)
     backward_holds: int = 0  # of which taken for a backward
     #: of which kept from a forward for its backward (budgets that hold every parameter:

@@ -56,6 +56,7 @@ from swapper.zero.local.weights import (
     check_unwritten,
 )
 from swapper.zero.model.autograd import in_autograd
+from swapper.zero.model.frozen import frozen_use
 from tiers import signals
 
 if TYPE_CHECKING:
@@ -121,11 +122,15 @@ def install(model: ModuleHooks, module_slots: dict[nn.Module, list[Slot]]) -> No
     and each parameter's gradient hook."""
     persist = model._persist
     for sub, slots in module_slots.items():
-        handle = sub.register_forward_pre_hook(model._pre_forward_hook(slots))
+        frozen = frozen_use(slots)  # all frozen: released after its backward
+        # with_kwargs: a frozen module's inputs given by keyword are marked too
+        pre = model._pre_forward_hook(slots, frozen)
+        handle = sub.register_forward_pre_hook(pre, with_kwargs=True)
         persist.hooks.append(_record(sub, "pre", handle))
         # always_call: a forward that raises (the early stop of a non-reentrant
         # checkpoint's recompute raises on purpose) still releases what it fetched
-        handle = sub.register_forward_hook(model._post_forward_hook(slots), always_call=True)
+        post = model._post_forward_hook(slots, frozen)
+        handle = sub.register_forward_hook(post, always_call=True)
         persist.hooks.append(_record(sub, "post", handle))
     for slot in model._by_name.values():
         if slot.param.requires_grad:
@@ -157,6 +162,8 @@ def _put_back(hook: ModuleHook) -> None:
     hooks[key] = hook.fn
     if hook.kind == "post":
         hook.owner._forward_hooks_always_called[key] = True
+    elif hook.kind == "pre":
+        hook.owner._forward_pre_hooks_with_kwargs[key] = True  # (install's)
     # Where it stood: the hooks that were there keep their order around it, hooks added
     # meanwhile come after them (as they would have).
     before = [k for k in hook.order if k in hooks]

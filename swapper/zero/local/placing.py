@@ -19,6 +19,15 @@ from tiers.units import format_size
 __all__ = ["back_to_meta", "check_modules", "check_overlap_room"]
 
 
+#: (PEFT keeps its adapters in fp32 over a 16-bit base by default; fp32 parameters are
+#: not offloaded yet: issue 27's second item)
+_PEFT_HINT = (
+    "; for PEFT adapters (fp32 by default over a 16-bit base) pass "
+    "autocast_adapter_dtype=False to peft.get_peft_model (and to "
+    "PeftModel.from_pretrained) to keep them in the base's dtype"
+)
+
+
 def check_modules(module: nn.Module, first: Tier, limit: int | None) -> None:
     """Refuse parameters that are not 16-bit, and a budget of ``first`` (the tier where
     parameters are used; ``limit`` bytes, None: unlimited) that cannot hold some module's
@@ -33,7 +42,7 @@ def check_modules(module: nn.Module, first: Tier, limit: int | None) -> None:
             raise SwapConfigError(
                 f"offload: parameter {name!r} (shape {list(param.shape)}) is "
                 f"{param.dtype}; convert the model to bf16 or fp16 first "
-                "(model.to(torch.bfloat16))"
+                "(model.to(torch.bfloat16))" + _PEFT_HINT * ("lora_" in name)
             )
 
     def nbytes_of(p: torch.Tensor) -> int:

@@ -41,14 +41,27 @@ __all__ = ["checkpointed_need", "no_room"]
 
 def _checkpointed_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """The layers whose forward is recomputed in the backward, as far as the model says:
-    Hugging Face sets ``gradient_checkpointing = True`` on each checkpointed layer and on
-    the stack that holds them; the innermost flagged modules are the layers (with
-    transformers 4.x, where only the stack is flagged, the stack: an over-estimate)."""
+    Hugging Face sets ``gradient_checkpointing = True`` on every module that has the
+    attribute. Those that checkpoint their own call (transformers 5's
+    ``GradientCheckpointingLayer``, known by its class name: no import of transformers
+    here) are the layers; else the innermost flagged modules are (with transformers 4.x,
+    where only the stack is flagged, the stack: an over-estimate).
+
+    Why not the innermost flagged modules always: T5's attention has the attribute too
+    (flagged) inside its flagged block, so the innermost was the attention, whose two
+    largest modules are smaller than the block's (the MLP's ``wi`` and ``wo``); a budget
+    the wrap accepted failed in the first backward, fetching the block's first norm
+    while its ``wo`` (and the tied ``shared.weight``) were held (issue 27)."""
 
     def flagged(sub: nn.Module) -> bool:
         return getattr(sub, "gradient_checkpointing", False) is True
 
-    layers = []
+    def checkpoints_itself(sub: nn.Module) -> bool:
+        return any(c.__name__ == "GradientCheckpointingLayer" for c in type(sub).__mro__)
+
+    layers = [(n, s) for n, s in model.named_modules() if flagged(s) and checkpoints_itself(s)]
+    if layers:
+        return layers
     for name, sub in model.named_modules():
         if flagged(sub) and not any(flagged(inner) for inner in list(sub.modules())[1:]):
             layers.append((name, sub))

@@ -1,3 +1,5 @@
+# Size: ~520 lines: the set-up, the surface and the hooks of one state machine (gathers,
+# gradients, checkpoints, overlap and writes are in the sharded room's other modules).
 """``swapper.offload(model, config, process_group)`` over N > 1 ranks: ZeRO-3.
 
 Each rank holds 1/N of every 16-bit parameter (:mod:`swapper.distributed.partition`: flat
@@ -64,6 +66,7 @@ from swapper.zero.checkpoint.snapshot import keeps_store
 from swapper.zero.config.offload import OffloadConfig
 from swapper.zero.config.settings import tiers_of
 from swapper.zero.model.autograd import in_autograd, mark_outputs
+from swapper.zero.model.frozen import check_trainable, mark_inputs
 from swapper.zero.model.model_buffers import move_buffers, restore_buffers
 from swapper.zero.model.module_apply import guard_apply, unguard_apply
 from swapper.zero.model.saved import SavedParams
@@ -176,7 +179,9 @@ class ShardedModel(GatherMixin, nn.Module):
 
     def _install_hooks(self) -> None:
         for sub, state in self._states.items():
-            self._handles.append(sub.register_forward_pre_hook(self._pre_forward_hook(state)))
+            state.all_frozen = bool(state.slots) and not any(s.trainable for s in state.slots)
+            pre = self._pre_forward_hook(state)  # (with_kwargs: inputs given by keyword)
+            self._handles.append(sub.register_forward_pre_hook(pre, with_kwargs=True))
             self._handles.append(sub.register_forward_hook(self._post_forward_hook(state)))
         for slot in self._by_index:
             if slot.param.requires_grad:
@@ -218,6 +223,7 @@ class ShardedModel(GatherMixin, nn.Module):
         """The wrapped model's forward (every rank must call it alike). If it raises,
         the modules it gathered are released before the exception propagates."""
         if self._forward_depth == 0:
+            check_trainable(self._by_index)  # (before anything moves, on every rank alike)
             self.release_stale_holds()
             self._writes.check("forward")  # (an agreement: every rank raises alike)
         depth = len(self._forward_holds)
@@ -252,6 +258,7 @@ class ShardedModel(GatherMixin, nn.Module):
             for state in self._states.values():
                 holds, state.backward_holds = state.backward_holds, 0
                 state.waiting.clear()
+                state.frozen_pending = 0
                 for _ in range(holds):
                     self._release(state)
                 dropped += holds
@@ -412,13 +419,24 @@ class ShardedModel(GatherMixin, nn.Module):
 
     # -- hooks ----------------------------------------------------------------------------
 
-    def _pre_forward_hook(self, state: ModuleState) -> Callable[..., None]:
-        def hook(module: nn.Module, args: Any) -> None:
+    def _pre_forward_hook(self, state: ModuleState) -> Callable[..., Any]:
+        def after() -> None:  # all frozen: its backward is over (swapper.zero.model.frozen)
+            with signals.held:
+                if not state.frozen_pending:
+                    return  # (released already: the backward ended)
+                state.frozen_pending -= 1
+                state.backward_holds -= 1
+                self._release(state)
+
+        def hook(module: nn.Module, args: Any, kwargs: Any) -> Any:
             self._step_boundary()
             self._forward_holds.append(None)
             with signals.at_waits:
                 self._acquire(state)
                 self._forward_holds[-1] = state
+            if state.all_frozen and torch.is_grad_enabled():
+                return mark_inputs(args, kwargs, after)
+            return None
 
         return hook
 
@@ -434,6 +452,8 @@ class ShardedModel(GatherMixin, nn.Module):
                     if not state.backward_holds:
                         state.waiting = {s.index for s in state.slots if s.param.requires_grad}
                     state.backward_holds += 1
+                    if state.all_frozen:
+                        state.frozen_pending += 1  # (what its AfterBackward releases)
 
         def hook(module: nn.Module, args: Any, output: Any) -> Any:
             with signals.held:
@@ -485,6 +505,7 @@ class ShardedModel(GatherMixin, nn.Module):
             for state in self._states.values():
                 holds, state.backward_holds = state.backward_holds, 0
                 state.waiting.clear()
+                state.frozen_pending = 0
                 for _ in range(holds):
                     self._release(state)
         self._grads.flush()  # parameters unused in this pass: zeros

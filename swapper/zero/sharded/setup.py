@@ -364,6 +364,7 @@ def _place(
                 dtype=param.dtype,
                 placeholder=torch.empty(0, dtype=param.dtype),
                 local_numel=placement.local_numel(rank),
+                trainable=param.requires_grad,
             )
             if resumed is not None:  # its bytes are the snapshot's
                 adopt_shard(manager, resumed, slot)

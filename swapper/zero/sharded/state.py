@@ -45,6 +45,8 @@ class ShardSlot:
     dtype: torch.dtype
     placeholder: torch.Tensor
     local_numel: int
+    #: ``requires_grad`` when wrapped (fixed from then: swapper.zero.model.frozen)
+    trainable: bool = True
     modules: list[ModuleState] = dataclasses.field(default_factory=list)
     has_grad: bool = False
     #: float64 sum of squares of the retained gradient shard, taken when it is reduced
@@ -77,6 +79,11 @@ class ModuleState:
     #: slots (plan indices) whose gradient has not yet been accumulated in this backward;
     #: when it empties, the backward holds are released
     waiting: set[int] = dataclasses.field(default_factory=set)
+    #: every parameter frozen: released when its backward is over (swapper.zero.model.frozen),
+    #: by as many AfterBackward calls as ``frozen_pending`` (backward holds not yet so
+    #: released; 0 again at the end of every backward)
+    all_frozen: bool = False
+    frozen_pending: int = 0
     pending: PendingFetch | None = None  # started by read-ahead, not yet waited on
     gathered: PendingFetch | None = None  # waited on: the parameters' views are live
 
