@@ -1,3 +1,5 @@
+# Size: ~525 lines: the parser of every flag, the argument checks before torch loads, and
+# the four report paths (reference, no reference, ranks, ranks with no reference).
 """``swapper-pressure``: train a GPT under tight budgets and prove it equals an unlimited run.
 
 Human output uses the units of :mod:`swapper.cli_args` (binary prefixes, labelled; times
@@ -22,9 +24,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from swapper.cli_args import (
     OneLineParser,
@@ -188,6 +190,22 @@ def build_parser() -> argparse.ArgumentParser:
         "default fp32)",
     )
     p.add_argument(
+        "--reference",
+        choices=("unlimited", "none"),
+        default="unlimited",
+        help="unlimited (the default): compare with an in-memory run of the same seed; "
+        "none: train only the budgeted model (built on the meta device straight into the "
+        "tiers, so it may be larger than memory) and report per step its seconds, stall, "
+        "NVMe bytes by kind, I/O and compute floors and peak RSS",
+    )
+    p.add_argument(
+        "--compare-budgets",
+        action="store_true",
+        help="with no reference: train the model twice, the second time with the device "
+        "budget doubled out of the host budget, half the sub-group and --overlap flipped, "
+        "and fail unless losses and final digests are bit-identical",
+    )
+    p.add_argument(
         "--write-budget",
         type=rate_per_day_arg,
         metavar="RATE",
@@ -271,6 +289,12 @@ def _run(argv: list[str], kept: list[Path] | None = None) -> int:
                 f"--batch {args.batch} is not a multiple of --nproc {args.nproc} (each rank "
                 "trains batch / nproc sequences of every step)"
             )
+    if args.compare_budgets:
+        args.reference = "none"
+        if args.resume:
+            parser.error("--compare-budgets runs from scratch twice; drop --resume")
+    if args.compare_budgets and args.nproc > 1:
+        parser.error("--compare-budgets is one process here (--nproc 1)")
     dirs = tuple(check_dirs(args.dirs)) if args.dirs else ()
     if args.checkpoint_every is not None or args.resume:
         in_the_way = checkpoint_in_the_way(dirs, resume=args.resume)
@@ -303,6 +327,14 @@ def _run(argv: list[str], kept: list[Path] | None = None) -> int:
         write_budget_bytes_per_day=args.write_budget,
         write_budget_strict=args.write_budget_strict,
     )
+    if args.nproc > 1 and args.reference == "none":
+        return _run_ranks_budgeted(
+            settings,
+            args.nproc,
+            args.json,
+            fetch_collective=args.fetch_collective or "all_gather",
+            reduce_dtype="float32" if args.reduce_dtype == "float32" else None,
+        )
     if args.nproc > 1:
         return _run_ranks(
             settings,
@@ -311,6 +343,8 @@ def _run(argv: list[str], kept: list[Path] | None = None) -> int:
             fetch_collective=args.fetch_collective or "all_gather",
             reduce_dtype="float32" if args.reduce_dtype == "float32" else None,
         )
+    if args.reference == "none":
+        return _run_budgeted(settings, args.json, compare=args.compare_budgets)
     result = run_pressure(settings, say=lambda line: print(line, flush=True))
     print(_summary(result))
     if args.json is not None:
@@ -320,6 +354,45 @@ def _run(argv: list[str], kept: list[Path] | None = None) -> int:
         print(f"{PROG}: FAILED: the budgeted run differs from the unlimited one", file=sys.stderr)
     if not result.within_budgets:
         print(f"{PROG}: FAILED: a tier went over its budget", file=sys.stderr)
+    return 0 if result.ok else 1
+
+
+def _run_budgeted(settings: PressureSettings, json_path: Path | None, *, compare: bool) -> int:
+    from swapper.pressure.budgeted import compare_budgets, run_budgeted
+
+    say = lambda line: print(line, flush=True)  # noqa: E731
+    result = compare_budgets(settings, say=say) if compare else run_budgeted(settings, say=say)
+    _show(result.summary(), json_path, result.to_json)
+    what = "budget splits differ, or a run" if compare else "run"
+    if not result.ok:
+        print(f"{PROG}: FAILED: the {what} failed its checks (see above)", file=sys.stderr)
+    return 0 if result.ok else 1
+
+
+def _show(summary: str, json_path: Path | None, to_json: Callable[[], dict[str, Any]]) -> None:
+    """Print a no-reference run's summary; write its JSON to ``json_path`` if given."""
+    print(summary)
+    if json_path is not None:
+        write_json(json_path, to_json())
+        print(f"results written to {json_path}")
+
+
+def _run_ranks_budgeted(
+    settings: PressureSettings,
+    nproc: int,
+    json_path: Path | None,
+    *,
+    fetch_collective: str,
+    reduce_dtype: str | None,
+) -> int:
+    from swapper.pressure.ranks import run_ranks_budgeted
+
+    say = lambda line: print(line, flush=True)  # noqa: E731
+    kwargs = {"fetch_collective": fetch_collective, "reduce_dtype": reduce_dtype}
+    result = run_ranks_budgeted(settings, nproc, say=say, **kwargs)
+    _show(result.summary(), json_path, result.to_json)
+    if not result.ok:
+        print(f"{PROG}: FAILED: a rank's loss is not finite or a tier over budget", file=sys.stderr)
     return 0 if result.ok else 1
 
 

@@ -45,6 +45,8 @@ class _Plan:
     fault: tuple[int, str] | None = None
     #: fetch_collective and reduce_dtype (None: the defaults, with ``timeout_s``)
     distributed_config: DistributedConfig | None = None
+    #: only the budgeted run on each rank (``--reference none``): no unlimited one
+    budgeted_only: bool = False
 
     @property
     def distributed(self) -> DistributedConfig:

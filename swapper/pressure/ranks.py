@@ -1,3 +1,5 @@
+# Size: ~530 lines: run_ranks and run_ranks_budgeted with their plan, spawn and wait;
+# RanksBudgeted (issue 23) could join ranks_report.py, which holds the other results.
 """``swapper-pressure --nproc N``: the pressure run over N gloo ranks it starts itself.
 
 One run (:func:`run_ranks`):
@@ -42,6 +44,8 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
+import math
 import os
 import pickle
 import signal
@@ -65,13 +69,21 @@ from swapper.pressure.ranks_report import (
     RanksResult,
     compare_params,
 )
-from swapper.pressure.runner import DTYPES, PressureSettings, _swap_dirs
+from swapper.pressure.runner import DTYPES, PressureSettings, swap_dirs
 from swapper.zero.config.distributed import DistributedConfig
 from swapper.zero.config.offload import OffloadConfig
 from tiers.errors import SwapConfigError, SwapError
 from tiers.units import format_size
 
-__all__ = ["MAX_NPROC", "RankFailedError", "RankReport", "RanksResult", "run_ranks"]
+__all__ = [
+    "MAX_NPROC",
+    "RankFailedError",
+    "RankReport",
+    "RanksBudgeted",
+    "RanksResult",
+    "run_ranks",
+    "run_ranks_budgeted",
+]
 
 #: Where in each ``--dir`` the snapshots live (the single-process runner's name).
 CHECKPOINT_DIR = "swapper-pressure-checkpoint"
@@ -79,6 +91,9 @@ CHECKPOINT_DIR = "swapper-pressure-checkpoint"
 MAX_NPROC = 64
 #: Seconds any collective, and the process group's own operations, may wait.
 DEFAULT_TIMEOUT_S = 120.0
+#: Seconds a collective may wait in a run with no reference (a model larger than memory:
+#: a peer may spend minutes materialising or stepping while this rank waits).
+SCALE_TIMEOUT_S = 900.0
 #: Seconds the other ranks get to report once one has failed, before they are killed.
 GRACE_S = 5.0
 
@@ -125,44 +140,11 @@ def run_ranks(
         RankFailedError: a rank failed (its error in the message).
         SwapError, OSError: the single-process run failed.
     """
-    if isinstance(nproc, bool) or not isinstance(nproc, int) or not 2 <= nproc <= MAX_NPROC:
-        raise SwapConfigError(f"nproc={nproc!r} must be an int in 2..{MAX_NPROC}")
-    if settings.batch % nproc:
-        raise SwapConfigError(
-            f"batch={settings.batch} must be a multiple of nproc={nproc} (each rank trains "
-            "batch / nproc sequences of every step)"
-        )
-    distributed = DistributedConfig(  # checked here, before any rank starts
-        timeout_s=timeout_s, fetch_collective=fetch_collective, reduce_dtype=reduce_dtype
-    )
+    plan = _plan(settings, nproc, timeout_s, fetch_collective, reduce_dtype, say)
     model_config = GPTConfig.for_params(settings.params)
     num_params = model_config.num_params()
-    share = -(-num_params // nproc)
-    device = settings.device_nbytes
-    if device is None:
-        floor = _gather_floor(model_config, nproc, timeout_s, fetch_collective=fetch_collective)
-        device = max(2 * share // 4, floor)
-    host = settings.host_nbytes if settings.host_nbytes is not None else 12 * share // 4
-    sub_group = settings.sub_group_numel or max(1024, host // 4 // 12)
-    budgets = {"device": device, "host": host}
-    plan = _Plan(
-        settings, nproc, device, host, sub_group, timeout_s, distributed_config=distributed
-    )
-    say(
-        f"swapper-pressure: GPT of {num_params:,} params ({model_config.n_layers} layers, "
-        f"d_model {model_config.d_model}), {settings.dtype}, {settings.steps} steps on "
-        f"{nproc} ranks (gloo), {settings.batch // nproc} of {settings.batch} sequences "
-        f"each; per-rank device budget {format_size(device)}, host budget "
-        f"{format_size(host)}; fetch by "
-        f"{fetch_collective}, gradients reduced in {reduce_dtype or settings.dtype}"
-        + ("; the budgeted ranks overlap each step with the next forward" * settings.overlap)
-    )
-    # checkpointed: the parts live in DIR/swapper-pressure-checkpoint/rank{r}of{N}, kept
-    # for --resume (the store's name is the wrap's default, the same on every run)
-    kept = [d / CHECKPOINT_DIR for d in settings.dirs]
-    swap_dirs = contextlib.nullcontext(kept) if settings.checkpointing else None
-    with swap_dirs or _swap_dirs(settings.dirs) as dirs:
-        tight, free = _spawn(plan, [str(d) for d in dirs], say)
+    budgets = {"device": plan.device_nbytes, "host": plan.host_nbytes}
+    tight, free = _spawn_in_dirs(plan, say)
     say("  single process, unlimited budgets")
     single = _train(plan, rank=0, world=1, dirs=None, keep_params=True)
     resumed = tight[0].report.resumed_from
@@ -199,6 +181,172 @@ def run_ranks(
             "element, and more than half of the elements equal",
         },
         within_tolerance=within,
+    )
+
+
+def _plan(
+    settings: PressureSettings,
+    nproc: int,
+    timeout_s: float,
+    fetch_collective: str,
+    reduce_dtype: str | None,
+    say: Callable[[str], None],
+    *,
+    budgeted_only: bool = False,
+) -> _Plan:
+    """The ranks' plan: per-rank budgets (see :func:`run_ranks`), said in one line.
+
+    Raises:
+        SwapConfigError: ``nproc`` out of 2..MAX_NPROC, the batch not a multiple of it,
+            or a bad ``fetch_collective`` / ``reduce_dtype``.
+    """
+    if isinstance(nproc, bool) or not isinstance(nproc, int) or not 2 <= nproc <= MAX_NPROC:
+        raise SwapConfigError(f"nproc={nproc!r} must be an int in 2..{MAX_NPROC}")
+    if settings.batch % nproc:
+        raise SwapConfigError(
+            f"batch={settings.batch} must be a multiple of nproc={nproc} (each rank trains "
+            "batch / nproc sequences of every step)"
+        )
+    distributed = DistributedConfig(  # checked here, before any rank starts
+        timeout_s=timeout_s, fetch_collective=fetch_collective, reduce_dtype=reduce_dtype
+    )
+    model_config = GPTConfig.for_params(settings.params)
+    num_params = model_config.num_params()
+    share = -(-num_params // nproc)
+    device = settings.device_nbytes
+    if device is None:
+        floor = _gather_floor(model_config, nproc, timeout_s, fetch_collective=fetch_collective)
+        device = max(2 * share // 4, floor)
+    host = settings.host_nbytes if settings.host_nbytes is not None else 12 * share // 4
+    sub_group = settings.sub_group_numel or max(1024, host // 4 // 12)
+    say(
+        f"swapper-pressure: GPT of {num_params:,} params ({model_config.n_layers} layers, "
+        f"d_model {model_config.d_model}), {settings.dtype}, {settings.steps} steps on "
+        f"{nproc} ranks (gloo), {settings.batch // nproc} of {settings.batch} sequences "
+        f"each; per-rank device budget {format_size(device)}, host budget "
+        f"{format_size(host)}; fetch by "
+        f"{fetch_collective}, gradients reduced in {reduce_dtype or settings.dtype}"
+        + ("; the budgeted ranks overlap each step with the next forward" * settings.overlap)
+        + ("; no unlimited reference" * budgeted_only)
+    )
+    return _Plan(
+        settings,
+        nproc,
+        device,
+        host,
+        sub_group,
+        timeout_s,
+        distributed_config=distributed,
+        budgeted_only=budgeted_only,
+    )
+
+
+def _spawn_in_dirs(
+    plan: _Plan, say: Callable[[str], None]
+) -> tuple[list[_Trained], list[_Trained]]:
+    """:func:`_spawn` over the budgeted ranks' store directories: checkpointed, the parts
+    live in DIR/swapper-pressure-checkpoint/rank{r}of{N}, kept for --resume (the store's
+    name is the wrap's default, the same on every run); otherwise private ones, removed.
+    """
+    settings = plan.settings
+    kept = [d / CHECKPOINT_DIR for d in settings.dirs]
+    kept_dirs = contextlib.nullcontext(kept) if settings.checkpointing else None
+    with kept_dirs or swap_dirs(settings.dirs) as dirs:
+        return _spawn(plan, [str(d) for d in dirs], say)
+
+
+@dataclasses.dataclass(frozen=True)
+class RanksBudgeted:
+    """What :func:`run_ranks_budgeted` found: each budgeted rank's report, no reference."""
+
+    settings: PressureSettings
+    world_size: int
+    num_params: int
+    budget_bytes: dict[str, int]
+    per_rank: list[RankReport]
+
+    @property
+    def within_budgets(self) -> bool:
+        return all(
+            r.peak_bytes[t] <= limit
+            for r in self.per_rank
+            for t, limit in self.budget_bytes.items()
+        )
+
+    @property
+    def losses_finite(self) -> bool:
+        return all(math.isfinite(x) for r in self.per_rank for x in r.losses)
+
+    @property
+    def ok(self) -> bool:
+        return self.within_budgets and self.losses_finite
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "reference": "none",
+            "world_size": self.world_size,
+            "params": self.num_params,
+            "budget_bytes": self.budget_bytes,
+            "within_budgets": self.within_budgets,
+            "losses_finite": self.losses_finite,
+            "per_rank": [dataclasses.asdict(r) for r in self.per_rank],
+            "ok": self.ok,
+        }
+
+    def summary(self) -> str:
+        lines = []
+        for r in self.per_rank:
+            peaks = ", ".join(
+                f"{t} peak {format_size(r.peak_bytes[t])} of {format_size(limit)}"
+                for t, limit in self.budget_bytes.items()
+            )
+            steps = "; ".join(
+                f"step {i}: loss {loss:.6f}, forward+backward {m:.1f} s, optimizer {o:.1f} s"
+                for i, (loss, m, o) in enumerate(
+                    zip(r.losses, r.model_s, r.optimizer_s, strict=True), r.resumed_from + 1
+                )
+            )
+            lines.append(
+                f"rank {r.rank}: {steps}; {peaks}; peak RSS {format_size(r.peak_rss_bytes)}; "
+                f"stalled {100 * r.stall_fraction:.1f}% of {r.seconds:.1f} s"
+            )
+        lines.append(f"final digest {self.per_rank[0].digest}")
+        lines.append(
+            f"result ({self.world_size} ranks, no reference): "
+            + ("losses finite" if self.losses_finite else "NON-FINITE LOSS")
+            + (", within budgets" if self.within_budgets else ", OVER BUDGET")
+        )
+        return "\n".join(lines)
+
+
+def run_ranks_budgeted(
+    settings: PressureSettings,
+    nproc: int,
+    *,
+    timeout_s: float = SCALE_TIMEOUT_S,
+    fetch_collective: str = "all_gather",
+    reduce_dtype: str | None = None,
+    say: Callable[[str], None] = lambda line: None,
+) -> RanksBudgeted:
+    """Train the budgeted ranks only (``--reference none --nproc N``): no unlimited ranks,
+    no one-process run, so the model may be larger than memory. Budgets per rank as
+    :func:`run_ranks`; collectives wait up to ``timeout_s`` (at scale a rank may spend
+    minutes in one phase while its peers wait in the next collective).
+
+    Raises:
+        SwapConfigError: as :func:`run_ranks`.
+        RankFailedError: a rank failed (its error in the message).
+    """
+    plan = _plan(
+        settings, nproc, timeout_s, fetch_collective, reduce_dtype, say, budgeted_only=True
+    )
+    tight, _ = _spawn_in_dirs(plan, say)
+    return RanksBudgeted(
+        settings=settings,
+        world_size=nproc,
+        num_params=GPTConfig.for_params(settings.params).num_params(),
+        budget_bytes={"device": plan.device_nbytes, "host": plan.host_nbytes},
+        per_rank=[t.report for t in tight],
     )
 
 
@@ -254,7 +402,11 @@ def _entry(plan: _Plan, rank: int, port: int, dirs: list[str], out: str, parent_
             timeout=timedelta(seconds=plan.timeout_s),
         )
         tight = _train(plan, rank=rank, world=plan.world, dirs=dirs)
-        free = _train(plan, rank=rank, world=plan.world, dirs=None, keep_params=True)
+        free = (
+            None
+            if plan.budgeted_only
+            else _train(plan, rank=rank, world=plan.world, dirs=None, keep_params=True)
+        )
         result = {"value": (tight, free)}
     except BaseException as exc:  # reported to the parent, which judges it
         result = {
@@ -303,7 +455,7 @@ def _spawn(
     plan: _Plan, dirs: list[str], say: Callable[[str], None], *, grace_s: float = GRACE_S
 ) -> tuple[list[_Trained], list[_Trained]]:
     """Start the ranks, wait for all of them (or for a failure), return per rank the
-    budgeted and the unlimited run.
+    budgeted and the unlimited run (none with ``plan.budgeted_only``).
 
     Raises:
         RankFailedError: a rank raised or died; the others are killed after ``grace_s``.
@@ -342,7 +494,7 @@ def _spawn(
             f"rank {rank} of {plan.world} failed: {res['error']}: {res['message']}"
         )
     values = [res["value"] for res in results]
-    return [v[0] for v in values], [v[1] for v in values]
+    return [v[0] for v in values], [v[1] for v in values if v[1] is not None]
 
 
 def _wait(procs: list[Any], outs: list[str], grace_s: float) -> list[dict[str, Any]]:

@@ -38,14 +38,14 @@ import dataclasses
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from swapper.interrupts import critical
-from swapper.manager import Kind, Tier
+from swapper.manager import Kind, ManagerStats, Tier
 from swapper.pressure.export import export_final, export_json
 from swapper.pressure.memory import SavedBytes, peak_rss, reset_peak_rss, return_freed_memory
 from swapper.pressure.model import GPT, GPTConfig, batches, materialize_
@@ -59,7 +59,18 @@ from tiers.errors import SwapConfigError
 from tiers.nvme import content_hash
 from tiers.units import format_size
 
-__all__ = ["PressureResult", "PressureSettings", "run_pressure"]
+__all__ = [
+    "PressureResult",
+    "PressureSettings",
+    "baseline_rss",
+    "budgeted_config",
+    "default_budgets",
+    "run_pressure",
+    "snapshots_json",
+    "store_dirs",
+    "swap_dirs",
+    "train_once",
+]
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -142,7 +153,7 @@ class PressureSettings:
 
 
 @dataclasses.dataclass
-class _Run:
+class TrainedRun:
     losses: list[float]
     param_hashes: dict[str, int]
     stats: Any
@@ -162,6 +173,30 @@ class _Run:
     #: bytes written to NVMe over the steps run, by kind (``ManagerStats.nvme_written``)
     nvme_written: dict[str, int] = dataclasses.field(default_factory=dict)
     steps_run: int = 0
+    materialised: Materialised = dataclasses.field(default_factory=lambda: Materialised())
+
+
+@dataclasses.dataclass
+class Materialised:
+    """How long building the model into the tiers took (seconds; bytes to NVMe).
+
+    ``model_s``: the wrap (``OffloadedModel``: meta → memory → tiers, module by module),
+    of which ``place_s`` was handing modules to the tiers and the rest the in-memory
+    initialisation (allocation and draws, ``init_s``); ``optimizer_s``: the optimizer's
+    creation (fp32 master weights and moments into the tiers).
+    """
+
+    modules: int = 0
+    model_s: float = 0.0
+    place_s: float = 0.0
+    optimizer_s: float = 0.0
+    model_written_nbytes: int = 0
+    optimizer_written_nbytes: int = 0
+
+    @property
+    def init_s(self) -> float:
+        """Seconds of in-memory initialisation over all modules."""
+        return max(0.0, self.model_s - self.place_s)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -303,18 +338,23 @@ class PressureResult:
             "reference_final_digest": self.reference_final_digest,
             "resumed_from_step": self.resumed_from_step,
             **export_json(self.settings.export_dir, self.export_seconds),
-            "snapshots": [
-                {
-                    "name": s.name,
-                    "step": s.step,
-                    "seconds": s.seconds,
-                    "written_bytes": s.written_nbytes,
-                    "state_bytes": s.nbytes,
-                }
-                for s in self.snapshots
-            ],
+            "snapshots": snapshots_json(self.snapshots),
             **(self.timing.to_json() if self.timing is not None else {}),
         }
+
+
+def snapshots_json(snapshots: Iterable[SnapshotReport]) -> list[dict[str, Any]]:
+    """The ``--json`` records of a run's snapshots (seconds, bytes)."""
+    return [
+        {
+            "name": s.name,
+            "step": s.step,
+            "seconds": s.seconds,
+            "written_bytes": s.written_nbytes,
+            "state_bytes": s.nbytes,
+        }
+        for s in snapshots
+    ]
 
 
 def run_pressure(
@@ -332,9 +372,7 @@ def run_pressure(
     dtype = DTYPES[settings.dtype]
     param_nbytes = 2 * num_params
     state_nbytes = 12 * num_params
-    device = settings.device_nbytes if settings.device_nbytes is not None else param_nbytes // 4
-    host = settings.host_nbytes if settings.host_nbytes is not None else state_nbytes // 4
-    sub_group = settings.sub_group_numel or max(1024, host // 4 // 12)
+    device, host, sub_group = default_budgets(settings, num_params)
     data = batches(
         model_config,
         batch=settings.batch,
@@ -344,31 +382,17 @@ def run_pressure(
     )
     return_freed_memory()
     reset_peak_rss()
-    baseline = _baseline_rss(settings, dtype)
+    baseline = baseline_rss(settings, dtype)
     say(
         f"swapper-pressure: GPT of {num_params:,} params ({model_config.n_layers} layers, "
         f"d_model {model_config.d_model}), {settings.dtype}, {settings.steps} steps; "
         f"device budget {format_size(device)} (16-bit params {format_size(param_nbytes)}), "
         f"host budget {format_size(host)} (optimizer state {format_size(state_nbytes)})"
     )
-    # checkpointed: the store lives in DIR/swapper-pressure-checkpoint, kept for --resume
-    kept = [d / "swapper-pressure-checkpoint" for d in settings.dirs]
-    swap_dirs = contextlib.nullcontext(kept) if settings.checkpointing else None
-    with swap_dirs or _swap_dirs(settings.dirs) as dirs:
-        config = OffloadConfig.create(
-            device_nbytes=device,
-            host_nbytes=host,
-            nvme_dirs=dirs,
-            aio=settings.aio,
-            step=StepConfig(
-                sub_group_numel=sub_group, overlap=settings.overlap, moments=settings.moments
-            ),
-            device="cpu",
-            write_budget_bytes_per_day=settings.write_budget_bytes_per_day,
-            write_budget_strict=settings.write_budget_strict,
-        )
+    with store_dirs(settings) as dirs:
+        config = budgeted_config(settings, device, host, sub_group, dirs)
         reset_peak_rss()
-        pressure = _train(
+        pressure = train_once(
             model_config, config, data, settings, dtype, say, "pressure", checkpoint=True
         )
         disk = measure_disk([d.parent for d in dirs], settings.aio)  # the swap dirs' disk
@@ -378,7 +402,7 @@ def run_pressure(
         step=StepConfig(sub_group_numel=sub_group, moments=settings.moments),
         device="cpu",
     )
-    reference = _train(model_config, reference_config, data, settings, dtype, say, "reference")
+    reference = train_once(model_config, reference_config, data, settings, dtype, say, "reference")
     plain = plain_run(model_config, data, dtype=dtype, seed=settings.seed, lr=settings.lr)
     identical = (
         _same_floats(pressure.losses, reference.losses[pressure.resumed_from :])
@@ -420,7 +444,39 @@ def run_pressure(
     )
 
 
-def _train(
+def default_budgets(settings: PressureSettings, num_params: int) -> tuple[int, int, int]:
+    """(device bytes, host bytes, sub-group elements) of a run: the settings' or, where
+    unset, a quarter of the 16-bit parameters, a quarter of the 12 B/param optimizer state,
+    and what lets the host budget hold 4 sub-groups."""
+    device = settings.device_nbytes if settings.device_nbytes is not None else 2 * num_params // 4
+    host = settings.host_nbytes if settings.host_nbytes is not None else 12 * num_params // 4
+    return device, host, settings.sub_group_numel or max(1024, host // 4 // 12)
+
+
+def budgeted_config(
+    settings: PressureSettings, device: int, host: int, sub_group: int, dirs: list[Path]
+) -> OffloadConfig:
+    """The budgeted run's tiers: ``device`` and ``host`` bytes, NVMe in ``dirs``, the
+    optimizer's sub-groups of ``sub_group`` elements, overlap and moments as set.
+
+    Raises:
+        SwapConfigError: a value cannot work (named).
+    """
+    return OffloadConfig.create(
+        device_nbytes=device,
+        host_nbytes=host,
+        nvme_dirs=dirs,
+        aio=settings.aio,
+        step=StepConfig(
+            sub_group_numel=sub_group, overlap=settings.overlap, moments=settings.moments
+        ),
+        device="cpu",
+        write_budget_bytes_per_day=settings.write_budget_bytes_per_day,
+        write_budget_strict=settings.write_budget_strict,
+    )
+
+
+def train_once(
     model_config: GPTConfig,
     config: OffloadConfig,
     data: list[torch.Tensor],
@@ -430,20 +486,40 @@ def _train(
     label: str,
     *,
     checkpoint: bool = False,
-) -> _Run:
+) -> TrainedRun:
+    """Build the GPT on the meta device, materialise it into ``config``'s tiers, train it
+    on ``data`` (``checkpoint``: with the settings' snapshots, resume and export) and
+    close it; what it measured. ``label`` names the run in the lines given to ``say``.
+
+    Raises:
+        SwapConfigError: a budget cannot work for this model (named).
+        SwapError, OSError: the tiers failed.
+    """
     with torch.device("meta"):
         model = GPT(model_config)
+    built = Materialised()
 
     def materialize(module: torch.nn.Module, place: Callable[[str, torch.nn.Module], None]) -> None:
-        materialize_(model, dtype=dtype, seed=settings.seed, on_module=place)
+        def timed_place(name: str, module: torch.nn.Module) -> None:
+            # what is not placing is the in-memory initialisation (allocation + draws)
+            start = time.perf_counter()
+            place(name, module)
+            built.place_s += time.perf_counter() - start
+            built.modules += 1
+
+        materialize_(model, dtype=dtype, seed=settings.seed, on_module=timed_place)
 
     losses: list[float] = []
     scaler = DynamicLossScaler(2.0**12) if dtype == torch.float16 else None
     with contextlib.ExitStack() as stack:
         resume = checkpoint and settings.resume
+        start = time.perf_counter()
         wrapped = stack.enter_context(
             OffloadedModel(model, config, materialize=materialize, resume=resume)
         )
+        built.model_s = time.perf_counter() - start
+        built.model_written_nbytes = _nvme_written(wrapped.stats())
+        start = time.perf_counter()
         optimizer = stack.enter_context(
             OffloadAdamW(
                 wrapped.parameters(),
@@ -454,6 +530,8 @@ def _train(
                 loss_scaler=scaler,
             )
         )
+        built.optimizer_s = time.perf_counter() - start
+        built.optimizer_written_nbytes = _nvme_written(wrapped.stats()) - built.model_written_nbytes
         start = time.perf_counter()
         activations = SavedBytes()
         phases = Phases()
@@ -509,7 +587,7 @@ def _train(
         # close rather than give the whole model back into memory (leaving the block would)
         optimizer.close()
         wrapped.close()
-    return _Run(
+    return TrainedRun(
         losses,
         hashes,
         stats,
@@ -526,24 +604,38 @@ def _train(
         stall_s=stall_s,
         nvme_written=written,
         steps_run=len(losses),
+        materialised=built,
     )
 
 
-def _baseline_rss(settings: PressureSettings, dtype: torch.dtype) -> int:
+def _nvme_written(stats: ManagerStats) -> int:
+    """Bytes written to NVMe so far."""
+    return stats.moved(Tier.HOST, Tier.NVME).nbytes
+
+
+def baseline_rss(settings: PressureSettings, dtype: torch.dtype) -> int:
     """Peak RSS with torch loaded and a tiny model trained one step through the same
     code, NVMe tier included (so the AIO engine, thread pools and allocator caches are
     up), without the model under test."""
     tiny = dataclasses.replace(settings, params=200_000, steps=1)
     model_config = GPTConfig.for_params(tiny.params)
     data = batches(model_config, batch=settings.batch, seq=settings.seq, steps=1, seed=0)
-    with _swap_dirs(settings.dirs) as dirs:
+    with swap_dirs(settings.dirs) as dirs:
         config = OffloadConfig.create(nvme_dirs=dirs, aio=settings.aio, device="cpu")
-        _train(model_config, config, data, tiny, dtype, lambda line: None, "baseline")
+        train_once(model_config, config, data, tiny, dtype, lambda line: None, "baseline")
     return peak_rss()
 
 
+def store_dirs(settings: PressureSettings) -> contextlib.AbstractContextManager[list[Path]]:
+    """The budgeted run's store directories: checkpointed, DIR/swapper-pressure-checkpoint
+    in each ``--dir`` (kept for ``--resume``); otherwise :func:`swap_dirs` (removed after)."""
+    if settings.checkpointing:
+        return contextlib.nullcontext([d / "swapper-pressure-checkpoint" for d in settings.dirs])
+    return swap_dirs(settings.dirs)
+
+
 @contextlib.contextmanager
-def _swap_dirs(dirs: tuple[Path, ...]) -> Iterator[list[Path]]:
+def swap_dirs(dirs: tuple[Path, ...]) -> Iterator[list[Path]]:
     """A private directory (0700) made in each of ``dirs`` (none given: one temporary
     directory), each removed with all in it when the block ends, however it ends.
 

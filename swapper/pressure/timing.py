@@ -36,7 +36,8 @@ from typing import Any
 import torch
 
 from swapper.interrupts import critical
-from swapper.manager import ManagerStats, Tier
+from swapper.manager import Kind, ManagerStats, Tier
+from swapper.pressure.memory import peak_rss
 from swapper.pressure.model import GPT, GPTConfig, init_weights_
 from swapper.step import DynamicLossScaler
 from tiers.aio import AioEngine
@@ -69,12 +70,25 @@ class Phases:
     optimizer_stall_s: list[float] = dataclasses.field(default_factory=list)
     nvme_read_nbytes: list[int] = dataclasses.field(default_factory=list)
     nvme_written_nbytes: list[int] = dataclasses.field(default_factory=list)
+    #: per step, NVMe bytes by kind ("param", "grad", "optim_state", ...) read and written
+    #: during forward + backward ("model") and during the optimizer step ("optimizer")
+    kind_nbytes: list[dict[str, dict[str, dict[str, int]]]] = dataclasses.field(
+        default_factory=list
+    )
+    #: per step, the manager's read-ahead counters' growth over forward + backward:
+    #: {"hits", "misses", "dropped", "wasted"} (``ManagerStats.prefetch_*``)
+    model_prefetch: list[dict[str, int]] = dataclasses.field(default_factory=list)
+    #: the process's peak resident memory (VmHWM) when each step ended, bytes
+    peak_rss_nbytes: list[int] = dataclasses.field(default_factory=list)
     _t: float = 0.0
     _t0: float = 0.0
     _stall: float = 0.0
     _stall0: float = 0.0
     _read: int = 0
     _written: int = 0
+    _kinds0: dict[tuple[Kind, Tier, Tier], int] = dataclasses.field(default_factory=dict)
+    _kinds1: dict[tuple[Kind, Tier, Tier], int] = dataclasses.field(default_factory=dict)
+    _prefetch0: dict[str, int] = dataclasses.field(default_factory=dict)
 
     @property
     def nvme_nbytes(self) -> list[int]:
@@ -90,6 +104,8 @@ class Phases:
         self._t0 = self._t = time.perf_counter()
         self._stall0 = self._stall = _stall(stats, waited_s)
         self._read, self._written = _nvme(stats)
+        self._kinds0 = dict(stats.kind_nbytes)
+        self._prefetch0 = _prefetch(stats)
 
     def forward_done(self, stats: ManagerStats, waited_s: float = 0.0) -> None:
         self.forward_s.append(time.perf_counter() - self._t0)
@@ -101,6 +117,9 @@ class Phases:
         self.model_s.append(now - self._t0)
         self.model_stall_s.append(stall - self._stall0)
         self._t, self._stall = now, stall
+        self._kinds1 = dict(stats.kind_nbytes)
+        now_prefetch = _prefetch(stats)
+        self.model_prefetch.append({k: v - self._prefetch0[k] for k, v in now_prefetch.items()})
 
     def step_done(self, stats: ManagerStats, waited_s: float = 0.0) -> None:
         self.optimizer_s.append(time.perf_counter() - self._t)
@@ -108,6 +127,41 @@ class Phases:
         read, written = _nvme(stats)
         self.nvme_read_nbytes.append(read - self._read)
         self.nvme_written_nbytes.append(written - self._written)
+        kinds = dict(stats.kind_nbytes)
+        self.kind_nbytes.append(
+            {
+                "model": _kind_delta(self._kinds0, self._kinds1),
+                "optimizer": _kind_delta(self._kinds1, kinds),
+            }
+        )
+        self.peak_rss_nbytes.append(peak_rss())
+
+
+def _prefetch(stats: ManagerStats) -> dict[str, int]:
+    """The manager's read-ahead counters so far."""
+    return {
+        "hits": stats.prefetch_hits,
+        "misses": stats.prefetch_misses,
+        "dropped": stats.prefetch_dropped,
+        "wasted": stats.prefetch_wasted,
+    }
+
+
+def _kind_delta(
+    before: dict[tuple[Kind, Tier, Tier], int], after: dict[tuple[Kind, Tier, Tier], int]
+) -> dict[str, dict[str, int]]:
+    """NVMe bytes read and written between two ``kind_nbytes`` snapshots, by kind name:
+    ``{"read": {kind: n}, "written": {kind: n}}`` (kinds that moved nothing left out)."""
+    out: dict[str, dict[str, int]] = {"read": {}, "written": {}}
+    for (kind, src, dst), nbytes in after.items():
+        moved = nbytes - before.get((kind, src, dst), 0)
+        if moved <= 0:
+            continue
+        if (src, dst) == (Tier.NVME, Tier.HOST):
+            out["read"][kind.value] = out["read"].get(kind.value, 0) + moved
+        elif (src, dst) == (Tier.HOST, Tier.NVME):
+            out["written"][kind.value] = out["written"].get(kind.value, 0) + moved
+    return out
 
 
 def _stall(stats: ManagerStats, waited_s: float) -> float:
