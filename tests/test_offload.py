@@ -801,7 +801,7 @@ def test_meta_init_keeps_no_module_alive_and_refuses_meta_buffers() -> None:
 def test_check_modules_names_the_floor_not_the_first_module() -> None:
     """issue 28 item 4: the refusal gives the largest need over every module (here the
     second, larger layer), so one run finds the floor."""
-    from swapper.zero.placing import check_modules
+    from swapper.zero.local.placing import check_modules
 
     from swapper.manager import Tier
 

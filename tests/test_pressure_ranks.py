@@ -155,7 +155,7 @@ def test_bad_nproc_exits_2_before_any_work(
 @pytest.mark.parametrize("how", ["raise", "exit"])
 def test_a_failed_rank_fails_the_run_without_a_hang(how: str, tmp_path: Path) -> None:
     settings = PressureSettings(params=PARAMS, steps=2)
-    plan = _Plan(settings, 2, 240_000, 300_000, 1024, timeout_s=60.0, fault=(1, how))
+    plan = _Plan(settings, 2, 240_000, 300_000, 1024, timeout_s=180.0, fault=(1, how))
     swap = tmp_path / "swap"
     swap.mkdir()
     lines: list[str] = []
@@ -163,8 +163,9 @@ def test_a_failed_rank_fails_the_run_without_a_hang(how: str, tmp_path: Path) ->
     with pytest.raises(RankFailedError) as info:
         _spawn(plan, [str(swap)], lines.append, grace_s=1.0)
     # rank 0 waits in a collective that rank 1 never joins: killed after the grace, long
-    # before the group's 60 s timeout
-    assert time.monotonic() - start < 30
+    # before the group's 180 s timeout (the run itself takes ~25 s on a quiet 2-core VM,
+    # 31-41 s under load: the bound leaves room for that, not for the timeout)
+    assert time.monotonic() - start < 90
     message = str(info.value)
     assert message.startswith("rank 1 of 2 failed")
     if how == "raise":

@@ -1,8 +1,8 @@
-"""Frozen parameters (``requires_grad=False``) under :mod:`swapper.zero.offload`: released
+"""Frozen parameters (``requires_grad=False``) under :mod:`swapper.zero.local.offload`: released
 after each module's backward, not at the end of the whole backward (issue 27).
 
 Why. A module's backward fetches its parameters again (the hook on its outputs:
-:func:`~swapper.zero.autograd.hook_outputs`); a trainable parameter is released when its
+:func:`~swapper.zero.model.autograd.hook_outputs`); a trainable parameter is released when its
 gradient has been accumulated (``register_post_accumulate_grad_hook``), but a frozen one
 has no gradient, so no hook fired and it stayed fetched until the backward ended: a LoRA
 model (frozen base, small adapters) held its whole base in the device tier by the end
@@ -11,7 +11,7 @@ of the backward, and a budget of a quarter of the model failed in the first back
 How. For a module whose own parameters are *all* frozen (a LoRA ``base_layer``, a frozen
 norm), its forward pre-hook passes the tensors it is given that require grad (positional
 and keyword, at the top level) through one identity ``autograd.Function``
-(:class:`~swapper.zero.autograd.BeforeBackward`, on inputs rather than outputs: call it
+(:class:`~swapper.zero.model.autograd.BeforeBackward`, on inputs rather than outputs: call it
 the module's AfterBackward) whose backward runs once every node between those inputs and
 the module's outputs has run: the module's backward is over, nothing of it reads the
 parameters any more, and the holds its backward took are released then
@@ -111,7 +111,7 @@ def mark_inputs(
 ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
     """``args`` and ``kwargs`` with their top-level tensors that require grad passed
     through one identity node whose backward calls ``hook``
-    (:class:`~swapper.zero.autograd.BeforeBackward`, here on a module's inputs); None
+    (:class:`~swapper.zero.model.autograd.BeforeBackward`, here on a module's inputs); None
     when none requires grad (nothing to change: the module's backward, if any, does not
     reach its inputs)."""
     positions = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
