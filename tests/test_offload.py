@@ -801,9 +801,8 @@ def test_meta_init_keeps_no_module_alive_and_refuses_meta_buffers() -> None:
 def test_check_modules_names_the_floor_not_the_first_module() -> None:
     """issue 28 item 4: the refusal gives the largest need over every module (here the
     second, larger layer), so one run finds the floor."""
-    from swapper.zero.local.placing import check_modules
-
     from swapper.manager import Tier
+    from swapper.zero.local.placing import check_modules
 
     model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 32)).to(torch.bfloat16)
     small, large = (8 * 8 + 8) * 2, (8 * 32 + 32) * 2
