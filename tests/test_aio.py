@@ -1639,10 +1639,8 @@ def test_created_files_are_0600(engines: Engines, swap_dir: Path, backend: Backe
 
 def test_repr_and_describe(engines: Engines, backend: Backend) -> None:
     engine = engines.get(backend, direct=False, block_size=8192, queue_depth=2, num_threads=3)
-    assert (
-        repr(engine)
-        == f"<AioEngine {backend.value} {backend.value} bs=8KiB qd=2 threads=3 buffered (open)>"
-    )
+    described = f"{backend.value}, bs 8 KiB, qd 2, threads 3, buffered"
+    assert repr(engine) == f"<AioEngine {backend.value} {described} (open)>"
 
 
 # ------------------------------------------------------------------------------------------
