@@ -171,4 +171,4 @@ def test_progress_says_each_quarter_once() -> None:
     for done in (10, 30, 30, 99, 100):
         progress(done, 100)
     assert [line.split()[2] for line in lines] == ["25%", "50%", "75%", "100%"]
-    assert lines[-1] == "  export: DCP 100% (100 of 100 B)"
+    assert lines[-1] == "  export: DCP 100% (100 B of 100 B)"  # the one size format
