@@ -50,9 +50,9 @@ from swapper.zero.checkpoint.commit import (
 )
 from swapper.zero.checkpoint.shard_snapshot import agree_or_raise, all_gather_json, raise_failed
 from swapper.zero.checkpoint.snapshot import (
+    finish_resume,
     not_proven_damaged,
     proves_damage,
-    restore_rng,
     verify_snapshot,
 )
 from swapper.zero.config.offload import OffloadConfig
@@ -379,21 +379,10 @@ def finish_sharded_resume(
     manager: TierManager, slots: list[ShardSlot], resumed: ResumedState
 ) -> None:
     """After every shard is adopted: refuse parameters the model lacks, drop retained
-    gradients, restore this rank's RNG states.
+    gradients, restore this rank's RNG states (:func:`finish_resume` over this rank's
+    shard keys).
 
     Raises:
         StateDictError: the part holds a parameter this model lacks (names the file).
     """
-    own = {s.key for s in slots}
-    keys = manager.keys()
-    for key in keys:
-        if key.startswith("param/") and key not in own:
-            raise StateDictError(
-                f"snapshot file {resumed.path} holds parameter {key.removeprefix('param/')!r}, "
-                "which this model lacks: it is of another model"
-            )
-    for key in keys:
-        if manager.info(key).kind is Kind.GRAD16:
-            manager.unregister(key)
-    restore_rng(resumed)
-    log.info("resumed from snapshot %r (step %d, %s)", resumed.name, resumed.step, resumed.path)
+    finish_resume(manager, {s.key for s in slots}, resumed)

@@ -463,7 +463,7 @@ def finish_resume(manager: TierManager, own: Set[str], resumed: ResumedState) ->
     for key in keys:
         if manager.info(key).kind is Kind.GRAD16:
             manager.unregister(key)
-    _set_rng_state(_decode_rng(resumed.rng, str(resumed.path)))
+    restore_rng(resumed)
     log.info("resumed from snapshot %r (step %d, %s)", resumed.name, resumed.step, resumed.path)
 
 
