@@ -1,4 +1,5 @@
-# Size: the facade (~530 lines): each public call and the docstring of its units and errors.
+# Size: the facade (~575 lines): each public call, its units and errors (issue 29 added
+# the undo after a pin and the wear check).
 """TierManager: every tensor's bytes in device memory, host memory or NVMe, moved on demand.
 
 This module is the facade: the public calls, their checks and their statistics. The work

@@ -1,4 +1,4 @@
-# Size: the transfers and the demand fetch that drives them (~520 lines), each next to its undo.
+# Size: the transfers and the demand fetch that drives them (~540 lines), each next to its undo.
 """The mover: bytes between tiers (copies, NVMe reads and writes) and their completions.
 
 Every transfer starts from an entry some thread has claimed (a transient state, see
