@@ -241,12 +241,13 @@ class StepPipeline:
         # always recorded, so that the undo below finds it.)
         with signals.at_waits:
             try:
-                largest = max((sg.padded_numel for sg in self.sub_groups), default=0)
-                scratch = torch.empty((3, largest), dtype=torch.float32)
+                # (fp32 state of any shape the update rule declared; compressed: 3 rows)
+                largest = max((self._fp32_numel(sg) for sg in self.sub_groups), default=0)
+                scratch = torch.empty(largest, dtype=torch.float32)
                 stored = self.codec.scratch(self.sub_groups)  # compressed form, or None
                 scales = self.scales.fresh()  # int8: encoding fills it
                 for sg in self.sub_groups:
-                    buffer = scratch[:, : sg.padded_numel]
+                    buffer = scratch[: self._fp32_numel(sg)].view(self._fp32_shape(sg))
                     buffer.zero_()
                     fill(sg, buffer)
                     buffer = self.codec.stored_form(sg, buffer, stored)
@@ -261,6 +262,13 @@ class StepPipeline:
             except BaseException:
                 self._unregister()
                 raise
+
+    def _fp32_shape(self, sg: SubGroup) -> tuple[int, ...]:
+        """The shape of ``sg``'s state in fp32 (what ``fill`` and the rule see)."""
+        return (3, sg.padded_numel) if self.codec.compressed else sg.state_shape
+
+    def _fp32_numel(self, sg: SubGroup) -> int:
+        return 3 * sg.padded_numel if self.codec.compressed else sg.state_numel
 
     def _default_readahead(self) -> int:
         streamed = self.sub_groups[self.kept :]

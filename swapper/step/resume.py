@@ -38,7 +38,7 @@ from tiers import signals
 from tiers.errors import SwapConfigError
 
 if TYPE_CHECKING:
-    from swapper.step.optimizer import OffloadAdamW
+    from swapper.step.optimizer import StreamedOptimizer
 
 __all__ = [
     "SCALES_APART",
@@ -114,7 +114,7 @@ def _decode_value(raw: object, where: str) -> Any:
     raise StateDictError(f"{where}: {raw!r} is not a recorded param group setting")
 
 
-def optimizer_meta(optimizer: OffloadAdamW) -> dict[str, Any]:
+def optimizer_meta(optimizer: StreamedOptimizer) -> dict[str, Any]:
     """What a snapshot records of ``optimizer`` besides its state tensors (JSON-able).
 
     Raises:
@@ -139,7 +139,7 @@ def optimizer_meta(optimizer: OffloadAdamW) -> dict[str, Any]:
     }
 
 
-def adopt(optimizer: OffloadAdamW, pipeline: StepPipeline, resumed: ResumedState) -> None:
+def adopt(optimizer: StreamedOptimizer, pipeline: StepPipeline, resumed: ResumedState) -> None:
     """Make ``optimizer`` take over the state tensors its manager holds under
     ``pipeline``'s keys and the counters ``resumed`` recorded.
 
