@@ -3,32 +3,42 @@ from the retained 16-bit ones (never written to disk), PyTorch's fused AdamW."""
 
 from swapper.step.config import StepConfig
 from swapper.step.layout import ALIGN_NUMEL, Piece, SubGroup, plan_sub_groups
+from swapper.step.offload_optimizer import OffloadOptimizer
 from swapper.step.optimizer import (
     DeferredStepError,
     OffloadAdamW,
     StateDictError,
     StepPendingError,
     StepReport,
+    StreamedOptimizer,
     SubGroupStates,
 )
 from swapper.step.pipeline import PipelineClosedError, StepFailedError, StepPipeline, StepTraffic
+from swapper.step.rule import StateRow, UpdateRule
 from swapper.step.scaler import DynamicLossScaler
+from swapper.step.torch_rule import StateLayoutError, UnsupportedOptimizerError
 
 __all__ = [
     "ALIGN_NUMEL",
     "DeferredStepError",
     "DynamicLossScaler",
     "OffloadAdamW",
+    "OffloadOptimizer",
     "Piece",
     "PipelineClosedError",
     "StateDictError",
+    "StateLayoutError",
+    "StateRow",
     "StepConfig",
     "StepFailedError",
     "StepPendingError",
     "StepPipeline",
     "StepReport",
     "StepTraffic",
+    "StreamedOptimizer",
     "SubGroup",
     "SubGroupStates",
+    "UnsupportedOptimizerError",
+    "UpdateRule",
     "plan_sub_groups",
 ]
