@@ -14,9 +14,9 @@ from swapper.step.optimizer import (
     SubGroupStates,
 )
 from swapper.step.pipeline import PipelineClosedError, StepFailedError, StepPipeline, StepTraffic
-from swapper.step.rule import StateRow, UpdateRule
+from swapper.step.rules.base import StateRow, UpdateRule
+from swapper.step.rules.torch_optim import StateLayoutError, UnsupportedOptimizerError
 from swapper.step.scaler import DynamicLossScaler
-from swapper.step.torch_rule import StateLayoutError, UnsupportedOptimizerError
 
 __all__ = [
     "ALIGN_NUMEL",

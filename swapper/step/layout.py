@@ -166,7 +166,7 @@ class SubGroup:
             end, in index order); 0 otherwise.
         rows: fp32 rows of ``padded_numel`` in its state (fp32 moments): the master
             weights, then one per element-wise state row its update rule declares
-            (:mod:`swapper.step.rule`; AdamW: 3, :data:`STATE_ROWS`).
+            (:mod:`swapper.step.rules.base`; AdamW: 3, :data:`STATE_ROWS`).
         extra_numel: fp32 elements of per-parameter state (shapes the update rule makes,
             e.g. Adafactor's factored moments) after the rows; 0 for element-wise rules.
     """

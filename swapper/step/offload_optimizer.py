@@ -4,7 +4,7 @@
 The streaming (sub-groups, read-ahead, write-behind, fp32 gradients built from the
 retained 16-bit ones, clipping, fp16 loss scaling, the overlapped step) is
 :class:`~swapper.step.optimizer.StreamedOptimizer`'s, as for ``OffloadAdamW``; the update
-of a sub-group is ``X.step`` itself on fp32 views (:mod:`swapper.step.torch_rule`).
+of a sub-group is ``X.step`` itself on fp32 views (:mod:`swapper.step.rules.torch_optim`).
 
 State dicts are ``X``'s format (``{"state": {param index: {name: tensor}},
 "param_groups": [...]}``), the state streamed a parameter at a time when looked up: one
@@ -23,11 +23,8 @@ from swapper.step.config import StepConfig
 from swapper.step.layout import SubGroup
 from swapper.step.optimizer import StreamedOptimizer
 from swapper.step.pipeline import PipelineClosedError
-from swapper.step.rule import UpdateRule
-from swapper.step.scaler import DynamicLossScaler
-from swapper.step.sources import TieredModel
-from swapper.step.state import StateDictError
-from swapper.step.torch_rule import (
+from swapper.step.rules.base import UpdateRule
+from swapper.step.rules.torch_optim import (
     NOT_ELEMENTWISE,
     ParamSpec,
     TorchRule,
@@ -36,6 +33,9 @@ from swapper.step.torch_rule import (
     discover,
     init_kwargs,
 )
+from swapper.step.scaler import DynamicLossScaler
+from swapper.step.sources import TieredModel
+from swapper.step.state import StateDictError
 from tiers.errors import SwapConfigError
 
 __all__ = ["OffloadOptimizer", "ParamStates"]
@@ -241,7 +241,7 @@ class OffloadOptimizer(StreamedOptimizer):
                     rule.scalars.values[key] = {n: entry[n].clone() for n in spec.scalars}
                     rule.scalars.started.add(key)
 
-            self._pipeline.write(sg.index, fill, self._step_count)
+            self.stored_state.write(sg.index, fill, self._step_count)
         for group, saved in zip(self.param_groups, groups, strict=True):
             for key, value in saved.items():
                 if key not in ("params", "param_names"):
@@ -314,7 +314,7 @@ class ParamStates(Mapping[int, dict[str, torch.Tensor]]):
         out: dict[str, torch.Tensor] = {}
         element = {n: torch.empty(shape, dtype=torch.float32) for n in spec.element}
         for sg, position in self._where[(g, i)]:
-            state = optimizer._pipeline.read(sg.index)
+            state = optimizer.stored_state.read(sg.index)
             piece = sg.pieces[position]
             tensors = dict(rule.entries(sg, state))[position]
             for n in spec.element:

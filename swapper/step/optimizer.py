@@ -28,7 +28,6 @@ from typing import Any, TypeVar
 import torch
 
 from swapper.manager import ManagerConfig, TierManager
-from swapper.step.adamw import AdamWRule
 from swapper.step.config import DEFAULT_SUB_GROUP_NUMEL, StepConfig, check_hyper
 from swapper.step.deferred import DeferredStepError, DeferredSteps
 from swapper.step.flat_grads import FlatGrads
@@ -36,7 +35,8 @@ from swapper.step.layout import SubGroup
 from swapper.step.params import check_params, fp32_accumulators
 from swapper.step.pipeline import PipelineClosedError, StepPipeline, StepTraffic
 from swapper.step.resume import ResumedState, adopt, resumed_of, unadopt
-from swapper.step.rule import UpdateRule
+from swapper.step.rules.adamw import AdamWRule
+from swapper.step.rules.base import UpdateRule
 from swapper.step.scaler import DynamicLossScaler
 from swapper.step.sources import (
     LocalParams,
@@ -51,6 +51,7 @@ from swapper.step.state import (
     saved_state,
 )
 from swapper.step.update import SubGroupMath
+from swapper.step.view import OptimizerState
 from tiers import signals
 from tiers.errors import SwapConfigError, SwapError
 
@@ -97,7 +98,7 @@ _Optimizer = TypeVar("_Optimizer", bound="StreamedOptimizer")
 class StreamedOptimizer(SubGroupMath, torch.optim.Optimizer):
     """A ``torch.optim.Optimizer`` over 16-bit parameters whose fp32 master weights and
     state stream from the tiers in sub-groups, updated by an
-    :class:`~swapper.step.rule.UpdateRule` (what it declares is what is stored).
+    :class:`~swapper.step.rules.base.UpdateRule` (what it declares is what is stored).
 
     The public optimizers are its subclasses: :class:`OffloadAdamW` (the fused AdamW
     rule) and :class:`~swapper.step.any.OffloadOptimizer` (any ``torch.optim`` class).
@@ -215,6 +216,12 @@ class StreamedOptimizer(SubGroupMath, torch.optim.Optimizer):
         self._constructed = True
 
     # -- the public surface --------------------------------------------------------------
+
+    @property
+    def stored_state(self) -> OptimizerState:
+        """The door to the stored state, for checkpoints, exports and digests
+        (:class:`~swapper.step.view.OptimizerState`)."""
+        return OptimizerState(self, self._pipeline)
 
     @property
     def step_count(self) -> int:
@@ -460,6 +467,16 @@ class StreamedOptimizer(SubGroupMath, torch.optim.Optimizer):
                 f"{self.sub_group_numel}) or host_fraction, or raise the host budget to at "
                 f"least {kept + scales + largest}"
             )
+
+    def check_group(self, group: dict[str, Any]) -> None:
+        """Check a param group's hyper-parameters (as the constructor does; a resume
+        checks a snapshot's groups with it).
+
+        Raises:
+            SwapConfigError: a value out of range (named).
+            KeyError: a hyper-parameter is missing.
+        """
+        self._check_group(group)
 
     def _check_group(self, group: dict[str, Any]) -> None:
         """Check a param group's hyper-parameters (the subclass's; raise SwapConfigError)."""

@@ -1,4 +1,4 @@
-# Size: ~575 lines: the sub-group state machine, its bookkeeping and the whole-sub-group
+# Size: ~620 lines: the sub-group state machine, its bookkeeping and the whole-sub-group
 # read/write (fp32 in and out, stored through compress.MomentCodec) stay one class.
 """The step pipeline: optimizer state streamed through memory, one sub-group at a time.
 
@@ -61,6 +61,7 @@ Every fetch is recorded in the same section step as the fetch itself, so the rel
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import logging
 from collections.abc import Callable, Iterator, Sequence
@@ -220,6 +221,11 @@ class StepPipeline:
         state and the int8 block scales (:attr:`HeldScales.charge`)."""
         kept = sum(sg.state_nbytes for sg in self.sub_groups[: self.kept])
         return kept + self.scales.charge
+
+    def held_states(self) -> dict[int, torch.Tensor]:
+        """The sub-groups kept in memory for the optimizer's life: index → stored state
+        (a new dict; the tensors are the kept ones, not copies)."""
+        return dict(self._held)
 
     def holds(self, index: int) -> bool:
         """Whether sub-group ``index`` is kept in memory for the optimizer's life."""
@@ -533,6 +539,47 @@ class StepPipeline:
         """Each sub-group with a copy of its state, one at a time."""
         for sg in self.sub_groups:
             yield sg, self.read(sg.index)
+
+    @contextlib.contextmanager
+    def kept_released(self) -> Iterator[None]:
+        """Inside the block, the sub-groups kept in memory and the int8 block scales are
+        released (as modified: a step changed them in place), so that a manager snapshot
+        writes and names them like any other; they are fetched again at the end, all of them
+        whatever happened inside.
+
+        Raises (at the end): the first re-fetch's error, once every other was tried.
+        """
+        manager = self.manager
+        released: list[int] = []
+        scales = False
+        with signals.at_waits:
+            try:
+                for index in list(self._held):
+                    manager.release(self.key(index), modified=True)
+                    del self._held[index]
+                    released.append(index)
+                if self.scales.held:
+                    self.scales.release(modified=True)
+                    scales = True
+                yield
+            finally:
+                # Signals held: a Ctrl-C that came during the block is delivered at the first
+                # wait point, which would be the first re-fetch, and the others would stay
+                # released (streamed from then on). It comes once all are back.
+                error: BaseException | None = None
+                with signals.held:
+                    for index in released:
+                        try:
+                            self._held[index] = manager.fetch(self.key(index))
+                        except Exception as exc:  # the others are still fetched
+                            error = error or exc
+                    if scales:
+                        try:
+                            self.scales.hold()
+                        except Exception as exc:  # (a step then refuses: no scales bound)
+                            error = error or exc
+                if error is not None:
+                    raise error
 
     # -- end ------------------------------------------------------------------------------
 

@@ -22,7 +22,7 @@ from swapper.step.deferred import DeferredSteps
 from swapper.step.flat_grads import FlatGrads
 from swapper.step.layout import SubGroup
 from swapper.step.pipeline import StepPipeline
-from swapper.step.rule import UpdateRule
+from swapper.step.rules.base import UpdateRule
 from swapper.step.scaler import DynamicLossScaler
 from swapper.step.sources import ParamSource, SharedStep
 

@@ -1,4 +1,4 @@
-"""Any ``torch.optim.Optimizer`` as an :class:`~swapper.step.rule.UpdateRule`: the update
+"""Any ``torch.optim.Optimizer`` as an :class:`~swapper.step.rules.base.UpdateRule`: the update
 of a sub-group is the optimizer class's own ``step`` (its ``foreach``/``fused`` code
 where it has one) run on fp32 views of the sub-group's master weights, gradient and state.
 
@@ -41,14 +41,14 @@ from __future__ import annotations
 import collections
 import dataclasses
 import inspect
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 
 from swapper.step.compress import MomentCodec
 from swapper.step.layout import Piece, SubGroup, plan_sub_groups, plan_whole_sub_groups
-from swapper.step.rule import StateRow, UpdateRule
+from swapper.step.rules.base import StateRow, UpdateRule
 from tiers.errors import SwapConfigError
 
 __all__ = [
@@ -462,3 +462,48 @@ class TorchRule(UpdateRule):
     def bytes_per_element(self, moments: str) -> float:
         del moments
         return 4.0 * (1 + len(self.element))
+
+    def saved(self) -> object | None:
+        """The pieces stepped and their scalars: ``{"started": [[sub-group, piece], ...],
+        "scalars": [[sub-group, piece, name, value, dtype], ...]}`` (a 0-dim tensor's value
+        as a Python float: exact for fp32 and fp64)."""
+        scalars = [
+            [sg, pos, name, float(value.item()), str(value.dtype).removeprefix("torch.")]
+            for (sg, pos), entries in sorted(self.scalars.values.items())
+            for name, value in entries.items()
+        ]
+        return {
+            "started": sorted([sg, pos] for sg, pos in self.scalars.started),
+            "scalars": scalars,
+        }
+
+    def restore(self, saved: object | None) -> Callable[[], None]:
+        name = self.optimizer_class.__name__
+        if not isinstance(saved, dict) or set(saved) != {"started", "scalars"}:
+            raise ValueError(f"{name}: the snapshot records {saved!r}, not this rule's state")
+        started: set[tuple[int, int]] = set()
+        for item in saved["started"]:
+            if not (
+                isinstance(item, list) and len(item) == 2 and all(type(x) is int for x in item)
+            ):
+                raise ValueError(f"{name}: started piece {item!r} is not [sub-group, piece]")
+            started.add((item[0], item[1]))
+        values: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+        for item in saved["scalars"]:
+            ok = isinstance(item, list) and len(item) == 5
+            dtype = getattr(torch, item[4], None) if ok and isinstance(item[4], str) else None
+            if (
+                not ok
+                or not isinstance(dtype, torch.dtype)
+                or not isinstance(item[3], (int, float))
+            ):
+                raise ValueError(
+                    f"{name}: scalar state {item!r} is not [sg, piece, name, value, dtype]"
+                )
+            values.setdefault((item[0], item[1]), {})[item[2]] = torch.tensor(item[3], dtype=dtype)
+
+        def apply() -> None:
+            self.scalars.values = values
+            self.scalars.started = started
+
+        return apply

@@ -109,6 +109,22 @@ class UpdateRule(abc.ABC):
         name as fp32 views into ``state`` (a decoded fp32 state, see
         :meth:`~swapper.step.pipeline.StepPipeline.read`): writing a view writes the state."""
 
+    def saved(self) -> object | None:
+        """What the rule keeps in memory that a snapshot must record besides the state
+        tensors (JSON-able; None: nothing). AdamW: nothing (its step is the optimizer's)."""
+        return None
+
+    def restore(self, saved: object | None) -> Callable[[], None]:
+        """Check ``saved`` (what :meth:`saved` gave, from a snapshot) and return what
+        applies it: a resume checks everything before it changes anything.
+
+        Raises:
+            ValueError: ``saved`` is not what this rule records (named).
+        """
+        if saved is not None:
+            raise ValueError(f"the {self.name} rule records nothing, the snapshot {saved!r}")
+        return lambda: None
+
     def bytes_per_element(self, moments: str) -> float:
         """Bytes of state per parameter element as stored (element-wise rows only)."""
         del moments

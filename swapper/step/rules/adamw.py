@@ -1,4 +1,4 @@
-"""AdamW as an :class:`~swapper.step.rule.UpdateRule`: PyTorch's fused kernel
+"""AdamW as an :class:`~swapper.step.rules.base.UpdateRule`: PyTorch's fused kernel
 (``torch._fused_adamw_``, what ``torch.optim.AdamW(fused=True)`` runs) on the fp32 master
 weights and both moments, which may be stored compressed (bf16 or 8-bit blockwise,
 :mod:`swapper.step.compress`). The fast path of :class:`~swapper.step.OffloadAdamW`."""
@@ -12,7 +12,7 @@ import torch
 
 from swapper.step.compress import MomentCodec
 from swapper.step.layout import STATE_ROWS, SubGroup, plan_sub_groups
-from swapper.step.rule import StateRow, UpdateRule, register
+from swapper.step.rules.base import StateRow, UpdateRule, register
 
 __all__ = ["AdamWRule"]
 
