@@ -38,7 +38,22 @@ from swapper.step.sources import TieredModel
 from swapper.step.state import StateDictError
 from tiers.errors import SwapConfigError
 
-__all__ = ["OffloadOptimizer", "ParamStates"]
+__all__ = ["NAMED", "OffloadOptimizer", "ParamStates", "make_optimizer", "plan_named"]
+
+#: ``--optimizer NAME`` of the command-line tools and DeepSpeed's ``optimizer.type``:
+#: name → (``torch.optim`` class, its settings besides ``lr``). ``adamw`` is
+#: :class:`~swapper.step.OffloadAdamW` (the fused kernel), not in this table.
+NAMED: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
+    "sgd": (torch.optim.SGD, {"momentum": 0.9}),
+    "adam": (torch.optim.Adam, {}),
+    "nadam": (torch.optim.NAdam, {}),
+    "radam": (torch.optim.RAdam, {}),
+    "adamax": (torch.optim.Adamax, {}),
+    "adagrad": (torch.optim.Adagrad, {}),
+    "rmsprop": (torch.optim.RMSprop, {}),
+    "asgd": (torch.optim.ASGD, {}),
+    "adafactor": (torch.optim.Adafactor, {}),
+}
 
 _NOT_SAVED = ("params", "param_names", "step")
 
@@ -340,3 +355,70 @@ class ParamStates(Mapping[int, dict[str, torch.Tensor]]):
 
 
 __all__ += ["UnsupportedOptimizerError"]
+
+
+def _named(name: str) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
+    entry = NAMED.get(name)
+    if entry is None:
+        raise SwapConfigError(
+            f"optimizer {name!r} is not one of adamw, {', '.join(NAMED)} (lower case)"
+        )
+    return entry
+
+
+def make_optimizer(
+    name: str,
+    params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+    *,
+    lr: float,
+    tiers: TierManager | ManagerConfig | TieredModel,
+    config: StepConfig | None = None,
+    loss_scaler: DynamicLossScaler | None = None,
+    **settings: Any,
+) -> StreamedOptimizer:
+    """The optimizer ``name`` (``adamw``: :class:`~swapper.step.OffloadAdamW`; else
+    :data:`NAMED`'s class under :class:`OffloadOptimizer`, ``settings`` over its defaults).
+
+    Raises:
+        SwapConfigError: an unknown name (the known ones listed), or what the optimizer
+            raises.
+    """
+    if name == "adamw":
+        from swapper.step.optimizer import OffloadAdamW
+
+        return OffloadAdamW(
+            params, lr=lr, tiers=tiers, config=config, loss_scaler=loss_scaler, **settings
+        )
+    cls, defaults = _named(name)
+    return OffloadOptimizer(
+        cls, params, tiers=tiers, config=config, loss_scaler=loss_scaler,
+        lr=lr, **{**defaults, **settings},
+    )  # fmt: skip
+
+
+def plan_named(
+    name: str, numels: list[int], sub_group_numel: int, *, lr: float = 1e-4
+) -> list[SubGroup]:
+    """The sub-groups ``make_optimizer(name, ...)`` lays one group of 1-D parameters of
+    ``numels`` out in (its state rows discovered; nothing stored): for sizing budgets
+    before any optimizer is made.
+
+    Raises:
+        SwapConfigError: an unknown name.
+    """
+    if name == "adamw":
+        from swapper.step.layout import plan_sub_groups
+
+        return plan_sub_groups([numels], sub_group_numel)
+    cls, defaults = _named(name)
+    hyper = {"lr": lr, **defaults}
+    elementwise = cls.__name__ not in NOT_ELEMENTWISE
+    specs = {n: discover(cls, hyper, torch.Size([n]), elementwise=elementwise) for n in set(numels)}
+    rule = TorchRule(
+        cls,
+        elementwise=elementwise,
+        specs=[[specs[n] for n in numels]],
+        shapes=[[torch.Size([n]) for n in numels]],
+        hypers=[hyper],
+    )
+    return rule.plan([numels], sub_group_numel, "fp32")

@@ -1,3 +1,5 @@
+# Size: ~510 lines: discovery (the probe), the layout and the update of one rule share
+# its spec types and refusals; split, each half would import the other.
 """Any ``torch.optim.Optimizer`` as an :class:`~swapper.step.rules.base.UpdateRule`: the update
 of a sub-group is the optimizer class's own ``step`` (its ``foreach``/``fused`` code
 where it has one) run on fp32 views of the sub-group's master weights, gradient and state.
