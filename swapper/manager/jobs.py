@@ -181,7 +181,7 @@ class MoverJobs:
             ctx.jobs += 1
         ctx.stats.begin(Tier.NVME, Tier.HOST)
         try:
-            future = ctx.nvme().read(store_key_of(entry), block.tensor)
+            future = entry.io = ctx.nvme().read(store_key_of(entry), block.tensor)
         except BaseException as exc:
             ctx.stats.end(Tier.NVME, Tier.HOST, None)
             self._mover.end_read(entry, block, None)

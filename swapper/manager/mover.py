@@ -73,14 +73,14 @@ import torch
 from swapper.manager.config import Tier
 from swapper.manager.context import ManagerContext
 from swapper.manager.entry import EntryState, Prefetch, SwapEntry
-from swapper.manager.errors import ManagerTimeout
+from swapper.manager.errors import ManagerIOTimeout
 from swapper.manager.placement import Placement
 from swapper.manager.shared import entry_view, forget_view, named_error, store_key_of, window_share
 from swapper.manager.watchdog import resolve_once
 from tiers.budget import ByteBudget, Reservation
 from tiers.errors import SwapError
 from tiers.protocols import MemoryBlock
-from tiers.signals import deliver_pending, wait_future, wait_point
+from tiers.signals import deliver_pending, wait_point, wait_progressing
 
 __all__ = ["Mover"]
 
@@ -118,8 +118,9 @@ class Mover:
                 source = torch.empty(entry.shape, dtype=entry.dtype).copy_(source)
             window = self._reserve_window(ctx.writebehind, entry, deadline)
             ctx.stats.begin(Tier.HOST, Tier.NVME)
+            store = ctx.nvme()
             try:
-                future = ctx.nvme().write(store_key_of(entry), source)
+                future = entry.io = store.write(store_key_of(entry), source)
             except BaseException as exc:
                 window.release()
                 ctx.stats.end(Tier.HOST, Tier.NVME, None)
@@ -131,12 +132,15 @@ class Mover:
 
             try:
                 ctx.hurry_writes()  # the caller waits for this write to be durable
-                if not wait_future(future, max(0.0, deadline - time.monotonic()), "store.write"):
-                    raise ManagerTimeout(
-                        f"register of key={entry.key!r}: its write to NVMe did not end within "
-                        f"timeout_s={ctx.config.timeout_s}; the registration is undone when "
-                        "the write ends (the key is then free). Check the swap disk, or "
-                        "raise ManagerConfig.timeout_s"
+                issued = time.monotonic()
+                progress = store.last_progress_s
+                if not wait_progressing(future, deadline, progress, "store.write"):
+                    raise future.timed_out(
+                        time.monotonic() - issued,
+                        f"ManagerConfig.timeout_s={ctx.config.timeout_s}",
+                        cls=ManagerIOTimeout,
+                        then=f"register of key={entry.key!r} gives up: the registration is "
+                        "undone when the write ends (the key is then free)",
                     )
             except BaseException:
                 outcome = "handed"
@@ -246,21 +250,24 @@ class Mover:
                 source = held.view(entry.dtype, entry.shape)
             window = self._reserve_window(ctx.writebehind, entry, deadline)
             ctx.stats.begin(Tier.HOST, Tier.NVME)
+            store = ctx.nvme()
             try:
-                store_future = ctx.nvme().write(store_key_of(entry), source)
+                store_future = entry.io = store.write(store_key_of(entry), source)
             except BaseException:
                 ctx.stats.end(Tier.HOST, Tier.NVME, None)
                 raise
             if not keep:
                 # An eviction's waiters (the step's write-behind, evict().result()) get a
-                # typed timeout at the deadline if the disk never completes the write; a
-                # flush (``keep``) judges its own writes at its deadline.
+                # typed timeout if the disk never completes the write (a slow disk, whose
+                # writes keep ending, does not fail it); a flush (``keep``) judges its own
+                # writes at its deadline.
                 ctx.watchdog.watch(
                     future,
                     store_future,
                     start=deadline - ctx.config.timeout_s,
                     deadline=deadline,
                     setting=f"ManagerConfig.timeout_s={ctx.config.timeout_s}",
+                    progress=store.last_progress_s,
                 )
         except BaseException as exc:
             named = named_error(exc, "writing", entry.key)
@@ -470,11 +477,12 @@ class Mover:
                 )
             buffer = block if staging is None else staging
             with ctx.stats.transfer(Tier.NVME, Tier.HOST, entry.nbytes, entry.kind):
-                future = ctx.nvme().read(store_key_of(entry), buffer.tensor)
+                store = ctx.nvme()
+                future = entry.io = store.read(store_key_of(entry), buffer.tensor)
                 try:
                     waited = time.monotonic()
-                    if not wait_future(future, max(0.0, deadline - waited), "store.read"):
-                        # The disk never answered: name the file and offset; the read
+                    if not wait_progressing(future, deadline, store.last_progress_s, "store.read"):
+                        # The disk stopped answering: name the file and offset; the read
                         # goes on, and its completion frees the buffers (below).
                         raise future.timed_out(
                             time.monotonic() - waited,

@@ -298,6 +298,11 @@ class StoreCore:
             written_nbytes([files.snapshots_account()]),
         )
 
+    def last_progress_s(self) -> float:
+        """When a piece of any of this store's reads or writes last ended, in
+        ``time.monotonic()`` seconds: a slow disk keeps it moving, a stuck one does not."""
+        return self._engine.progress.last_s
+
     def written(self) -> StoreWrites:
         """Bytes written to this store's files since it was opened, by file kind."""
         journal, manifest, snapshot = self._metadata_counts()
