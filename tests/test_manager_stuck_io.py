@@ -154,6 +154,21 @@ def _tensor(seed: int, numel: int = 4096) -> torch.Tensor:
     return torch.randn(numel, generator=torch.Generator().manual_seed(seed))
 
 
+def _stuck_read_ahead(manager: TierManager, gate: Gate, key: str, seed: int) -> torch.Tensor:
+    """``key`` registered, written to NVMe, and read ahead with the read blocked (issued):
+    its tensor."""
+    t = _tensor(seed)
+    manager.register(key, t, Kind.OPTIM_STATE)
+    manager.evict(key, Tier.NVME).result(timeout=HANG_S)
+    gate.arm(Op.READ)
+    assert manager.prefetch([key], Tier.HOST) == 1
+    deadline = time.monotonic() + HANG_S
+    while not gate.stuck:  # the read-ahead's read is issued (and blocked)
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    return t
+
+
 def _names_the_stuck_piece(error: IOTimeoutError, gate: Gate, key: str) -> None:
     path, offset, nbytes = gate.stuck[0]
     assert (error.path, error.offset, error.nbytes) == (path, offset, nbytes)
@@ -232,15 +247,7 @@ def test_a_fetch_waiting_for_a_stuck_read_ahead_names_the_file_and_offset(
 ) -> None:
     """The fetch waits for another thread's transfer (a read-ahead whose read never
     ends): its timeout names the read's file and offset, not only the key."""
-    e = _tensor(6)
-    manager.register("e", e, Kind.OPTIM_STATE)
-    manager.evict("e", Tier.NVME).result(timeout=HANG_S)
-    gate.arm(Op.READ)
-    assert manager.prefetch(["e"], Tier.HOST) == 1
-    deadline = time.monotonic() + HANG_S
-    while not gate.stuck:  # the read-ahead's read is issued (and blocked)
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    e = _stuck_read_ahead(manager, gate, "e", 6)
     error, took = _within(lambda: manager.fetch("e", Tier.HOST))
     assert isinstance(error, ManagerIOTimeout), repr(error)
     assert took <= TIMEOUT_S + SLACK_S
@@ -365,15 +372,7 @@ def test_close_returns_within_its_timeout_naming_what_is_not_durable(
 def test_close_with_a_stuck_read_ahead_returns_within_its_timeout(
     manager: TierManager, gate: Gate
 ) -> None:
-    d = _tensor(4)
-    manager.register("d", d, Kind.OPTIM_STATE)
-    manager.evict("d", Tier.NVME).result(timeout=HANG_S)
-    gate.arm(Op.READ)
-    assert manager.prefetch(["d"], Tier.HOST) == 1
-    deadline = time.monotonic() + HANG_S
-    while not gate.stuck:  # the read-ahead's read is issued (and blocked)
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    _stuck_read_ahead(manager, gate, "d", 4)
     error, took = _within(manager.close)
     assert isinstance(error, NotDurableError), repr(error)
     assert took <= TIMEOUT_S + SLACK_S
