@@ -34,7 +34,7 @@ from swapper.step.rules.torch_optim import (
     init_kwargs,
 )
 from swapper.step.scaler import DynamicLossScaler
-from swapper.step.sources import TieredModel
+from swapper.step.sources import SharedStep, TieredModel
 from swapper.step.state import StateDictError
 from tiers.errors import SwapConfigError
 
@@ -123,6 +123,12 @@ class OffloadOptimizer(StreamedOptimizer):
             ) from None
 
     def _make_rule(self) -> UpdateRule:
+        if not self.elementwise and isinstance(self._source, SharedStep):
+            raise UnsupportedOptimizerError(
+                f"{self.optimizer_class.__name__} is not element-wise (it needs each "
+                "parameter whole) and over ranks each rank holds shards of parameters: "
+                "not supported yet; train it in one process"
+            )
         specs: list[list[ParamSpec]] = []
         shapes: list[list[torch.Size]] = []
         hypers: list[dict[str, Any]] = []
