@@ -310,6 +310,8 @@ class ParamStates(Mapping[int, dict[str, torch.Tensor]]):
         self._optimizer = optimizer
         self._step = optimizer.step_count
         self._where = optimizer._pieces_of()
+        #: the sub-group read last (lookups in parameter order read each sub-group once)
+        self._cached: tuple[int, torch.Tensor] | None = None
         self._flat = optimizer._flat_index()
         rule = optimizer.torch_rule
         self._keys = [
@@ -335,7 +337,10 @@ class ParamStates(Mapping[int, dict[str, torch.Tensor]]):
         out: dict[str, torch.Tensor] = {}
         element = {n: torch.empty(shape, dtype=torch.float32) for n in spec.element}
         for sg, position in self._where[(g, i)]:
-            state = optimizer.stored_state.read(sg.index)
+            if self._cached is None or self._cached[0] != sg.index:
+                self._cached = None  # (the old copy goes before the new one is read)
+                self._cached = (sg.index, optimizer.stored_state.read(sg.index))
+            state = self._cached[1]
             piece = sg.pieces[position]
             tensors = dict(rule.entries(sg, state))[position]
             for n in spec.element:
