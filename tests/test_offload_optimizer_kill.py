@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_checkpoint_kill import _value
 
 _WORKER = Path(__file__).with_name("ckpt_train.py")
 STEPS, EVERY = 6, 2
@@ -25,12 +26,6 @@ def _run(swap: Path, name: str, kill: str | None = None) -> tuple[int, list[str]
         args += ["--kill", kill]
     proc = subprocess.run(args, capture_output=True, text=True, timeout=120, check=False)
     return proc.returncode, proc.stdout.splitlines(), proc.stderr
-
-
-def _value(lines: list[str], word: str) -> str:
-    found = [line.split()[1] for line in lines if line.startswith(word + " ")]
-    assert found, f"no {word!r} line in {lines}"
-    return found[-1]
 
 
 @pytest.mark.parametrize("name", ["sgd", "adagrad", "adafactor"])
