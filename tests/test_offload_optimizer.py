@@ -69,6 +69,7 @@ OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
     "adagrad": (torch.optim.Adagrad, {"lr": 0.05, "initial_accumulator_value": 0.1}),
     "rmsprop": (torch.optim.RMSprop, {"lr": 1e-3, "centered": True, "momentum": 0.9}),
     "adafactor": (torch.optim.Adafactor, {"lr": 1e-2}),
+    "asgd": (torch.optim.ASGD, {"lr": 1e-2, "t0": 3.0}),
     "lion": (Lion, {"lr": 1e-3, "weight_decay": 0.1}),
 }
 
