@@ -267,3 +267,22 @@ def _floor(model: nn.Module, check: Any, tier: Any) -> int:
     found = re.search(r"raise it to at least (\d+)", str(info.value))
     assert found is not None
     return int(found.group(1))
+
+
+def test_peft_default_adapters_through_the_trainer(tmp_path: Path) -> None:
+    """PEFT's fp32 adapters (its defaults) over the bf16 base, gradient checkpointing on,
+    under the quarter budget: trains, and save_model writes the adapters only."""
+    pytest.importorskip("peft")
+    import test_peft
+
+    model = test_peft._lora32()
+    config = test_peft._fp32_tight(tmp_path, model)
+    rows = [{k: v % test_peft.VOCAB for k, v in row.items()} for row in _rows(12)]
+    args = _args(tmp_path / "out", max_steps=3, gradient_checkpointing=True)
+    trainer = swapper.hf.Trainer(model=model, args=args, train_dataset=rows, offload=config)
+    trainer.train()
+    norms = [r["grad_norm"] for r in trainer.state.log_history if "grad_norm" in r]
+    assert len(norms) == 3 and all(n > 0 for n in norms)
+    trainer.save_model(str(tmp_path / "adapter"))
+    saved = test_peft.peft.utils.load_peft_weights(str(tmp_path / "adapter"))
+    assert saved and all("lora_" in name and v.dtype == torch.float32 for name, v in saved.items())
