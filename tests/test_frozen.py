@@ -19,7 +19,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import swapper
-from swapper import Kind, OffloadAdamW, OffloadConfig, StepConfig, Tier
+from swapper import Kind, OffloadAdamW, OffloadConfig, StepConfig, SwapConfigError, Tier
 from swapper.manager import ManagerStats
 from swapper.zero.model.frozen import TrainableSetChanged
 
@@ -320,3 +320,23 @@ def test_frozen_parameters_given_to_the_optimizer_get_no_state() -> None:
     ):
         kept = [p for group in optimizer.param_groups for p in group["params"]]
         assert kept == [p for p in model.parameters() if p.requires_grad]
+
+
+def test_a_module_wrapped_twice_is_refused_naming_it(tmp_path: Path) -> None:
+    """An adapted module inside a wrapped model, or a model around a wrapped adapted
+    module, is refused before anything moves (its parameters would be placed twice, the
+    second time as empty placeholders)."""
+    model = _net()
+    inner = r"module 'blocks\.1\.up' of a wrapped Net"
+    with swapper.offload(model, _unlimited()), pytest.raises(SwapConfigError, match=inner):
+        swapper.offload(model.blocks[1].up, _unlimited())
+    model = _net()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    outer = r"module 'blocks\.1\.up' \(Adapted\) of this Net"
+    with (
+        swapper.offload(model.blocks[1].up, _unlimited()),
+        pytest.raises(SwapConfigError, match=outer),
+    ):
+        swapper.offload(model, _unlimited())
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, before[name]), name  # nothing moved, nothing lost

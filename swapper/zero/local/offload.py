@@ -93,7 +93,7 @@ from swapper.zero.local.weights import (
     unwrap,
 )
 from swapper.zero.model.autograd import in_autograd
-from swapper.zero.model.frozen import FrozenUse, check_known, check_trainable
+from swapper.zero.model.frozen import FrozenUse, check_known, check_not_nested, check_trainable
 from swapper.zero.model.model_buffers import BufferMoves, move_buffers, restore_buffers
 from swapper.zero.model.module_apply import guard_apply, unguard_apply
 from swapper.zero.model.readahead import FetchPlan
@@ -150,6 +150,7 @@ class OffloadedModel(ModuleHooks, nn.Module):
             raise SwapConfigError(
                 f"offload: this {type(module).__name__} is already wrapped; wrap a model once"
             )
+        check_not_nested(module, _WRAPPED)  # (a module inside, or around, a wrapped one)
         if not isinstance(config, OffloadConfig):
             raise SwapConfigError(f"offload: config must be an OffloadConfig, got {config!r}")
         self.module = module

@@ -66,7 +66,7 @@ from swapper.zero.checkpoint.snapshot import keeps_store
 from swapper.zero.config.offload import OffloadConfig
 from swapper.zero.config.settings import tiers_of
 from swapper.zero.model.autograd import in_autograd, mark_outputs
-from swapper.zero.model.frozen import check_trainable, mark_inputs
+from swapper.zero.model.frozen import check_not_nested, check_trainable, mark_inputs
 from swapper.zero.model.model_buffers import move_buffers, restore_buffers
 from swapper.zero.model.module_apply import guard_apply, unguard_apply
 from swapper.zero.model.saved import SavedParams
@@ -127,6 +127,7 @@ class ShardedModel(GatherMixin, nn.Module):
             raise SwapConfigError(
                 f"offload: this {type(module).__name__} is already wrapped; wrap a model once"
             )
+        check_not_nested(module, _WRAPPED)  # (a module inside, or around, a wrapped one)
         self.module = module
         self.config = config
         self.group = group
