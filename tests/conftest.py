@@ -11,6 +11,7 @@
 * hypothesis's storage (example database, patches) goes under pytest's basetemp; its
   per-example deadline is off (profile ``swapper``): CI shares two cores with other work, and
   speed is measured by benchmarks, not by a test's timer.
+* SIGINT gets Python's handler back where the shell started pytest with it ignored.
 * ``fd_count``: how many descriptors this process has open (``/proc/self/fd``).
 """
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import gc
 import os
+import signal
 import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -32,6 +34,12 @@ from tiers.errors import BackendUnavailableError
 
 settings.register_profile("swapper", deadline=None)
 settings.load_profile("swapper")
+
+# A shell without job control starts background jobs with SIGINT ignored, and Python then
+# installs no KeyboardInterrupt handler: the Ctrl-C tests would see their signal vanish.
+# Restore Python's own handler so the suite means the same in the foreground and behind `&`.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _probe_all() -> dict[Backend, str | None]:
