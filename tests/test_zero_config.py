@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from swapper.manager import Kind, ManagerConfig, Policy, Tier
 from swapper.step import StepConfig
 from swapper.zero.config.offload import OffloadConfig
-from swapper.zero.config.settings import tiers_of
+from swapper.zero.config.settings import fp32_grad_tiers, tiers_of
 from tiers.config import AioConfig, Backend
 from tiers.errors import SwapConfigError, SwapError
 
@@ -263,7 +263,10 @@ def test_manager_section_placement(
     assert mc.aio is aio
     assert mc.device == "cpu"
     assert mc.store_name == "run1"
-    assert _placed(cfg, Kind.GRAD32) == _placed(cfg, Kind.OPTIM_STATE)  # optimizer_tiers
+    # fp32 gradients (of fp32 trainable parameters) stay on the gradients' memory tiers,
+    # never NVMe (issue 27: they are never written to disk)
+    assert _placed(cfg, Kind.GRAD32) == fp32_grad_tiers(_placed(cfg, Kind.GRAD16))
+    assert N not in _placed(cfg, Kind.GRAD32)
     if placement is not None:
         assert _tiers(cfg) == placement
 
@@ -484,7 +487,7 @@ def test_from_deepspeed_zero_infinity_maps_every_field() -> None:
     assert cfg.manager.device == "cpu"
     assert cfg.step.host_fraction == 0.0
     assert cfg.manager.store_name == "swapper-offload"
-    assert _placed(cfg, Kind.GRAD32) == (H, N)
+    assert _placed(cfg, Kind.GRAD32) == (H,)  # fp32 gradients: memory only
     assert cfg.manager.prefetch_window_nbytes == 2 * GiB
 
 
@@ -826,7 +829,7 @@ def test_as_dict_has_three_sections(tmp_path: Path) -> None:
         "param16": ["device", "host", "nvme"],
         "grad16": ["host", "nvme"],
         "optim_state": ["host", "nvme"],
-        "grad32": ["host", "nvme"],
+        "grad32": ["host"],
     }
     assert manager["policy"] == "lru"
     assert manager["prefetch_window_nbytes"] == 4 * MiB  # half the device budget
@@ -1023,9 +1026,9 @@ def test_as_dict_round_trips(cfg: OffloadConfig) -> None:
     assert OffloadConfig.from_dict(data) == cfg
     assert OffloadConfig.from_dict(data_via_json) == cfg
     assert AioConfig.from_dict(data["manager"]["aio"]) == cfg.manager.aio
-    # the optimizer's kinds share one tier list, and the window fits the host budget
+    # fp32 gradients on the gradients' memory tiers only, and the window fits the host budget
     mc = cfg.manager
-    assert _placed(cfg, Kind.GRAD32) == _placed(cfg, Kind.OPTIM_STATE)
+    assert _placed(cfg, Kind.GRAD32) == fp32_grad_tiers(_placed(cfg, Kind.GRAD16))
     if mc.host_nbytes is not None and mc.prefetch_window_nbytes is not None:
         assert mc.prefetch_window_nbytes <= mc.host_nbytes
 
