@@ -12,10 +12,11 @@ import xxhash
 
 from swapper.step.optimizer import OffloadAdamW
 from swapper.step.resume import optimizer_meta
+from swapper.zero.sharded.model import ShardedModel
+from swapper.zero.sharded.state_dicts import iter_full_state
 
 if TYPE_CHECKING:
     from swapper.zero.local.offload import OffloadedModel
-    from swapper.zero.sharded.model import ShardedModel
 
 __all__ = ["final_digest"]
 
@@ -51,11 +52,7 @@ def final_digest(
         counters = {k: meta[k] for k in ("step", "groups", "loss_scaler")}
         total.update(json.dumps(counters, sort_keys=True).encode())
         rows = [xxhash.xxh3_64() for _ in range(3)]
-        from swapper.zero.sharded.model import ShardedModel  # (it imports this module)
-
         if isinstance(model, ShardedModel):  # several ranks: gathered whole
-            from swapper.zero.sharded.state_dicts import iter_full_state
-
             for state in iter_full_state(model, optimizer):
                 for row, h in enumerate(rows):
                     h.update(_bytes(state[row]))
