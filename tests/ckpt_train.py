@@ -24,6 +24,7 @@ import signal
 import sys
 import threading
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -151,12 +152,13 @@ def _arm_snapshot_kill(when: str, step: int, optimizer: OffloadAdamW) -> None:
 
     original = snapshotting.replace_file
 
-    def replace_file(path: Path, data: bytes, what: str) -> None:
+    def replace_file(path: Path, data: bytes, what: str, **options: Any) -> int | None:
         if optimizer.step_count == step and when == "snapshot-file":
             os.kill(os.getpid(), signal.SIGKILL)
-        original(path, data, what)
+        done = original(path, data, what, **options)
         if optimizer.step_count == step and when == "snapshot-done":
             os.kill(os.getpid(), signal.SIGKILL)
+        return done
 
     snapshotting.replace_file = replace_file  # type: ignore[assignment]
 

@@ -48,6 +48,7 @@ from swapper.zero.checkpoint.resume import keeps_store
 from swapper.zero.config.offload import OffloadConfig
 from swapper.zero.model.autograd import in_autograd
 from swapper.zero.model.core import ModelCore
+from swapper.zero.model.frozen import check_not_nested
 from swapper.zero.model.saved import SavedParams
 from tiers import signals
 from tiers.errors import SwapConfigError
@@ -159,7 +160,8 @@ class ModelLifecycle(nn.Module):
 
         Raises:
             SwapConfigError: ``module`` is not an ``nn.Module``, is a wrapper of this
-                class, or is wrapped by one now (a model is wrapped once).
+                class, or is wrapped by one now (a model is wrapped once), or holds or is
+                held by a module wrapped now (:func:`~swapper.zero.model.frozen.check_not_nested`).
         """
         if not isinstance(module, nn.Module):
             raise SwapConfigError(f"offload: expected an nn.Module, got {type(module).__name__}")
@@ -167,6 +169,7 @@ class ModelLifecycle(nn.Module):
             raise SwapConfigError(
                 f"offload: this {type(module).__name__} is already wrapped; wrap a model once"
             )
+        check_not_nested(module, self._registry)  # (a module inside, or around, a wrapped one)
 
     def _drop_forward_holds(self, depth: int) -> int:
         """Release what the forwards begun above ``depth`` hold (they never finished);

@@ -122,7 +122,7 @@ class ShardedModel(GatherMixin):
         resume: bool | str = False,
     ) -> None:
         super().__init__()
-        self._check_wrappable(module)
+        self._check_wrappable(module)  # (and not inside, nor around, a wrapped one)
         self.module = module
         self.config = config
         self.group = group
@@ -180,7 +180,10 @@ class ShardedModel(GatherMixin):
             state.all_frozen = bool(state.slots) and not any(s.trainable for s in state.slots)
             pre = self._pre_forward_hook(state)  # (with_kwargs: inputs given by keyword)
             self._handles.append(sub.register_forward_pre_hook(pre, with_kwargs=True))
-            self._handles.append(sub.register_forward_hook(self._post_forward_hook(state)))
+            # always_call: a forward that raises (a recompute's early stop) pops what its
+            # pre-hook pushed and releases what it gathered
+            post = self._post_forward_hook(state)
+            self._handles.append(sub.register_forward_hook(post, always_call=True))
         for slot in self._by_index:
             if slot.param.requires_grad:
                 self._handles.append(
@@ -352,6 +355,9 @@ class ShardedModel(GatherMixin):
             with signals.at_waits:
                 self._acquire(state)
                 self.core.forward_holds[-1] = state
+            if not self._saved.ours_on_top() and torch.is_grad_enabled():
+                # inside a non-reentrant checkpoint's region (swapper.zero.model.saved)
+                self._saved.push(len(self.core.forward_holds) - 1, state.slots)
             if state.all_frozen and torch.is_grad_enabled():
                 return mark_inputs(args, kwargs, after)
             return None
@@ -375,7 +381,9 @@ class ShardedModel(GatherMixin):
 
         def hook(module: nn.Module, args: Any, output: Any) -> Any:
             with signals.held:
-                taken = self.core.forward_holds.pop() if self.core.forward_holds else None
+                held = self.core.forward_holds
+                self._saved.pop_from(len(held) - 1)  # (what its pre-hook pushed)
+                taken = held.pop() if held else None
                 if taken is not None:
                     self._release(taken)
             if not torch.is_grad_enabled():
