@@ -10,7 +10,7 @@ import dataclasses
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from swapper.step.optimizer import OffloadAdamW, StepPendingError
+from swapper.step.optimizer import StepPendingError, StreamedOptimizer
 from swapper.step.state import StateDictError
 from tiers.errors import SwapConfigError
 
@@ -45,7 +45,9 @@ class SnapshotReport:
     rebuilt_nbytes: int = 0  #: 16-bit parameters left out, rebuilt from masters at resume
 
 
-def check_saveable(model: OffloadedModel | ShardedModel, optimizer: OffloadAdamW | None) -> None:
+def check_saveable(
+    model: OffloadedModel | ShardedModel, optimizer: StreamedOptimizer | None
+) -> None:
     """Refuse a snapshot of ``optimizer`` that would not resume (see
     :func:`~swapper.zero.checkpoint.snapshot.save_snapshot`).
 
@@ -60,13 +62,14 @@ def check_saveable(model: OffloadedModel | ShardedModel, optimizer: OffloadAdamW
                 "model's; build it with OffloadAdamW(model.parameters(), tiers=model)"
             )
         optimizer.wait_pending()  # an overlapped update finished (or its failure raised)
-        if optimizer._load_incomplete:
+        view = optimizer.stored_state
+        if view.load_incomplete:
             raise StateDictError(
                 "a load_state_dict() or import_dcp() stopped part-way: the optimizer's state "
                 "is partly old, partly loaded; load it again before taking a snapshot"
             )
-        if optimizer._pending is not None:
+        if view.pending is not None:
             raise StepPendingError(
-                f"step {optimizer._pending} failed part-way; call step() again to finish it "
+                f"step {view.pending} failed part-way; call step() again to finish it "
                 "before taking a snapshot"
             )

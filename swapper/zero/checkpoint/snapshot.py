@@ -41,8 +41,8 @@ from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any
 
 from swapper.manager.snapshot import snapshot_manager
-from swapper.step.optimizer import OffloadAdamW
-from swapper.step.resume import kept_released, optimizer_meta
+from swapper.step.optimizer import StreamedOptimizer
+from swapper.step.resume import optimizer_meta
 from swapper.zero.checkpoint.digest import final_digest
 from swapper.zero.checkpoint.rebuild import choose_left_out
 from swapper.zero.checkpoint.report import SnapshotReport, check_saveable
@@ -71,7 +71,7 @@ log = logging.getLogger(__name__)
 
 def save_snapshot(
     model: OffloadedModel | ShardedModel,
-    optimizer: OffloadAdamW | None = None,
+    optimizer: StreamedOptimizer | None = None,
     *,
     name: str | None = None,
     extra: Mapping[str, Any] | None = None,
@@ -125,7 +125,7 @@ def save_snapshot(
         "extra": None if extra is None else dict(extra),
         "rebuilt": left.record,
     }
-    kept = kept_released(optimizer._pipeline) if optimizer is not None else nullcontext()
+    kept = optimizer.stored_state.kept_released() if optimizer is not None else nullcontext()
     with kept:
         done = snapshot_manager(
             model.manager,
