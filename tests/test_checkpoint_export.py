@@ -117,7 +117,7 @@ def test_dcp_export_loads_per_parameter_into_plain_tensors(tmp_path: Path) -> No
             )
             for row in STATE_ROWS
         ]
-        names = [wrapped._slots[id(p)].name for p in optimizer.param_groups[0]["params"]]
+        names = [wrapped.core.slots[id(p)].name for p in optimizer.param_groups[0]["params"]]
         with pytest.raises(SwapConfigError, match="exists"):
             export_dcp(wrapped, tmp_path / "dcp")
     plain = GPT(CONFIG).to(torch.bfloat16)

@@ -33,15 +33,15 @@ def _close_cut(swap: str, at: int | str | None) -> dict[str, Any]:
     in_flight = len(dist_ckpt_train.leave_gathers_in_flight(wrapped, gpt))
     cut = _Cut(at if isinstance(at, int) else None)
     if at == "manager":  # a Ctrl-C as the manager's close begins (its store still locked)
-        real = wrapped._manager.close
+        real = wrapped.core.manager.close
 
         def cut_close(*args: Any, **kwargs: Any) -> None:
-            wrapped._manager.close = real  # type: ignore[method-assign]
+            wrapped.core.manager.close = real  # type: ignore[method-assign]
             cut.hit = "manager.close"
             signal.raise_signal(signal.SIGINT)
             real(*args, **kwargs)
 
-        wrapped._manager.close = cut_close  # type: ignore[method-assign]
+        wrapped.core.manager.close = cut_close  # type: ignore[method-assign]
     if at == "collective":  # a Ctrl-C in the wait of a gather: the group marked failed,
         # the collective left unwaited (the next wait raises at once)
         from swapper.distributed import collectives

@@ -50,7 +50,7 @@ def _leave(swap: Path, at: int | None) -> tuple[_Cut, BaseException | None, bool
         raised = exc
     finally:
         signals.set_wait_hook(previous)
-    assert wrapped._closed, f"cut at {cut.hit}: the wrapper was left open"
+    assert wrapped.core.closed, f"cut at {cut.hit}: the wrapper was left open"
     whole = False
     if raised is None:
         state = gpt.state_dict()

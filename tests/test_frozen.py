@@ -288,12 +288,12 @@ def test_frozen_holds_are_released_during_the_backward(tmp_path: Path) -> None:
         for param in model.parameters():
             if param.requires_grad:
                 param.register_post_accumulate_grad_hook(
-                    lambda _: held.append(wrapped._holds.held_nbytes)
+                    lambda _: held.append(wrapped.core.holds.held_nbytes)
                 )
         x, y = _data()[0]
         _loss(wrapped(x), y).backward()
         assert held and max(held) <= DEVICE_NBYTES
-        assert wrapped._holds.held_nbytes == 0
+        assert wrapped.core.holds.held_nbytes == 0
 
 
 def test_requires_grad_toggled_after_the_wrap_is_refused_naming_it(tmp_path: Path) -> None:
@@ -309,7 +309,7 @@ def test_requires_grad_toggled_after_the_wrap_is_refused_naming_it(tmp_path: Pat
             wrapped(x)
         model.inp.lora_a.weight.requires_grad_(True)
         _loss(wrapped(x), y).backward()  # set back: it trains again
-        assert wrapped._holds.held_nbytes == 0
+        assert wrapped.core.holds.held_nbytes == 0
 
 
 def test_frozen_parameters_given_to_the_optimizer_get_no_state() -> None:

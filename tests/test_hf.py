@@ -249,7 +249,7 @@ def test_training_bit_identical_to_pytorch(
                 _loss(wrapped, kind, ids).backward()
                 # every hold released by the backward itself (a recompute stopped early
                 # included), not later by the clean-up of a failed pass
-                assert all(slot.users == 0 for slot in wrapped._by_name.values())
+                assert all(slot.users == 0 for slot in wrapped.core.by_name.values())
             optimizer.step()
             optimizer.zero_grad()
         state = _offload_state(optimizer)
@@ -389,6 +389,6 @@ def test_model_output_of_a_module_owning_parameters_keeps_its_type(tmp_path: Pat
         out = wrapped(x)
         assert isinstance(out, transformers.modeling_outputs.CausalLMOutput)
         out.loss.backward()  # attribute access, as the Trainer and users write it
-        assert all(slot.has_grad for slot in wrapped._by_name.values())
+        assert all(slot.has_grad for slot in wrapped.core.by_name.values())
     expected = reference(x)
     assert torch.equal(out.logits, expected.logits)

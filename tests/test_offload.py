@@ -162,7 +162,7 @@ def _keys(manager: TierManager, prefix: str) -> list[str]:
 
 def _retained(wrapped: swapper.OffloadedModel) -> list[str]:
     """The names of the parameters with a retained gradient now."""
-    return [slot.name for slot in wrapped._by_name.values() if slot.has_grad]
+    return [slot.name for slot in wrapped.core.by_name.values() if slot.has_grad]
 
 
 def _assert_same_params(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:

@@ -379,7 +379,7 @@ def test_unguarded_parameters_keep_their_gradient_hooks_and_equal_tight(tmp_path
                     _loss(wrapped, 10 * i + m).backward()
                 opt.step()
                 opt.zero_grad()  # (held ones dropped: the next step starts afresh)
-            persistent, native = wrapped.persistent, wrapped._persist.native
+            persistent, native = wrapped.persistent, wrapped.core.persist.native
             out = dict(wrapped.iter_state_dict())
             opt.close()
         return out, persistent, native

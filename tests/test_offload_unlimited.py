@@ -154,7 +154,7 @@ def test_norms_left_to_the_step_equal_those_taken_in_the_backward(tmp_path: obje
         wrapped.set_persistent(False)  # (persistent: autograd's own fields until read)
         _loss(wrapped, 0).backward()
         _loss(wrapped, 1).backward()  # accumulated
-        slots = list(wrapped._by_name.values())
+        slots = list(wrapped.core.by_name.values())
         assert all(slot.has_grad and slot.grad_norm is None for slot in slots)
         source = wrapped.param_source()
         params = list(wrapped.parameters())
@@ -166,7 +166,7 @@ def test_norms_left_to_the_step_equal_those_taken_in_the_backward(tmp_path: obje
         assert all(slot.grad_norm is not None for slot in slots)  # taken once
     with swapper.offload(_model(), _tight(tmp_path)) as wrapped:
         _loss(wrapped, 0).backward()
-        assert all(slot.grad_norm is not None for slot in wrapped._by_name.values())
+        assert all(slot.grad_norm is not None for slot in wrapped.core.by_name.values())
 
 
 @pytest.mark.parametrize(("max_grad_norm", "micro"), [(None, 1), (1e-3, 1), (1e-3, 2)])

@@ -140,7 +140,7 @@ def test_checkpointed_training_bit_identical_to_pytorch(
             for x, y in data:
                 _loss(wrapped, x, y).backward()
                 # released by the backward itself, a recompute stopped early included
-                assert all(slot.users == 0 for slot in wrapped._by_name.values())
+                assert all(slot.users == 0 for slot in wrapped.core.by_name.values())
                 optimizer.step()
                 optimizer.zero_grad()
             stats = wrapped.stats()
@@ -170,7 +170,7 @@ def test_recompute_that_cannot_fit_fails_at_once(tmp_path: Path, mode: str) -> N
             loss.backward()
         assert time.monotonic() - started < 10  # (the budget's timeout is 60 s)
         wrapped.release_stale_holds()
-        assert all(slot.users == 0 for slot in wrapped._by_name.values())
+        assert all(slot.users == 0 for slot in wrapped.core.by_name.values())
         wrapped.module.mode = None  # without checkpointing it fits
         _loss(wrapped, x, y).backward()
 

@@ -52,7 +52,7 @@ def _run(
             losses.append(loss.item())
             opt.step()
             opt.zero_grad()
-        return final_digest(wrapped, opt), losses, wrapped._keep_held
+        return final_digest(wrapped, opt), losses, wrapped.core.keep_held
 
 
 @pytest.mark.parametrize("host", [90_000, 95_000])
@@ -173,7 +173,7 @@ def test_device_stand_in_does_not_keep_released_blocks_alive(tmp_path: Path) -> 
     linears = [m for m in model if isinstance(m, nn.Linear)]
     blocks: list[tuple[nn.Linear, StorageWeakRef]] = []
     with swapper.offload(model, config) as wrapped:
-        assert not wrapped._keep_held
+        assert not wrapped.core.keep_held
         for linear in linears:  # registered after the wrap's: runs with the weight fetched
 
             def note(module: nn.Module, args: Any) -> None:
@@ -189,7 +189,7 @@ def test_device_stand_in_does_not_keep_released_blocks_alive(tmp_path: Path) -> 
         # no gradient, so addmm saved no weight.t() of it).
         assert [linears.index(m) for m, ref in blocks if ref.expired()] == [0, 1, 2]
         loss.backward()  # unpacked from the blocks fetched again: it still works
-        assert all(slot.has_grad for slot in wrapped._by_name.values())
+        assert all(slot.has_grad for slot in wrapped.core.by_name.values())
 
 
 def test_a_saved_view_used_after_its_module_is_refused_not_read(tmp_path: Path) -> None:
@@ -220,7 +220,7 @@ def test_disabled_saved_tensor_hooks_are_refused_with_a_tight_budget(tmp_path: P
             pytest.raises(SavedParamError, match=r"not here.*hold every parameter"),
         ):
             wrapped(x)
-        assert not any(slot.users for slot in wrapped._by_name.values())
+        assert not any(slot.users for slot in wrapped.core.by_name.values())
         _loss(wrapped, x, y).backward()
     # budgets that hold every parameter need no hooks: allowed
     with (

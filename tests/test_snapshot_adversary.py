@@ -18,7 +18,7 @@ import swapper
 from swapper import OffloadAdamW, StepConfig, SwapConfigError
 from swapper.manager import EntryState, TierManager
 from swapper.step import optimizer as optimizer_module
-from swapper.zero.checkpoint import snapshot as checkpoint
+from swapper.zero.checkpoint import resume as checkpoint
 from swapper.zero.checkpoint.snapshot import final_digest, save_snapshot
 from tiers.aio import AioEngine
 from tiers.config import AioConfig

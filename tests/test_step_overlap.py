@@ -391,7 +391,7 @@ def test_failed_update_surfaces_at_the_forward_naming_its_step_and_retry_applies
                     chain.append(cause)
                     cause = cause.__cause__
                 assert any(isinstance(c, SwapIOError) for c in chain), chain
-                assert all(not s.users for s in wrapped._by_name.values())  # nothing held
+                assert all(not s.users for s in wrapped.core.by_name.values())  # nothing held
                 with pytest.raises(DeferredStepError, match="step 2"):
                     opt.state_dict()
                 with pytest.raises(StepPendingError, match="step 2"):
@@ -457,7 +457,7 @@ def test_ctrl_c_while_the_forward_waits_leaves_state_consistent(
                 with pytest.raises(KeyboardInterrupt):
                     _loss(wrapped, x, y)
                 assert cut_at_overlap_wait == ["step.overlap"]
-                assert all(not s.users for s in wrapped._by_name.values())
+                assert all(not s.users for s in wrapped.core.by_name.values())
             loss = _loss(wrapped, x, y)
             loss.backward()
             losses.append(loss.item())
@@ -551,7 +551,7 @@ def test_host_budget_too_small_for_forward_and_update_is_refused_at_setup(
             swapper.offload(_mlp(), config) as wrapped,
             OffloadAdamW(wrapped.parameters(), **ADAM, tiers=wrapped) as opt,
         ):
-            assert wrapped._keep_held is False
+            assert wrapped.core.keep_held is False
             _train_steps(wrapped, opt, 3)
             opt.wait_pending()  # (no BudgetTimeout, in the update or in the forward)
             assert opt.step_count == 3
@@ -571,7 +571,7 @@ def test_backward_waits_for_the_update_when_the_forward_holds_are_carried(
             swapper.offload(_mlp(), config) as wrapped,
             OffloadAdamW(wrapped.parameters(), **ADAM, tiers=wrapped) as opt,
         ):
-            assert wrapped._keep_held
+            assert wrapped.core.keep_held
             _train_steps(wrapped, opt, 3)
             digests.append(final_digest(wrapped, opt))
     assert digests[0] == digests[1]

@@ -115,29 +115,30 @@ def _owned(model: OffloadedModel | ShardedModel) -> tuple[list[_Owned], DistGrou
             out.append(_Owned(slot.name, slot.param, slot.shape, slot.dtype, start, end, read,
                               write))  # fmt: skip
         return out, model.group
+    core = model.core  # (one process: the records and the gate)
     out = []
-    for slot in model._by_name.values():
+    for slot in core.by_name.values():
 
         def read_one(at: int, out: torch.Tensor, s: Any = slot) -> None:
-            with _held(model, s, write=False) as tensor:
+            with _held(core, s, write=False) as tensor:
                 out.copy_(tensor.view(-1)[at : at + out.numel()])
 
         def write_one(flat: torch.Tensor, s: Any = slot) -> None:
-            write_through(model, s, flat.view(s.shape))
+            write_through(core, s, flat.view(s.shape))
 
         def hold_one(
             at: int, n: int, s: Any = slot
         ) -> tuple[torch.Tensor, Callable[[], None]] | None:
             # as _held, for a parameter no forward holds (else a copy: ``read``), kept
             # fetched until the writer is done with it (the export's own record)
-            if model._closed or s.users or model.persistent:
+            if core.closed or s.users or core.persist.active:
                 return None
-            if model._param_gate is not None:
-                model._param_gate(s.param)
+            if core.param_gate is not None:
+                core.param_gate(s.param)
             check_unwritten(s)
-            manager = model.manager
+            manager = core.manager
             with signals.at_waits:  # fetched and recorded in one section
-                tensor = manager.fetch(s.key, _rw_tier(model))
+                tensor = manager.fetch(s.key, _rw_tier(core))
                 done = functools.partial(manager.release, s.key, modified=False)
             return tensor.view(-1)[at : at + n], done
 

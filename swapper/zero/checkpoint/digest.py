@@ -12,10 +12,11 @@ import xxhash
 
 from swapper.step.optimizer import StreamedOptimizer
 from swapper.step.resume import optimizer_meta
+from swapper.zero.sharded.model import ShardedModel
+from swapper.zero.sharded.state_dicts import iter_full_state
 
 if TYPE_CHECKING:
     from swapper.zero.local.offload import OffloadedModel
-    from swapper.zero.sharded.model import ShardedModel
 
 __all__ = ["final_digest"]
 
@@ -54,8 +55,6 @@ def final_digest(
         if meta.get("rule_state") is not None:  # (a rule's scalars, e.g. each piece's step)
             total.update(json.dumps(meta["rule_state"], sort_keys=True).encode())
         rows = [xxhash.xxh3_64() for _ in view.rows]  # (AdamW: master, exp_avg, exp_avg_sq)
-        from swapper.zero.sharded.model import ShardedModel  # (it imports this module)
-
         if view.parameter_rows:  # per-parameter state: each sub-group's state whole
             if isinstance(model, ShardedModel):
                 view.require_flat_rows("final_digest over ranks")
@@ -63,8 +62,6 @@ def final_digest(
             for _, state in view.iter_states():
                 rows[0].update(_bytes(state))
         elif isinstance(model, ShardedModel):  # several ranks: gathered whole
-            from swapper.zero.sharded.state_dicts import iter_full_state
-
             for state in iter_full_state(model, optimizer):
                 for row, h in enumerate(rows):
                     h.update(_bytes(state[row]))

@@ -228,7 +228,7 @@ def _equal_rounded(flat: torch.Tensor, piece: _Piece, state: torch.Tensor) -> bo
 
 class Rebuilder:
     """At resume: the left-out parameters of one snapshot, rebuilt from its state
-    tensors as :func:`~swapper.zero.checkpoint.snapshot._check` reads them (:meth:`feed`), then
+    tensors as :func:`~swapper.zero.checkpoint.resume._check` reads them (:meth:`feed`), then
     checked against their digests (:meth:`finish`).
 
     Raises (at construction):

@@ -33,14 +33,18 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
+
+import torch
 
 from swapper.distributed import DistGroup
 from swapper.distributed.identity import claim_store_identity
 from swapper.manager import Kind, ManagerConfig, TierManager, UnknownKeyError
 from swapper.step.resume import ResumedState
 from swapper.step.state import StateDictError
+from swapper.zero.checkpoint.agree import agree_or_raise, all_gather_json, raise_failed
 from swapper.zero.checkpoint.commit import (
     CommitRecordError,
     WorldSizeMismatchError,
@@ -48,8 +52,7 @@ from swapper.zero.checkpoint.commit import (
     read_commits,
     reshard_advice,
 )
-from swapper.zero.checkpoint.shard_snapshot import agree_or_raise, all_gather_json, raise_failed
-from swapper.zero.checkpoint.snapshot import (
+from swapper.zero.checkpoint.resume import (
     finish_resume,
     not_proven_damaged,
     proves_damage,
@@ -63,10 +66,34 @@ from tiers.nvme.metafiles import StoreFiles, read_metadata
 from tiers.nvme.records import ManifestError
 from tiers.nvme.snapshots import SnapshotDamagedError, SnapshotNotFoundError
 
-if TYPE_CHECKING:
-    from swapper.zero.sharded.state import ShardSlot
+__all__ = ["ResumeChoice", "ShardRecord", "adopt_shard", "choose_sharded", "finish_sharded_resume"]
 
-__all__ = ["ResumeChoice", "adopt_shard", "choose_sharded", "finish_sharded_resume"]
+
+class ShardRecord(Protocol):
+    """What the resume reads of one parameter's record on this rank (the sharded model's
+    :class:`~swapper.zero.sharded.state.ShardSlot` is one): named here so that this
+    module, which the sharded set-up calls, does not import the sharded room back."""
+
+    @property
+    def name(self) -> str:
+        """The parameter's name in the model."""
+        ...
+
+    @property
+    def key(self) -> str:
+        """Its shard's key in this rank's manager (``param/<name>``)."""
+        ...
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The parameter's 16-bit dtype."""
+        ...
+
+    @property
+    def local_numel(self) -> int:
+        """Elements this rank stores of it (padding included; 0: another rank owns it)."""
+        ...
+
 
 log = logging.getLogger(__name__)
 
@@ -350,7 +377,7 @@ def _verify_everywhere(
     return resumed, ""
 
 
-def adopt_shard(manager: TierManager, resumed: ResumedState, slot: ShardSlot) -> None:
+def adopt_shard(manager: TierManager, resumed: ResumedState, slot: ShardRecord) -> None:
     """Check that the resumed manager holds ``slot``'s shard as planned (a parameter this
     rank stores nothing of: it holds none).
 
@@ -376,7 +403,7 @@ def adopt_shard(manager: TierManager, resumed: ResumedState, slot: ShardSlot) ->
 
 
 def finish_sharded_resume(
-    manager: TierManager, slots: list[ShardSlot], resumed: ResumedState
+    manager: TierManager, slots: Sequence[ShardRecord], resumed: ResumedState
 ) -> None:
     """After every shard is adopted: refuse parameters the model lacks, drop retained
     gradients, restore this rank's RNG states (:func:`finish_resume` over this rank's

@@ -1,12 +1,18 @@
 """One process: :class:`~swapper.zero.local.offload.OffloadedModel`, the local fetch.
 
-Offers: the model (``offload``), its hooks and the fetch and release of one parameter
-(``offload_hooks``), the parameters' records and the optimizer's view (``params``), the
+Offers: the model (``offload``), the lifecycle's one-process strategy: the hooks and the
+fetch and release of one parameter (``offload_hooks``, a
+:class:`~swapper.zero.model.lifecycle.ModelLifecycle`), the parameters' records and the
+model's core (``params``: ``Slot``, ``LocalCore``), the optimizer's view (``tiered``), the
 persistent and resident fast paths for budgets that hold everything (``persist``,
 ``resident``), the wrap's checks and undo (``placing``) and the real weights through
 ``state_dict`` (``weights``).
 
+The helpers take the core (``LocalCore``) or a small protocol of public calls, never the
+model: the room's modules import each other one way (``params`` at the bottom, ``offload``
+at the top; ``tests/test_structure.py`` counts it).
+
 May import: ``tiers``, :mod:`swapper.manager`, :mod:`swapper.step`,
-:mod:`swapper.zero.model`, :mod:`swapper.zero.config`; :mod:`swapper.zero.checkpoint` only
-where a snapshot is taken or resumed (issue 25 removes the remaining late imports).
+:mod:`swapper.zero.model`, :mod:`swapper.zero.config`, and the resume half of
+:mod:`swapper.zero.checkpoint` (``resume``, below the models).
 """

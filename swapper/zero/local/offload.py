@@ -1,5 +1,3 @@
-# Size: ~520 lines: the wrap's set-up with its undo, and the surface the optimizer and the
-# user see (the hooks themselves are in swapper.zero.local.offload_hooks).
 """``swapper.offload(model, config)`` in one process: a module's 16-bit parameters live in
 the tiers (:func:`swapper.zero.wrap.offload` builds an :class:`OffloadedModel`).
 
@@ -42,10 +40,14 @@ Activation checkpointing runs the hooks again inside the backward (a recompute);
 holds is checked in :mod:`swapper.zero.model.recompute`, and the forward hooks run when a forward
 raises (``always_call``), so a recompute stopped early releases what it fetched.
 
-Layout: the hooks and the fetch and release of one parameter are in
-:mod:`swapper.zero.local.offload_hooks` (a mixin: the state machine the forward and backward
-drive); the parameter records and the optimizer's view of them are in
-:mod:`swapper.zero.local.params`, the autograd plumbing in :mod:`swapper.zero.model.autograd`, the
+Layout: the lifecycle both models share (forward, a failed pass's clean-up, backward start
+and end, ``zero_grad``, the manager's close) is :mod:`swapper.zero.model.lifecycle`; its
+one-process strategy, the hooks and the fetch and release of one parameter, is
+:mod:`swapper.zero.local.offload_hooks` (the state machine the forward and backward
+drive); the state they and the helpers share is ``self.core``
+(:class:`~swapper.zero.local.params.LocalCore`); the parameter records are in
+:mod:`swapper.zero.local.params`, the optimizer's view of them in
+:mod:`swapper.zero.local.tiered`, the autograd plumbing in :mod:`swapper.zero.model.autograd`, the
 read-ahead plan in :mod:`swapper.zero.model.readahead`, the checks before placement and the
 undo of a failed meta wrap in :mod:`swapper.zero.local.placing`, real weights in
 :mod:`swapper.zero.local.weights`, autograd's saved views of parameters (kept as positions
@@ -59,23 +61,21 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import threading
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
-import swapper.zero.checkpoint.snapshot as checkpoint
-from swapper.manager import Kind, ManagerStats, Tier, TierManager
-from swapper.step.config import StepConfig
+import swapper.zero.checkpoint.resume as checkpoint
+from swapper.manager import Kind, Tier
 from swapper.step.sources import ParamGate, ParamSource
 from swapper.zero.config.offload import OffloadConfig
 from swapper.zero.config.settings import tiers_of
 from swapper.zero.local.offload_hooks import ModuleHooks
-from swapper.zero.local.params import Holds, Slot, TieredParams
-from swapper.zero.local.persist import Persistence, install, remove_all
+from swapper.zero.local.params import LocalCore, Slot
+from swapper.zero.local.persist import install, remove_all
 from swapper.zero.local.persist import leave as unpersist
 from swapper.zero.local.placing import (
     back_to_meta,
@@ -83,6 +83,7 @@ from swapper.zero.local.placing import (
     check_modules,
     check_overlap_room,
 )
+from swapper.zero.local.tiered import TieredParams
 from swapper.zero.local.weights import (
     NATIVE_GRADS,
     WeightHooks,
@@ -92,8 +93,7 @@ from swapper.zero.local.weights import (
     unguard,
     unwrap,
 )
-from swapper.zero.model.autograd import in_autograd
-from swapper.zero.model.frozen import FrozenUse, check_known, check_not_nested, check_trainable
+from swapper.zero.model.frozen import FrozenUse, check_known, check_trainable
 from swapper.zero.model.model_buffers import BufferMoves, move_buffers, restore_buffers
 from swapper.zero.model.module_apply import guard_apply, unguard_apply
 from swapper.zero.model.readahead import FetchPlan
@@ -118,7 +118,7 @@ def is_wrapped(module: nn.Module) -> bool:
     return module in _WRAPPED
 
 
-class OffloadedModel(ModuleHooks, nn.Module):
+class OffloadedModel(ModuleHooks):
     """A module whose 16-bit parameters live in a :class:`TierManager`.
 
     Args:
@@ -131,9 +131,12 @@ class OffloadedModel(ModuleHooks, nn.Module):
             memory at once). A tied parameter must stay one Parameter object.
         resume: continue from a training snapshot (``True``: the newest usable one, or
             start afresh when there is none; a name: that one; see
-            :mod:`swapper.zero.checkpoint.snapshot`); what was resumed is then in ``resumed``
+            :mod:`swapper.zero.checkpoint.resume`); what was resumed is then in ``resumed``
             (None otherwise), e.g. ``resumed.step``, ``resumed.extra``.
     """
+
+    _registry = _WRAPPED
+    _log = log
 
     def __init__(
         self,
@@ -144,45 +147,33 @@ class OffloadedModel(ModuleHooks, nn.Module):
         resume: bool | str = False,
     ) -> None:
         super().__init__()
-        if not isinstance(module, nn.Module):
-            raise SwapConfigError(f"offload: expected an nn.Module, got {type(module).__name__}")
-        if isinstance(module, OffloadedModel) or module in _WRAPPED:
-            raise SwapConfigError(
-                f"offload: this {type(module).__name__} is already wrapped; wrap a model once"
-            )
-        check_not_nested(module, _WRAPPED)  # (a module inside, or around, a wrapped one)
+        self._check_wrappable(module)  # (and not inside, nor around, a wrapped one)
         if not isinstance(config, OffloadConfig):
             raise SwapConfigError(f"offload: config must be an OffloadConfig, got {config!r}")
         self.module = module
         self.config = config
-        self._use_tier = tiers_of(config.manager, Kind.PARAM16)[0]  # where params are used
-        manager_config = config.manager
-        self._room_limit = (  # of the use tier: see _check_room
-            manager_config.host_nbytes
-            if self._use_tier is Tier.HOST
-            else manager_config.device_nbytes
+        use_tier = tiers_of(config.manager, Kind.PARAM16)[0]  # where params are used
+        room_limit = (  # of the use tier: see _check_room
+            config.manager.host_nbytes if use_tier is Tier.HOST else config.manager.device_nbytes
         )
-        self._slots: dict[int, Slot] = {}  # id(param) → slot
-        self._by_name: dict[str, Slot] = {}
+        #: what the hooks and their helpers share (swapper.zero.model.core): the lock, the
+        #: manager, the slots by id(param) and by name, the counters the hooks change, the
+        #: holds of each forward running now (outermost first: the module and the slots
+        #: its pre-hook fetched, released by its forward hook, which runs when the forward
+        #: raises an Exception too, or, for a KeyboardInterrupt, by forward()), an
+        #: overlapped optimizer's gate (set_param_gate) and persistence
+        #: (swapper.zero.local.persist)
+        self.core = LocalCore(use_tier, room_limit)
+        manager_config = config.manager
         self._module_slots: dict[nn.Module, list[Slot]] = {}
-        self._lock = threading.RLock()
         self._handles: list[Any] = []
-        #: per module whose forward runs now (outermost first): the module and the slots
-        #: its pre-hook fetched, released by its forward hook (which runs when the forward
-        #: raises an Exception too) or, for a KeyboardInterrupt, by forward()
-        self._forward_holds: list[tuple[nn.Module, list[Slot]]] = []
-        self._holds = Holds()  # the counters the hooks change
         #: autograd's saved views of parameters, kept as where they are (swapper.zero.model.saved)
         self._saved = SavedParams(lambda slot: slot.users > 0)
-        self._closed = False
-        self._param_gate: ParamGate | None = None  # an overlapped optimizer's (set_param_gate)
-        self._persist = Persistence()  # parameters kept fetched (swapper.zero.local.persist)
         self._frozen_uses: list[FrozenUse] = []  # all-frozen modules (swapper.zero.model.frozen)
         self._check_modules(module)
         #: until placed: each parameter emptied, its bytes (None: materialised), its slot
         self._originals: list[tuple[nn.Parameter, torch.Tensor | None, Slot]] = []
         self._had_values: dict[int, nn.Parameter] = {}
-        self._weights: WeightHooks | None = None
         self._buffer_moves: BufferMoves = []  # buffers moved to the use device (unwrap)
         self._apply_guarded: list[nn.Module] = []  # model.to() and the like (module_apply)
         opened = False
@@ -190,21 +181,21 @@ class OffloadedModel(ModuleHooks, nn.Module):
             # In a section ending inside this try: a Ctrl-C as the manager is returned
             # would leave it open (its store locked) with nobody to close it.
             with signals.at_waits:
-                self._manager, self.resumed = checkpoint.open_manager(config.manager, resume)
+                self.core.manager, self.resumed = checkpoint.open_manager(config.manager, resume)
                 opened = True
-            self._plan = FetchPlan(  # the fetch order and the read-ahead along it
-                self._manager,
-                self._use_tier,
+            self.core.plan = FetchPlan(  # the fetch order and the read-ahead along it
+                self.core.manager,
+                self.core.use_tier,
                 manager_config.prefetch_window_nbytes,
-                lambda key: self._by_name[key.removeprefix("param/")].nbytes,
-                self._lock,
+                lambda key: self.core.by_name[key.removeprefix("param/")].nbytes,
+                self.core.lock,
             )
             self._place_all(module, materialize)
             self._buffer_moves = move_buffers(module, self._use_device())
             self._apply_guarded = guard_apply(module, self._use_device())
             # Whether a forward's holds are kept for its backward: the use tier holds
             # every parameter at once, so holding them costs no room that could be used.
-            self._keep_held = self._keeps_held(0)
+            self.core.keep_held = self._keeps_held(0)
             # Whether the backward leaves the gradients' norms to the step: the tier they
             # are retained in has no limit, so they are still in memory then (each norm
             # taken in the backward cost more than its module's work on a narrow model).
@@ -213,28 +204,28 @@ class OffloadedModel(ModuleHooks, nn.Module):
                 Tier.HOST: manager_config.host_nbytes,
             }
             grad_tier = tiers_of(manager_config, Kind.GRAD16)[0]
-            self._lazy_norms = grad_tier in limits and limits[grad_tier] is None
+            self.core.lazy_norms = grad_tier in limits and limits[grad_tier] is None
             if self.resumed is not None:
-                own = {slot.key for slot in self._by_name.values()}
-                checkpoint.finish_resume(self._manager, own, self.resumed)
+                own = {slot.key for slot in self.core.by_name.values()}
+                checkpoint.finish_resume(self.core.manager, own, self.resumed)
             self._install_hooks(module)
-            self._weights = WeightHooks(self, list(self._module_slots))
+            self.core.weights = WeightHooks(self.core, list(self._module_slots))
         except BaseException:
             for handle in self._handles:
                 handle.remove()
-            remove_all(self)
-            if self._weights is not None:
-                self._weights.remove()
+            remove_all(self.core)
+            if self.core.weights is not None:
+                self.core.weights.remove()
             unguard_apply(self._apply_guarded)
             restore_buffers(self._buffer_moves)
             # Nothing lost: the parameters emptied so far get their own bytes back.
-            unguard(self._by_name.values())
+            unguard(self.core.by_name.values())
             for param, data, _ in self._originals:
                 if data is not None:
                     param.data = data
             back_to_meta(module, [(p, slot) for p, d, slot in self._originals if d is None])
             if opened:
-                self._manager.close(remove=self.resumed is None)  # snapshots are kept
+                self.core.manager.close(remove=self.resumed is None)  # snapshots are kept
             raise
         finally:
             self._originals, self._had_values = [], {}
@@ -242,18 +233,9 @@ class OffloadedModel(ModuleHooks, nn.Module):
 
     # -- what the optimizer and the user see ----------------------------------------------
 
-    @property
-    def manager(self) -> TierManager:
-        """The tier manager holding the parameters (and the optimizer's state)."""
-        return self._manager
-
     def param_source(self) -> ParamSource:
         """Access to the parameters and their retained gradients, for the optimizer."""
-        return TieredParams(self)
-
-    def step_config(self) -> StepConfig:
-        """The optimizer settings ``config`` gives (``config.step``)."""
-        return self.config.step
+        return TieredParams(self.core, self)
 
     def set_param_gate(self, gate: ParamGate | None, *, update_nbytes: int = 0) -> None:
         """Install the gate of an overlapped optimizer (:mod:`swapper.step.deferred`),
@@ -269,104 +251,46 @@ class OffloadedModel(ModuleHooks, nn.Module):
                 cannot hold the forward's parameters and the update at once (both named:
                 :func:`~swapper.zero.local.placing.check_overlap_room`).
         """
-        if gate is not None and self._param_gate is not None:
+        if gate is not None and self.core.param_gate is not None:
             raise SwapConfigError("offload: one overlapped optimizer per model (a gate is set)")
         if gate is not None:
-            unpersist(self)  # the update fetches parameters per piece, gated
-        reserve = update_nbytes if gate is not None and self._use_tier is Tier.HOST else 0
+            unpersist(self.core)  # the update fetches parameters per piece, gated
+        reserve = update_nbytes if gate is not None and self.core.use_tier is Tier.HOST else 0
         keep = self._keeps_held(reserve)
-        if reserve and not keep and self._room_limit is not None:
+        if reserve and not keep and self.core.room_limit is not None:
             check_overlap_room(
-                self.module, lambda p: self._slots[id(p)].nbytes, self._room_limit, reserve
+                self.module, lambda p: self.core.slots[id(p)].nbytes, self.core.room_limit, reserve
             )
-        self._param_gate = gate
-        self._keep_held = keep
+        self.core.param_gate = gate
+        self.core.keep_held = keep
         if gate is not None:
-            self._plan.overlapped()  # the eviction order then covers a whole overlapped cycle
+            self.core.plan.overlapped()  # the eviction order then covers a whole overlapped cycle
 
     def set_persistent(self, allowed: bool) -> None:
         """Whether parameters may stay fetched between uses when the budgets hold
         everything (default True: :mod:`swapper.zero.local.persist`); False ends it now."""
-        self._persist.allowed = bool(allowed)
+        self.core.persist.allowed = bool(allowed)
         if not allowed:
-            unpersist(self)
+            unpersist(self.core)
 
     def end_persistence(self) -> None:
         """Release the persistent holds and put the module hooks back (a snapshot, an
         unwrap); the next forward makes the parameters persistent again if it can."""
-        unpersist(self)
+        unpersist(self.core)
 
     @property
     def persistent(self) -> bool:
         """Whether the parameters are persistent now (:mod:`swapper.zero.local.persist`)."""
-        return self._persist.active
+        return self.core.persist.active
 
     def step_started(self) -> None:
         """The overlapped optimizer starts a step's update (:mod:`swapper.step.deferred`):
         see :meth:`~swapper.zero.model.readahead.FetchPlan.overlapped`."""
-        self._plan.step_started()
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """The wrapped model's forward. If it raises (an error, Ctrl-C), the parameters its
-        modules fetched are released before the exception propagates; holds that an
-        aborted backward left are released at the next call."""
-        if self._holds.forward_depth == 0:
-            check_known(self.module, self._slots)  # (before anything moves)
-            check_trainable(self._by_name.values())
-            self.release_stale_holds()
-        depth = len(self._forward_holds)
-        self._holds.forward_depth += 1
-        try:
-            return self.module(*args, **kwargs)
-        except BaseException:
-            with signals.held:
-                self._drop_forward_holds(depth)
-            raise
-        finally:
-            self._holds.forward_depth -= 1
-
-    def release_stale_holds(self, *, warn: bool = True) -> int:
-        """Release what a forward or backward that raised (an error, Ctrl-C) left fetched;
-        returns how many holds that was. Called by :meth:`forward` and before an
-        optimizer step (a warning says so: training goes on after a failed pass), and when
-        unwrapping (``warn=False``: the failure is the exception being handled); does
-        nothing while a forward or backward runs. Holds kept from a forward for a backward
-        that has not run are released too (not counted: a backward fetches them again)."""
-        if self._holds.forward_depth or in_autograd():
-            return 0
-        if not self._forward_holds and not self._holds.in_backward and not self._holds.carried:
-            return 0  # (backward holds exist only while a backward runs)
-        with signals.held:
-            dropped = self._drop_forward_holds(0)
-            with self._lock:
-                self._holds.in_backward = False  # a backward that raised never ended
-            # Holds kept from a forward whose backward has not run (yet): released, as
-            # they would have been without keeping (a later backward fetches again).
-            holds, kept = self._release_backward_holds()
-            dropped += holds
-        if kept:
-            log.debug("offload: released %d parameter hold(s) kept for a backward", kept)
-        if dropped:
-            (log.warning if warn else log.debug)(
-                "offload: released %d parameter hold(s) left by a failed pass", dropped
-            )
-        return dropped
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Drop the retained 16-bit gradients (the optimizer's ``zero_grad`` does the
-        same): the next backward starts them afresh rather than adding to them."""
-        if self._param_gate is not None:
-            self._param_gate(None)  # an overlapped update still reads them
-        super().zero_grad(set_to_none=set_to_none)
-        self._drop_grads(self._by_name.values())
-
-    def stats(self) -> ManagerStats:
-        """The manager's counters: bytes moved, stall time, peaks per tier."""
-        return self._manager.stats()
+        self.core.plan.step_started()
 
     def named_offloaded(self) -> Iterator[tuple[str, torch.Size, torch.dtype]]:
         """(name, shape, dtype) of every offloaded parameter."""
-        for slot in self._by_name.values():
+        for slot in self.core.by_name.values():
             yield slot.name, slot.shape, slot.dtype
 
     def iter_state_dict(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -374,8 +298,8 @@ class OffloadedModel(ModuleHooks, nn.Module):
         one copy alive if the caller drops each); the names are the wrapped model's own
         (no ``module.`` prefix). Raises what :func:`~swapper.zero.local.weights.fetch_copy`
         raises."""
-        for name, slot in self._by_name.items():
-            yield name, fetch_copy(self, slot)
+        for name, slot in self.core.by_name.items():
+            yield name, fetch_copy(self.core, slot)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
         """The wrapped model's ``state_dict()`` (keys its own, no ``module.`` prefix):
@@ -407,54 +331,66 @@ class OffloadedModel(ModuleHooks, nn.Module):
         weights back instead); the buffers the wrap moved to the GPU go back. Idempotent;
         a close cut by a Ctrl-C (while the manager writes what the kept store needs) is
         finished by calling it again."""
-        if self._closed:
+        if self.core.closed:
             if self._manager_open:  # an interrupt cut the manager's close: its store is
                 self._close_manager()  # still locked against the next swapper.offload
             return
-        if self._param_gate is not None:
+        if self.core.param_gate is not None:
             with contextlib.suppress(Exception):  # (the optimizer raises it at its next call)
-                self._param_gate(None)
+                self.core.param_gate(None)
         with contextlib.suppress(Exception):  # (the tiers are dropped next anyway)
-            unpersist(self)  # the parameters placeholders again, their holds released
-        for slot in self._by_name.values() if self._persist.active else ():
+            unpersist(self.core)  # the parameters placeholders again, their holds released
+        for slot in self.core.by_name.values() if self.core.persist.active else ():
             slot.param.data, slot.grad_held = slot.placeholder, None  # (leaving failed)
             NATIVE_GRADS.pop(id(slot.param), None)
-        self._closed = True
+        self.core.closed = True
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        remove_all(self)
-        unguard(self._by_name.values())
+        remove_all(self.core)
+        unguard(self.core.by_name.values())
         unguard_apply(self._apply_guarded)
         with contextlib.suppress(Exception):  # (small; a failed copy leaves one on the GPU)
             restore_buffers(self._buffer_moves)  # where they were before the wrap
         self._close_manager()
 
-    #: False once the manager's close() returned (see close())
-    _manager_open = True
-
-    def _close_manager(self) -> None:
-        self._manager.close(remove=not checkpoint.keeps_store(self._manager))
-        self._manager_open = False
-        _WRAPPED.discard(self.module)
-
-    def __enter__(self) -> OffloadedModel:
-        return self
-
     def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
         """:meth:`unwrap` (see :func:`swapper.zero.local.weights.leave`)."""
         leave(self, block_raised=exc_type is not None)
+
+    # -- the lifecycle's strategy (swapper.zero.model.lifecycle): one process ------------
+
+    def _forward_checks(self) -> None:
+        check_known(self.module, self.core.slots)  # (before anything moves)
+        check_trainable(self.core.by_name.values())
+        self.release_stale_holds()
+
+    def _run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        return self.module(*args, **kwargs)
+
+    def _entry_units(self, entry: tuple[nn.Module, list[Slot]]) -> list[Slot]:
+        return entry[1]  # (the slots its pre-hook fetched)
+
+    def _after_backward(self) -> None:
+        self.core.plan.backward_ended()
+
+    def _settle_update(self, what: str) -> None:
+        if self.core.param_gate is not None:
+            self.core.param_gate(None)  # an overlapped update still reads the gradients
+
+    def _records(self) -> Iterable[Slot]:
+        return self.core.by_name.values()
 
     # -- set-up ---------------------------------------------------------------------------
 
     def _use_device(self) -> torch.device:
         """The device the parameters are used on (the CPU when used from host memory)."""
-        if self._use_tier is Tier.DEVICE:
+        if self.core.use_tier is Tier.DEVICE:
             return resolve_device(self.config.manager.device)
         return torch.device("cpu")
 
     def _check_modules(self, module: nn.Module) -> None:
-        first = self._use_tier
+        first = self.core.use_tier
         limit = (
             self.config.manager.host_nbytes
             if first is Tier.HOST
@@ -488,7 +424,7 @@ class OffloadedModel(ModuleHooks, nn.Module):
             return
         slots = []
         for p_name, param in module.named_parameters(recurse=False):
-            slot = self._slots.get(id(param))
+            slot = self.core.slots.get(id(param))
             if slot is None:
                 slot = self._register(f"{name}.{p_name}" if name else p_name, param)
             slots.append(slot)
@@ -517,9 +453,9 @@ class OffloadedModel(ModuleHooks, nn.Module):
             home=param.device,
         )
         if self.resumed is not None:  # its bytes are the snapshot's
-            checkpoint.adopt_param(self._manager, self.resumed, slot.key, param)
+            checkpoint.adopt_param(self.core.manager, self.resumed, slot.key, param)
         else:
-            self._manager.register(slot.key, param.detach(), Kind.PARAM16)
+            self.core.manager.register(slot.key, param.detach(), Kind.PARAM16)
         # What a failed wrap gives back. A materialised parameter was on meta before the
         # wrap: it goes back there, and its bytes are not kept alive meanwhile (keeping
         # them held every module made so far: the whole model in memory at once).
@@ -528,9 +464,10 @@ class OffloadedModel(ModuleHooks, nn.Module):
         param.data = slot.placeholder  # the tiers hold it now
         slot.version = param._version  # a write from now on would be lost: noticed
         guard(slot)  # (and one through .data)
-        self._slots[id(param)] = slot
-        self._by_name[name] = slot
+        self.core.slots[id(param)] = slot
+        self.core.by_name[name] = slot
         return slot
 
     def _install_hooks(self, module: nn.Module) -> None:
-        install(self, self._module_slots)
+        hooks = (self._pre_forward_hook, self._post_forward_hook, self._grad_hook)
+        install(self.core, self._module_slots, *hooks)

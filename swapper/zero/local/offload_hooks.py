@@ -2,32 +2,32 @@
 and the fetch and release of one parameter (:mod:`swapper.zero.local.offload`'s docstring says
 what each hook does and when).
 
-Why a mixin: ``OffloadedModel`` is the set-up and the surface the optimizer and the user
-see; the hooks are the state machine the forward and backward drive, with its own
-invariants (a hold is counted once it is fetched, and released exactly once: by the
-module's forward hook, its gradient hook, the end of the backward, or a failed pass's
-clean-up). The attributes read here are set by ``OffloadedModel.__init__`` (declared
-below).
+This is the one-process strategy of the shared lifecycle
+(:class:`~swapper.zero.model.lifecycle.ModelLifecycle`: forward, release of a failed
+pass's holds, backward start and end, ``zero_grad``, close of the manager): a hold is of
+one parameter (``Slot``), fetched from the tiers by ``TierManager.fetch`` and given back by
+``release``. ``OffloadedModel`` is the set-up and the surface the optimizer and the user
+see; the hooks are the state machine the forward and backward drive, with the
+lifecycle's invariants (a hold is counted once it is fetched, and released exactly once:
+by the module's forward hook, its gradient hook, the end of the backward, or a failed
+pass's clean-up). ``core`` is set by ``OffloadedModel.__init__``.
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 from torch import nn
 
-from swapper.manager import Tier, TierManager
-from swapper.step.sources import ParamGate
-from swapper.zero.local.params import Holds, Slot, retain_grad
-from swapper.zero.local.persist import Persistence, drop_native, enter, retain_held
+from swapper.zero.local.params import LocalCore, Slot, retain_grad
+from swapper.zero.local.persist import drop_native, enter, retain_held
 from swapper.zero.local.resident import acquire_resident
 from swapper.zero.local.weights import check_unwritten
 from swapper.zero.model.autograd import hook_outputs, in_autograd
 from swapper.zero.model.frozen import FrozenUse, mark_inputs
-from swapper.zero.model.readahead import FetchPlan
+from swapper.zero.model.lifecycle import ModelLifecycle
 from swapper.zero.model.recompute import no_room
 from swapper.zero.model.saved import SavedParams
 from tiers import signals
@@ -35,34 +35,12 @@ from tiers import signals
 __all__ = ["ModuleHooks"]
 
 
-class ModuleHooks:
+class ModuleHooks(ModelLifecycle):
     """The module hooks and the per-parameter fetch and release (module docstring)."""
 
-    _manager: TierManager
-    _plan: FetchPlan
-    _use_tier: Tier
-    _room_limit: int | None
-    _lock: threading.RLock
-    _holds: Holds
+    core: LocalCore  # what the hooks and their helpers share (swapper.zero.model.core)
     _saved: SavedParams
-    _by_name: dict[str, Slot]
-    _forward_holds: list[tuple[nn.Module, list[Slot]]]
-    _param_gate: ParamGate | None
-    _keep_held: bool
-    _lazy_norms: bool
-    _persist: Persistence
     _frozen_uses: list[FrozenUse]  # modules whose parameters are all frozen
-
-    def _drop_forward_holds(self, depth: int) -> int:
-        """Release the slots fetched by the modules whose forward began above ``depth``
-        and never finished."""
-        dropped = 0
-        self._saved.pop_from(depth)
-        while len(self._forward_holds) > depth:
-            for slot in self._forward_holds.pop()[1]:
-                self._release(slot)
-                dropped += 1
-        return dropped
 
     def _pre_forward_hook(
         self, slots: list[Slot], frozen: FrozenUse | None = None
@@ -73,29 +51,27 @@ class ModuleHooks:
             after = self._frozen_after(frozen)
 
         def hook(module: nn.Module, args: Any, kwargs: Any) -> Any:
-            if enter(
-                self
-            ):  # persistent from here: this hook is taken off (swapper.zero.local.persist)
+            if enter(self.core):  # persistent from here: this hook is off (local.persist)
                 return None
-            self._plan.step_boundary()
+            self.core.plan.step_boundary()
             self._check_room(slots)
             taken: list[Slot] = []
-            self._forward_holds.append((module, taken))
+            self.core.forward_holds.append((module, taken))
             with signals.at_waits:  # each one fetched and recorded, or neither
-                if acquire_resident(self, slots):  # (budgets holding every parameter)
+                if acquire_resident(self.core, slots):  # (budgets holding every parameter)
                     taken.extend(slots)
                 else:
                     for slot in slots:
                         self._acquire(slot)
                         taken.append(slot)
-                if self._room_limit is not None:
+                if self.core.room_limit is not None:
                     # Parameters can move before the backward (a limited use tier: even
                     # where all fit, a recompute's holds are not kept, and the tier holds
                     # other kinds): autograd must not keep views of their blocks
                     # (swapper.zero.model.saved). Decided by the budget alone, so the same in a
                     # recompute as in its forward (checkpointing counts saved tensors).
-                    self._saved.push(len(self._forward_holds) - 1, taken)
-            if after is not None and not self._keep_held and torch.is_grad_enabled():
+                    self._saved.push(len(self.core.forward_holds) - 1, taken)
+            if after is not None and not self.core.keep_held and torch.is_grad_enabled():
                 # all frozen: released when its backward is over (swapper.zero.model.frozen)
                 return mark_inputs(args, kwargs, after)
             return None
@@ -108,7 +84,7 @@ class ModuleHooks:
 
         def after() -> None:
             with signals.held:  # uncounted and released, or neither
-                with self._lock:
+                with self.core.lock:
                     if not frozen.pending:
                         return  # (its holds were released already: the backward ended)
                     frozen.pending -= 1
@@ -123,41 +99,41 @@ class ModuleHooks:
         self, slots: list[Slot], frozen: FrozenUse | None = None
     ) -> Callable[..., Any]:
         def before_backward() -> None:
-            if self._param_gate is not None:
+            if self.core.param_gate is not None:
                 # An overlapped update still running reads the gradients this backward is
                 # about to add to (and drops them at its end): wait for it here, also
                 # when every hold is carried over from the forward and nothing is fetched
                 # (no fetch, no gate: the update dropped this backward's gradients).
-                self._param_gate(None)
+                self.core.param_gate(None)
             self._backward_started()
             self._check_room(slots)
             with signals.at_waits:  # each one fetched and recorded, or neither
                 for slot in slots:
                     if slot.carried:  # held since its forward: taken over, nothing fetched
-                        with self._lock:
+                        with self.core.lock:
                             slot.carried -= 1
-                            self._holds.carried -= 1
+                            self.core.holds.carried -= 1
                             slot.backward_holds += 1
                         continue
                     self._acquire(slot)
-                    with self._lock:
+                    with self.core.lock:
                         slot.backward_holds += 1
                 if frozen is not None:
-                    with self._lock:
+                    with self.core.lock:
                         frozen.pending += 1  # (what its AfterBackward releases)
 
         def hook(module: nn.Module, args: Any, output: Any) -> Any:
             with signals.held:
                 # This module's entry, and above it those of forwards that began inside
                 # it and never finished (abandoned: nothing else will release them).
-                at = len(self._forward_holds) - 1
-                while at >= 0 and self._forward_holds[at][0] is not module:
+                at = len(self.core.forward_holds) - 1
+                while at >= 0 and self.core.forward_holds[at][0] is not module:
                     at -= 1
                 own: list[Slot] = []
                 if at >= 0:
                     self._saved.pop_from(at)
                     self._drop_forward_holds(at + 1)
-                    own = self._forward_holds.pop()[1]
+                    own = self.core.forward_holds.pop()[1]
                 carry = False
                 try:
                     if output is not None and torch.is_grad_enabled():
@@ -166,14 +142,14 @@ class ModuleHooks:
                         # anyway (the release and the fetch again cost more than a narrow
                         # module's work); never inside a backward (a recompute's holds
                         # end with it).
-                        carry = hooked and self._keep_held and not in_autograd()
+                        carry = hooked and self.core.keep_held and not in_autograd()
                     return output
                 finally:
                     if carry:
-                        with self._lock:
+                        with self.core.lock:
                             for slot in own:
                                 slot.carried += 1
-                            self._holds.carried += len(own)
+                            self.core.holds.carried += len(own)
                     else:
                         for slot in own:
                             self._release(slot)
@@ -184,49 +160,33 @@ class ModuleHooks:
         def hook(param: torch.Tensor) -> None:
             grad = param.grad
             if grad is not None:
-                if not retain_held(self, slot, grad):
-                    retain_grad(self._manager, slot, grad, self._lock, lazy_norm=self._lazy_norms)
+                if not retain_held(self.core, slot, grad):
+                    core = self.core
+                    retain_grad(core.manager, slot, grad, core.lock, lazy_norm=core.lazy_norms)
                 param.grad = None  # moved: the retained buffer holds it now
             if not slot.backward_holds:
                 return  # (the common case, and the only one while persistent)
             with signals.held:
-                with self._lock:
+                with self.core.lock:
                     holds, slot.backward_holds = slot.backward_holds, 0
                 for _ in range(holds):
                     self._release(slot)
 
         return hook
 
-    def _backward_started(self) -> None:
-        if self._holds.in_backward:
-            return  # (every module's backward asks: no lock for the common answer)
-        with self._lock:
-            if self._holds.in_backward:
-                return
-            self._holds.in_backward = True
-        torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
-
-    def _backward_ended(self) -> None:
-        with signals.held:
-            with self._lock:
-                self._holds.in_backward = False
-            # (kept holds whose backward did not run in this one: fetched again if it does)
-            self._release_backward_holds()
-        self._plan.backward_ended()
-
     def _release_backward_holds(self) -> tuple[int, int]:
         """Release every backward hold and every hold kept from a forward for its
         backward; returns how many of each. Signals held by the caller."""
-        with self._lock:
+        with self.core.lock:
             leftovers = [
                 (s, s.backward_holds, s.carried)
-                for s in self._by_name.values()
+                for s in self.core.by_name.values()
                 if s.backward_holds or s.carried
             ]
             for slot, _, kept in leftovers:
                 slot.backward_holds = 0
                 slot.carried -= kept
-                self._holds.carried -= kept
+                self.core.holds.carried -= kept
             for frozen in self._frozen_uses:
                 frozen.pending = 0
         for slot, holds, kept in leftovers:
@@ -239,28 +199,28 @@ class ModuleHooks:
     def drop_kept_grads(self) -> None:
         """Unregister the gradient entries that ``zero_grad`` kept empty (a snapshot
         writes every entry it finds: none holds a gradient then)."""
-        self._drop_grads(self._by_name.values(), keep=False)
+        self.drop_grads(self.core.by_name.values(), keep=False)
 
-    def _drop_grads(self, slots: Iterable[Slot], *, keep: bool | None = None) -> None:
+    def drop_grads(self, slots: Iterable[Slot], *, keep: bool | None = None) -> None:
         """Drop the slots' retained gradients. With budgets that hold everything (the
         gradients' tier has no limit: nothing would use the room; and no overlapped
         update, whose ``zero_grad`` runs on its thread) each entry is kept, marked empty
         (``Slot.grad_kept``): the next backward copies into it instead of registering a
         new entry (~20 µs a gradient and step for the pair). ``keep=False``: unregister."""
         if keep is None:
-            keep = self._lazy_norms and self._param_gate is None
-        if self._persist.active:  # persistent: those held by reference or by autograd
-            slots = drop_native(self, slots)
+            keep = self.core.lazy_norms and self.core.param_gate is None
+        if self.core.persist.active:  # persistent: those held by reference or by autograd
+            slots = drop_native(self.core, slots)
         for slot in slots:
             # Unregistered first, then marked: cut in between (Ctrl-C at the wait for a
             # write of it), the slot still says what the manager holds.
             with signals.at_waits:
                 if slot.has_grad and keep:
-                    with self._lock:
+                    with self.core.lock:
                         slot.has_grad, slot.grad_norm, slot.grad_kept = False, None, True
                 elif slot.has_grad or slot.grad_kept:
-                    self._manager.unregister(slot.grad_key)
-                    with self._lock:
+                    self.core.manager.unregister(slot.grad_key)
+                    with self.core.lock:
                         slot.has_grad, slot.grad_norm, slot.grad_kept = False, None, False
 
     # -- fetching and releasing -------------------------------------------------------------
@@ -270,50 +230,50 @@ class ModuleHooks:
         the fetch, an error), nothing is counted or held; a signal arriving after the fetch
         waits for the caller's section, which records the hold first."""
         with signals.at_waits:
-            if self._param_gate is not None:
-                self._param_gate(slot.param)  # an overlapped step's update of it first
-            with self._lock:
+            if self.core.param_gate is not None:
+                self.core.param_gate(slot.param)  # an overlapped step's update of it first
+            with self.core.lock:
                 slot.users += 1
                 if slot.users > 1:
                     return
-                if self._persist.active:  # fetched already (swapper.zero.local.persist)
-                    self._holds.held_nbytes += slot.nbytes
+                if self.core.persist.active:  # fetched already (swapper.zero.local.persist)
+                    self.core.holds.held_nbytes += slot.nbytes
                     return
             try:
                 check_unwritten(slot)  # a write to the placeholder: raised, not lost quietly
-                tensor = self._manager.fetch(slot.key, self._use_tier)
+                tensor = self.core.manager.fetch(slot.key, self.core.use_tier)
             except BaseException:
-                with self._lock:
+                with self.core.lock:
                     slot.users -= 1
                 raise
-            with self._lock:
+            with self.core.lock:
                 slot.param.data = tensor
                 slot.version = slot.param._version
-                self._holds.held_nbytes += slot.nbytes
-            self._plan.fetched(slot.key)
+                self.core.holds.held_nbytes += slot.nbytes
+            self.core.plan.fetched(slot.key)
 
     def _release(self, slot: Slot) -> None:
         with signals.held:  # uncounted and released, or neither
-            with self._lock:
+            with self.core.lock:
                 slot.users -= 1
                 if slot.users > 0:
                     return
-                if self._persist.active:  # stays fetched (swapper.zero.local.persist)
-                    self._holds.held_nbytes -= slot.nbytes
+                if self.core.persist.active:  # stays fetched (swapper.zero.local.persist)
+                    self.core.holds.held_nbytes -= slot.nbytes
                     return
                 # an in-place write while fetched landed in the tiers' bytes: keep it
                 modified = slot.param._version != slot.version
                 slot.param.data = slot.placeholder
                 slot.version = slot.param._version
-                self._holds.held_nbytes -= slot.nbytes
-            self._manager.release(slot.key, modified=modified)
+                self.core.holds.held_nbytes -= slot.nbytes
+            self.core.manager.release(slot.key, modified=modified)
 
     def _keeps_held(self, reserve: int) -> bool:
         """Whether a forward's holds are kept for its backward: the use tier holds every
         parameter at once (and ``reserve`` bytes beside them), so holding them costs no
         room that could be used."""
-        total = sum(slot.nbytes for slot in self._by_name.values())
-        return self._room_limit is None or total + reserve <= self._room_limit
+        total = sum(slot.nbytes for slot in self.core.by_name.values())
+        return self.core.room_limit is None or total + reserve <= self.core.room_limit
 
     def _check_room(self, slots: list[Slot]) -> None:
         """Raise at once if the use tier cannot hold what is held now and the slots'
@@ -323,12 +283,12 @@ class ModuleHooks:
         Raises:
             SwapConfigError: from :func:`~swapper.zero.model.recompute.no_room`.
         """
-        limit = self._room_limit
+        limit = self.core.room_limit
         if limit is None:
             return
         need = sum(slot.nbytes for slot in slots if not slot.users)
-        if need and self._holds.held_nbytes + need > limit:
-            with self._lock:
-                held = [(s.name, s.nbytes) for s in self._by_name.values() if s.users]
+        if need and self.core.holds.held_nbytes + need > limit:
+            with self.core.lock:
+                held = [(s.name, s.nbytes) for s in self.core.by_name.values() if s.users]
             module_name = slots[0].name.rpartition(".")[0] or "(the model)"
-            raise no_room(module_name, need, held, limit, self._use_tier.value)
+            raise no_room(module_name, need, held, limit, self.core.use_tier.value)

@@ -1,37 +1,43 @@
-"""The offloaded parameters' records and the optimizer's view of them.
+"""The offloaded parameters' records, the one-process model's core, and moving bytes of
+a record in and out of the manager.
 
 :class:`Slot`: one offloaded parameter (its keys, real shape, hold counts);
-:class:`TieredParams`: the :class:`~swapper.step.sources.ParamSource` through which
-:class:`~swapper.step.OffloadAdamW` reads and writes an offloaded model's parameters and
-retained gradients in the manager.
+:class:`LocalCore`: what :class:`~swapper.zero.local.offload.OffloadedModel` hands its
+helpers (:mod:`swapper.zero.model.core`), with :class:`Persistence` and
+:class:`ModuleHook` (:mod:`swapper.zero.local.persist`'s state); ``retain_grad``,
+``copy_in``/``copy_out``. The optimizer's view of the records is
+:class:`~swapper.zero.local.tiered.TieredParams`. The bottom of the ``local`` room: it
+imports none of the room's other modules.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import threading
-from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
 
 from swapper.manager import Kind, Tier
 from swapper.step.clip import grad_norm32
-from swapper.zero.config.settings import tiers_of
+from swapper.zero.model.core import Holds, ModelCore
+from swapper.zero.model.readahead import FetchPlan
 from tiers import signals
-from tiers.errors import SwapConfigError
 
 if TYPE_CHECKING:
+    from torch.utils.hooks import RemovableHandle
+
     from swapper.manager import TierManager
-    from swapper.zero.local.offload import OffloadedModel
 
 __all__ = [
     "NORM_BATCH_NUMEL",
     "Holds",
+    "LocalCore",
+    "ModuleHook",
+    "Persistence",
     "Slot",
-    "TieredParams",
     "copy_in",
     "copy_out",
     "retain_grad",
@@ -135,18 +141,6 @@ def retain_grad(
                 manager.release(slot.grad_key, modified=True)
 
 
-@dataclasses.dataclass(slots=True)
-class Holds:
-    """What an offloaded model's hooks count, kept off the module: every attribute write
-    on an ``nn.Module`` goes through ``Module.__setattr__`` (isinstance checks, ~3 µs),
-    several per hook call."""
-
-    held_nbytes: int = 0  # parameters with users, in the use tier
-    forward_depth: int = 0  # calls of forward() running
-    carried: int = 0  # holds kept from a forward for its backward (Slot.carried)
-    in_backward: bool = False
-
-
 @dataclasses.dataclass(eq=False)
 class Slot:
     """One offloaded parameter: its keys, real shape, and who holds it now."""
@@ -162,12 +156,12 @@ class Slot:
     users: int = 0  # fetches outstanding (forward and backward holds)
     backward_holds: int = 0  # of which taken for a backward
     #: of which kept from a forward for its backward (budgets that hold every parameter:
-    #: see ``OffloadedModel._keep_held``); a ``BeforeBackward`` takes one over instead of
+    #: see ``LocalCore.keep_held``); a ``BeforeBackward`` takes one over instead of
     #: fetching, any release of them is safe (the backward then fetches again)
     carried: int = 0
     has_grad: bool = False  # its retained gradient is registered and holds a gradient
     #: its gradient entry is registered but holds none (dropped by a ``zero_grad`` with
-    #: budgets that hold everything: see ``OffloadedModel._drop_grads``); the next
+    #: budgets that hold everything: see ``ModuleHooks.drop_grads``); the next
     #: gradient is copied into it, not added, and a snapshot unregisters it first
     grad_kept: bool = False
     #: while the parameters are persistent (:mod:`swapper.zero.local.persist`): the retained
@@ -198,188 +192,73 @@ class Slot:
         self.nbytes = self.shape.numel() * self.dtype.itemsize
 
 
-class TieredParams:
-    """:class:`~swapper.step.sources.ParamSource` over an :class:`OffloadedModel`."""
+@dataclasses.dataclass(slots=True)
+class ModuleHook:
+    """One hook of swapper's: whose it is (a module, or a parameter for ``kind``
+    ``"grad"``), its kind (``"pre"``: forward pre-hook, ``"post"``: forward hook, always
+    called, ``"grad"``: post-accumulate-grad hook), its handle and function, and where it
+    stood among its owner's hooks when it was taken off (the dict's keys then), to be put
+    back there."""
 
-    def __init__(self, model: OffloadedModel) -> None:
-        self._model = model
-        self._manager = model.manager
-        # The optimizer reads and writes a parameter where it is when it is in memory
-        # (in_place: nothing moved; with budgets that hold everything, a move to the host
-        # and back to the device each step was the step's largest avoidable cost), else
-        # on the host (where it computes), not in the device tier it is used from: no
-        # device room taken, and between steps a parameter waits in host memory (or on
-        # NVMe) anyway.
-        tiers = tiers_of(model.config.manager, Kind.PARAM16)
-        self._tier = Tier.HOST if Tier.HOST in tiers else tiers[0]
-        self._scratch: torch.Tensor | None = None  # fp32, on the CPU: see _take_norms
-        #: during a step whose parameters and gradients are all resident (see
-        #: :meth:`resident`): each one's key → its tensor, fetched once for the step
-        self._pinned: dict[str, torch.Tensor] | None = None
-        # (a late import: swapper.zero.local.persist builds on this module)
-        from swapper.zero.local.persist import collect, collect_all
+    owner: Any
+    kind: str
+    handle: RemovableHandle
+    fn: Any
+    order: list[int] = dataclasses.field(default_factory=list)
 
-        #: move gradients autograd kept in its own fields into their retained form
-        self._collect, self._collect_all = collect, collect_all
-
-    def _slot(self, param: torch.Tensor) -> Slot:
-        slot = self._model._slots.get(id(param))
-        if slot is None:
-            raise SwapConfigError(
-                f"a parameter of shape {list(param.shape)} given to the optimizer is not one "
-                "of the offloaded model's: pass wrapped.parameters()"
-            )
-        return slot
-
-    def shape(self, param: torch.Tensor) -> torch.Size:
-        return self._slot(param).shape
-
-    def dtype(self, param: torch.Tensor) -> torch.dtype:
-        return self._slot(param).dtype
-
-    def contiguous(self, param: torch.Tensor) -> bool:
-        self._slot(param)
-        return True  # the tiers hold every parameter contiguous
-
-    @contextlib.contextmanager
-    def resident(self, params: Sequence[torch.Tensor]) -> Iterator[bool]:
-        """Around one optimizer step: when the model's budgets hold every parameter and
-        gradient (nothing can have to move: see ``OffloadedModel._keep_held`` and
-        ``_lazy_norms``) and all are resident now, fetch them all at once and let the
-        step's reads and writes use them where they are, instead of a fetch and a release
-        per piece (~12 µs each, two per piece and step); released at the end (the
-        parameters as modified). Otherwise (budgets that may have to move something, a
-        parameter in use, anything not resident) the step fetches piece by piece, as it
-        always did. Yields whether they are held (on the CPU: see
-        :mod:`swapper.step.flat_grads`). Not reentrant; a step's gradients must not
-        change meanwhile."""
-        model = self._model
-        if (
-            self._pinned is not None
-            or not (model._keep_held and model._lazy_norms and model._room_limit is None)
-            or model._param_gate is not None  # an overlapped update: fetched per piece
-        ):
-            yield False
-            return
-        slots = [self._slot(param) for param in params]
-        self._collect_all(model, slots)  # (autograd's own fields, while persistent)
-        if any(slot.users for slot in slots):
-            model.release_stale_holds()  # a forward or backward that raised
-        keys = [slot.key for slot in slots]
-        grad_keys = [s.grad_key for s in slots if s.has_grad and s.grad_held is None]
-        if any(slot.users for slot in slots):
-            tensors = None  # (write_param raises, as it always did)
-        else:
-            tensors = self._manager.fetch_resident_all(keys + grad_keys)
-        if tensors is None:
-            yield False
-            return
-        with signals.held:  # recorded with the pins: released below whatever happens
-            self._pinned = dict(zip(keys + grad_keys, tensors, strict=True))
-        try:
-            yield all(tensor.device.type == "cpu" for tensor in tensors)
-        finally:
-            with signals.held:
-                self._pinned = None
-                self._manager.release_all(keys, modified=True)
-                self._manager.release_all(grad_keys, modified=False)
-
-    def read_param(self, param: torch.Tensor, start: int, out: torch.Tensor) -> None:
-        copy_out(self._manager, self._slot(param).key, self._tier, start, out, in_place=True)
-
-    def read_grad(self, param: torch.Tensor, start: int, out: torch.Tensor) -> bool:
-        slot = self._slot(param)
-        if self._pinned is None and self._model._persist.native:  # (else: by resident)
-            self._collect(self._model, slot)
-        if not slot.has_grad:
-            return False
-        held = slot.grad_held  # (persistent parameters: swapper.zero.local.persist)
-        if held is not None:
-            out.copy_(held.view(-1)[start : start + out.numel()])
-            return True
-        pinned = self._pinned
-        if pinned is not None and slot.grad_key in pinned:
-            out.copy_(pinned[slot.grad_key].view(-1)[start : start + out.numel()])
-            return True
-        copy_out(self._manager, slot.grad_key, None, start, out)
-        return True
-
-    def write_param(self, param: torch.Tensor, start: int, source: torch.Tensor) -> None:
-        slot = self._slot(param)
-        if slot.users:
-            self._model.release_stale_holds()  # a forward or backward that raised
-        if slot.users:
-            raise SwapConfigError(
-                f"optimizer step while parameter {slot.name!r} is in use (inside a forward "
-                "or backward?)"
-            )
-        pinned = self._pinned
-        if pinned is not None:
-            pinned[slot.key].view(-1)[start : start + source.numel()].copy_(source)
-            return
-        copy_in(self._manager, slot.key, self._tier, start, source, in_place=True)
-
-    def grad_norms(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        slots = [self._slot(param) for param in params]
-        if self._pinned is None and self._model._persist.native:  # (else: by resident)
-            for slot in slots:
-                self._collect(self._model, slot)  # (autograd's own field)
-        batch: list[Slot] = []
-        numel = 0
-        for slot in slots:
-            if not slot.has_grad or slot.grad_norm is not None:
-                continue
-            size = _aligned(slot.shape.numel())
-            if batch and numel + size > NORM_BATCH_NUMEL:
-                self._take_norms(batch)
-                batch, numel = [], 0
-            batch.append(slot)
-            numel += size
-        if batch:
-            self._take_norms(batch)
-        return [slot.grad_norm for slot in slots if slot.has_grad and slot.grad_norm is not None]
-
-    def _take_norms(self, slots: Sequence[Slot]) -> None:
-        """The fp32 norms of the slots' retained gradients (the backward left them to the
-        step: see ``OffloadedModel._lazy_norms``), each fetched where it is and released
-        unmodified. Their fp32 copies go into one scratch buffer kept from step to step
-        (fresh copies cost a page fault per 4 KiB, 10x the conversion), each at a
-        512-byte-aligned offset as a fresh allocation would be; one ``_foreach_norm`` of
-        them rounds each norm as ``grad_norm32`` of the gradient alone does."""
-        fetched: list[torch.Tensor] = []
-        own: list[Slot] = []  # those fetched here (to release)
-        with signals.at_waits:  # each one fetched and recorded, or neither
-            try:
-                pinned = self._pinned or {}
-                for slot in slots:
-                    tensor = slot.grad_held  # (persistent parameters: no entry)
-                    if tensor is None:
-                        tensor = pinned.get(slot.grad_key)  # (held for the step: no fetch)
-                    if tensor is None:
-                        tensor = self._manager.fetch(slot.grad_key, in_place=True)
-                        own.append(slot)
-                    fetched.append(tensor)
-                # on the CPU wherever the gradients are (grad_norm32 says why)
-                need = sum(_aligned(t.numel()) for t in fetched)
-                scratch = self._scratch
-                if scratch is None or scratch.numel() < need:
-                    scratch = self._scratch = torch.empty(need, dtype=torch.float32)
-                copies, offset = [], 0
-                for tensor in fetched:
-                    copy = scratch[offset : offset + tensor.numel()]
-                    copies.append(copy.copy_(tensor.view(-1)))
-                    offset += _aligned(tensor.numel())
-                norms = grad_norm32(copies)
-            finally:
-                for slot in own:
-                    self._manager.release(slot.grad_key, modified=False)
-        for slot, norm in zip(slots, norms, strict=True):
-            slot.grad_norm = norm
-
-    def zero_grad(self, params: Sequence[torch.Tensor]) -> None:
-        self._model._drop_grads([self._slot(param) for param in params])
+    def hooks(self) -> OrderedDict[int, Any]:
+        """The owner's dict of hooks of this kind."""
+        if self.kind == "pre":
+            return self.owner._forward_pre_hooks
+        if self.kind == "post":
+            return self.owner._forward_hooks
+        return self.owner._post_accumulate_grad_hooks
 
 
-def _aligned(numel: int) -> int:
-    """``numel`` fp32 elements rounded up to 512 bytes."""
-    return -(-numel // 128) * 128
+@dataclasses.dataclass(slots=True)
+class Persistence:
+    """Whether the model's parameters are persistent now, and whether they may be."""
+
+    allowed: bool = True
+    active: bool = False
+    #: while active: autograd keeps the gradients in its own fields (every parameter a
+    #: GuardedParameter: the gradient hooks are off too); else the hooks keep them
+    native: bool = False
+    hooks: list[ModuleHook] = dataclasses.field(default_factory=list)
+    grad_hooks: list[ModuleHook] = dataclasses.field(default_factory=list)
+    #: id(param) → the version of the alias its ``.data`` returns, when made (enter)
+    alias_versions: dict[int, int] = dataclasses.field(default_factory=dict)
+
+
+class WeightHooksLike(Protocol):
+    """What the core keeps of the real-weights hooks
+    (:class:`~swapper.zero.local.weights.WeightHooks`): their removal."""
+
+    def remove(self) -> None:
+        """Take the state-dict hooks off the model's modules."""
+        ...
+
+
+class LocalCore(ModelCore[Slot, tuple[nn.Module, list[Slot]]]):
+    """The core of :class:`~swapper.zero.local.offload.OffloadedModel`
+    (:class:`~swapper.zero.model.core.ModelCore`: lock, manager, records, counters, gate)
+    with what only the one-process helpers read.
+
+    Attributes:
+        plan: the fetch order and the read-ahead along it.
+        keep_held: a forward's holds are kept for its backward (the use tier holds every
+            parameter at once: see ``ModuleHooks._keeps_held``).
+        lazy_norms: the backward leaves the gradients' norms to the step (the tier the
+            gradients are retained in has no limit).
+        persist: persistent parameters (:mod:`swapper.zero.local.persist`).
+        weights: the real-weights hooks (:mod:`swapper.zero.local.weights`), once made.
+    """
+
+    plan: FetchPlan
+
+    def __init__(self, use_tier: Tier, room_limit: int | None) -> None:
+        super().__init__(use_tier, room_limit)
+        self.keep_held = False
+        self.lazy_norms = False
+        self.persist = Persistence()
+        self.weights: WeightHooksLike | None = None

@@ -36,15 +36,13 @@ bytes while persistent (no ``OffloadedWriteError``: nothing is lost), and
 
 from __future__ import annotations
 
-import dataclasses
-from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from swapper.zero.local.params import retain_grad
+from swapper.zero.local.params import LocalCore, ModuleHook, Persistence, Slot, retain_grad
 from swapper.zero.local.weights import (
     _TENSOR_DATA as TENSOR_DATA,
 )
@@ -56,17 +54,16 @@ from swapper.zero.local.weights import (
     check_unwritten,
 )
 from swapper.zero.model.autograd import in_autograd
-from swapper.zero.model.frozen import frozen_use
+from swapper.zero.model.frozen import FrozenUse, frozen_use
 from tiers import signals
 
 if TYPE_CHECKING:
     from torch.utils.hooks import RemovableHandle
 
-    from swapper.zero.local.offload_hooks import ModuleHooks
-    from swapper.zero.local.params import Slot
-
+# ModuleHook and Persistence (this module's state) are the core's: swapper.zero.local.params.
 __all__ = [
     "ModuleHook",
+    "ModuleHookMaker",
     "Persistence",
     "collect",
     "collect_all",
@@ -79,62 +76,36 @@ __all__ = [
 ]
 
 
-@dataclasses.dataclass(slots=True)
-class ModuleHook:
-    """One hook of swapper's: whose it is (a module, or a parameter for ``kind``
-    ``"grad"``), its kind (``"pre"``: forward pre-hook, ``"post"``: forward hook, always
-    called, ``"grad"``: post-accumulate-grad hook), its handle and function, and where it
-    stood among its owner's hooks when it was taken off (the dict's keys then), to be put
-    back there."""
-
-    owner: Any
-    kind: str
-    handle: RemovableHandle
-    fn: Any
-    order: list[int] = dataclasses.field(default_factory=list)
-
-    def hooks(self) -> OrderedDict[int, Any]:
-        """The owner's dict of hooks of this kind."""
-        if self.kind == "pre":
-            return self.owner._forward_pre_hooks
-        if self.kind == "post":
-            return self.owner._forward_hooks
-        return self.owner._post_accumulate_grad_hooks
+#: makes a module's forward pre-hook or forward hook from its slots and, for a module
+#: whose parameters are all frozen, their FrozenUse (the lifecycle's: ModuleHooks)
+ModuleHookMaker = Callable[[list[Slot], FrozenUse | None], Callable[..., Any]]
 
 
-@dataclasses.dataclass(slots=True)
-class Persistence:
-    """Whether the model's parameters are persistent now, and whether they may be."""
-
-    allowed: bool = True
-    active: bool = False
-    #: while active: autograd keeps the gradients in its own fields (every parameter a
-    #: GuardedParameter: the gradient hooks are off too); else the hooks keep them
-    native: bool = False
-    hooks: list[ModuleHook] = dataclasses.field(default_factory=list)
-    grad_hooks: list[ModuleHook] = dataclasses.field(default_factory=list)
-    #: id(param) → the version of the alias its ``.data`` returns, when made (enter)
-    alias_versions: dict[int, int] = dataclasses.field(default_factory=dict)
-
-
-def install(model: ModuleHooks, module_slots: dict[nn.Module, list[Slot]]) -> None:
-    """Install the module hooks (pre-hook: fetch; forward hook, always called: release)
-    and each parameter's gradient hook."""
-    persist = model._persist
+def install(
+    core: LocalCore,
+    module_slots: dict[nn.Module, list[Slot]],
+    pre_hook: ModuleHookMaker,
+    post_hook: ModuleHookMaker,
+    grad_hook: Callable[[Slot], Callable[[torch.Tensor], None]],
+) -> None:
+    """Install the module hooks (``pre_hook``'s: fetch; ``post_hook``'s, always called:
+    release) and each parameter's gradient hook (``grad_hook``'s), recorded in
+    ``core.persist`` (to be taken off and put back)."""
+    persist = core.persist
     for sub, slots in module_slots.items():
         frozen = frozen_use(slots)  # all frozen: released after its backward
         # with_kwargs: a frozen module's inputs given by keyword are marked too
-        pre = model._pre_forward_hook(slots, frozen)
+        pre = pre_hook(slots, frozen)
         handle = sub.register_forward_pre_hook(pre, with_kwargs=True)
         persist.hooks.append(_record(sub, "pre", handle))
         # always_call: a forward that raises (the early stop of a non-reentrant
         # checkpoint's recompute raises on purpose) still releases what it fetched
-        post = model._post_forward_hook(slots, frozen)
+        post = post_hook(slots, frozen)
         handle = sub.register_forward_hook(post, always_call=True)
         persist.hooks.append(_record(sub, "post", handle))
-    for slot in model._by_name.values():
+    for slot in core.by_name.values():
         if slot.param.requires_grad:
-            handle = slot.param.register_post_accumulate_grad_hook(model._grad_hook(slot))
+            handle = slot.param.register_post_accumulate_grad_hook(grad_hook(slot))
             persist.grad_hooks.append(_record(slot.param, "grad", handle))
 
 
@@ -144,12 +115,12 @@ def _record(owner: Any, kind: str, handle: RemovableHandle) -> ModuleHook:
     return hook
 
 
-def remove_all(model: ModuleHooks) -> None:
+def remove_all(core: LocalCore) -> None:
     """Remove every hook for good (``close()``)."""
-    for hook in model._persist.hooks + model._persist.grad_hooks:
+    for hook in core.persist.hooks + core.persist.grad_hooks:
         hook.handle.remove()
-    model._persist.hooks.clear()
-    model._persist.grad_hooks.clear()
+    core.persist.hooks.clear()
+    core.persist.grad_hooks.clear()
 
 
 def _take_off(hook: ModuleHook) -> None:
@@ -171,23 +142,23 @@ def _put_back(hook: ModuleHook) -> None:
         hooks.move_to_end(k)
 
 
-def can_enter(model: ModuleHooks) -> bool:
+def can_enter(core: LocalCore) -> bool:
     """The cheap conditions of :func:`enter` (module docstring)."""
-    persist = model._persist
+    persist = core.persist
     return (
         persist.allowed
         and not persist.active
-        and model._room_limit is None
-        and model._lazy_norms
-        and model._param_gate is None
-        and not model._forward_holds
-        and not model._holds.carried
-        and not model._holds.in_backward
+        and core.room_limit is None
+        and core.lazy_norms
+        and core.param_gate is None
+        and not core.forward_holds
+        and not core.holds.carried
+        and not core.holds.in_backward
         and not in_autograd()
     )
 
 
-def enter(model: ModuleHooks) -> bool:
+def enter(core: LocalCore) -> bool:
     """Make every parameter persistent (module docstring) if it can be now; whether it
     did. Called by a forward pre-hook, before it takes anything.
 
@@ -196,19 +167,19 @@ def enter(model: ModuleHooks) -> bool:
             tiers (as its fetch would: :func:`~swapper.zero.local.weights.check_unwritten`),
             before anything is fetched.
     """
-    if not can_enter(model):
+    if not can_enter(core):
         return False
-    slots = list(model._by_name.values())
+    slots = list(core.by_name.values())
     if any(slot.users for slot in slots):
         return False
     for slot in slots:
         check_unwritten(slot)
     with signals.held:  # all held, recorded and the hooks off, or nothing
-        tensors = model._manager.fetch_resident_all([s.key for s in slots], model._use_tier)
+        tensors = core.manager.fetch_resident_all([s.key for s in slots], core.use_tier)
         if tensors is None:
             return False
-        persist = model._persist
-        with model._lock:
+        persist = core.persist
+        with core.lock:
             for slot, tensor in zip(slots, tensors, strict=True):
                 param = slot.param
                 param.data = tensor
@@ -225,20 +196,20 @@ def enter(model: ModuleHooks) -> bool:
         persist.native = all(type(slot.param) is GuardedParameter for slot in slots)
         if persist.native:
             for slot in slots:
-                NATIVE_GRADS[id(slot.param)] = _grad_setter(model, slot)
+                NATIVE_GRADS[id(slot.param)] = _grad_setter(core, slot)
             for hook in persist.grad_hooks:
                 _take_off(hook)
     return True
 
 
-def collect_all(model: ModuleHooks, slots: Iterable[Slot]) -> None:
+def collect_all(core: LocalCore, slots: Iterable[Slot]) -> None:
     """:func:`collect` of each slot, in one section and lock hold (the step's, once per
     step: ~52 calls of :func:`collect` cost ~0.5 ms at 1.9 M parameters). A gradient
     already held, or in a manager entry, is left to :func:`collect` (added to)."""
-    if not model._persist.native:
+    if not core.persist.native:
         return
     rest = []
-    with signals.held, model._lock:  # each moved and cleared, or neither
+    with signals.held, core.lock:  # each moved and cleared, or neither
         for slot in slots:
             param = slot.param
             grad = TENSOR_GRAD.__get__(param)
@@ -252,10 +223,10 @@ def collect_all(model: ModuleHooks, slots: Iterable[Slot]) -> None:
             slot.has_grad, slot.grad_norm = True, None
             TENSOR_GRAD.__set__(param, None)
     for slot in rest:
-        collect(model, slot)
+        collect(core, slot)
 
 
-def _grad_setter(model: ModuleHooks, slot: Slot) -> Callable[[torch.Tensor | None], None]:
+def _grad_setter(core: LocalCore, slot: Slot) -> Callable[[torch.Tensor | None], None]:
     """What ``param.grad = value`` does while the gradient is native: None changes
     nothing (the retained gradient is not ``.grad``, as when the hooks moved it); a
     tensor is set after the gradient so far is collected, and is added to it at the next
@@ -264,13 +235,13 @@ def _grad_setter(model: ModuleHooks, slot: Slot) -> Callable[[torch.Tensor | Non
     def setter(value: torch.Tensor | None) -> None:
         if value is None:
             return
-        collect(model, slot)
+        collect(core, slot)
         TENSOR_GRAD.__set__(slot.param, value)
 
     return setter
 
 
-def collect(model: ModuleHooks, slot: Slot) -> None:
+def collect(core: LocalCore, slot: Slot) -> None:
     """Move the gradient autograd accumulated in the parameter's own field (native:
     :func:`enter`) into its retained form, as the gradient hook would have: kept by
     reference (``Slot.grad_held``) or added to the one kept (``add_`` in 16 bits, as
@@ -278,39 +249,39 @@ def collect(model: ModuleHooks, slot: Slot) -> None:
     a manager entry holding one from before. Every reader of the retained gradients calls
     it first (:class:`~swapper.zero.local.params.TieredParams`, ``zero_grad``, :func:`leave`).
     """
-    if not model._persist.native:
+    if not core.persist.native:
         return
     grad = TENSOR_GRAD.__get__(slot.param)
     if grad is None:
         return
     with signals.held:  # moved and cleared, or neither
-        if not retain_held(model, slot, grad):
-            retain_grad(model._manager, slot, grad, model._lock, lazy_norm=model._lazy_norms)
+        if not retain_held(core, slot, grad):
+            retain_grad(core.manager, slot, grad, core.lock, lazy_norm=core.lazy_norms)
         TENSOR_GRAD.__set__(slot.param, None)
 
 
-def leave(model: ModuleHooks) -> None:
+def leave(core: LocalCore) -> None:
     """Release every persistent hold (as modified where written: module docstring) and
     put the module hooks back; nothing when not persistent. A parameter that a backward holds now (a
     graph recorded before) keeps its hold: the hooks' release gives it back."""
-    persist = model._persist
+    persist = core.persist
     if not persist.active:
         return
     with signals.held:  # every hold released and the hooks back, or neither
         if persist.native:
-            collect_all(model, model._by_name.values())
-            for slot in model._by_name.values():
+            collect_all(core, core.by_name.values())
+            for slot in core.by_name.values():
                 NATIVE_GRADS.pop(id(slot.param), None)
             for hook in persist.grad_hooks:
                 _put_back(hook)
             persist.native = False
-        _give_back_grads(model)
-        with model._lock:
-            free = [slot for slot in model._by_name.values() if not slot.users]
+        _give_back_grads(core)
+        with core.lock:
+            free = [slot for slot in core.by_name.values() if not slot.users]
             written, clean = [], []
             for slot in free:
                 (written if _written(persist, slot) else clean).append(slot.key)
-            for slot in model._by_name.values():
+            for slot in core.by_name.values():
                 PERSISTENT_DATA.pop(id(slot.param), None)
             persist.alias_versions.clear()
             for slot in free:
@@ -319,8 +290,8 @@ def leave(model: ModuleHooks) -> None:
             persist.active = False
         for hook in persist.hooks:
             _put_back(hook)
-        model._manager.release_all(written, modified=True)
-        model._manager.release_all(clean, modified=False)
+        core.manager.release_all(written, modified=True)
+        core.manager.release_all(clean, modified=False)
 
 
 def _written(persist: Persistence, slot: Slot) -> bool:
@@ -335,7 +306,7 @@ def _written(persist: Persistence, slot: Slot) -> bool:
     return alias._version != persist.alias_versions.get(id(param))
 
 
-def retain_held(model: ModuleHooks, slot: Slot, grad: torch.Tensor) -> bool:
+def retain_held(core: LocalCore, slot: Slot, grad: torch.Tensor) -> bool:
     """:func:`~swapper.zero.local.params.retain_grad` while persistent: autograd's gradient
     tensor is kept by reference (``Slot.grad_held``: moved, no copy; the norm left to
     the step), or added to the one kept (in 16 bits, as ``retain_grad`` adds into its
@@ -346,7 +317,7 @@ def retain_held(model: ModuleHooks, slot: Slot, grad: torch.Tensor) -> bool:
     Why not a copy into a kept entry: on a narrow model that copy was most of what the
     backward cost beyond plain PyTorch (~1 ms of ~30 at 1.9 M parameters).
     """
-    if not model._persist.active:
+    if not core.persist.active:
         return False
     held = slot.grad_held
     if held is None and slot.has_grad:
@@ -358,20 +329,20 @@ def retain_held(model: ModuleHooks, slot: Slot, grad: torch.Tensor) -> bool:
             tensor = grad.detach()
             if not tensor.is_contiguous():  # (the step reads it flattened)
                 tensor = tensor.contiguous()
-            with model._lock:
+            with core.lock:
                 slot.grad_held = tensor.view(slot.shape)
                 slot.has_grad = True
         slot.grad_norm = None
     return True
 
 
-def drop_native(model: ModuleHooks, slots: Iterable[Slot]) -> list[Slot]:
+def drop_native(core: LocalCore, slots: Iterable[Slot]) -> list[Slot]:
     """``zero_grad`` while the gradients are native (:func:`enter`): each gradient in
     autograd's field and each held by reference dropped, in one section; returns the
     slots whose gradient entry is in the manager (from before persistence), which the
     caller drops as always."""
     rest = []
-    with signals.held, model._lock:
+    with signals.held, core.lock:
         for slot in slots:
             param = slot.param
             if TENSOR_GRAD.__get__(param) is not None:
@@ -383,21 +354,21 @@ def drop_native(model: ModuleHooks, slots: Iterable[Slot]) -> list[Slot]:
     return rest
 
 
-def _give_back_grads(model: ModuleHooks) -> None:
+def _give_back_grads(core: LocalCore) -> None:
     """Move each gradient held by reference into its manager entry (the kept one, or a
     new one), as the hooks' path keeps it. Cut by an error, what is not moved stays
     held (the model stays persistent)."""
-    for slot in model._by_name.values():
+    for slot in core.by_name.values():
         held = slot.grad_held
         if held is None:
             continue
-        with model._lock:
+        with core.lock:
             slot.has_grad = False  # (retain_grad copies into the kept entry or registers)
         try:
-            retain_grad(model._manager, slot, held, model._lock, lazy_norm=model._lazy_norms)
+            retain_grad(core.manager, slot, held, core.lock, lazy_norm=core.lazy_norms)
         except BaseException:
-            with model._lock:
+            with core.lock:
                 slot.has_grad = True
             raise
-        with model._lock:
+        with core.lock:
             slot.grad_held = None

@@ -7,20 +7,16 @@ it does not apply, and the hook then runs its general path, unchanged.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
+from swapper.zero.local.params import LocalCore, Slot
 from swapper.zero.local.weights import check_unwritten
-
-if TYPE_CHECKING:
-    from swapper.zero.local.offload_hooks import ModuleHooks
-    from swapper.zero.local.params import Slot
 
 __all__ = ["acquire_resident"]
 
 
-def acquire_resident(model: ModuleHooks, slots: Sequence[Slot]) -> bool:
+def acquire_resident(core: LocalCore, slots: Sequence[Slot]) -> bool:
     """A module's forward pre-hook, when its use tier holds every parameter
-    (``_keep_held``), no overlapped update gates the parameters, none of ``slots`` has a
+    (``core.keep_held``), no overlapped update gates the parameters, none of ``slots`` has a
     user and all are in the use tier now: all fetched in one manager call
     (:meth:`~swapper.manager.TierManager.fetch_resident_all`), each counted as one user,
     its ``.data`` set. False, with nothing fetched or counted, otherwise.
@@ -32,24 +28,24 @@ def acquire_resident(model: ModuleHooks, slots: Sequence[Slot]) -> bool:
         OffloadedWriteError: as ``_acquire`` (:func:`~swapper.zero.local.weights.check_unwritten`),
             before anything is fetched.
     """
-    if model._param_gate is not None or not model._keep_held:
+    if core.param_gate is not None or not core.keep_held:
         return False
     for slot in slots:
         if slot.users:
             return False
     for slot in slots:
         check_unwritten(slot)  # a write to the placeholder: raised, not lost quietly
-    tensors = model._manager.fetch_resident_all([slot.key for slot in slots], model._use_tier)
+    tensors = core.manager.fetch_resident_all([slot.key for slot in slots], core.use_tier)
     if tensors is None:
         return False
-    holds = model._holds
-    with model._lock:
+    holds = core.holds
+    with core.lock:
         for slot, tensor in zip(slots, tensors, strict=True):
             slot.users += 1
             slot.param.data = tensor
             slot.version = slot.param._version
             holds.held_nbytes += slot.nbytes
-    plan = model._plan
+    plan = core.plan
     for slot in slots:
         plan.fetched(slot.key)
     return True

@@ -1,3 +1,5 @@
+# Size: ~520 lines: the real weights' three ways in and out (state-dict hooks, unwrap and its
+# undo, writes outside the hooks caught) share one fetch-for-a-copy path and its checks.
 """The real weights of an offloaded model, never silently empty.
 
 Between uses an offloaded parameter's ``.data`` is a 0-element placeholder (see
@@ -39,20 +41,38 @@ import logging
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, Protocol, cast
 
 import torch
 from torch import nn
 
 from swapper.manager import Kind, ManagerClosedError, Tier
 from swapper.zero.config.settings import tiers_of
-from swapper.zero.local.params import Slot
+from swapper.zero.local.params import LocalCore, Slot
 from tiers import signals
 from tiers.errors import SwapConfigError, SwapError
 from tiers.units import format_size
 
-if TYPE_CHECKING:
-    from swapper.zero.local.offload import OffloadedModel
+
+class Wrapper(Protocol):
+    """What :func:`unwrap` and :func:`leave` use of the wrapped model (one process): its
+    core, the module, and three calls of its lifecycle."""
+
+    core: LocalCore
+    module: nn.Module
+
+    def release_stale_holds(self, *, warn: bool = True) -> int:
+        """Release what a forward or backward that raised left held."""
+        ...
+
+    def end_persistence(self) -> None:
+        """Release the persistent holds (:mod:`swapper.zero.local.persist`)."""
+        ...
+
+    def close(self) -> None:
+        """Remove the hooks and drop the tiers."""
+        ...
+
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +84,7 @@ __all__ = [
     "OffloadedWriteError",
     "WeightHooks",
     "WeightsDoNotFitError",
+    "Wrapper",
     "available_nbytes",
     "check_unwritten",
     "fetch_copy",
@@ -188,25 +209,25 @@ def check_unwritten(slot: Slot) -> None:
     )
 
 
-def _rw_tier(model: OffloadedModel) -> Tier:
+def _rw_tier(core: LocalCore) -> Tier:
     """Where weights are read and written outside the step: the host, not the device
     tier (no device room taken, nothing moved to where the forward uses it)."""
-    tiers = tiers_of(model.config.manager, Kind.PARAM16)
+    tiers = tiers_of(core.manager.config, Kind.PARAM16)
     return Tier.HOST if Tier.HOST in tiers else tiers[0]
 
 
 @contextlib.contextmanager
-def _held(model: OffloadedModel, slot: Slot, *, write: bool) -> Iterator[torch.Tensor]:
+def _held(core: LocalCore, slot: Slot, *, write: bool) -> Iterator[torch.Tensor]:
     """The parameter's bytes: the fetched tensor if a forward holds it, else fetched on
     the host tier for the block and released after it (``modified=write``)."""
-    if model._closed:
+    if core.closed:
         raise ManagerClosedError(
             f"offload: the weights of {slot.name!r} were dropped by close(); leave the "
             "`with swapper.offload(...)` block or call unwrap() to get the weights back "
             "instead of close()"
         )
-    if model._param_gate is not None:
-        model._param_gate(slot.param)  # an overlapped step's update of it first
+    if core.param_gate is not None:
+        core.param_gate(slot.param)  # an overlapped step's update of it first
     if slot.users:
         if write:
             raise SwapConfigError(
@@ -215,25 +236,23 @@ def _held(model: OffloadedModel, slot: Slot, *, write: bool) -> Iterator[torch.T
             )
         yield slot.param.data
         return
-    if model._persist.active:  # fetched between uses (swapper.zero.local.persist): its bytes
+    if core.persist.active:  # fetched between uses (swapper.zero.local.persist): its bytes
         yield slot.param.data  # (released as modified when persistence ends)
         return
     if write:  # a lost write before is superseded by this one
         slot.version, slot.placeholder_version = slot.param._version, slot.placeholder._version
     else:
         check_unwritten(slot)
-    manager = model.manager
+    manager = core.manager
     with signals.at_waits:  # fetched and released, or neither
-        tensor = manager.fetch(slot.key, _rw_tier(model))
+        tensor = manager.fetch(slot.key, _rw_tier(core))
         try:
             yield tensor
         finally:
             manager.release(slot.key, modified=write)
 
 
-def fetch_copy(
-    model: OffloadedModel, slot: Slot, device: torch.device | str = "cpu"
-) -> torch.Tensor:
+def fetch_copy(core: LocalCore, slot: Slot, device: torch.device | str = "cpu") -> torch.Tensor:
     """An ordinary tensor holding the parameter's current value (a copy on ``device``).
 
     Raises:
@@ -242,16 +261,16 @@ def fetch_copy(
         ManagerClosedError: the wrapper was closed (its weights dropped).
         and what :meth:`TierManager.fetch` raises (I/O, corruption).
     """
-    with _held(model, slot, write=False) as tensor:
+    with _held(core, slot, write=False) as tensor:
         out = torch.empty(slot.shape, dtype=slot.dtype, device=device)
         out.copy_(tensor.view(slot.shape))
         return out
 
 
-def write_through(model: OffloadedModel, slot: Slot, value: torch.Tensor) -> None:
+def write_through(core: LocalCore, slot: Slot, value: torch.Tensor) -> None:
     """Copy ``value`` (the parameter's shape, any float dtype) into the parameter's bytes
     in the tiers; the manager writes it back to NVMe as needed."""
-    with torch.no_grad(), _held(model, slot, write=True) as tensor, signals.held:
+    with torch.no_grad(), _held(core, slot, write=True) as tensor, signals.held:
         tensor.view(slot.shape).copy_(value)
     # the load is the parameter's value now
     slot.version, slot.placeholder_version = slot.param._version, slot.placeholder._version
@@ -273,7 +292,7 @@ def available_nbytes(device: torch.device) -> int | None:
     return None
 
 
-def restore(model: OffloadedModel) -> list[tuple[Slot, torch.Tensor]]:
+def restore(core: LocalCore) -> list[tuple[Slot, torch.Tensor]]:
     """Copy every offloaded parameter, one at a time, into an ordinary tensor on the
     device it was on when wrapped; the caller then sets ``.data`` (nothing is changed
     here, so a failure leaves the model as it was).
@@ -284,7 +303,7 @@ def restore(model: OffloadedModel) -> list[tuple[Slot, torch.Tensor]]:
         OffloadedWriteError: a parameter was written outside the hooks (named).
         SwapConfigError: a forward or backward holds a parameter now.
     """
-    slots = list(model._by_name.values())
+    slots = list(core.by_name.values())
     for slot in slots:
         if slot.users:
             raise SwapConfigError(
@@ -304,7 +323,7 @@ def restore(model: OffloadedModel) -> list[tuple[Slot, torch.Tensor]]:
     try:
         for slot in slots:
             device = slot.home
-            copies.append((slot, fetch_copy(model, slot, device)))
+            copies.append((slot, fetch_copy(core, slot, device)))
     except (torch.OutOfMemoryError, MemoryError) as exc:
         copies.clear()
         raise _does_not_fit(device, need[device], f"an allocation failed: {exc}") from exc
@@ -317,7 +336,7 @@ def restore(model: OffloadedModel) -> list[tuple[Slot, torch.Tensor]]:
     return copies
 
 
-def unwrap(model: OffloadedModel) -> nn.Module:
+def unwrap(model: Wrapper) -> nn.Module:
     """Give the model back with real weights and close the wrapper: every parameter is
     copied, one at a time, into an ordinary tensor on the device it was on when wrapped
     (:func:`restore`); then its ``.data`` is set, the hooks removed, the buffers moved
@@ -333,24 +352,24 @@ def unwrap(model: OffloadedModel) -> nn.Module:
         SwapConfigError: called inside a forward or backward.
         ManagerClosedError: closed already (the weights were dropped).
     """
-    if model._closed:
+    if model.core.closed:
         raise ManagerClosedError(
             "offload: unwrap() after close(): the weights were dropped with the tiers"
         )
     model.release_stale_holds(warn=False)
     model.end_persistence()  # (writes kept while persistent are in the tiers' bytes)
-    copies = restore(model)
+    copies = restore(model.core)
     with signals.held:  # all parameters real and the wrapper closed, or neither
-        with model._lock:
+        with model.core.lock:
             for slot, tensor in copies:
                 slot.param.data = tensor
-        if model._weights is not None:
-            model._weights.remove()
+        if model.core.weights is not None:
+            model.core.weights.remove()
         model.close()
     return model.module
 
 
-def leave(model: OffloadedModel, *, block_raised: bool) -> None:
+def leave(model: Wrapper, *, block_raised: bool) -> None:
     """Leaving ``with swapper.offload(...)``: :func:`unwrap`. If that fails, the wrapper
     stays open with the weights in the tiers: the error is raised, or, when the block
     itself raised, logged (the block's exception is the one that propagates).
@@ -360,7 +379,7 @@ def leave(model: OffloadedModel, *, block_raised: bool) -> None:
     tiers; a store holding training snapshots is kept, durable), then it propagates.
     Left open, nobody could close it: its store stayed locked by this process, and the
     next ``swapper.offload`` on that directory failed with StoreLockedError."""
-    if model._closed:
+    if model.core.closed:
         return
     try:
         unwrap(model)
@@ -377,7 +396,7 @@ def leave(model: OffloadedModel, *, block_raised: bool) -> None:
         )
 
 
-def _close_interrupted(model: OffloadedModel) -> None:
+def _close_interrupted(model: Wrapper) -> None:
     """``model.close()`` after an interrupt cut :func:`unwrap`. In a ``held`` section: a
     second Ctrl-C waits until the close is done (then replaces the first), rather than
     leave the manager half closed. A failure to close is logged: the interrupt is what
@@ -412,8 +431,8 @@ class WeightHooks:
     tensors) until :meth:`remove` or until the module is wrapped again.
     """
 
-    def __init__(self, model: OffloadedModel, modules: list[nn.Module]) -> None:
-        self._model = model
+    def __init__(self, core: LocalCore, modules: list[nn.Module]) -> None:
+        self._core = core
         self._handles: list[Any] = []
         self._modules = list(modules)
         for module in modules:
@@ -443,7 +462,7 @@ class WeightHooks:
         for p_name, param in module._parameters.items():
             if param is None:
                 continue
-            slot = self._model._slots.get(id(param))
+            slot = self._core.slots.get(id(param))
             if slot is not None and slot.param is param:
                 yield p_name, slot
 
@@ -453,7 +472,7 @@ class WeightHooks:
             for p_name, slot in self._own(module):
                 key = prefix + p_name
                 if key in state_dict:
-                    state_dict[key] = fetch_copy(self._model, slot)
+                    state_dict[key] = fetch_copy(self._core, slot)
 
         return hook
 
@@ -485,7 +504,7 @@ class WeightHooks:
                         f"{slot.shape}."
                     )
                 else:
-                    write_through(self._model, slot, value)
+                    write_through(self._core, slot, value)
 
         return hook
 

@@ -1,13 +1,17 @@
-"""The pieces of the hook lifecycle that the one-process and the N-rank model share.
+"""The hook lifecycle that the one-process and the N-rank model share, and its pieces.
 
-Offers: autograd plumbing (``autograd``: re-fetch before a module's backward, "inside a
-backward?"), saved views of managed parameters (``saved``), what an activation-checkpointing
-recompute holds (``recompute``), the read-ahead plan along the recorded order
-(``readahead``), the model's buffers on the use device (``model_buffers``), the guard of
-``model.to(...)`` while wrapped (``module_apply``), and frozen parameters: an all-frozen
-module's release when its backward is over, the trainable set fixed at wrap time
-(``frozen``).
+Offers: the lifecycle itself (``lifecycle``: ``ModelLifecycle``, whose two subclasses
+are the models' strategies), the core object its helpers take instead of the model
+(``core``: ``ModelCore``, ``Holds``), autograd plumbing (``autograd``: re-fetch before a
+module's backward, "inside a backward?"), saved views of managed parameters (``saved``),
+what an activation-checkpointing recompute holds (``recompute``), the read-ahead plan
+along the recorded order (``readahead``), the model's buffers on the use device
+(``model_buffers``), the guard of ``model.to(...)`` while wrapped (``module_apply``),
+and frozen parameters: an all-frozen module's release when its backward is over, the
+trainable set fixed at wrap time (``frozen``).
 
-May import: ``tiers``, :mod:`swapper.manager`, :mod:`swapper.step` (its public seams), and
-nothing else of :mod:`swapper.zero`: both models build on this room, never the reverse.
+May import: ``tiers``, :mod:`swapper.manager`, :mod:`swapper.step` (its public seams),
+:mod:`swapper.zero.config`, and of :mod:`swapper.zero.checkpoint` only the resume half
+(``resume``, below the models: ``keeps_store`` at close); nothing of the models: both
+build on this room, never the reverse.
 """

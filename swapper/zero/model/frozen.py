@@ -30,7 +30,7 @@ Why a node per call rather than a tensor hook on the inputs: an input is often s
 (``q_proj``, ``k_proj`` and ``v_proj`` read the same hidden state); its hook fires only
 when every consumer's backward is over, so the three would be held together. The node
 costs ~75 µs a module and backward on the development VM (a Python ``autograd.Function``),
-added only where the use tier cannot hold every parameter (``OffloadedModel._keep_held``
+added only where the use tier cannot hold every parameter (``LocalCore.keep_held``
 is False: with room for everything an early release saves nothing).
 
 Under activation checkpointing: non-reentrant, the first forward's pre-hook marks the

@@ -40,7 +40,7 @@ from tiers.errors import SwapConfigError
 if TYPE_CHECKING:
     from swapper.manager import Tier, TierManager
 
-__all__ = ["DEFAULT_MAX_TENSORS", "RETRY", "FetchPlan", "ReadAhead"]
+__all__ = ["DEFAULT_MAX_TENSORS", "RETRY", "FetchPlan", "ManagerRecording", "ReadAhead"]
 
 log = logging.getLogger("swapper.zero.local.offload")
 
@@ -136,6 +136,50 @@ class ReadAhead:
         return list(ahead)
 
 
+class ManagerRecording:
+    """The manager's recording of one training step's accesses (its Belady eviction
+    order: :meth:`~swapper.manager.TierManager.recording`), begun and ended once.
+
+    :meth:`boundary` is called at each step boundary (the first module hook of a
+    forward): the first call starts the recording, the first call once ``order_known``
+    (the step's own fetch order recorded, so a whole forward and backward and the
+    optimizer's step lie between the two calls) ends it, for good. The one-process
+    plan (:class:`FetchPlan`) and the N-rank model each own one.
+    """
+
+    def __init__(self, manager: TierManager) -> None:
+        self._manager = manager
+        self._recording: contextlib.AbstractContextManager[None] | None = None
+        self.recorded = False  #: ended: set once, never unset (read without a lock)
+
+    @property
+    def active(self) -> bool:
+        """Whether a recording is under way."""
+        return self._recording is not None
+
+    def start(self) -> None:
+        """Begin recording (none under way)."""
+        self._recording = self._manager.recording()
+        self._recording.__enter__()
+
+    def end(self, *, keep: bool = True) -> None:
+        """End the recording under way, if any: its order becomes the manager's
+        (``keep=False``: dropped, to be started again; ``recorded`` stays False)."""
+        recording, self._recording = self._recording, None
+        if keep:
+            self.recorded = True
+        if recording is not None:
+            recording.__exit__(None, None, None)
+
+    def boundary(self, order_known: bool) -> None:
+        """A step boundary: start the recording (the first), or end it once
+        ``order_known`` (class docstring)."""
+        if self._recording is None and not self.recorded:
+            self.start()
+        elif self._recording is not None and order_known:
+            self.end()
+
+
 class FetchPlan:
     """The recorded fetch order of an offloaded model's parameters and the read-ahead
     along it (the callers hold ``lock`` or run on the thread of the forward/backward).
@@ -163,8 +207,7 @@ class FetchPlan:
         self._lock = lock
         self.readahead: ReadAhead | None = None  # along the fetch order, once recorded
         self._recording: list[str] | None = []  # being recorded (the first step)
-        self._manager_recording: contextlib.AbstractContextManager[None] | None = None
-        self._manager_recorded = False
+        self._manager_recording = ManagerRecording(manager)  # the eviction order's
         #: an overlapped optimizer's steps started (None: not overlapped), and their
         #: count when the manager's recording began (see :meth:`overlapped`)
         self._steps: int | None = None
@@ -179,18 +222,12 @@ class FetchPlan:
         training step (forward, backward, and the optimizer's fetches of state,
         gradients and parameters), so the step's read-ahead does not evict what it is
         about to use, nor keep what is needed last."""
-        if self._manager_recorded:
+        if self._manager_recording.recorded:
             return  # (set once, never unset: no lock needed to see it)
         with self._lock:
             if self._steps is not None:
                 return  # overlapped: the boundaries are the steps' starts (step_started)
-            if self._manager_recording is None and not self._manager_recorded:
-                self._manager_recording = self._manager.recording()
-                self._manager_recording.__enter__()
-            elif self._manager_recording is not None and self.readahead is not None:
-                recording, self._manager_recording = self._manager_recording, None
-                self._manager_recorded = True
-                recording.__exit__(None, None, None)
+            self._manager_recording.boundary(self.readahead is not None)
 
     def overlapped(self) -> None:
         """An overlapped optimizer (:mod:`swapper.step.deferred`) steps this model: its updates run
@@ -209,17 +246,15 @@ class FetchPlan:
 
         A recording already under way is dropped (started again at the next step)."""
         with self._lock:
-            if self._manager_recorded or self._steps is not None:
+            if self._manager_recording.recorded or self._steps is not None:
                 return
             self._steps = 0
-            recording, self._manager_recording = self._manager_recording, None
-            if recording is not None:
-                recording.__exit__(None, None, None)  # (its order is replaced later)
+            self._manager_recording.end(keep=False)  # (its order is replaced later)
 
     def step_started(self) -> None:
         """An overlapped optimizer starts a step's update, before its thread does (see
         :meth:`overlapped`)."""
-        if self._manager_recorded:
+        if self._manager_recording.recorded:
             return
         with self._lock:
             if self._steps is not None:
@@ -228,17 +263,15 @@ class FetchPlan:
 
     def _overlapped_boundary(self, steps: int) -> None:
         """Start or end the recording of an overlapped cycle (lock held)."""
-        if self._manager_recorded:
+        recording = self._manager_recording
+        if recording.recorded:
             return
-        if self._manager_recording is None:
+        if not recording.active:
             if steps >= 1:
-                self._manager_recording = self._manager.recording()
-                self._manager_recording.__enter__()
+                recording.start()
                 self._steps_at_start = steps
         elif steps > self._steps_at_start:
-            recording, self._manager_recording = self._manager_recording, None
-            self._manager_recorded = True
-            recording.__exit__(None, None, None)
+            recording.end()
 
     def fetched(self, key: str) -> None:
         """Record the fetch order (first step), or read ahead along it (later steps)."""

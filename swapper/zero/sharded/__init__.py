@@ -1,15 +1,18 @@
 """N > 1 ranks: :class:`~swapper.zero.sharded.model.ShardedModel`, ZeRO-3 over a process group.
 
-Offers: the model and its hooks (``model``), a gather's life (``gathers``), the gathered
+Offers: the model and its hooks (``model``: the lifecycle's N-rank strategy, a
+:class:`~swapper.zero.model.lifecycle.ModelLifecycle`), a gather's life (``gathers``), the gathered
 buffers charged to the device budget (``gather_budget``), reduce-scatter into retained
 gradient shards (``grads``), wrapping (``setup``: check, plan, open the rank's store, place),
-the records and the optimizer's view (``state``), writes outside the hooks (``writes``),
+the records, the optimizer's view and ``ShardedDoors``, what the helpers ask of the model
+(``state``), writes outside the hooks (``writes``),
 state dicts (``state_dicts``) and the overlapped optimizer over ranks (``overlap``).
 
 May import: ``tiers``, :mod:`swapper.manager`, :mod:`swapper.step`,
 :mod:`swapper.distributed`, :mod:`swapper.zero.model`, :mod:`swapper.zero.config`, the
-records of :mod:`swapper.zero.local` it shares (``params``, ``weights``: issue 25 moves
-them into the shared core), and :mod:`swapper.zero.checkpoint` only to resume or snapshot.
+pieces of :mod:`swapper.zero.local` it shares (``params``: ``copy_in``/``copy_out``,
+``add_into``; ``weights``: the write guard), and the resume half of
+:mod:`swapper.zero.checkpoint` (``resume``, ``shard_resume``: below the models).
 
 ``from swapper.zero.sharded import ShardedModel`` (this room's name was the module's) works.
 """

@@ -24,13 +24,13 @@ settles it.
 from __future__ import annotations
 
 import contextlib
-import threading
 from typing import TYPE_CHECKING
 
 import torch
 
 from swapper.distributed import DistGroup, ModuleLayout, PendingFetch
-from swapper.manager import Tier, TierManager
+from swapper.zero.model.core import ModelCore
+from swapper.zero.model.lifecycle import ModelLifecycle
 from swapper.zero.sharded.gather_budget import GatherBudget, gather_need
 from swapper.zero.sharded.state import ModuleState, ShardSlot
 from tiers import signals
@@ -43,16 +43,14 @@ if TYPE_CHECKING:
 __all__ = ["GatherMixin"]
 
 
-class GatherMixin:
+class GatherMixin(ModelLifecycle):
     """The gather methods of :class:`~swapper.zero.sharded.model.ShardedModel` (module
     docstring); the attributes below are the model's, set by its constructor."""
 
     group: DistGroup
     _dist: DistributedConfig
-    _use_tier: Tier
+    core: ModelCore[ShardSlot, ModuleState | None]
     _device: torch.device
-    _lock: threading.RLock
-    _manager: TierManager
     _by_index: list[ShardSlot]
     _states: dict[torch.nn.Module, ModuleState]
     _budget: GatherBudget
@@ -139,13 +137,13 @@ class GatherMixin:
         try:
             for piece in pieces:
                 slot = self._by_index[piece.index]
-                tensor = self._manager.fetch(slot.key, self._use_tier)
+                tensor = self.core.manager.fetch(slot.key, self.core.use_tier)
                 held.append(slot.key)
                 shards[piece.index] = tensor.view(-1).to(self._device)
             return self._budget.start(layout, shards, slots[0].dtype, what)
         finally:
             for key in held:
-                self._manager.release(key, modified=False)
+                self.core.manager.release(key, modified=False)
 
     def end_gather(self, pending: PendingFetch) -> None:
         """A gather from :meth:`start_gather` is no longer used: its buffers' device
@@ -154,7 +152,7 @@ class GatherMixin:
 
     def _acquire(self, state: ModuleState) -> None:
         with signals.at_waits:
-            with self._lock:
+            with self.core.lock:
                 state.users += 1
                 if state.users > 1:
                     return
@@ -164,7 +162,7 @@ class GatherMixin:
                     pending = self.start_gather(state.layout, state.slots, f"module {state.name!r}")
                 pending.wait()
             except BaseException as exc:
-                with self._lock:
+                with self.core.lock:
                     state.users -= 1
                 if pending is not None:
                     if isinstance(exc, Exception) or pending.done:
@@ -173,7 +171,7 @@ class GatherMixin:
                         state.pending = pending
                 raise
             self._budget.waited(pending)  # the staging buffer: its copy is done
-            with self._lock:
+            with self.core.lock:
                 state.gathered = pending
                 for slot in state.slots:
                     slot.param.data = state.view(slot)
@@ -188,7 +186,7 @@ class GatherMixin:
                 raise
 
     def _release(self, state: ModuleState) -> None:
-        with signals.held, self._lock:
+        with signals.held, self.core.lock:
             state.users -= 1
             if state.users > 0:
                 return

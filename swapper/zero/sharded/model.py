@@ -1,5 +1,3 @@
-# Size: ~520 lines: the set-up, the surface and the hooks of one state machine (gathers,
-# gradients, checkpoints, overlap and writes are in the sharded room's other modules).
 """``swapper.offload(model, config, process_group)`` over N > 1 ranks: ZeRO-3.
 
 Each rank holds 1/N of every 16-bit parameter (:mod:`swapper.distributed.partition`: flat
@@ -47,7 +45,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -59,16 +56,16 @@ from swapper.distributed import (
     DistGroup,
     PartitionPlan,
 )
-from swapper.manager import Kind, ManagerStats, Tier, TierManager
-from swapper.step.config import StepConfig
+from swapper.manager import Kind, Tier
 from swapper.step.sources import ParamGate, ParamSource
-from swapper.zero.checkpoint.snapshot import keeps_store
 from swapper.zero.config.offload import OffloadConfig
 from swapper.zero.config.settings import tiers_of
-from swapper.zero.model.autograd import in_autograd, mark_outputs
-from swapper.zero.model.frozen import check_not_nested, check_trainable, mark_inputs
+from swapper.zero.model.autograd import mark_outputs
+from swapper.zero.model.core import ModelCore
+from swapper.zero.model.frozen import check_trainable, mark_inputs
 from swapper.zero.model.model_buffers import move_buffers, restore_buffers
 from swapper.zero.model.module_apply import guard_apply, unguard_apply
+from swapper.zero.model.readahead import ManagerRecording
 from swapper.zero.model.saved import SavedParams
 from swapper.zero.sharded.gather_budget import GatherBudget, charges_device
 from swapper.zero.sharded.gathers import GatherMixin
@@ -90,7 +87,7 @@ log = logging.getLogger(__name__)
 _WRAPPED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 
-class ShardedModel(GatherMixin, nn.Module):
+class ShardedModel(GatherMixin):
     """A module whose 16-bit parameters are partitioned over the ranks of ``group``.
 
     Built by :func:`swapper.offload` when its process group has more than one rank; see
@@ -111,6 +108,10 @@ class ShardedModel(GatherMixin, nn.Module):
             :func:`~swapper.zero.checkpoint.shard_resume.choose_sharded`).
     """
 
+    _registry = _WRAPPED
+    _hold_unit = "module"
+    _log = log
+
     def __init__(
         self,
         module: nn.Module,
@@ -121,43 +122,37 @@ class ShardedModel(GatherMixin, nn.Module):
         resume: bool | str = False,
     ) -> None:
         super().__init__()
-        if not isinstance(module, nn.Module):
-            raise SwapConfigError(f"offload: expected an nn.Module, got {type(module).__name__}")
-        if isinstance(module, ShardedModel) or module in _WRAPPED:
-            raise SwapConfigError(
-                f"offload: this {type(module).__name__} is already wrapped; wrap a model once"
-            )
-        check_not_nested(module, _WRAPPED)  # (a module inside, or around, a wrapped one)
+        self._check_wrappable(module)  # (and not inside, nor around, a wrapped one)
         self.module = module
         self.config = config
         self.group = group
         self._dist = config.distributed
-        self._use_tier = tiers_of(config.manager, Kind.PARAM16)[0]
+        #: what the lifecycle and its helpers share (swapper.zero.model.core): the lock,
+        #: the manager, the records by id(param) and by name, the counters, per forward
+        #: running now the module state its pre-hook gathered (None until it has)
+        self.core: ModelCore[ShardSlot, ModuleState | None] = ModelCore(
+            tiers_of(config.manager, Kind.PARAM16)[0],
+            None,  # (gathers: GatherBudget's room)
+        )
         self._device = group.control_device
-        self._lock = threading.RLock()
         self._handles: list[Any] = []
         self._order: list[ModuleState] | None = None
         self._recording: list[ModuleState] | None = []
         self._position: dict[ModuleState, list[int]] = {}
         self._cursor = -1
-        self._forward_holds: list[ModuleState | None] = []
         #: autograd's saved views of gathered parameters (swapper.zero.model.saved)
         self._saved = SavedParams(
             lambda slot: any(state.gathered is not None for state in slot.modules)
         )
-        self._forward_depth = 0
-        self._in_backward = False
-        self._manager_recording: contextlib.AbstractContextManager[None] | None = None
-        self._manager_recorded = False
-        self._closed = False
 
         placed = place_model(module, config, group, materialize, resume)
         #: the snapshot resumed from (``resume=``; the optimizer adopts its state), or None
         self.resumed = placed.resumed
         self.plan: PartitionPlan = placed.plan
-        self._manager = placed.manager
+        self.core.manager = placed.manager
         self._by_index = placed.slots
-        self._slots = placed.by_id
+        self.core.slots = placed.by_id
+        self.core.by_name = {slot.name: slot for slot in placed.slots}
         self._states = placed.states
         self._writes = WriteGuard(group, placed.slots)  # writes outside the hooks: raised
         self._budget = GatherBudget(
@@ -175,6 +170,8 @@ class ShardedModel(GatherMixin, nn.Module):
         # buffers on the gathers' device; model.to() guarded (swapper.zero.model.module_apply)
         self._buffer_moves = move_buffers(module, self._device)
         self._apply_guarded = guard_apply(module, self._device)
+        #: the manager's eviction order, recorded over the first whole step
+        self._manager_recording = ManagerRecording(placed.manager)
         self._install_hooks()
         _WRAPPED.add(module)
 
@@ -195,26 +192,13 @@ class ShardedModel(GatherMixin, nn.Module):
 
     # -- what the optimizer and the user see ----------------------------------------------
 
-    @property
-    def manager(self) -> TierManager:
-        """This rank's tier manager (its shards, and the optimizer's state)."""
-        return self._manager
-
     def param_source(self) -> ParamSource:
         """This rank's shards and their retained gradients, for the optimizer."""
         return ShardedParams(self)
 
-    def step_config(self) -> StepConfig:
-        """The optimizer settings ``config`` gives (``config.step``)."""
-        return self.config.step
-
     def slot_of(self, param: torch.Tensor) -> ShardSlot | None:
         """The record of one of the model's parameters (None for another tensor)."""
-        return self._slots.get(id(param))
-
-    def stats(self) -> ManagerStats:
-        """This rank's manager's counters."""
-        return self._manager.stats()
+        return self.core.slots.get(id(param))
 
     def local_nbytes(self) -> dict[str, int]:
         """Bytes this rank stores of the 16-bit parameters and gradients (padding
@@ -223,73 +207,15 @@ class ShardedModel(GatherMixin, nn.Module):
         grad = sum(s.local_numel * s.dtype.itemsize for s in self._by_index if s.has_grad)
         return {"param16": param, "grad16": grad}
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """The wrapped model's forward (every rank must call it alike). If it raises,
-        the modules it gathered are released before the exception propagates."""
-        if self._forward_depth == 0:
-            check_trainable(self._by_index)  # (before anything moves, on every rank alike)
-            self.release_stale_holds()
-            self._writes.check("forward")  # (an agreement: every rank raises alike)
-        depth = len(self._forward_holds)
-        self._forward_depth += 1
-        try:
-            with self._saved.around(self._gathered_now):
-                out = self.module(*args, **kwargs)
-            if self._forward_depth == 1:
-                self._overlap.forward_ended()  # (an agreement while an update is open)
-            return out
-        except BaseException:
-            with signals.held:
-                self._drop_forward_holds(depth)
-            raise
-        finally:
-            self._forward_depth -= 1
-
     def _gathered_now(self) -> list[ShardSlot]:
         """The parameters of the modules whose forward runs now (gathered)."""
-        return [slot for state in self._forward_holds if state is not None for slot in state.slots]
+        return [
+            slot for state in self.core.forward_holds if state is not None for slot in state.slots
+        ]
 
-    def release_stale_holds(self) -> int:
-        """Release what a forward or backward that raised left gathered; returns how many
-        holds that was (0 while a forward or backward runs)."""
-        if self._forward_depth or in_autograd():
-            return 0
-        if not self._forward_holds and not self._in_backward:
-            return 0
-        with signals.held:
-            dropped = self._drop_forward_holds(0)
-            self._in_backward = False
-            for state in self._states.values():
-                holds, state.backward_holds = state.backward_holds, 0
-                state.waiting.clear()
-                state.frozen_pending = 0
-                for _ in range(holds):
-                    self._release(state)
-                dropped += holds
-            self._grads.discard()
-        if dropped:
-            log.warning("offload: released %d module hold(s) left by a failed pass", dropped)
-        return dropped
-
-    def _drop_forward_holds(self, depth: int) -> int:
-        dropped = 0
-        while len(self._forward_holds) > depth:
-            state = self._forward_holds.pop()
-            if state is not None:
-                self._release(state)
-                dropped += 1
-        return dropped
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Drop the retained gradient shards: the next backward starts them afresh. With
-        an overlapped optimizer, waits for its update first (an agreement while one is
-        open: call it on every rank alike; raises as :meth:`settle_update`)."""
-        self._overlap.settle("zero_grad")
-        super().zero_grad(set_to_none=set_to_none)
-        self.drop_grads(self._by_index)
-
-    def drop_grads(self, slots: Iterable[ShardSlot]) -> None:
-        """Unregister the retained gradient shards of ``slots``."""
+    def drop_grads(self, slots: Iterable[ShardSlot], *, keep: bool | None = None) -> None:
+        """Unregister the retained gradient shards of ``slots`` (``keep``: the one-process
+        model's; a shard's entry is always unregistered)."""
         self._grads.drop(slots)
 
     def before_param_write(self, slot: ShardSlot) -> None:
@@ -320,7 +246,7 @@ class ShardedModel(GatherMixin, nn.Module):
     def set_param_gate(self, gate: ParamGate | None, *, update_nbytes: int = 0) -> None:
         """Install the gate of an overlapped optimizer (:mod:`swapper.step.deferred`);
         None removes it. Raises as :meth:`~swapper.zero.sharded.overlap.ShardOverlap.install`."""
-        host = self._manager.config.host_nbytes if self._use_tier is Tier.HOST else None
+        host = self.core.manager.config.host_nbytes if self.core.use_tier is Tier.HOST else None
         self._overlap.install(gate, update_nbytes, self._states.values(), self._by_index, host)
 
     def step_started(self) -> None:
@@ -389,14 +315,14 @@ class ShardedModel(GatherMixin, nn.Module):
         store holds snapshots: kept for ``resume``). Idempotent; waits for gathers in
         flight first. A close cut by a Ctrl-C (while gathers are waited for or the manager
         closes) is finished by calling it again: the store stays locked until then."""
-        if self._closed:
+        if self.core.closed:
             if self._manager_open:  # an interrupt cut the close: finish it
                 self._close_manager()
             return
         if self._overlap.gate is not None:
             with contextlib.suppress(Exception):  # (the optimizer raises it at its next call)
                 self._overlap.gate(None)  # the update stops using the manager first
-        self._closed = True
+        self.core.closed = True
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
@@ -406,17 +332,8 @@ class ShardedModel(GatherMixin, nn.Module):
             restore_buffers(self._buffer_moves)
         self._close_manager()
 
-    #: False once the manager's close() returned (see close())
-    _manager_open = True
-
-    def _close_manager(self) -> None:
+    def _before_manager_close(self) -> None:
         self._settle_gathers()  # their buffers are the manager's blocks
-        self._manager.close(remove=not keeps_store(self._manager))  # snapshots are kept
-        self._manager_open = False
-        _WRAPPED.discard(self.module)
-
-    def __enter__(self) -> ShardedModel:
-        return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
@@ -434,13 +351,13 @@ class ShardedModel(GatherMixin, nn.Module):
 
         def hook(module: nn.Module, args: Any, kwargs: Any) -> Any:
             self._step_boundary()
-            self._forward_holds.append(None)
+            self.core.forward_holds.append(None)
             with signals.at_waits:
                 self._acquire(state)
-                self._forward_holds[-1] = state
+                self.core.forward_holds[-1] = state
             if not self._saved.ours_on_top() and torch.is_grad_enabled():
                 # inside a non-reentrant checkpoint's region (swapper.zero.model.saved)
-                self._saved.push(len(self._forward_holds) - 1, state.slots)
+                self._saved.push(len(self.core.forward_holds) - 1, state.slots)
             if state.all_frozen and torch.is_grad_enabled():
                 return mark_inputs(args, kwargs, after)
             return None
@@ -449,13 +366,13 @@ class ShardedModel(GatherMixin, nn.Module):
 
     def _post_forward_hook(self, state: ModuleState) -> Callable[..., Any]:
         def before_backward() -> None:
-            if not self._in_backward:
+            if not self.core.holds.in_backward:
                 # the update reads the gradients this backward adds to: it ends first
                 self._overlap.settle("the backward after an overlapped optimizer step")
             self._backward_started()
             with signals.at_waits:
                 self._acquire(state)
-                with self._lock:
+                with self.core.lock:
                     if not state.backward_holds:
                         state.waiting = {s.index for s in state.slots if s.param.requires_grad}
                     state.backward_holds += 1
@@ -464,8 +381,9 @@ class ShardedModel(GatherMixin, nn.Module):
 
         def hook(module: nn.Module, args: Any, output: Any) -> Any:
             with signals.held:
-                self._saved.pop_from(len(self._forward_holds) - 1)  # (what its pre-hook pushed)
-                taken = self._forward_holds.pop() if self._forward_holds else None
+                held = self.core.forward_holds
+                self._saved.pop_from(len(held) - 1)  # (what its pre-hook pushed)
+                taken = held.pop() if held else None
                 if taken is not None:
                     self._release(taken)
             if not torch.is_grad_enabled():
@@ -493,34 +411,51 @@ class ShardedModel(GatherMixin, nn.Module):
     def _step_boundary(self) -> None:
         """Record the manager's accesses over the first whole step (as the one-rank path
         does), so its eviction order covers forward, backward and the optimizer."""
-        if self._manager_recording is None and not self._manager_recorded:
-            self._manager_recording = self._manager.recording()
-            self._manager_recording.__enter__()
-        elif self._manager_recording is not None and self._order is not None:
-            recording, self._manager_recording = self._manager_recording, None
-            self._manager_recorded = True
-            recording.__exit__(None, None, None)
+        self._manager_recording.boundary(self._order is not None)
 
-    def _backward_started(self) -> None:
-        if self._in_backward:
-            return
-        self._in_backward = True
-        torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
+    # -- the lifecycle's strategy (swapper.zero.model.lifecycle): N ranks ---------------
 
-    def _backward_ended(self) -> None:
-        with signals.held:
-            self._in_backward = False
-            for state in self._states.values():
-                holds, state.backward_holds = state.backward_holds, 0
-                state.waiting.clear()
-                state.frozen_pending = 0
-                for _ in range(holds):
-                    self._release(state)
+    def _forward_checks(self) -> None:
+        check_trainable(self._by_index)  # (before anything moves, on every rank alike)
+        self.release_stale_holds()
+        self._writes.check("forward")  # (an agreement: every rank raises alike)
+
+    def _run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        with self._saved.around(self._gathered_now):
+            out = self.module(*args, **kwargs)
+        if self.core.holds.forward_depth == 1:
+            self._overlap.forward_ended()  # (an agreement while an update is open)
+        return out
+
+    def _entry_units(self, entry: ModuleState | None) -> list[ModuleState]:
+        return [] if entry is None else [entry]  # (None: its gather never completed)
+
+    def _release_backward_holds(self) -> tuple[int, int]:
+        dropped = 0
+        for state in self._states.values():
+            holds, state.backward_holds = state.backward_holds, 0
+            state.waiting.clear()
+            state.frozen_pending = 0
+            for _ in range(holds):
+                self._release(state)
+            dropped += holds
+        return dropped, 0  # (nothing is kept from a forward for its backward)
+
+    def _after_failed_pass(self) -> None:
+        self._grads.discard()
+
+    def _after_backward(self) -> None:
         self._grads.flush()  # parameters unused in this pass: zeros
         if self._recording is not None and self._recording:
             self._order, self._recording = self._recording, None
             for i, state in enumerate(self._order):
                 self._position.setdefault(state, []).append(i)
-            log.info("offload: recorded a gather order of %d modules", len(self._order))
+            self._log.info("offload: recorded a gather order of %d modules", len(self._order))
+
+    def _settle_update(self, what: str) -> None:
+        self._overlap.settle(what)
+
+    def _records(self) -> list[ShardSlot]:
+        return self._by_index
 
     # -- gathering and releasing: swapper.zero.sharded.gathers (GatherMixin) ---------------

@@ -10,8 +10,8 @@ which :class:`~swapper.step.OffloadAdamW` steps this rank's shards only.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import nn
@@ -21,10 +21,12 @@ from swapper.distributed.collectives import reduce_norm_and_overflow
 from swapper.manager import Kind, Tier
 from swapper.zero.config.settings import tiers_of
 from swapper.zero.local.params import copy_in, copy_out
+from swapper.zero.model.core import not_the_models
 from tiers.errors import SwapConfigError
 
 if TYPE_CHECKING:
-    from swapper.zero.sharded.model import ShardedModel
+    from swapper.distributed import DistGroup, PartitionPlan
+    from swapper.manager import TierManager
 
 __all__ = ["GradGroup", "ModuleState", "ShardSlot", "ShardedParams"]
 
@@ -109,6 +111,51 @@ class GradGroup:
         return len(self.grads) == len(self.slots)
 
 
+class ShardedDoors(Protocol):
+    """What the sharded model's helpers (:class:`ShardedParams`, the state dicts of
+    :mod:`swapper.zero.sharded.state_dicts`, the exports) use of it: public calls of
+    :class:`~swapper.zero.sharded.model.ShardedModel` only, named here so that they take
+    this interface, not the model (whose module imports them)."""
+
+    group: DistGroup
+    module: nn.Module
+    plan: PartitionPlan
+
+    @property
+    def manager(self) -> TierManager:
+        """This rank's tier manager."""
+        ...
+
+    @property
+    def slots(self) -> tuple[ShardSlot, ...]:
+        """Every parameter's record, in plan (forward) order."""
+        ...
+
+    def slot_of(self, param: torch.Tensor) -> ShardSlot | None:
+        """The record of one of the model's parameters (None for another tensor)."""
+        ...
+
+    def before_param_write(self, slot: ShardSlot) -> None:
+        """Called before a shard is written: no gather in flight may deliver old values."""
+        ...
+
+    def drop_grads(self, slots: Iterable[ShardSlot]) -> None:
+        """Unregister the retained gradient shards of ``slots``."""
+        ...
+
+    def drain(self) -> None:
+        """Wait for every gather started ahead of use and drop it."""
+        ...
+
+    def start_gather(self, layout: ModuleLayout, slots: list[ShardSlot], what: str) -> PendingFetch:
+        """Start the gather of ``slots`` (a collective: every rank alike)."""
+        ...
+
+    def end_gather(self, pending: PendingFetch) -> None:
+        """A gather from :meth:`start_gather` is no longer used: its buffers go back."""
+        ...
+
+
 class ShardedParams:
     """:class:`~swapper.step.sources.ParamSource` over this rank's shards.
 
@@ -119,20 +166,17 @@ class ShardedParams:
     over the ranks (one small collective).
     """
 
-    def __init__(self, model: ShardedModel) -> None:
+    def __init__(self, model: ShardedDoors) -> None:
         self._model = model
         self._manager = model.manager
-        tiers = tiers_of(model.config.manager, Kind.PARAM16)
+        tiers = tiers_of(model.manager.config, Kind.PARAM16)
         # The optimizer computes on the host: parameters read and written there.
         self._tier = Tier.HOST if Tier.HOST in tiers else tiers[0]
 
     def _slot(self, param: torch.Tensor) -> ShardSlot:
         slot = self._model.slot_of(param)
         if slot is None:
-            raise SwapConfigError(
-                f"a parameter of shape {list(param.shape)} given to the optimizer is not one "
-                "of the offloaded model's: pass wrapped.parameters()"
-            )
+            raise not_the_models(param)
         return slot
 
     def shape(self, param: torch.Tensor) -> torch.Size:

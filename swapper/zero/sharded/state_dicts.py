@@ -29,7 +29,7 @@ from tiers.errors import SwapConfigError
 
 if TYPE_CHECKING:
     from swapper.step.optimizer import StreamedOptimizer
-    from swapper.zero.sharded.model import ShardedModel
+    from swapper.zero.sharded.state import ShardedDoors
 
 __all__ = [
     "SHARDED_FORMAT",
@@ -44,7 +44,7 @@ __all__ = [
 SHARDED_FORMAT = 1
 
 
-def iter_full(model: ShardedModel) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_full(model: ShardedDoors) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, full CPU copy) of every parameter, gathered one at a time.
 
     Raises:
@@ -61,7 +61,7 @@ def iter_full(model: ShardedModel) -> Iterator[tuple[str, torch.Tensor]]:
         yield slot.name, full
 
 
-def iter_full_state(model: ShardedModel, optimizer: StreamedOptimizer) -> Iterator[torch.Tensor]:
+def iter_full_state(model: ShardedDoors, optimizer: StreamedOptimizer) -> Iterator[torch.Tensor]:
     """Each parameter's whole fp32 state ``(3, numel)`` (master, exp_avg, exp_avg_sq;
     no padding), param group by param group, parameter by parameter as the optimizer
     lists them: the order of one process's flat state. Every rank gets every tensor
@@ -112,7 +112,7 @@ def iter_full_state(model: ShardedModel, optimizer: StreamedOptimizer) -> Iterat
             yield full
 
 
-def consolidated(model: ShardedModel) -> dict[str, Any]:
+def consolidated(model: ShardedDoors) -> dict[str, Any]:
     """The full state dict on rank 0 (tied parameters under every name, buffers as they
     are), ``{}`` on the others.
 
@@ -136,7 +136,7 @@ def consolidated(model: ShardedModel) -> dict[str, Any]:
     return out
 
 
-def sharded(model: ShardedModel) -> dict[str, Any]:
+def sharded(model: ShardedDoors) -> dict[str, Any]:
     """This rank's shards: ``{"format", "rank", "world_size", "plan", "params": {name:
     1-D CPU copy}}`` (parameters this rank stores nothing of are left out). Local: no
     collective."""
@@ -161,7 +161,7 @@ def sharded(model: ShardedModel) -> dict[str, Any]:
     }
 
 
-def load_sharded(model: ShardedModel, state: Mapping[str, Any]) -> None:
+def load_sharded(model: ShardedDoors, state: Mapping[str, Any]) -> None:
     """Write what :func:`sharded` returned back into this rank's shards; every rank
     checks, then all agree before anything is written, so the ranks load all or none.
 
@@ -195,7 +195,7 @@ def load_sharded(model: ShardedModel, state: Mapping[str, Any]) -> None:
                 manager.release(slot.key, modified=True)
 
 
-def _checked(model: ShardedModel, state: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+def _checked(model: ShardedDoors, state: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     if not isinstance(state, Mapping) or state.get("format") != SHARDED_FORMAT:
         raise SwapConfigError(
             "load_sharded_state_dict: not a sharded state dict of this version (format "

@@ -1,0 +1,258 @@
+"""One hook lifecycle for the one-process and the N-rank model (issue 25): the methods
+:class:`~swapper.zero.local.offload.OffloadedModel` and
+:class:`~swapper.zero.sharded.model.ShardedModel` shared by name, written once.
+
+What differs between one process and N ranks is *how bytes arrive* and *what a hold is
+of*, not the lifecycle. A subclass supplies that through the methods marked
+"strategy" below (the template-method form of the ``FetchStrategy`` / ``StateLayout``
+pair of ``docs/architecture.md``): one process holds single parameters fetched from the
+tiers (``_acquire``/``_release`` of a ``Slot``: ``TierManager.fetch``/``release``); N
+ranks hold modules gathered by collective (of a ``ModuleState``:
+:mod:`swapper.zero.sharded.gathers`), their gradients reduce-scattered
+(:mod:`swapper.zero.sharded.grads`).
+
+The order in which the lifecycle calls the strategy (each call on the thread that runs
+the forward or the backward)::
+
+    forward()            ─► _forward_checks() (outermost forward only: nothing moved yet)
+                         ─► _run(args, kwargs) (the module; its hooks acquire/release)
+       raised (an error, Ctrl-C):
+                         ─► _drop_forward_holds(depth): _release(unit) of every unit the
+                            forwards begun inside it hold (_entry_units)
+    a module's backward  ─► _backward_started() (once per backward: queues _backward_ended)
+    end of the backward  ─► _backward_ended(): _release_backward_holds(), _after_backward()
+    release_stale_holds()─► _drop_forward_holds(0), _release_backward_holds(),
+                            _after_failed_pass()
+    zero_grad()          ─► _settle_update("zero_grad"), drop_grads(_records())
+    close()              ─► (the subclass's) ... _close_manager(): _before_manager_close()
+
+Invariants (the subclasses' hooks keep them too): a hold is counted once it is held and
+released exactly once (by the module's forward hook, its gradient hook, the end of the
+backward, or a failed pass's clean-up); every change of the counters is in a
+``signals.held`` section, so an interrupt leaves a hold counted and held, or neither.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Iterable
+from typing import Any, ClassVar, TypeVar
+
+import torch
+from torch import nn
+
+from swapper.manager import ManagerStats, TierManager
+from swapper.step.config import StepConfig
+from swapper.zero.checkpoint.resume import keeps_store
+from swapper.zero.config.offload import OffloadConfig
+from swapper.zero.model.autograd import in_autograd
+from swapper.zero.model.core import ModelCore
+from swapper.zero.model.frozen import check_not_nested
+from swapper.zero.model.saved import SavedParams
+from tiers import signals
+from tiers.errors import SwapConfigError
+
+__all__ = ["ModelLifecycle"]
+
+_M = TypeVar("_M", bound="ModelLifecycle")
+
+
+class ModelLifecycle(nn.Module):
+    """The hook lifecycle both models share (module docstring). Not built directly: a
+    subclass sets ``core``, ``module``, ``config`` and ``_saved`` in its constructor and
+    supplies the strategy methods."""
+
+    core: ModelCore[Any, Any]
+    module: nn.Module
+    config: OffloadConfig
+    _saved: SavedParams
+    #: the modules wrapped by this class and not closed (a module may be wrapped once)
+    _registry: ClassVar[weakref.WeakSet[nn.Module]]
+    #: what one hold is of, in log messages ("parameter", "module")
+    _hold_unit: ClassVar[str] = "parameter"
+    #: the subclass's module's logger (the messages keep the name they always had)
+    _log: ClassVar[logging.Logger] = logging.getLogger(__name__)
+    #: False once the manager's close() returned (see _close_manager)
+    _manager_open = True
+
+    # -- what the optimizer and the user see ------------------------------------------------
+
+    @property
+    def manager(self) -> TierManager:
+        """The tier manager holding this process's (rank's) parameters and the
+        optimizer's state."""
+        return self.core.manager
+
+    def step_config(self) -> StepConfig:
+        """The optimizer settings ``config`` gives (``config.step``)."""
+        return self.config.step
+
+    def stats(self) -> ManagerStats:
+        """The manager's counters: bytes moved, stall time, peaks per tier."""
+        return self.core.manager.stats()
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The wrapped model's forward (over several ranks: every rank must call it
+        alike). If it raises (an error, Ctrl-C), what its modules fetched is released
+        before the exception propagates; holds that an aborted backward left are
+        released at the next call."""
+        holds = self.core.holds
+        if holds.forward_depth == 0:
+            self._forward_checks()
+        depth = len(self.core.forward_holds)
+        holds.forward_depth += 1
+        try:
+            return self._run(args, kwargs)
+        except BaseException:
+            with signals.held:
+                self._drop_forward_holds(depth)
+            raise
+        finally:
+            holds.forward_depth -= 1
+
+    def release_stale_holds(self, *, warn: bool = True) -> int:
+        """Release what a forward or backward that raised (an error, Ctrl-C) left held;
+        returns how many holds that was. Called by :meth:`forward` and before an
+        optimizer step (a warning says so: training goes on after a failed pass), and when
+        unwrapping (``warn=False``: the failure is the exception being handled); does
+        nothing while a forward or backward runs. Holds kept from a forward for a backward
+        that has not run are released too (not counted: a backward fetches them again)."""
+        holds = self.core.holds
+        if holds.forward_depth or in_autograd():
+            return 0
+        if not self.core.forward_holds and not holds.in_backward and not holds.carried:
+            return 0  # (backward holds exist only while a backward runs)
+        with signals.held:
+            dropped = self._drop_forward_holds(0)
+            with self.core.lock:
+                holds.in_backward = False  # a backward that raised never ended
+            # Holds kept from a forward whose backward has not run (yet): released, as
+            # they would have been without keeping (a later backward fetches again).
+            backward, kept = self._release_backward_holds()
+            dropped += backward
+            self._after_failed_pass()
+        if kept:
+            self._log.debug(
+                "offload: released %d %s hold(s) kept for a backward", kept, self._hold_unit
+            )
+        if dropped:
+            (self._log.warning if warn else self._log.debug)(
+                "offload: released %d %s hold(s) left by a failed pass", dropped, self._hold_unit
+            )
+        return dropped
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop the retained 16-bit gradients (the optimizer's ``zero_grad`` does the
+        same): the next backward starts them afresh rather than adding to them. With an
+        overlapped optimizer, its update (which still reads them) ends first."""
+        self._settle_update("zero_grad")
+        super().zero_grad(set_to_none=set_to_none)
+        self.drop_grads(self._records())
+
+    def __enter__(self: _M) -> _M:
+        return self
+
+    # -- the lifecycle ------------------------------------------------------------------------
+
+    def _check_wrappable(self, module: nn.Module) -> None:
+        """The constructor's first check, before anything is set up.
+
+        Raises:
+            SwapConfigError: ``module`` is not an ``nn.Module``, is a wrapper of this
+                class, or is wrapped by one now (a model is wrapped once), or holds or is
+                held by a module wrapped now (:func:`~swapper.zero.model.frozen.check_not_nested`).
+        """
+        if not isinstance(module, nn.Module):
+            raise SwapConfigError(f"offload: expected an nn.Module, got {type(module).__name__}")
+        if isinstance(module, type(self)) or module in self._registry:
+            raise SwapConfigError(
+                f"offload: this {type(module).__name__} is already wrapped; wrap a model once"
+            )
+        check_not_nested(module, self._registry)  # (a module inside, or around, a wrapped one)
+
+    def _drop_forward_holds(self, depth: int) -> int:
+        """Release what the forwards begun above ``depth`` hold (they never finished);
+        returns how many holds that was."""
+        dropped = 0
+        self._saved.pop_from(depth)
+        forward_holds = self.core.forward_holds
+        while len(forward_holds) > depth:
+            for unit in self._entry_units(forward_holds.pop()):
+                self._release(unit)
+                dropped += 1
+        return dropped
+
+    def _backward_started(self) -> None:
+        """A module's backward begins: the first of a backward queues its end."""
+        holds = self.core.holds
+        if holds.in_backward:
+            return  # (every module's backward asks: no lock for the common answer)
+        with self.core.lock:
+            if holds.in_backward:
+                return
+            holds.in_backward = True
+        torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
+
+    def _backward_ended(self) -> None:
+        """The backward is over: every hold it (or a forward for it) kept is released."""
+        with signals.held:
+            with self.core.lock:
+                self.core.holds.in_backward = False
+            self._release_backward_holds()
+        self._after_backward()
+
+    def _close_manager(self) -> None:
+        """Close the manager (its files kept when its store holds snapshots: a later
+        ``resume``); the module may be wrapped again from then."""
+        self._before_manager_close()
+        manager = self.core.manager
+        manager.close(remove=not keeps_store(manager))
+        self._manager_open = False
+        self._registry.discard(self.module)
+
+    # -- the strategy: what one process and N ranks do differently --------------------------
+
+    def _forward_checks(self) -> None:
+        """Strategy: the outermost forward's checks, before anything moves."""
+        raise NotImplementedError
+
+    def _run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Strategy: run the wrapped module (its hooks hold and release)."""
+        raise NotImplementedError
+
+    def _entry_units(self, entry: Any) -> Iterable[Any]:
+        """Strategy: the units (records, or modules) one ``forward_holds`` entry holds."""
+        raise NotImplementedError
+
+    def _release(self, unit: Any) -> None:
+        """Strategy: give back one hold of ``unit`` (fetched or gathered)."""
+        raise NotImplementedError
+
+    def _release_backward_holds(self) -> tuple[int, int]:
+        """Strategy: release every backward hold and every hold kept from a forward for
+        its backward; returns how many of each. Signals held by the caller."""
+        raise NotImplementedError
+
+    def _after_backward(self) -> None:
+        """Strategy: after a backward's holds are released (read-ahead, gradients)."""
+        raise NotImplementedError
+
+    def _after_failed_pass(self) -> None:
+        """Strategy: after a failed pass's holds are released (default: nothing)."""
+
+    def _settle_update(self, what: str) -> None:
+        """Strategy: wait for an overlapped optimizer's update before ``what`` changes
+        what it reads."""
+        raise NotImplementedError
+
+    def _records(self) -> Iterable[Any]:
+        """Strategy: every parameter's record."""
+        raise NotImplementedError
+
+    def drop_grads(self, slots: Iterable[Any], *, keep: bool | None = None) -> None:
+        """Strategy: drop the retained gradients of ``slots``."""
+        raise NotImplementedError
+
+    def _before_manager_close(self) -> None:
+        """Strategy: before the manager closes (default: nothing)."""
