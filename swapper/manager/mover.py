@@ -66,6 +66,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 
 import torch
@@ -98,9 +99,19 @@ class Mover:
 
     # -- registration ---------------------------------------------------------------------
 
-    def write_new(self, entry: SwapEntry, tensor: torch.Tensor, deadline: float) -> None:
+    def write_new(
+        self,
+        entry: SwapEntry,
+        tensor: torch.Tensor,
+        deadline: float,
+        behind: Future[None] | None = None,
+    ) -> None:
         """Write a NEW entry's tensor straight to NVMe (from the caller's memory if it can):
         ON_NVME, or on failure dropped (GONE) and it raises.
+
+        With ``behind`` (:meth:`TierManager.register_behind`), it returns once the write is
+        issued: the completion settles the entry (ON_NVME, or GONE) and then resolves
+        ``behind`` (with the named error on failure); the source is kept alive until then.
 
         When the wait for the write is cut (an interrupt, or ``deadline`` passed:
         :class:`~swapper.manager.ManagerTimeout`), the exception propagates at once and the
@@ -129,6 +140,12 @@ class Mover:
                 window.release()
                 ctx.stats.end(Tier.HOST, Tier.NVME, None if error else entry.nbytes, entry.kind)
 
+            if behind is not None:
+                outcome = "handed"
+                future.add_done_callback(
+                    lambda done, source=source: self._settle_new(done, entry, ended, behind)
+                )
+                return
             try:
                 ctx.hurry_writes()  # the caller waits for this write to be durable
                 if not wait_future(future, max(0.0, deadline - time.monotonic()), "store.write"):
@@ -164,6 +181,27 @@ class Mover:
         with ctx.cond:
             entry.nvme_version = entry.version
             ctx.set_state(entry, _S.ON_NVME)
+
+    def _settle_new(
+        self,
+        done: Future[int],
+        entry: SwapEntry,
+        ended: Callable[[BaseException | None], None],
+        behind: Future[None],
+    ) -> None:
+        """The completion of a registration's write nobody waits for (``write_new`` with
+        ``behind``): the entry ON_NVME, or dropped (GONE) on failure; then ``behind``."""
+        ctx = self._ctx
+        error = done.exception()
+        ended(error)
+        named = None if error is None else named_error(error, "writing", entry.key)
+        with ctx.cond:
+            if named is None:
+                entry.nvme_version = entry.version
+                ctx.set_state(entry, _S.ON_NVME)
+            else:
+                self.drop_new(entry, wrote=False)
+        ctx.notifier.submit(resolve_once, behind, named)
 
     def drop_new(self, entry: SwapEntry, *, wrote: bool) -> None:
         """Lock held. Undo a registration that did not finish: NEW → GONE, forgotten, and

@@ -48,7 +48,13 @@ class Transfers(Protocol):
         self, entry: SwapEntry, dest: Tier, version: int, deadline: float
     ) -> Future[None]: ...
 
-    def write_new(self, entry: SwapEntry, tensor: torch.Tensor, deadline: float) -> None: ...
+    def write_new(
+        self,
+        entry: SwapEntry,
+        tensor: torch.Tensor,
+        deadline: float,
+        behind: Future[None] | None = None,
+    ) -> None: ...
 
     def drop_new(self, entry: SwapEntry, *, wrote: bool) -> None: ...
 
@@ -106,8 +112,16 @@ class Placement:
                 return candidate
         return None
 
-    def place_new(self, entry: SwapEntry, tensor: torch.Tensor, deadline: float) -> None:
-        """Settle a NEW entry: RESIDENT in the first memory tier with room, else ON_NVME.
+    def place_new(
+        self,
+        entry: SwapEntry,
+        tensor: torch.Tensor,
+        deadline: float,
+        behind: Future[None] | None = None,
+    ) -> bool:
+        """Settle a NEW entry: RESIDENT in the first memory tier with room, else ON_NVME
+        (with ``behind``: the write issued, the completion settles it and resolves
+        ``behind``, see ``Mover.write_new``). Returns whether a write to NVMe was issued.
 
         On any failure, and on a signal that came meanwhile, the entry is dropped (GONE)
         and this raises; a signal is delivered here rather than after the key is visible.
@@ -151,8 +165,8 @@ class Placement:
                 self._transfers().drop_new(entry, wrote=False)
             raise
         if block is None:
-            self._transfers().write_new(entry, tensor, deadline)
-            return
+            self._transfers().write_new(entry, tensor, deadline, behind)
+            return True
         with ctx.cond:
             entry.block, entry.tier = block, tier
             entry.view, entry.view_block = view, block  # what fetches hand out
@@ -161,6 +175,7 @@ class Placement:
                 # thread's stream) must wait for it, or they could read stale bytes.
                 entry.ready = ctx.device.mark_ready()
             ctx.set_state(entry, _S.RESIDENT)
+        return False
 
     # -- room -------------------------------------------------------------------------------
 

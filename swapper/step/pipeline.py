@@ -71,6 +71,7 @@ import torch
 from swapper.manager import Kind, Tier, TierManager
 from swapper.step import window
 from swapper.step.compress import MomentCodec
+from swapper.step.initial import InitialWriter
 from swapper.step.layout import SubGroup
 from swapper.step.scales import HeldScales
 from swapper.step.window import Room
@@ -238,28 +239,34 @@ class StepPipeline:
             unregistered again.
         """
         # (A signal waits for a wait point or the end: what is registered or fetched is
-        # always recorded, so that the undo below finds it.)
+        # always recorded, so that the undo below finds it.) Several sub-groups' writes
+        # are in flight at once (swapper.step.initial: the disk's write rate).
         with signals.at_waits:
+            writer: InitialWriter | None = None
             try:
-                largest = max((sg.padded_numel for sg in self.sub_groups), default=0)
-                scratch = torch.empty((3, largest), dtype=torch.float32)
-                stored = self.codec.scratch(self.sub_groups)  # compressed form, or None
                 scales = self.scales.fresh()  # int8: encoding fills it
+                writer = InitialWriter(
+                    self.manager,
+                    self.codec,
+                    self.sub_groups,
+                    timeout_s=self.manager.config.timeout_s,
+                )
                 for sg in self.sub_groups:
-                    buffer = scratch[:, : sg.padded_numel]
-                    buffer.zero_()
-                    fill(sg, buffer)
-                    buffer = self.codec.stored_form(sg, buffer, stored)
-                    self.manager.register(self.key(sg.index), buffer, Kind.OPTIM_STATE)
+                    writer.put(self.key(sg.index), sg, fill)
                     self._registered += 1
-                del scratch, stored
+                writer.finish()
+                writer.close()
                 self.scales.register(scales)
                 del scales
                 self.scales.hold()
                 for sg in self.sub_groups[: self.kept]:
                     self._held[sg.index] = self.manager.fetch(self.key(sg.index))
             except BaseException:
-                self._unregister()
+                gone = set()
+                if writer is not None:
+                    gone = writer.drain()  # the keys whose writes failed are gone
+                    writer.close()
+                self._unregister(gone)
                 raise
 
     def _default_readahead(self) -> int:
@@ -536,14 +543,18 @@ class StepPipeline:
         self._unregister()
         self._closed = True
 
-    def _unregister(self) -> None:
+    def _unregister(self, gone: set[str] | frozenset[str] = frozenset()) -> None:
+        """Forget the state; ``gone``: keys the manager dropped already (a failed write
+        of :meth:`initialize`)."""
         with signals.at_waits:  # each undo and its record go together
             for index in list(self._held):
                 self.manager.release(self.key(index), modified=True)
                 del self._held[index]
             self.scales.unregister()
             while self._registered:
-                self.manager.unregister(self.key(self.sub_groups[self._registered - 1].index))
+                key = self.key(self.sub_groups[self._registered - 1].index)
+                if key not in gone:
+                    self.manager.unregister(key)
                 self._registered -= 1
 
     def _check_open(self) -> None:
