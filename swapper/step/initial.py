@@ -8,12 +8,15 @@ writes went through the page cache), and each write's durability (one group comm
 ``fdatasync``) was waited for before the next sub-group was made. At 400 M parameters on
 the 2-core VM the creation wrote 4.97 GB in 12.2 s, 9.9 s of it waiting for writes.
 
-Here each sub-group's state is made in one of ``depth`` page-aligned slots
-(:func:`tiers.buffers.allocate`, huge pages where the system gives them, so O_DIRECT
-requests stay whole) and handed to :meth:`TierManager.register_behind`: the write is
-issued from the slot itself, its checksums recorded as it is issued, and the next
-sub-group is made while it is in flight. A slot is made again only once the future of
-its previous write is done; several writes completing together share one group commit.
+Here each sub-group's state is made in one of a few page-aligned slots and handed to
+:meth:`TierManager.register_behind`: the write is issued from the slot itself, its
+checksums recorded as it is issued, and the next sub-group is made while it is in flight.
+A slot is made again only once the future of its previous write is done; several writes
+completing together share one group commit. The slots are blocks of the manager's host
+tier (:meth:`TierManager.reserve_room`: 4 KiB-aligned arena memory, already faulted in,
+and charged to the host budget, so the creation's memory stays within the budgets);
+where there is no host tier, or a slot can never fit its budget, they are mapped with
+:func:`tiers.buffers.allocate` instead.
 
 States of one slot::
 
@@ -24,14 +27,13 @@ States of one slot::
                                           future failed: the error is raised by the
                                           next put() or finish(); the key is gone
 
-Data and crashes: the manager keeps a reference to the slot's tensor until its write
-ended, so even a slot this writer stopped waiting for (a timeout, an interrupt) is never
-freed under the I/O; :meth:`InitialWriter.drain` waits for what is in flight before the
-caller undoes its registrations. A crash at any instant leaves the store as a crash
-during any write does: each key's write becomes part of the durable state only with its
-group commit, and a store opened after a crash during an optimizer's creation is a store
-the caller never finished making (``swapper.offload`` opens only stores whose snapshot
-committed).
+Data and crashes: a slot whose write has not ended is never given back: if the writer
+stops waiting (a failure elsewhere, a timeout, an interrupt), the slot goes back to the
+host tier only from its write's completion. A crash at any instant leaves the store as a
+crash during any write does: each key's write becomes part of the durable state only with
+its group commit, and a store opened after a crash during an optimizer's creation is a
+store the caller never finished making (``swapper.offload`` opens only stores whose
+snapshot committed).
 """
 
 from __future__ import annotations
@@ -43,31 +45,34 @@ from collections.abc import Callable
 
 import torch
 
-from swapper.manager import Kind, ManagerTimeout, TierManager
+from swapper.manager import Kind, ManagerTimeout, Tier, TierManager
 from swapper.step.compress import MomentCodec
 from swapper.step.layout import SubGroup
 from tiers import buffers
+from tiers.budget import BudgetExceededError
 from tiers.signals import wait_future
 
 __all__ = ["InitialWriter", "writes_in_flight"]
 
-#: At most this many bytes of slots (page-aligned memory besides the manager's budgets,
-#: held only while the state is created).
+#: At most this many bytes of slots, and at most a quarter of the host budget.
 SLOTS_NBYTES = 640 << 20
 #: Slots: one filling while the others' writes are in flight. Four kept the disk busy at
 #: 400 M parameters (sub-groups of 96 MB) on the 2-core VM; two is the least that overlaps.
 MAX_SLOTS = 4
 
 
-def writes_in_flight(slot_nbytes: int) -> int:
+def writes_in_flight(slot_nbytes: int, host_nbytes: int | None = None) -> int:
     """How many slots of ``slot_nbytes`` to use: :data:`MAX_SLOTS`, fewer where they would
-    pass :data:`SLOTS_NBYTES`, at least 2."""
-    return max(2, min(MAX_SLOTS, SLOTS_NBYTES // max(1, slot_nbytes)))
+    pass :data:`SLOTS_NBYTES` or a quarter of ``host_nbytes`` (the host budget, None:
+    unlimited), at least 2."""
+    cap = SLOTS_NBYTES if host_nbytes is None else min(SLOTS_NBYTES, host_nbytes // 4)
+    return max(2, min(MAX_SLOTS, cap // max(1, slot_nbytes)))
 
 
 @dataclasses.dataclass
 class _Slot:
-    memory: buffers.HostBuffer
+    memory: torch.Tensor  # uint8, page-aligned
+    release: Callable[[], None]  # gives the memory back (once its write has ended)
     future: concurrent.futures.Future[None] | None = None
     key: str = ""
 
@@ -104,16 +109,37 @@ class InitialWriter:
             slot_nbytes = max((sg.state_nbytes for sg in sub_groups), default=0)
         else:
             slot_nbytes = 3 * largest * 4
-        self.depth = writes_in_flight(slot_nbytes)
+        host = manager.config.host_nbytes
+        self.depth = writes_in_flight(slot_nbytes, host)
+        count = min(self.depth, len(sub_groups))
+        # From the host tier only where the slots leave half its budget to the rest (a
+        # budget of one sub-group, the least the optimizer accepts, could never hold two
+        # slots: the second would wait for room the first holds).
+        in_host = host is None or count * slot_nbytes <= host // 2
         self._slots: list[_Slot] = []
+        self._queue: collections.deque[_Slot] = collections.deque()
+        self._failed: set[str] = set()  # keys whose writes failed (gone from the manager)
         try:
-            for _ in range(min(self.depth, len(sub_groups))):
-                self._slots.append(_Slot(buffers.allocate(slot_nbytes, lock=False, pin=False)))
+            for _ in range(count):
+                self._slots.append(self._slot(slot_nbytes, in_host))
         except BaseException:
             self.close()
             raise
-        self._queue: collections.deque[_Slot] = collections.deque(self._slots)
-        self._failed: set[str] = set()  # keys whose writes failed (gone from the manager)
+        self._queue.extend(self._slots)
+
+    def _slot(self, nbytes: int, in_host: bool) -> _Slot:
+        """A block of the host tier (charged to its budget), else mapped memory."""
+        if in_host:
+            try:
+                block = self.manager.reserve_room(
+                    Tier.HOST, nbytes, what="a slot of the initial optimizer state"
+                )
+            except (ValueError, BudgetExceededError):  # no host tier, or it never fits
+                pass
+            else:
+                return _Slot(block.tensor, block.release)
+        memory = buffers.allocate(nbytes, lock=False, pin=False)
+        return _Slot(memory.tensor, memory.close)
 
     def put(self, key: str, sg: SubGroup, fill: Callable[[SubGroup, torch.Tensor], None]) -> None:
         """Make ``sg``'s state in a free slot (``fill(sg, buffer)`` into a zeroed fp32
@@ -130,7 +156,8 @@ class InitialWriter:
         self._settle(slot)
         self._queue.rotate(-1)
         if self._fp32 is None:
-            state = slot.memory.view(torch.float32, (3, sg.padded_numel))
+            state = slot.memory[: 12 * sg.padded_numel].view(torch.float32)
+            state = state.view(3, sg.padded_numel)
             state.zero_()
             fill(sg, state)
             stored = state
@@ -138,7 +165,7 @@ class InitialWriter:
             state = self._fp32[:, : sg.padded_numel]
             state.zero_()
             fill(sg, state)
-            stored = self.codec.stored_form(sg, state, slot.memory.view(torch.uint8))
+            stored = self.codec.stored_form(sg, state, slot.memory)
         slot.future = self.manager.register_behind(key, stored, Kind.OPTIM_STATE)
         slot.key = key
 
@@ -182,9 +209,14 @@ class InitialWriter:
         return failed
 
     def close(self) -> None:
-        """Let the slots go (a slot whose write still runs is unmapped only when the
-        manager drops its tensor, at the write's end). Idempotent."""
+        """Give the slots back; one whose write still runs goes back from the write's
+        completion (its memory is never reused under the I/O). Idempotent."""
         for slot in self._slots:
-            slot.memory.close()
+            future = slot.future
+            if future is not None and not future.done():
+                future.add_done_callback(lambda _done, release=slot.release: release())
+            else:
+                slot.release()
         self._slots.clear()
+        self._queue.clear()
         self._fp32 = None
