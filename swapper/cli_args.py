@@ -28,6 +28,7 @@ import os
 import signal
 import sys
 from collections.abc import Callable, Iterator, Sequence
+from fractions import Fraction
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
@@ -221,16 +222,23 @@ def rate_per_day_arg(text: str) -> float:
 
 
 def count_arg(text: str) -> int:
-    """A count with an optional decimal suffix: ``200M``, ``25M``, ``1.5G``, ``4096``."""
+    """A count with an optional decimal suffix: ``200M``, ``25M``, ``1.5G``, ``2.2B``, ``4096``.
+
+    ``K``, ``M``, ``G`` (or ``B``, as in "a 7B model") and ``T`` are powers of 1000; the
+    product is exact (``Fraction``), so ``2.17B`` is 2,170,000,000 with no float rounding.
+    """
     text = text.strip()
-    scale = {"K": 10**3, "M": 10**6, "G": 10**9}.get(text[-1:].upper(), 1)
+    scale = {"K": 10**3, "M": 10**6, "G": 10**9, "B": 10**9, "T": 10**12}.get(text[-1:].upper(), 1)
     number = text[:-1] if scale != 1 else text
     try:
-        value = float(number) * scale
+        # float first: it refuses what is not a number and lets inf/nan/1e400 be caught below.
+        approx = float(number) * scale
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a count (e.g. 200M)") from None
-    # inf and nan are floats too: refuse them here rather than overflow in int() below.
-    if not math.isfinite(value) or value != int(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a count (e.g. 200M, 2B)") from None
+    if not math.isfinite(approx):
+        raise argparse.ArgumentTypeError(f"{text!r} must be a whole number > 0")
+    value = Fraction(number) * scale
+    if value.denominator != 1 or value <= 0:
         raise argparse.ArgumentTypeError(f"{text!r} must be a whole number > 0")
     return int(value)
 

@@ -123,9 +123,14 @@ def test_count_suffixes() -> None:
     assert _count("1.5G") == 1_500_000_000
     assert _count("4096") == 4096
     assert _count("25k") == 25_000
+    assert _count("2.2B") == _count("2.2G") == 2_200_000_000
+    assert _count("2.17B") == 2_170_000_000
+    assert _count("1T") == 10**12
 
 
-@pytest.mark.parametrize("text", ["0", "-5", "inf", "-inf", "nan", "1e400", "2.5", "abc", "M"])
+@pytest.mark.parametrize(
+    "text", ["0", "-5", "inf", "-inf", "nan", "1e400", "2.5", "abc", "M", "B", "1.0000000001K"]
+)
 def test_count_refuses_what_is_not_a_positive_whole_number(text: str) -> None:
     with pytest.raises(argparse.ArgumentTypeError):
         _count(text)

@@ -84,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=count_arg,
         default=2_000_000,
         metavar="N",
-        help="model parameters, e.g. 2M, 100M (default 2M)",
+        help="model parameters, e.g. 2M, 100M, 2.2B (default 2M)",
     )
     p.add_argument("--steps", type=at_least_arg(1), default=5, metavar="N", help="default 5")
     p.add_argument("--seed", type=int_arg, default=0, help="model and data (default 0)")
