@@ -301,10 +301,13 @@ class StepPipeline:
         extra_keys: Callable[[SubGroup], list[str]] | None = None,
         timeout_s: float | None = None,
         order: Sequence[int] | None = None,
+        ahead: Callable[[SubGroup], None] | None = None,
     ) -> None:
         """Bring every sub-group to step ``step``, in ``order`` (a permutation of the
         sub-group indices; ``None``: by index). The order changes no result: each
-        sub-group's update reads only its own state and gradients.
+        sub-group's update reads only its own state and gradients. ``ahead(sg)`` is
+        called for each sub-group as its state is read ahead (to read ahead what its
+        compute and publish will read besides: gradients, parameters).
 
         For each sub-group not yet at ``step``: fetch its state (read ahead), ``compute``
         on it (which updates the state in place), ``publish`` the result (the 16-bit
@@ -325,7 +328,7 @@ class StepPipeline:
         # bookkeeping below is exact, or when it ends; never between a fetch and the
         # record of it, nor between a compute and its mark.
         with signals.at_waits:
-            self._run(step, compute, publish, extra_keys, timeout_s, order)
+            self._run(step, compute, publish, extra_keys, timeout_s, order, ahead)
 
     def _run(
         self,
@@ -335,6 +338,7 @@ class StepPipeline:
         extra_keys: Callable[[SubGroup], list[str]] | None,
         timeout_s: float | None,
         order: Sequence[int] | None,
+        ahead: Callable[[SubGroup], None] | None = None,
     ) -> None:
         extra = extra_keys or (lambda sg: [])
         if self.auto:  # budgets and the parameters' share change between steps
@@ -356,7 +360,7 @@ class StepPipeline:
                         # One short of the window before k computes: the farthest one is
                         # asked for once k's eviction is queued (below), see _read_ahead.
                         depth = min(self.readahead, max(1, self.readahead - 1))
-                        self._read_ahead(compute_todo, position[sg.index] + 1, extra, depth)
+                        self._read_ahead(compute_todo, position[sg.index] + 1, extra, depth, ahead)
 
                     self._compute_one(sg, compute, publish, extra(sg), step, timeout_s, read_ahead)
                 elif progress.published < step:
@@ -366,7 +370,9 @@ class StepPipeline:
                 else:
                     writes[index] = self.manager.evict(self.key(index), Tier.NVME)
                 if computing:
-                    self._read_ahead(compute_todo, position[index] + 1, extra, self.readahead)
+                    self._read_ahead(
+                        compute_todo, position[index] + 1, extra, self.readahead, ahead
+                    )
         except BaseException as exc:  # raised below, once the writes have ended
             error = exc
         finally:
@@ -391,9 +397,10 @@ class StepPipeline:
         start: int,
         extra: Callable[[SubGroup], list[str]],
         depth: int,
+        ahead: Callable[[SubGroup], None] | None = None,
     ) -> None:
         """Ask the manager to read ahead ``order[start : start + depth]`` (keys already
-        asked for are skipped by the manager).
+        asked for are skipped by the manager), and ``ahead`` for each, state first.
 
         Why the window's far end waits for the eviction of the sub-group before it: the
         manager runs read-aheads and evictions on the same few mover threads, in the
@@ -411,6 +418,9 @@ class StepPipeline:
             keys.extend(extra(sg))
         if keys:
             self.manager.prefetch(keys)
+        if ahead is not None:
+            for sg in order[start : start + depth]:
+                ahead(sg)
 
     def _compute_one(
         self,
