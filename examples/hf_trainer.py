@@ -10,25 +10,15 @@ Runs in well under a minute::
     python examples/hf_trainer.py                      # swap files under ./swap
     python examples/hf_trainer.py --steps 20 --swap-dir /nvme/swap --out ./tiny-llama
 
-How swapper meets the Trainer (each such line below is marked ``# swapper:``):
-
-- wrap the model with ``swapper.offload(model, config)`` and give the Trainer the model
-  itself (its hooks now fetch the weights; the wrapper's ``config`` attribute is swapper's,
-  and the Trainer writes to ``model.config``);
-- give the Trainer swapper's optimizer: ``optimizers=(OffloadAdamW(...), None)`` (the
-  Trainer makes its learning-rate schedule over it as usual), and a callback that calls the
-  optimizer's ``zero_grad()`` after each step: the Trainer calls only ``model.zero_grad()``,
-  which does not reach the gradients swapper retains;
-- clip in swapper (``StepConfig(max_grad_norm=...)``) with ``max_grad_norm=0`` in the
-  ``TrainingArguments``: gradients are moved into swapper's buffers as backward makes them,
-  so the Trainer's clipping would see none (its logged ``grad_norm`` is 0; swapper's is
-  ``optimizer.last_step.grad_norm``);
-- enable activation checkpointing on the model before wrapping it, so that ``offload``
-  checks the device budget against what a recompute holds (with
-  ``TrainingArguments(gradient_checkpointing=True)`` it is enabled later, and a budget too
-  small fails at the first backward instead);
-- leaving the ``with`` block gives the model back with real weights; ``save_pretrained``
-  works inside the block too.
+The Trainer is ``swapper.hf.Trainer``, ``transformers.Trainer`` with one more argument,
+``offload=`` (an ``OffloadConfig``, or a DeepSpeed JSON file's path): the line marked
+``# swapper:`` below. It wraps the model while ``train()`` runs (after turning on
+``args.gradient_checkpointing``, so the device budget is checked against what a recompute
+holds), makes swapper's optimizer over the trainable parameters with the arguments'
+learning rate and schedule, clips at ``args.max_grad_norm`` and logs the real
+``grad_norm``, clears swapper's gradients after each step, and saves and resumes
+checkpoints through swapper's snapshots (``train(resume_from_checkpoint=...)`` is
+bit-exact). After ``train()`` the model holds its trained weights as ordinary tensors.
 """
 
 from __future__ import annotations
@@ -45,14 +35,15 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything is built from a confi
 import torch
 
 import swapper
-from swapper import OffloadAdamW, OffloadConfig, StepConfig, Tier
+import swapper.hf
+from swapper import OffloadConfig, StepConfig
 from tiers.units import format_size
 
 VOCAB = 256
 SEQ = 32
 
 
-def build_model(checkpointing: bool) -> torch.nn.Module:
+def build_model() -> torch.nn.Module:
     """A tiny random Llama in bf16, made as ``from_pretrained(dtype=torch.bfloat16)`` would."""
     import transformers
 
@@ -66,24 +57,7 @@ def build_model(checkpointing: bool) -> torch.nn.Module:
         num_key_value_heads=2,
         max_position_embeddings=SEQ,
     )
-    model = transformers.LlamaForCausalLM._from_config(config, dtype=torch.bfloat16)
-    if checkpointing:  # HF's default: non-reentrant
-        enable = getattr(model, "activation_checkpointing_enable", None)
-        (enable or model.gradient_checkpointing_enable)()
-    return model
-
-
-def zero_grads_callback(optimizer: OffloadAdamW) -> object:
-    """A ``TrainerCallback`` calling ``optimizer.zero_grad()`` at the end of each step."""
-    import transformers
-
-    class ZeroGrads(transformers.TrainerCallback):
-        def on_step_end(
-            self, args: object, state: object, control: object, **kwargs: object
-        ) -> None:
-            optimizer.zero_grad()  # swapper: the Trainer's model.zero_grad() does not
-
-    return ZeroGrads()
+    return transformers.LlamaForCausalLM._from_config(config, dtype=torch.bfloat16)
 
 
 def dataset(n: int) -> list[dict[str, torch.Tensor]]:
@@ -116,16 +90,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps < 1:
         parser.error("--steps must be at least 1")
 
-    model = build_model(checkpointing=not args.no_checkpointing)
+    model = build_model()
     # Tight budgets: the device tier holds about two of the largest modules (the embedding,
     # 32 KiB; a recompute holds two projections of one layer), the host tier less than
     # the weights, gradients and 12 B/parameter of AdamW state: the rest goes to NVMe.
-    config = OffloadConfig.create(  # swapper:
+    config = OffloadConfig.create(
         device=args.device,  # the device tier: "cuda" on a GPU machine
         device_nbytes=64 * 1024,
         host_nbytes=1024 * 1024,
         nvme_dirs=[args.swap_dir],
-        step=StepConfig(sub_group_numel=32 * 1024, max_grad_norm=1.0),
+        step=StepConfig(sub_group_numel=32 * 1024),
     )
     with tempfile.TemporaryDirectory(prefix="hf-trainer-") as trainer_dir:
         return train(args, model, config, Path(trainer_dir))
@@ -146,7 +120,8 @@ def train(
         learning_rate=1e-2,
         weight_decay=0.01,
         warmup_steps=1,
-        max_grad_norm=0.0,  # swapper: clipped by OffloadAdamW (StepConfig.max_grad_norm)
+        max_grad_norm=1.0,  # clipped by swapper's step; the real norm is logged
+        gradient_checkpointing=not args.no_checkpointing,  # (non-reentrant: HF's default)
         use_cpu=args.device == "cpu",  # on a GPU the Trainer's model.to() is accepted
         save_strategy="no",
         report_to="none",
@@ -155,37 +130,24 @@ def train(
         seed=0,
     )
     started = time.perf_counter()
-    with (
-        swapper.offload(model, config) as wrapped,  # swapper:
-        OffloadAdamW(  # swapper:
-            wrapped.parameters(), lr=1e-2, weight_decay=0.01, tiers=wrapped
-        ) as optimizer,
-    ):
-        trainer = transformers.Trainer(
-            model=model,  # its hooks fetch the weights from swapper's tiers
-            args=training_args,
-            train_dataset=dataset(args.steps * 8),
-            optimizers=(optimizer, None),  # swapper: the Trainer schedules its lr
-            callbacks=[zero_grads_callback(optimizer)],  # swapper:
-        )
-        result = trainer.train()
-        stats = wrapped.stats()
-        last = optimizer.last_step
-    # Left the block: the model holds its trained weights as ordinary tensors again.
+    trainer = swapper.hf.Trainer(  # swapper:
+        model=model, args=training_args, train_dataset=dataset(args.steps * 8), offload=config
+    )
+    result = trainer.train()
     seconds = time.perf_counter() - started
-    losses = [row["loss"] for row in trainer.state.log_history if "loss" in row]
+    logs = [row for row in trainer.state.log_history if "loss" in row]
+    losses = [row["loss"] for row in logs]
+    norms = [row["grad_norm"] for row in logs]
     print(
         f"trained {args.steps} steps in {seconds:.1f} s; loss per step: "
         + " ".join(f"{x:.3f}" for x in losses)
     )
     print(
-        f"parameters: {format_size(params_nbytes)} in bf16; written to NVMe: "
-        f"{format_size(stats.moved(Tier.HOST, Tier.NVME).nbytes)}, read back: "
-        f"{format_size(stats.moved(Tier.NVME, Tier.HOST).nbytes)}; last step's gradient "
-        f"norm (before clipping to 1.0): {last.grad_norm if last else float('nan'):.3f}"
+        f"parameters: {format_size(params_nbytes)} in bf16; gradient norm per step (before "
+        "clipping to 1.0): " + " ".join(f"{x:.3f}" for x in norms)
     )
     if args.out is not None:
-        model.save_pretrained(args.out)
+        trainer.save_model(str(args.out))  # the trained weights (the model is plain again)
         print(f"saved to {args.out}")
     if not losses or losses[-1] >= losses[0]:
         print("the loss did not go down", file=sys.stderr)

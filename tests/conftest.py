@@ -8,7 +8,9 @@
   unmounts it at teardown; returns None where mounting is impossible so a test can fall
   back to fault injection.
 * ``remount_readonly``: makes such a mount read-only (works for root too).
-* hypothesis's storage (example database, patches) goes under pytest's basetemp.
+* hypothesis's storage (example database, patches) goes under pytest's basetemp; its
+  per-example deadline is off (profile ``swapper``): CI shares two cores with other work, and
+  speed is measured by benchmarks, not by a test's timer.
 * ``fd_count``: how many descriptors this process has open (``/proc/self/fd``).
 """
 
@@ -21,11 +23,15 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 from hypothesis.configuration import set_hypothesis_home_dir
 
 from tiers.aio import probe_backend
 from tiers.config import Backend
 from tiers.errors import BackendUnavailableError
+
+settings.register_profile("swapper", deadline=None)
+settings.load_profile("swapper")
 
 
 def _probe_all() -> dict[Backend, str | None]:

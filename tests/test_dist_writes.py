@@ -116,6 +116,9 @@ def test_dtype_refusal_names_the_dtypes_and_parameters() -> None:
     assert "several dtypes are not supported yet" in both
     only = dtype_refusal([("x", fp32)])
     assert only is not None and "float32: 1 ('x')" in only and "bf16 or fp16" in only
+    adapters = dtype_refusal([("q.base_layer.weight", bf16), ("q.lora_A.default.weight", fp32)])
+    assert adapters is not None and "autocast_adapter_dtype=False" in adapters
+    assert "autocast_adapter_dtype" not in mixed
 
 
 # -- contiguous ownership and the measured offload ---------------------------------------

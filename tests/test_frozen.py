@@ -19,7 +19,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import swapper
-from swapper import Kind, OffloadAdamW, OffloadConfig, StepConfig, Tier
+from swapper import Kind, OffloadAdamW, OffloadConfig, StepConfig, SwapConfigError, Tier
 from swapper.manager import ManagerStats
 from swapper.zero.model.frozen import TrainableSetChanged
 
@@ -39,7 +39,9 @@ class Adapted(nn.Module):
         self.lora_b = nn.Linear(R, d_out, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.base(x) + self.lora_b(self.lora_a(x))
+        # fp32 adapters (PEFT's way): their input cast up, their output down (no-ops in bf16)
+        lora = self.lora_b(self.lora_a(x.to(self.lora_a.weight.dtype)))
+        return self.base(x) + lora.to(x.dtype)
 
 
 class Block(nn.Module):
@@ -77,13 +79,20 @@ class Net(nn.Module):
         return self.head(h)
 
 
-def _net(ckpt: str = "none") -> Net:
+def _net(ckpt: str = "none", fp32: bool = False) -> Net:
+    """The model in bf16; ``fp32``: its adapters in fp32 over the bf16 base (as PEFT's
+    default autocast_adapter_dtype=True keeps them)."""
     model = Net(ckpt)
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for param in model.parameters():
             param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
-    return model.to(torch.bfloat16)
+    model = model.to(torch.bfloat16)
+    if fp32:
+        for name, sub in model.named_modules():
+            if name.rsplit(".", 1)[-1].startswith("lora_"):
+                sub.float()
+    return model
 
 
 def _nbytes(model: nn.Module, *, trainable: bool | None = None) -> int:
@@ -124,8 +133,8 @@ class Run:
     written: set[str] = dataclasses.field(default_factory=set)  # released as modified
 
 
-def _train(config: OffloadConfig, ckpt: str = "none") -> Run:
-    model = _net(ckpt)
+def _train(config: OffloadConfig, ckpt: str = "none", fp32: bool = False) -> Run:
+    model = _net(ckpt, fp32)
     run = Run([], {})
     with swapper.offload(model, config) as wrapped:
         manager = wrapped.manager
@@ -165,9 +174,10 @@ def _train(config: OffloadConfig, ckpt: str = "none") -> Run:
 def plain_steps(model: nn.Module, losses: Iterable[Callable[[], torch.Tensor]]) -> list[float]:
     """The reference: each loss (a call of the bf16 model) backpropagated, fp32 masters of
     the trainable parameters only stepped by torch.optim.AdamW(fused=True) and rounded
-    back into the bf16 parameters; the losses."""
+    back into the bf16 parameters (an fp32 parameter is its own master: stepped itself);
+    the losses."""
     params = [p for p in model.parameters() if p.requires_grad]
-    masters = [p.detach().float().clone() for p in params]
+    masters = [p if p.dtype == torch.float32 else p.detach().float().clone() for p in params]
     optimizer = torch.optim.AdamW(
         masters, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY, fused=True
     )
@@ -177,29 +187,35 @@ def plain_steps(model: nn.Module, losses: Iterable[Callable[[], torch.Tensor]]) 
         loss.backward()
         for param, master in zip(params, masters, strict=True):
             assert param.grad is not None
-            master.grad = param.grad.float()
-            param.grad = None
+            if master is not param:
+                master.grad = param.grad.float()
+                param.grad = None
         optimizer.step()
         with torch.no_grad():
             for param, master in zip(params, masters, strict=True):
-                param.copy_(master)
+                if master is param:
+                    param.grad = None
+                else:
+                    param.copy_(master)
         out.append(loss.item())
     return out
 
 
-def _train_plain(ckpt: str = "none") -> Run:
-    model = _net(ckpt)
+def _train_plain(ckpt: str = "none", fp32: bool = False) -> Run:
+    model = _net(ckpt, fp32)
     steps = [lambda x=x, y=y: _loss(model(x), y) for x, y in _data()]
     losses = plain_steps(model, steps)
     return Run(losses, {k: v.detach().clone() for k, v in model.state_dict().items()})
 
 
-def _tight(tmp_path: Path) -> OffloadConfig:
+def _tight(tmp_path: Path, fp32: bool = False) -> OffloadConfig:
+    # fp32 adapters: their fp32 gradients stay in host memory (never on NVMe) beside it
+    grads32 = 4 * _nbytes(_net(), trainable=True) // 2 if fp32 else 0
     return OffloadConfig.create(
         nvme_dirs=[tmp_path / "nvme"],
         device="cpu",
         device_nbytes=DEVICE_NBYTES,
-        host_nbytes=HOST_NBYTES,
+        host_nbytes=HOST_NBYTES + grads32,
         step=StepConfig(sub_group_numel=SUB_GROUP_NUMEL),
     )
 
@@ -215,18 +231,19 @@ def _assert_same(a: Run, b: Run) -> None:
         assert torch.equal(a.params[name], b.params[name]), f"{name} differs"
 
 
+@pytest.mark.parametrize("fp32", [False, True], ids=["bf16-adapters", "fp32-adapters"])
 @pytest.mark.parametrize("ckpt", ["none", "non-reentrant", "reentrant"])
 def test_frozen_base_trains_within_a_quarter_budget_bit_identical(
-    ckpt: str, tmp_path: Path
+    ckpt: str, fp32: bool, tmp_path: Path
 ) -> None:
-    tight = _train(_tight(tmp_path), ckpt)
-    free = _train(_unlimited(), ckpt)
-    plain = _train_plain(ckpt)
+    tight = _train(_tight(tmp_path, fp32), ckpt, fp32)
+    free = _train(_unlimited(), ckpt, fp32)
+    plain = _train_plain(ckpt, fp32)
 
     _assert_same(tight, free)
     _assert_same(tight, plain)
     assert len(set(tight.losses)) > 1  # it trains
-    initial = _net().state_dict()
+    initial = _net(fp32=fp32).state_dict()
     for name, value in tight.params.items():
         trainable = "lora_" in name
         assert torch.equal(value, initial[name]) is not trainable, name
@@ -238,7 +255,7 @@ def test_frozen_base_trains_within_a_quarter_budget_bit_identical(
     assert tight.stats.kind_nbytes.get((Kind.PARAM16, Tier.HOST, Tier.NVME), 0) > 0
     assert tight.stats.kind_nbytes.get((Kind.PARAM16, Tier.NVME, Tier.HOST), 0) > 0
 
-    model = _net()
+    model = _net(fp32=fp32)
     trainable_numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
     frozen = {f"param/{n}" for n, p in model.named_parameters() if not p.requires_grad}
     for run in (tight, free):
@@ -253,7 +270,10 @@ def test_frozen_base_trains_within_a_quarter_budget_bit_identical(
     # ... so the 16-bit parameters written to NVMe are at most the frozen ones once and
     # the trainable ones once per step (and the initial write)
     written = tight.stats.kind_nbytes.get((Kind.PARAM16, Tier.HOST, Tier.NVME), 0)
-    trainable_nbytes = _nbytes(model, trainable=True)
+    trainable_nbytes = _nbytes(model, trainable=True) * (2 if fp32 else 1)
+    # fp32 adapters: gradients retained in fp32, never written to NVMe
+    grads32 = [k for k in tight.stats.kind_nbytes if k[0] is Kind.GRAD32]
+    assert not [k for k in grads32 if Tier.NVME in k[1:]]
     assert written <= _nbytes(model, trainable=False) + (STEPS + 1) * trainable_nbytes
 
 
@@ -300,3 +320,23 @@ def test_frozen_parameters_given_to_the_optimizer_get_no_state() -> None:
     ):
         kept = [p for group in optimizer.param_groups for p in group["params"]]
         assert kept == [p for p in model.parameters() if p.requires_grad]
+
+
+def test_a_module_wrapped_twice_is_refused_naming_it(tmp_path: Path) -> None:
+    """An adapted module inside a wrapped model, or a model around a wrapped adapted
+    module, is refused before anything moves (its parameters would be placed twice, the
+    second time as empty placeholders)."""
+    model = _net()
+    inner = r"module 'blocks\.1\.up' of a wrapped Net"
+    with swapper.offload(model, _unlimited()), pytest.raises(SwapConfigError, match=inner):
+        swapper.offload(model.blocks[1].up, _unlimited())
+    model = _net()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    outer = r"module 'blocks\.1\.up' \(Adapted\) of this Net"
+    with (
+        swapper.offload(model.blocks[1].up, _unlimited()),
+        pytest.raises(SwapConfigError, match=outer),
+    ):
+        swapper.offload(model, _unlimited())
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, before[name]), name  # nothing moved, nothing lost

@@ -29,6 +29,8 @@ from swapper.manager import (
     EntryState,
     Kind,
     ManagerConfig,
+    ManagerIOTimeout,
+    ManagerTimeout,
     NotDurableError,
     Tier,
     TierManager,
@@ -39,6 +41,7 @@ from tiers.aio.requests import Op, _Piece
 from tiers.config import AioConfig, Backend
 from tiers.errors import IOTimeoutError
 from tiers.nvme.futures import StoreFuture
+from tiers.signals import wait_progressing
 
 KiB = 1024
 TIMEOUT_S = 1.0
@@ -49,12 +52,14 @@ HANG_S = 30.0
 
 
 class Gate:
-    """Blocks the thread backend's reads or writes (``arm``) until ``release``."""
+    """Blocks the thread backend's reads or writes (``arm``) until ``release``; or, with
+    ``slow``, makes each of them take that many seconds (a slow disk, not a stuck one)."""
 
     def __init__(self) -> None:
         self.op: Op | None = None
         self.opened = threading.Event()
         self.stuck: list[tuple[str, int, int]] = []  # (file, offset, nbytes) blocked
+        self.slow: dict[Op, float] = {}
 
     def arm(self, op: Op) -> None:
         self.op = op
@@ -71,6 +76,8 @@ def gate(monkeypatch: pytest.MonkeyPatch) -> Iterator[Gate]:
     real = _ThreadContext._run
 
     def run(self: _ThreadContext, piece: _Piece) -> None:
+        if piece.request.op in g.slow:
+            time.sleep(g.slow[piece.request.op])
         if g.op is not None and piece.request.op is g.op:
             g.stuck.append((str(piece.request.file.path), piece.offset, piece.nbytes))
             g.opened.wait(HANG_S)
@@ -147,6 +154,21 @@ def _tensor(seed: int, numel: int = 4096) -> torch.Tensor:
     return torch.randn(numel, generator=torch.Generator().manual_seed(seed))
 
 
+def _stuck_read_ahead(manager: TierManager, gate: Gate, key: str, seed: int) -> torch.Tensor:
+    """``key`` registered, written to NVMe, and read ahead with the read blocked (issued):
+    its tensor."""
+    t = _tensor(seed)
+    manager.register(key, t, Kind.OPTIM_STATE)
+    manager.evict(key, Tier.NVME).result(timeout=HANG_S)
+    gate.arm(Op.READ)
+    assert manager.prefetch([key], Tier.HOST) == 1
+    deadline = time.monotonic() + HANG_S
+    while not gate.stuck:  # the read-ahead's read is issued (and blocked)
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    return t
+
+
 def _names_the_stuck_piece(error: IOTimeoutError, gate: Gate, key: str) -> None:
     path, offset, nbytes = gate.stuck[0]
     assert (error.path, error.offset, error.nbytes) == (path, offset, nbytes)
@@ -196,6 +218,140 @@ def test_stuck_write_fails_the_eviction_future_and_keeps_the_data(
     manager.release("b")
 
 
+def test_a_stuck_registration_write_names_the_file_and_offset(tmp_path: Path, gate: Gate) -> None:
+    """A registration that goes straight to NVMe and whose write never ends raises a
+    ManagerIOTimeout: a ManagerTimeout (as documented) and an IOTimeoutError naming the
+    file and offset; once the write ends, the registration is undone and the key free."""
+    m = TierManager(_config(tmp_path, host_nbytes=8 * KiB, host_arena_nbytes=8 * KiB))
+    try:
+        gate.arm(Op.WRITE)
+        error, took = _within(lambda: m.register("r", _tensor(5, 8192), Kind.OPTIM_STATE))
+        assert isinstance(error, ManagerIOTimeout), repr(error)
+        assert isinstance(error, ManagerTimeout) and isinstance(error, IOTimeoutError)
+        assert TIMEOUT_S * 0.9 <= took <= TIMEOUT_S + SLACK_S
+        assert error.op == "write" and "register of key='r'" in str(error)
+        _names_the_stuck_piece(error, gate, "r")
+        gate.release()
+        deadline = time.monotonic() + HANG_S
+        while "r" in m:
+            assert time.monotonic() < deadline, "the abandoned registration was not undone"
+            time.sleep(0.01)
+    finally:
+        gate.release()
+        with contextlib.suppress(NotDurableError):
+            m.close()
+
+
+def test_a_fetch_waiting_for_a_stuck_read_ahead_names_the_file_and_offset(
+    manager: TierManager, gate: Gate
+) -> None:
+    """The fetch waits for another thread's transfer (a read-ahead whose read never
+    ends): its timeout names the read's file and offset, not only the key."""
+    e = _stuck_read_ahead(manager, gate, "e", 6)
+    error, took = _within(lambda: manager.fetch("e", Tier.HOST))
+    assert isinstance(error, ManagerIOTimeout), repr(error)
+    assert took <= TIMEOUT_S + SLACK_S
+    assert error.op == "read" and "key='e'" in str(error)
+    _names_the_stuck_piece(error, gate, "e")
+    gate.release()
+    _settles(manager, "e", EntryState.RESIDENT)
+    assert torch.equal(manager.fetch("e", Tier.HOST), e)
+    manager.release("e", modified=False)
+
+
+def _slow_manager(tmp_path: Path) -> TierManager:
+    """One worker, one request at a time: requests queue behind each other."""
+    aio = AioConfig(backend=Backend.THREADS, num_threads=1, queue_depth=1)
+    return TierManager(_config(tmp_path, aio=aio, write_behind_nbytes=None))
+
+
+def test_a_slow_disk_does_not_fail_evictions_queued_behind_each_other(
+    tmp_path: Path, gate: Gate
+) -> None:
+    """Writes that each take 0.3 s, one at a time: six evictions issued together end
+    after ~1.8 s, past timeout_s (1 s) for the later ones, but the disk keeps completing
+    writes, so none is failed (a stuck one is: the tests above)."""
+    m = _slow_manager(tmp_path)
+    try:
+        tensors = {f"s{i}": _tensor(10 + i) for i in range(6)}
+        for key, t in tensors.items():
+            m.register(key, t, Kind.OPTIM_STATE)
+        gate.slow[Op.WRITE] = 0.3
+        start = time.monotonic()
+        futures = [m.evict(key, Tier.NVME) for key in tensors]
+        errors, took = _within(lambda: [f.exception(timeout=HANG_S) for f in futures])
+        assert took > TIMEOUT_S * 1.2  # it really ran past the timeout
+        assert errors == [None] * len(tensors), errors
+        assert time.monotonic() - start < HANG_S
+        gate.slow.clear()
+        for key, t in tensors.items():
+            assert torch.equal(m.fetch(key, Tier.HOST), t)
+            m.release(key, modified=False)
+    finally:
+        gate.slow.clear()
+        with contextlib.suppress(NotDurableError):
+            m.close()
+
+
+def test_a_slow_disk_does_not_fail_a_fetch_waiting_behind_read_ahead(
+    tmp_path: Path, gate: Gate
+) -> None:
+    """Reads that each take 0.3 s, one at a time: a fetch of the last of six keys read
+    ahead together waits ~1.8 s for another thread's read, past timeout_s (1 s), and gets
+    its tensor, since the disk keeps completing reads."""
+    m = _slow_manager(tmp_path)
+    try:
+        tensors = {f"r{i}": _tensor(20 + i) for i in range(6)}
+        for key, t in tensors.items():
+            m.register(key, t, Kind.OPTIM_STATE)
+            m.evict(key, Tier.NVME).result(timeout=HANG_S)
+        gate.slow[Op.READ] = 0.3
+        keys = list(tensors)
+        assert m.prefetch(keys, Tier.HOST) == len(keys)
+        last = keys[-1]
+        deadline = time.monotonic() + HANG_S
+        while m.info(last).state is not EntryState.READING:  # its read is queued
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        got, took = _within(lambda: m.fetch(last, Tier.HOST))
+        assert isinstance(got, torch.Tensor), repr(got)
+        assert took > TIMEOUT_S  # it really waited past the timeout
+        assert torch.equal(got, tensors[last])
+        m.release(last, modified=False)
+    finally:
+        gate.slow.clear()
+        with contextlib.suppress(NotDurableError):
+            m.close()
+
+
+def test_wait_progressing_waits_while_the_disk_moves_and_stops_when_it_stops() -> None:
+    """The rule every wait for a request uses: past the deadline it waits on while
+    ``progress()`` is within the window, and gives up a window after the last one."""
+    future: Future[int] = Future()
+    last = [time.monotonic()]
+    stop = threading.Event()
+
+    def disk() -> None:  # completes something every 0.1 s for 1.5 s, then nothing
+        end = time.monotonic() + 1.5
+        while time.monotonic() < end and not stop.is_set():
+            time.sleep(0.1)
+            last[0] = time.monotonic()
+
+    thread = threading.Thread(target=disk, daemon=True)
+    thread.start()
+    try:
+        start = time.monotonic()
+        done = wait_progressing(future, start + 0.5, lambda: last[0], "test")
+        took = time.monotonic() - start
+        assert not done
+        assert 1.5 + 0.5 * 0.9 <= took <= 1.5 + 0.5 + SLACK_S  # a window after the last
+        future.set_result(1)
+        assert wait_progressing(future, time.monotonic(), lambda: last[0], "test")
+    finally:
+        stop.set()
+        thread.join(HANG_S)
+
+
 def test_close_returns_within_its_timeout_naming_what_is_not_durable(
     manager: TierManager, gate: Gate
 ) -> None:
@@ -216,15 +372,7 @@ def test_close_returns_within_its_timeout_naming_what_is_not_durable(
 def test_close_with_a_stuck_read_ahead_returns_within_its_timeout(
     manager: TierManager, gate: Gate
 ) -> None:
-    d = _tensor(4)
-    manager.register("d", d, Kind.OPTIM_STATE)
-    manager.evict("d", Tier.NVME).result(timeout=HANG_S)
-    gate.arm(Op.READ)
-    assert manager.prefetch(["d"], Tier.HOST) == 1
-    deadline = time.monotonic() + HANG_S
-    while not gate.stuck:  # the read-ahead's read is issued (and blocked)
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    _stuck_read_ahead(manager, gate, "d", 4)
     error, took = _within(manager.close)
     assert isinstance(error, NotDurableError), repr(error)
     assert took <= TIMEOUT_S + SLACK_S

@@ -145,3 +145,24 @@ def test_accounting_property(tmp_path_factory: pytest.TempPathFactory, plan: lis
         written = _written(manager)
         assert {k.value: written[k.value] for k in Kind} == expected
         _store_agrees(manager)
+
+
+def test_snapshot_names_do_not_grow_the_write_accounting(manager: TierManager) -> None:
+    """Many snapshots, each under a new name and dropped after: the process-wide table of
+    metadata bytes holds one counter for all of a store's snapshot files (not one per name,
+    which a long run naming each snapshot anew would grow for ever), and counts them all."""
+    from tiers.nvme import metafiles
+
+    manager.register("x", torch.ones(1024), Kind.OPTIM_STATE)
+    store = manager._ctx.nvme()
+    root = store._files.dirs[0]  # pyright: ignore[reportPrivateUsage]
+    mine = lambda: [p for p in metafiles._written if p.parent == root]  # noqa: E731
+    snapshot_manager(manager, "first")
+    keys = len(mine())
+    before = _written(manager)["snapshot"]
+    for i in range(30):
+        snapshot_manager(manager, f"step-{i}")
+        store.drop_snapshot(f"step-{i}")
+    assert len(mine()) == keys
+    assert _written(manager)["snapshot"] > before + 30 * 100  # each file counted
+    _store_agrees(manager)

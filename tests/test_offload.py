@@ -643,19 +643,26 @@ def test_device_budget_counts_tied_weights_held_through_backward() -> None:
     assert "blocks.0.mlp.fc" in str(info.value)
 
 
-def _half_fp32_model() -> nn.Sequential:
+def _half_fp64_model() -> nn.Sequential:
+    """fp32 beside a 16-bit base is accepted (PEFT's adapters: test_peft); fp64 is not."""
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
     model[0].to(torch.bfloat16)
+    model[1].to(torch.float64)
     return model
 
 
-def test_fp32_parameter_raises_naming_it() -> None:
-    with pytest.raises(SwapConfigError, match=r"'1\.weight'.*float32"):
-        swapper.offload(_half_fp32_model(), _unlimited())
+def test_fp64_parameter_raises_naming_it() -> None:
+    with pytest.raises(SwapConfigError, match=r"'1\.weight'.*float64"):
+        swapper.offload(_half_fp64_model(), _unlimited())
+
+
+def test_a_model_entirely_fp32_raises_naming_a_parameter() -> None:
+    with pytest.raises(SwapConfigError, match=r"every parameter is torch\.float32.*'0\.weight'"):
+        swapper.offload(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), _unlimited())
 
 
 def test_failed_wrap_leaves_model_intact() -> None:
-    model = _half_fp32_model()
+    model = _half_fp64_model()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(SwapConfigError):
         swapper.offload(model, _unlimited())

@@ -225,9 +225,97 @@ def test_peft_lora_example_runs(tmp_path: Path) -> None:
     assert (out / "adapter_model.safetensors").exists()
 
 
-def test_peft_default_fp32_adapters_refused_naming_the_adapter_and_the_fix() -> None:
-    config = peft.LoraConfig(r=8, target_modules=TARGETS, lora_dropout=0.0)
-    model = peft.get_peft_model(_base(), config)  # autocast_adapter_dtype=True: fp32 adapters
-    with pytest.raises(SwapConfigError, match=r"lora_A.*float32.*autocast_adapter_dtype=False"):
+def _lora32() -> nn.Module:
+    """PEFT's defaults: fp32 adapters over the bf16 base (autocast_adapter_dtype=True)."""
+    config = peft.LoraConfig(r=8, lora_alpha=16, target_modules=TARGETS, lora_dropout=0.0)
+    torch.manual_seed(1)
+    model = peft.get_peft_model(_base(), config)
+    with torch.no_grad():
+        generator = torch.Generator().manual_seed(2)
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.01)
+    return model
+
+
+def _fp32_tight(tmp_path: Path, model: nn.Module) -> OffloadConfig:
+    """The quarter device budget, and a host budget of half the model's 16-bit bytes
+    plus the adapters' fp32 gradients (4 B per element, kept in memory: never on NVMe)."""
+    grads32 = sum(p.numel() * 4 for p in model.parameters() if p.requires_grad)
+    return OffloadConfig.create(
+        nvme_dirs=[tmp_path / "nvme"],
+        device="cpu",
+        device_nbytes=DEVICE_NBYTES,
+        host_nbytes=HOST_NBYTES + grads32,
+        step=StepConfig(sub_group_numel=4096),
+    )
+
+
+def test_peft_default_fp32_adapters_quarter_budget_bit_identical(tmp_path: Path) -> None:
+    """autocast_adapter_dtype=True (PEFT's default) unchanged: 10 steps under the
+    quarter budget, base on NVMe, bit-identical to unlimited budgets and to plain
+    AdamW over the fp32 adapters as their own masters; their gradients never on NVMe,
+    optimizer state of the adapters only, the frozen base never written back."""
+    tight_model, free_model, plain_model = _lora32(), _lora32(), _lora32()
+    config = _fp32_tight(tmp_path, tight_model)
+    written: set[str] = set()
+    losses = []
+    with (
+        swapper.offload(tight_model, config) as wrapped,
+        OffloadAdamW(wrapped.parameters(), **ADAM, tiers=wrapped) as optimizer,
+    ):
+        manager = wrapped.manager
+        release = manager.release
+
+        def spy(key: str, *, modified: bool = True) -> None:
+            if modified:
+                written.add(key)
+            release(key, modified=modified)
+
+        manager.release = spy  # type: ignore[method-assign]
+        for ids in _batches():
+            loss = _loss(wrapped, ids)
+            loss.backward()
+            keys = manager.keys()  # (a TierManager is not iterable)
+            kinds = {manager.info(k).kind for k in keys if k.startswith("grad/")}
+            assert kinds == {Kind.GRAD32}  # fp32 gradients, retained as fp32
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        stats = wrapped.stats()
+        keys = manager.keys()
+        infos = [manager.info(k) for k in keys]
+        state_nbytes = sum(i.nbytes for i in infos if i.kind is Kind.OPTIM_STATE)
+    free, _ = _train(free_model, _unlimited())
+    plain = _train_plain(plain_model)  # (the fp32 adapters their own masters)
+
+    assert losses == free == plain
+    assert len(set(losses)) > 1
+    _same_weights(tight_model, plain_model)
+    _same_weights(free_model, plain_model)
+    assert all(p.dtype == torch.float32 for p in tight_model.parameters() if p.requires_grad)
+    peak = stats.tiers[Tier.DEVICE].peak_nbytes
+    assert peak is not None and 0 < peak <= DEVICE_NBYTES
+    assert stats.kind_nbytes.get((Kind.PARAM16, Tier.NVME, Tier.HOST), 0) > 0  # base on NVMe
+    assert not [k for k in stats.kind_nbytes if k[0] is Kind.GRAD32 and Tier.NVME in k[1:]]
+    trainable = sum(p.numel() for p in plain_model.parameters() if p.requires_grad)
+    assert trainable * 12 <= state_nbytes <= (trainable + 2 * 4096) * 12  # (sub-group padding)
+    frozen = {f"param/{n}" for n, p in plain_model.named_parameters() if not p.requires_grad}
+    assert not written & frozen  # the base is only read
+
+
+def test_fp32_gradients_that_do_not_fit_in_memory_are_refused_at_wrap(tmp_path: Path) -> None:
+    model = _lora32()
+    config = OffloadConfig.create(
+        nvme_dirs=[tmp_path / "nvme"], device="cpu", device_nbytes=DEVICE_NBYTES, host_nbytes=4096
+    )
+    with pytest.raises(SwapConfigError, match=r"fp32 trainable.*lora_.*never on NVMe.*host"):
+        swapper.offload(model, config)
+    assert all(p.numel() for p in model.parameters())  # nothing moved
+
+
+def test_a_model_converted_to_fp32_entirely_is_refused_naming_a_parameter() -> None:
+    model = _lora32().float()
+    with pytest.raises(SwapConfigError, match=r"every parameter is torch\.float32.*'base_model"):
         swapper.offload(model, _unlimited())
     assert all(p.numel() for p in model.parameters())  # nothing moved

@@ -68,6 +68,7 @@ __all__ = [
     "wait_cond",
     "wait_future",
     "wait_point",
+    "wait_progressing",
 ]
 
 #: Longest a wait in a section of the main thread sleeps before looking for a signal.
@@ -297,6 +298,31 @@ def wait_cond(cond: threading.Condition, timeout_s: float | None, name: str) -> 
     woken = cond.wait(POLL_S if timeout_s is None else min(timeout_s, POLL_S))
     deliver_pending()
     return woken
+
+
+def wait_progressing(
+    future: concurrent.futures.Future[Any],
+    deadline: float,
+    progress: Callable[[], float],
+    name: str,
+    *,
+    window_s: float | None = None,
+) -> bool:
+    """Wait for an I/O request's ``future`` until it is done, or the disk looks stuck:
+    ``deadline`` (``time.monotonic()`` seconds) has passed and ``progress()`` (when the
+    disk last completed anything, same clock) is more than ``window_s`` old (default:
+    ``deadline`` minus now at the call, the time this wait was granted). So a slow disk,
+    whose requests keep ending (this one queued behind them), is waited on; a stuck one
+    gives up within about ``window_s`` of its last completion. A wait point, as
+    :func:`wait_future`. Returns whether ``future`` is done; never raises its exception.
+    """
+    window = max(0.0, deadline - time.monotonic()) if window_s is None else window_s
+    while True:
+        if wait_future(future, max(0.0, deadline - time.monotonic()), name):
+            return True
+        deadline = progress() + window
+        if deadline <= time.monotonic():
+            return future.done()
 
 
 def wait_future(future: concurrent.futures.Future[Any], timeout_s: float | None, name: str) -> bool:

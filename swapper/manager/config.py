@@ -94,7 +94,10 @@ class ManagerConfig:
             before raising; also how long a fetch waits for its read from NVMe, and an
             eviction for its write, before its waiters get
             :class:`~tiers.errors.IOTimeoutError` naming the file and offset (the request
-            stays in flight, its memory kept, until the disk completes it).
+            stays in flight, its memory kept, until the disk completes it). A wait for a
+            request still in flight goes on past it while the disk keeps completing
+            requests (slow, not stuck): it fails once the disk has completed nothing for
+            ``timeout_s`` (:mod:`swapper.manager.watchdog`).
         close_timeout_s: how long :meth:`~swapper.manager.TierManager.close` waits for
             writes in flight.
         device: ``None`` (CUDA if available, else the CPU stand-in), ``"cpu"``, ``"cuda"``,

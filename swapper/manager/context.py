@@ -39,6 +39,7 @@ from swapper.manager.entry import EntryState, Prefetch, SwapEntry
 from swapper.manager.errors import (
     EntryInUseError,
     ManagerClosedError,
+    ManagerIOTimeout,
     ManagerTimeout,
     UnknownKeyError,
 )
@@ -269,12 +270,30 @@ class ManagerContext:
         self.notify()
 
     def wait(self, deadline: float, entry: SwapEntry) -> None:
-        """Wait on the condition for ``entry``'s transfer (a wait point).
+        """Wait on the condition for ``entry``'s transfer (a wait point). Past
+        ``deadline``, while the transfer is a read or write of the disk still in flight and
+        the disk completed something within the last ``timeout_s`` (slow, not stuck: see
+        :mod:`swapper.manager.watchdog`), it waits on (the caller loops).
 
         Raises:
-            ManagerTimeout: ``deadline`` passed.
+            ManagerIOTimeout: ``deadline`` passed, the entry's read or write on NVMe is
+                still in flight and the disk completed nothing for ``timeout_s``: names
+                the file and offset.
+            ManagerTimeout: ``deadline`` passed (another kind of transfer).
         """
         left = deadline - time.monotonic()
+        io = entry.io
+        if left <= 0 and io is not None and not io.done() and self.store is not None:
+            window = self.config.timeout_s
+            left = self.store.last_progress_s() + window - time.monotonic()
+            if left <= 0:
+                raise io.timed_out(
+                    window - left,
+                    f"ManagerConfig.timeout_s={window}",
+                    cls=ManagerIOTimeout,
+                    then=f"the wait for key={entry.key!r}'s {entry.state.value} transfer "
+                    "gives up; the request stays in flight (its buffer is kept until it ends)",
+                )
         if left <= 0:
             raise ManagerTimeout(
                 f"key={entry.key!r}: waited too long for its {entry.state.value} transfer "

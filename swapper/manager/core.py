@@ -18,8 +18,9 @@ is done by parts with one job each, every one readable alone:
 A fetch from NVMe to the device reads, in order: :meth:`TierManager.fetch` here (a tensor
 already where it is wanted is pinned in one lock hold by
 ``ManagerContext.fetch_resident``), :meth:`~swapper.manager.mover.Mover.fetch` and
-``bring``, :meth:`~swapper.manager.placement.Placement.obtain` (room on the device,
-victims evicted),
+``bring``, :meth:`~swapper.manager.mover.Mover.obtain` (room on the device: the victims
+that :meth:`~swapper.manager.placement.Placement.claim_victims` chooses, evicted by the
+mover; placement decides and never calls back),
 :meth:`~swapper.manager.mover.Mover.transfer` (staging, the read, the copy up), and
 :meth:`tiers.nvme.NvmeStore.read` (see ``docs/architecture.md``).
 
@@ -129,8 +130,7 @@ class TierManager:
         self._ctx = ManagerContext(config, reopen=reopen)
         self._placement = Placement(self._ctx)
         self._mover = Mover(self._ctx, self._placement)
-        self._placement.bind(self._mover)
-        self._jobs = MoverJobs(self._ctx, self._placement, self._mover)
+        self._jobs = MoverJobs(self._ctx, self._mover)
         self._last_log = time.monotonic()
         budget = config.write_budget_bytes_per_day
         self._wear = (
@@ -220,9 +220,7 @@ class TierManager:
                 )
                 entry.last_use = next(self._ctx.clock)
                 self._ctx.entries[key] = entry
-            return self._placement.place_new(entry, tensor, deadline, behind) and (
-                behind is not None
-            )
+            return self._mover.place_new(entry, tensor, deadline, behind) and (behind is not None)
 
     def fetch(
         self,
@@ -425,7 +423,7 @@ class TierManager:
         with at_waits:
             with self._ctx.cond:
                 self._ctx.check_open()
-            return self._placement.obtain_now(target, nbytes, what=what, deadline=deadline)
+            return self._mover.obtain_now(target, nbytes, what=what, deadline=deadline)
 
     def unregister(self, key: str, *, timeout_s: float | None = None) -> None:
         """Forget ``key``: its memory is freed and its NVMe copy deleted.

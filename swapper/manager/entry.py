@@ -51,6 +51,7 @@ import torch
 from swapper.manager.config import Kind, Tier
 from swapper.manager.errors import IllegalTransitionError
 from tiers.budget import Reservation
+from tiers.nvme.futures import StoreFuture
 from tiers.protocols import MemoryBlock
 
 __all__ = ["EntryInfo", "EntryState", "MemoryBlock", "Prefetch", "SwapEntry"]
@@ -127,6 +128,10 @@ class SwapEntry:
             its stream), which copies out of device memory wait for.
         view, view_block: the typed view of ``block`` that fetches hand out, made once per
             block (``view_block`` is the block it views: a new block makes a new view).
+        io: its latest read or write on NVMe (done or not), so that a wait for its
+            transfer that gives up can name the file and offset still in flight; set
+            without the lock by the thread that issues the request (the entry is
+            transient then, so that thread is its only writer), read under it.
     """
 
     key: str
@@ -148,6 +153,7 @@ class SwapEntry:
     ready: torch.cuda.Event | None = None
     view: torch.Tensor | None = None
     view_block: MemoryBlock | None = None
+    io: StoreFuture | None = None
 
     @property
     def clean(self) -> bool:

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from tiers.errors import SwapError
+from tiers.errors import IOTimeoutError, SwapError
 
 __all__ = [
     "EntryInUseError",
     "IllegalTransitionError",
     "KeyExistsError",
     "ManagerClosedError",
+    "ManagerIOTimeout",
     "ManagerTimeout",
     "NotDurableError",
     "NotInUseError",
@@ -42,6 +43,13 @@ class ManagerClosedError(SwapError, RuntimeError):
 
 class ManagerTimeout(SwapError, TimeoutError):
     """Waited longer than the configured timeout for another thread's transfer of a key."""
+
+
+class ManagerIOTimeout(IOTimeoutError, ManagerTimeout):
+    """A :class:`ManagerTimeout` whose wait was for a read or write of the key that the
+    disk has not completed (a registration's write, another thread's read-ahead or
+    eviction): an :class:`~tiers.errors.IOTimeoutError` too, naming the file and offset of
+    the piece still in flight (``path``, ``offset``, ``nbytes``)."""
 
 
 class NotDurableError(SwapError, RuntimeError):

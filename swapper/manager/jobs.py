@@ -36,7 +36,6 @@ from swapper.manager.context import ManagerContext
 from swapper.manager.entry import EntryState, Prefetch, SwapEntry
 from swapper.manager.errors import ManagerClosedError, NotDurableError
 from swapper.manager.mover import Mover
-from swapper.manager.placement import Placement
 from swapper.manager.shared import named_error, store_key_of
 from tiers.budget import Reservation
 from tiers.protocols import MemoryBlock
@@ -52,9 +51,8 @@ _S = EntryState
 class MoverJobs:
     """The mover threads' requests and ``flush`` (see the module docstring)."""
 
-    def __init__(self, ctx: ManagerContext, placement: Placement, mover: Mover) -> None:
+    def __init__(self, ctx: ManagerContext, mover: Mover) -> None:
         self._ctx = ctx
-        self._placement = placement
         self._mover = mover
 
     def submit(self, job: Callable[..., None], *args: object) -> None:
@@ -124,7 +122,7 @@ class MoverJobs:
                     ctx.wait(deadline, entry)
                 if entry.state not in (_S.RESIDENT, _S.ON_NVME) or entry.tier is target:
                     return  # gone, in use, or already there
-            block = self._placement.obtain(
+            block = self._mover.obtain(
                 target,
                 entry.nbytes,
                 what=f"key={entry.key!r}",
@@ -181,7 +179,7 @@ class MoverJobs:
             ctx.jobs += 1
         ctx.stats.begin(Tier.NVME, Tier.HOST)
         try:
-            future = ctx.nvme().read(store_key_of(entry), block.tensor)
+            future = entry.io = ctx.nvme().read(store_key_of(entry), block.tensor)
         except BaseException as exc:
             ctx.stats.end(Tier.NVME, Tier.HOST, None)
             self._mover.end_read(entry, block, None)

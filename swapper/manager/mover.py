@@ -1,4 +1,5 @@
-# Size: the transfers and the demand fetch that drives them (~540 lines), each next to its undo.
+# Size: every move of bytes (registration, the demand fetch, room made by evicting what placement
+# chooses, transfers; ~700 lines), each next to its undo: one file, so a fetch enters it once.
 """The mover: bytes between tiers (copies, NVMe reads and writes) and their completions.
 
 Every transfer starts from an entry some thread has claimed (a transient state, see
@@ -74,20 +75,27 @@ import torch
 from swapper.manager.config import Tier
 from swapper.manager.context import ManagerContext
 from swapper.manager.entry import EntryState, Prefetch, SwapEntry
-from swapper.manager.errors import ManagerTimeout
-from swapper.manager.placement import Placement
-from swapper.manager.shared import entry_view, forget_view, named_error, store_key_of, window_share
+from swapper.manager.errors import ManagerIOTimeout
+from swapper.manager.placement import Placement, Plan
+from swapper.manager.shared import (
+    entry_view,
+    forget_view,
+    named_error,
+    store_key_of,
+    window_share,
+)
 from swapper.manager.watchdog import resolve_once
 from tiers.budget import ByteBudget, Reservation
 from tiers.errors import SwapError
 from tiers.protocols import MemoryBlock
-from tiers.signals import deliver_pending, wait_future, wait_point
+from tiers.signals import deliver_pending, wait_cond, wait_point, wait_progressing
 
 __all__ = ["Mover"]
 
 log = logging.getLogger("swapper.manager")
 
 _S = EntryState
+_LEAVING = (_S.WRITING, _S.MOVING)
 
 
 class Mover:
@@ -98,6 +106,57 @@ class Mover:
         self._placement = placement
 
     # -- registration ---------------------------------------------------------------------
+
+    def place_new(
+        self,
+        entry: SwapEntry,
+        tensor: torch.Tensor,
+        deadline: float,
+        behind: Future[None] | None = None,
+    ) -> bool:
+        """Settle a NEW entry where placement says (:meth:`Placement.new_home`): RESIDENT
+        in the first memory tier with room (copied once), else ON_NVME (:meth:`write_new`;
+        with ``behind``: the write issued, its completion settles the entry and resolves
+        ``behind``). Returns whether a write to NVMe was issued.
+
+        On any failure, and on a signal that came meanwhile, the entry is dropped (GONE)
+        and this raises; a signal is delivered here rather than after the key is visible.
+        """
+        ctx = self._ctx
+        block: MemoryBlock | None = None
+        view: torch.Tensor | None = None
+        try:
+            block, tier = self._placement.new_home(entry)
+            if block is None and tier is not None:
+                block = self.obtain_now(
+                    tier, entry.nbytes, what=f"key={entry.key!r}", deadline=deadline
+                )
+            if block is not None:
+                view = block.view(entry.dtype, entry.shape)
+                if tensor.requires_grad:
+                    with torch.no_grad():
+                        view.copy_(tensor)  # the one copy
+                else:
+                    view.copy_(tensor)  # (no autograd to keep out: no context to enter)
+                deliver_pending()
+        except BaseException:
+            with ctx.cond:
+                if block is not None:
+                    block.release()
+                self.drop_new(entry, wrote=False)
+            raise
+        if block is None:
+            self.write_new(entry, tensor, deadline, behind)
+            return True
+        with ctx.cond:
+            entry.block, entry.tier = block, tier
+            entry.view, entry.view_block = view, block  # what fetches hand out
+            if tier is Tier.DEVICE:
+                # The copy was queued on the caller's stream: later copies out (on a mover
+                # thread's stream) must wait for it, or they could read stale bytes.
+                entry.ready = ctx.device.mark_ready()
+            ctx.set_state(entry, _S.RESIDENT)
+        return False
 
     def write_new(
         self,
@@ -129,8 +188,9 @@ class Mover:
                 source = torch.empty(entry.shape, dtype=entry.dtype).copy_(source)
             window = self._reserve_window(ctx.writebehind, entry, deadline)
             ctx.stats.begin(Tier.HOST, Tier.NVME)
+            store = ctx.nvme()
             try:
-                future = ctx.nvme().write(store_key_of(entry), source)
+                future = entry.io = store.write(store_key_of(entry), source)
             except BaseException as exc:
                 window.release()
                 ctx.stats.end(Tier.HOST, Tier.NVME, None)
@@ -148,12 +208,15 @@ class Mover:
                 return
             try:
                 ctx.hurry_writes()  # the caller waits for this write to be durable
-                if not wait_future(future, max(0.0, deadline - time.monotonic()), "store.write"):
-                    raise ManagerTimeout(
-                        f"register of key={entry.key!r}: its write to NVMe did not end within "
-                        f"timeout_s={ctx.config.timeout_s}; the registration is undone when "
-                        "the write ends (the key is then free). Check the swap disk, or "
-                        "raise ManagerConfig.timeout_s"
+                issued = time.monotonic()
+                progress = store.last_progress_s
+                if not wait_progressing(future, deadline, progress, "store.write"):
+                    raise future.timed_out(
+                        time.monotonic() - issued,
+                        f"ManagerConfig.timeout_s={ctx.config.timeout_s}",
+                        cls=ManagerIOTimeout,
+                        then=f"register of key={entry.key!r} gives up: the registration is "
+                        "undone when the write ends (the key is then free)",
                     )
             except BaseException:
                 outcome = "handed"
@@ -246,9 +309,8 @@ class Mover:
         was on failure."""
         source = entry.tier
         try:
-            block = self._placement.obtain_now(
-                dest, entry.nbytes, what=f"key={entry.key!r}", deadline=deadline
-            )
+            what = f"key={entry.key!r}"
+            block = self.obtain_now(dest, entry.nbytes, what=what, deadline=deadline)
         except BaseException:
             with self._ctx.cond:
                 self._ctx.set_state(entry, _S.RESIDENT)
@@ -271,7 +333,7 @@ class Mover:
         try:
             held = _block_of(entry)
             if entry.tier is Tier.DEVICE:
-                staging = self._placement.obtain_now(
+                staging = self.obtain_now(
                     Tier.HOST,
                     entry.nbytes,
                     what=f"staging for key={entry.key!r}",
@@ -284,21 +346,24 @@ class Mover:
                 source = held.view(entry.dtype, entry.shape)
             window = self._reserve_window(ctx.writebehind, entry, deadline)
             ctx.stats.begin(Tier.HOST, Tier.NVME)
+            store = ctx.nvme()
             try:
-                store_future = ctx.nvme().write(store_key_of(entry), source)
+                store_future = entry.io = store.write(store_key_of(entry), source)
             except BaseException:
                 ctx.stats.end(Tier.HOST, Tier.NVME, None)
                 raise
             if not keep:
                 # An eviction's waiters (the step's write-behind, evict().result()) get a
-                # typed timeout at the deadline if the disk never completes the write; a
-                # flush (``keep``) judges its own writes at its deadline.
+                # typed timeout if the disk never completes the write (a slow disk, whose
+                # writes keep ending, does not fail it); a flush (``keep``) judges its own
+                # writes at its deadline.
                 ctx.watchdog.watch(
                     future,
                     store_future,
                     start=deadline - ctx.config.timeout_s,
                     deadline=deadline,
                     setting=f"ManagerConfig.timeout_s={ctx.config.timeout_s}",
+                    progress=store.last_progress_s,
                 )
         except BaseException as exc:
             named = named_error(exc, "writing", entry.key)
@@ -421,7 +486,7 @@ class Mover:
                 waited |= waited_now
                 if ready:
                     return ctx.pin(entry), True, waited
-            block = self._placement.obtain(
+            block = self.obtain(
                 target, entry.nbytes, what=f"key={entry.key!r}", deadline=deadline, moving=entry
             )
             if block is None:
@@ -500,7 +565,7 @@ class Mover:
         handed = False
         try:
             if target is not Tier.HOST:
-                staging = self._placement.obtain_now(
+                staging = self.obtain_now(
                     Tier.HOST,
                     entry.nbytes,
                     what=f"staging for key={entry.key!r}",
@@ -508,11 +573,12 @@ class Mover:
                 )
             buffer = block if staging is None else staging
             with ctx.stats.transfer(Tier.NVME, Tier.HOST, entry.nbytes, entry.kind):
-                future = ctx.nvme().read(store_key_of(entry), buffer.tensor)
+                store = ctx.nvme()
+                future = entry.io = store.read(store_key_of(entry), buffer.tensor)
                 try:
                     waited = time.monotonic()
-                    if not wait_future(future, max(0.0, deadline - waited), "store.read"):
-                        # The disk never answered: name the file and offset; the read
+                    if not wait_progressing(future, deadline, store.last_progress_s, "store.read"):
+                        # The disk stopped answering: name the file and offset; the read
                         # goes on, and its completion frees the buffers (below).
                         raise future.timed_out(
                             time.monotonic() - waited,
@@ -549,6 +615,98 @@ class Mover:
                 staging.release()
             self._ctx.set_state(entry, _S.ON_NVME)
 
+    # -- room -------------------------------------------------------------------------------
+
+    def obtain(
+        self,
+        tier: Tier,
+        nbytes: int,
+        *,
+        what: str,
+        deadline: float,
+        moving: SwapEntry | None = None,
+        read_ahead: bool = False,
+    ) -> MemoryBlock | None:
+        """A block of ``nbytes`` in ``tier``, evicting the victims placement claims
+        (:meth:`Placement.claim_victims`) until it fits.
+
+        ``moving`` is the entry the block is for, if any: None is returned as soon as it no
+        longer needs moving into ``tier`` (it got there, or another thread took it over).
+        A ``read_ahead`` evicts only victims nobody waits for and, with an access order,
+        only those needed later than ``moving``; and returns None rather than waiting for
+        users or timing out. Without ``moving`` and ``read_ahead`` it never returns None.
+        While victims this call evicts are still leaving, it waits for them rather than
+        asking for more (the bytes on their way out are counted as room to come).
+
+        Raises:
+            BudgetExceededError: it can never fit.
+            BudgetTimeout: no room by ``deadline``.
+            SwapIOError, BudgetTimeout: evicting a victim failed (the victim keeps its data).
+        """
+        ctx = self._ctx
+        memory = ctx.memory[tier]
+        charge = memory.charge(nbytes)
+        evictions: list[Future[None]] = []
+        victims: list[SwapEntry] = []  # claimed by this call
+        waited_s = max(0.0, deadline - time.monotonic())  # the most this call waits
+        while True:
+            with ctx.cond:
+                epoch = ctx.epoch
+                if moving is not None and not _needs_move(moving, tier, read_ahead):
+                    return None
+            block = memory.try_alloc(nbytes, what=what)
+            if block is not None:
+                return block
+            for future in evictions:
+                error = future.exception() if future.done() else None
+                if error is not None:
+                    raise error
+            with ctx.cond:
+                if read_ahead and ctx.closing:
+                    return None
+                if ctx.epoch != epoch:
+                    continue  # something changed since try_alloc: look again
+                plans: list[Plan] | None = []
+                # (Their states change under the lock, with a notify: the wait below
+                # wakes when one has left.)
+                if not any(v.tier is tier and v.state in _LEAVING for v in victims):
+                    plans = self._placement.claim_victims(tier, charge, moving, read_ahead)
+                if plans is None:
+                    return None
+                if not plans and ctx.epoch == epoch:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        if read_ahead:
+                            return None
+                        raise self._placement.room_timeout(tier, nbytes, what, waited_s)
+                    ctx.hurry_writes()  # the room may be held by writes not yet durable
+                    wait_cond(ctx.cond, left, "manager.room")
+            issued = 0
+            try:
+                for victim, dest, version in plans:
+                    victims.append(victim)
+                    evictions.append(self.evict_claimed(victim, dest, version, deadline))
+                    issued += 1
+            finally:
+                if issued < len(plans):
+                    # Cut while evicting one (which settled itself): the victims claimed
+                    # after it were never started and go back to RESIDENT.
+                    with ctx.cond:
+                        for victim, _, _ in plans[issued + 1 :]:
+                            ctx.set_state(victim, _S.RESIDENT)
+
+    def obtain_now(self, tier: Tier, nbytes: int, *, what: str, deadline: float) -> MemoryBlock:
+        """:meth:`obtain` for a caller that needs the block whatever happens (staging,
+        demotion, a working buffer): never None.
+
+        Raises:
+            as :meth:`obtain`.
+        """
+        block = self.obtain(tier, nbytes, what=what, deadline=deadline)
+        if block is None:  # obtain() returns None only for a moving entry or a read-ahead
+            raise RuntimeError(f"no block for {what}: obtain() gave up without a reason")
+        return block
+
     # -- small pieces ---------------------------------------------------------------------------
 
     def _copy(
@@ -568,6 +726,16 @@ class Mover:
             what=f"key={entry.key!r}",
             timeout_s=max(0.0, deadline - time.monotonic()),
         )
+
+
+def _needs_move(entry: SwapEntry, tier: Tier, read_ahead: bool) -> bool:
+    """Lock held. Whether ``entry`` still waits to be moved into ``tier`` by the caller:
+    not there, not owned by a transfer, and (for a fetch) not being read ahead."""
+    return (
+        entry.state in (_S.RESIDENT, _S.ON_NVME)
+        and entry.tier is not tier
+        and (read_ahead or entry.prefetch is not Prefetch.RUNNING)
+    )
 
 
 def _block_of(entry: SwapEntry) -> MemoryBlock:

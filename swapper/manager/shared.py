@@ -15,6 +15,7 @@ from tiers.budget import ByteBudget
 from tiers.errors import IOTimeoutError, SwapIOError
 
 __all__ = [
+    "charged",
     "check_key",
     "entry_view",
     "forget_view",
@@ -47,6 +48,11 @@ def to_tier(tier: Tier | str) -> Tier:
     except ValueError:
         names = ", ".join(t.value for t in Tier)
         raise ValueError(f"tier={tier!r} is not one of: {names}") from None
+
+
+def charged(entry: SwapEntry) -> int:
+    """Bytes evicting ``entry`` frees in its tier (0 when it holds no memory)."""
+    return 0 if entry.block is None else entry.block.charged_nbytes
 
 
 def store_key_of(entry: SwapEntry) -> str:

@@ -57,7 +57,10 @@ def check_params(param_groups: Sequence[dict[str, Any]], source: ParamSource) ->
                 label += f" ({names[p_index]!r})"
             label += f", shape {list(source.shape(param))}"
             dtype = source.dtype(param)
-            if dtype not in SIXTEEN_BIT:
+            # fp32 parameters of an offloaded model (beside its 16-bit base: issue 27) are
+            # stepped as the rest; their master row equals them (fp32 to fp32 is exact)
+            offloaded_fp32 = dtype == torch.float32 and not isinstance(source, LocalParams)
+            if dtype not in SIXTEEN_BIT and not offloaded_fp32:
                 raise SwapConfigError(
                     f"{label} is {dtype}: OffloadAdamW takes 16-bit parameters "
                     "(torch.bfloat16 or torch.float16) and keeps the fp32 master copy "

@@ -68,6 +68,7 @@ from tiers.aio.requests import (
     OFF_T_MAX,
     IOFuture,
     Op,
+    Progress,
     _byte_count,
     _check_host_buffer,
     _HostMemory,
@@ -139,6 +140,8 @@ class AioEngine:
         self._closing = False
         self._closed = False
         self._stop_lock = threading.Lock()
+        #: When a piece of any request last ended (see :class:`Progress`).
+        self.progress = Progress()
 
     # -- requests ---------------------------------------------------------------------
 
@@ -262,6 +265,7 @@ class AioEngine:
                 # A running future cannot be cancelled: the kernel may already own the buffer.
                 future.set_running_or_notify_cancel()
                 request = _Request(op, swap_file, owns_file, future, memory, self._request_done)
+                request.progress = self.progress
                 pieces = list(self._cut(request, memory.address, offset, nbytes))
                 request.pieces_left = max(1, len(pieces))
                 self._outstanding.add(request)

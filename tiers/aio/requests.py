@@ -25,6 +25,7 @@ import operator
 import os
 import sys
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,6 +69,20 @@ class IOFuture(concurrent.futures.Future):
         return f"<IOFuture {self.describe()} ({state})>"
 
 
+class Progress:
+    """When an engine last saw a piece of any of its requests end, in ``time.monotonic()``
+    seconds (its creation until then): how a waiter tells a slow disk, whose requests
+    keep ending, from a stuck one, where none does (``tiers.signals.wait_progressing``)."""
+
+    __slots__ = ("last_s",)
+
+    def __init__(self) -> None:
+        self.last_s = time.monotonic()
+
+    def mark(self) -> None:
+        self.last_s = time.monotonic()  # one float store: atomic under the GIL
+
+
 @dataclass(eq=False)
 class _Request:
     op: Op
@@ -80,6 +95,7 @@ class _Request:
     error: BaseException | None = None
     completed: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
+    progress: Progress | None = None  # the engine's, marked as each piece ends
 
     def finish_piece(self, error: BaseException | None = None) -> None:
         """Account one piece as finished (well or not); complete the future after the last.
@@ -87,6 +103,8 @@ class _Request:
         Never raises: it runs on worker threads, where an exception would strand every
         other request of the worker.
         """
+        if self.progress is not None:
+            self.progress.mark()
         with self.lock:
             if error is not None and self.error is None:
                 self.error = error

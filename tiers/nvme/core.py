@@ -41,7 +41,7 @@ from tiers.nvme.committer import CommitItem, GroupCommitter
 from tiers.nvme.futures import ReadCheck, StoreFuture
 from tiers.nvme.journal import encode_put
 from tiers.nvme.manifest import encode_manifest
-from tiers.nvme.metafiles import written_nbytes, written_nbytes_like
+from tiers.nvme.metafiles import written_nbytes
 from tiers.nvme.records import Extent, StoreClosedError, StoreWrites, byte_view, check_key
 from tiers.nvme.versions import Outcome, Version, VersionTable
 
@@ -295,8 +295,13 @@ class StoreCore:
         return (
             written_nbytes([files.journal]),
             written_nbytes([files.manifest]),
-            written_nbytes_like(files.dirs[0], f"{files.name}.", ".snap"),
+            written_nbytes([files.snapshots_account()]),
         )
+
+    def last_progress_s(self) -> float:
+        """When a piece of any of this store's reads or writes last ended, in
+        ``time.monotonic()`` seconds: a slow disk keeps it moving, a stuck one does not."""
+        return self._engine.progress.last_s
 
     def written(self) -> StoreWrites:
         """Bytes written to this store's files since it was opened, by file kind."""

@@ -70,10 +70,18 @@ class StoreFuture(concurrent.futures.Future):
         """The first engine request of this one still in flight (None: all are done)."""
         return next((p for p in self._pieces if not p.done()), None)
 
-    def timed_out(self, waited_s: float, setting: str) -> IOTimeoutError:
+    def timed_out(
+        self,
+        waited_s: float,
+        setting: str,
+        *,
+        cls: type[IOTimeoutError] = IOTimeoutError,
+        then: str = "The request stays in flight (its buffer is kept until it ends)",
+    ) -> IOTimeoutError:
         """The error a waiter raises when this request has not completed after
-        ``waited_s`` seconds (``setting``: the timeout it waited, named in the message).
-        It names the file and offset of the first piece still in flight."""
+        ``waited_s`` seconds (``setting``: the timeout it waited, named in the message),
+        of type ``cls``; ``then``: what happens to the request, said in the message. It
+        names the file and offset of the first piece still in flight."""
         piece = self.stuck()
         if piece is None:
             where = "every piece is done; it waits for the flush that makes it durable"
@@ -81,9 +89,9 @@ class StoreFuture(concurrent.futures.Future):
         else:
             where = f"stuck: the {piece.describe()} has not completed"
             path, offset, nbytes = piece.path, piece.offset, piece.nbytes
-        return IOTimeoutError(
+        return cls(
             f"{self.describe()} did not complete within {waited_s:.3g} s ({setting}); "
-            f"{where}. The request stays in flight (its buffer is kept until it ends). "
+            f"{where}. {then}. "
             f"Check the swap disk (dmesg, the device's health), or raise {setting}",
             op=self.op.value,
             key=self.key,

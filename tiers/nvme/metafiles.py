@@ -50,12 +50,14 @@ __all__ = [
     "remove_orphans",
     "replace_file",
     "written_nbytes",
-    "written_nbytes_like",
 ]
 
-# Bytes written to each metadata file (journal, manifest, snapshot files) by this process,
-# keyed by the file's final path: the store's write accounting (NvmeStore.metadata_written).
-# A path is one store's (its lock), so a store reads its own files' counts.
+# Bytes written to each metadata file (journal, manifest) by this process, keyed by the
+# file's final path, and to all of a store's snapshot files under one key
+# (StoreFiles.snapshots_account): the store's write accounting (NvmeStore.written). A path
+# is one store's (its lock), so a store reads its own files' counts. One key per kind of
+# file, not per snapshot name: a long run that names every snapshot anew must not grow this
+# table (nor the time to read it) by a key per snapshot.
 _written_lock = threading.Lock()
 _written: dict[Path, int] = {}
 
@@ -71,17 +73,6 @@ def written_nbytes(paths: list[Path]) -> int:
     """Bytes counted for the metadata files ``paths``."""
     with _written_lock:
         return sum(_written.get(p, 0) for p in paths)
-
-
-def written_nbytes_like(parent: Path, prefix: str, suffix: str) -> int:
-    """Bytes counted for every file in ``parent`` named ``prefix...suffix`` (a store's
-    snapshot files, dropped ones included)."""
-    with _written_lock:
-        return sum(
-            n
-            for p, n in _written.items()
-            if p.parent == parent and p.name.startswith(prefix) and p.name.endswith(suffix)
-        )
 
 
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
@@ -117,6 +108,11 @@ class StoreFiles:
         own it, :mod:`swapper.distributed.identity`): tiers never reads it, but it is one of
         the store's files, so :func:`~tiers.nvme.remove_store` deletes it."""
         return self.dirs[0] / f"{self.name}.identity"
+
+    def snapshots_account(self) -> Path:
+        """The key all of this store's snapshot files are counted under
+        (:func:`count_written`): a name no file has."""
+        return self.dirs[0] / f"{self.name}.*.snap"
 
     def snapshot(self, snapshot: str) -> Path:
         """The file of the retained snapshot named ``snapshot`` (a name without '.')."""
@@ -250,10 +246,14 @@ def write_all(fd: int, data: bytes | memoryview, offset: int) -> None:
         offset += n
 
 
-def replace_file(path: Path, data: bytes, what: str, *, keep_open: bool = False) -> int | None:
+def replace_file(
+    path: Path, data: bytes, what: str, *, keep_open: bool = False, account: Path | None = None
+) -> int | None:
     """Replace ``path`` by a 0600 file holding ``data``, atomically and durably.
 
     With ``keep_open`` the new file's descriptor (open for writing) is returned, else None.
+    The bytes are counted as written to ``account`` (default ``path``; see
+    :func:`count_written`).
 
     Raises:
         SwapIOError: a step failed; the temporary file is gone, and ``path`` is as it was
@@ -268,7 +268,7 @@ def replace_file(path: Path, data: bytes, what: str, *, keep_open: bool = False)
                 tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_CLOEXEC, 0o600
             )
             write_all(fd, data, 0)
-            count_written(path, len(data))
+            count_written(path if account is None else account, len(data))
             os.fsync(fd)
             os.replace(tmp, path)
         except OSError as exc:

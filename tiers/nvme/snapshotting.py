@@ -218,7 +218,7 @@ class SnapshotStore(StoreCore):
                 )
                 held.file_nbytes = len(data)
                 written = True  # from here the file may be in place
-                replace_file(path, data, "snapshot file")
+                replace_file(path, data, "snapshot file", account=self._files.snapshots_account())
             except BaseException:
                 if written and known:
                     self._failed_replace(path, data, versions)

@@ -461,7 +461,7 @@ def finish_resume(manager: TierManager, own: Set[str], resumed: ResumedState) ->
                 "which this model lacks: it is of another model"
             )
     for key in keys:
-        if manager.info(key).kind is Kind.GRAD16:
+        if manager.info(key).kind in (Kind.GRAD16, Kind.GRAD32):  # (retained gradients)
             manager.unregister(key)
     restore_rng(resumed)
     log.info("resumed from snapshot %r (step %d, %s)", resumed.name, resumed.step, resumed.path)

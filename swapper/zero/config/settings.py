@@ -35,6 +35,7 @@ __all__ = [
     "STEP_ALIASES",
     "check_device",
     "coerce_flat",
+    "fp32_grad_tiers",
     "json_value",
     "manager_json",
     "manager_section",
@@ -93,13 +94,25 @@ _TIER_KEYS = ("param_tiers", "grad_tiers", "optimizer_tiers")
 
 
 def offload_placement(*, has_nvme: bool) -> dict[Kind, tuple[Tier, ...]]:
-    """The offload defaults: ``param16`` on device, host, NVMe; ``grad16``, ``optim_state``
-    and ``grad32`` on host, NVMe; NVMe left out when there are no swap directories."""
+    """The offload defaults: ``param16`` on device, host, NVMe; ``grad16`` and
+    ``optim_state`` on host, NVMe; NVMe left out when there are no swap directories;
+    ``grad32`` (the retained gradients of fp32 parameters) on host only
+    (:func:`fp32_grad_tiers`)."""
     params = (Tier.DEVICE, Tier.HOST, Tier.NVME)
     rest = (Tier.HOST, Tier.NVME)
     if not has_nvme:
         params, rest = params[:2], rest[:1]
-    return {Kind.PARAM16: params, Kind.GRAD16: rest, Kind.OPTIM_STATE: rest, Kind.GRAD32: rest}
+    grad32 = fp32_grad_tiers(rest)
+    return {Kind.PARAM16: params, Kind.GRAD16: rest, Kind.OPTIM_STATE: rest, Kind.GRAD32: grad32}
+
+
+def fp32_grad_tiers(grad_tiers: Sequence[Tier]) -> tuple[Tier, ...]:
+    """Where an offloaded model retains fp32 gradients (of fp32 trainable parameters
+    beside a 16-bit base, e.g. PEFT's adapters): the memory tiers of ``grad_tiers``, or
+    the host when it has none. Never NVMe: fp32 gradients are never written to disk
+    (the wrap checks that they fit: ``swapper.zero.local.placing.check_fp32_grads``)."""
+    memory = tuple(tier for tier in grad_tiers if tier in MEMORY_TIERS)
+    return memory or (Tier.HOST,)
 
 
 def check_device(device: object, name: str = "device") -> None:
@@ -131,8 +144,9 @@ def manager_settings(
 ) -> ManagerConfig:
     """The manager settings the flat keywords of ``OffloadConfig.create`` make.
 
-    Placement is ``param16 → param_tiers``, ``grad16 → grad_tiers``, ``optim_state`` and
-    ``grad32 → optimizer_tiers`` (each ``None``: :func:`offload_placement`). The read-ahead
+    Placement is ``param16 → param_tiers``, ``grad16 → grad_tiers``, ``optim_state →
+    optimizer_tiers`` (each ``None``: :func:`offload_placement`), ``grad32`` → the memory
+    tiers of ``grad_tiers`` (:func:`fp32_grad_tiers`). The read-ahead
     window is ``prefetch_nbytes``, or half of ``device_nbytes`` when it is ``None``,
     clamped to ``host_nbytes`` (bytes read ahead wait in host memory); when that leaves
     nothing (no device budget, or 0 bytes) the manager's own default, half the host budget
@@ -197,7 +211,7 @@ def manager_settings(
         Kind.PARAM16: checked["param_tiers"],
         Kind.GRAD16: checked["grad_tiers"],
         Kind.OPTIM_STATE: optimizer,
-        Kind.GRAD32: optimizer,
+        Kind.GRAD32: fp32_grad_tiers(checked["grad_tiers"]),
     }
     try:
         return ManagerConfig(

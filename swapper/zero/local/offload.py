@@ -77,7 +77,12 @@ from swapper.zero.local.offload_hooks import ModuleHooks
 from swapper.zero.local.params import Holds, Slot, TieredParams
 from swapper.zero.local.persist import Persistence, install, remove_all
 from swapper.zero.local.persist import leave as unpersist
-from swapper.zero.local.placing import back_to_meta, check_modules, check_overlap_room
+from swapper.zero.local.placing import (
+    back_to_meta,
+    check_fp32_grads,
+    check_modules,
+    check_overlap_room,
+)
 from swapper.zero.local.weights import (
     NATIVE_GRADS,
     WeightHooks,
@@ -88,7 +93,7 @@ from swapper.zero.local.weights import (
     unwrap,
 )
 from swapper.zero.model.autograd import in_autograd
-from swapper.zero.model.frozen import FrozenUse, check_known, check_trainable
+from swapper.zero.model.frozen import FrozenUse, check_known, check_not_nested, check_trainable
 from swapper.zero.model.model_buffers import BufferMoves, move_buffers, restore_buffers
 from swapper.zero.model.module_apply import guard_apply, unguard_apply
 from swapper.zero.model.readahead import FetchPlan
@@ -145,6 +150,7 @@ class OffloadedModel(ModuleHooks, nn.Module):
             raise SwapConfigError(
                 f"offload: this {type(module).__name__} is already wrapped; wrap a model once"
             )
+        check_not_nested(module, _WRAPPED)  # (a module inside, or around, a wrapped one)
         if not isinstance(config, OffloadConfig):
             raise SwapConfigError(f"offload: config must be an OffloadConfig, got {config!r}")
         self.module = module
@@ -457,6 +463,10 @@ class OffloadedModel(ModuleHooks, nn.Module):
             else (self.config.manager.device_nbytes)
         )
         check_modules(module, first, limit)
+        manager = self.config.manager
+        grad_tier = tiers_of(manager, Kind.GRAD32)[0]  # (memory only: never NVMe)
+        grad_limit = manager.host_nbytes if grad_tier is Tier.HOST else manager.device_nbytes
+        check_fp32_grads(module, grad_tier, grad_limit)
 
     def _place_all(self, module: nn.Module, materialize: Materialize | None) -> None:
         # Parameters with values before the wrap (the objects: their ids stay theirs).
@@ -493,7 +503,8 @@ class OffloadedModel(ModuleHooks, nn.Module):
                 f"offload: parameter {name!r} is on the meta device; pass materialize= to "
                 "give the model's parameters values module by module"
             )
-        if param.dtype not in (torch.bfloat16, torch.float16):
+        if param.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            # (fp32 beside a 16-bit base: placing.check_dtypes; a materialised one here)
             raise SwapConfigError(
                 f"offload: parameter {name!r} (shape {list(param.shape)}) is {param.dtype}; "
                 "convert the model to bf16 or fp16 first (model.to(torch.bfloat16))"

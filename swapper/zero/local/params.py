@@ -113,7 +113,10 @@ def retain_grad(
             source = grad.detach()
             if not lazy_norm and source.device.type != "cpu":
                 source = source.cpu()
-            manager.register(slot.grad_key, source, Kind.GRAD16)
+            # an fp32 parameter's gradient is fp32: in memory only, never on NVMe (GRAD32's
+            # offload placement; swapper.zero.local.placing.check_fp32_grads)
+            kind = Kind.GRAD32 if source.dtype == torch.float32 else Kind.GRAD16
+            manager.register(slot.grad_key, source, kind)
             norm = None if lazy_norm else grad_norm32([source])[0]  # as clip_grad_norm_ does
             with lock:
                 slot.has_grad, slot.grad_norm = True, norm

@@ -16,20 +16,90 @@ from swapper.zero.model.recompute import checkpointed_need
 from tiers.errors import SwapConfigError
 from tiers.units import format_size
 
-__all__ = ["back_to_meta", "check_modules", "check_overlap_room"]
+__all__ = [
+    "back_to_meta",
+    "check_dtypes",
+    "check_fp32_grads",
+    "check_modules",
+    "check_overlap_room",
+]
 
 
-#: (PEFT keeps its adapters in fp32 over a 16-bit base by default; fp32 parameters are
-#: not offloaded yet: issue 27's second item)
-_PEFT_HINT = (
-    "; for PEFT adapters (fp32 by default over a 16-bit base) pass "
-    "autocast_adapter_dtype=False to peft.get_peft_model (and to "
-    "PeftModel.from_pretrained) to keep them in the base's dtype"
-)
+#: The dtypes a parameter may have: 16-bit, and fp32 beside a 16-bit base (PEFT keeps
+#: its adapters in fp32 over a 16-bit base by default; issue 27)
+_ACCEPTED = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def check_dtypes(module: nn.Module) -> None:
+    """Refuse a parameter that is neither 16-bit nor fp32, and a model with no 16-bit
+    parameter (converted to fp32 entirely: the tiers would hold twice its bytes and its
+    optimizer a second fp32 copy), naming the parameter, before anything is moved.
+
+    fp32 parameters beside a 16-bit base are accepted (issue 27): streamed like the rest,
+    an fp32 trainable one is its own master in value (the step rounds fp32 to fp32, which
+    is exact) and its gradient is retained in fp32 in memory, never on NVMe
+    (``Kind.GRAD32``, whose offload placement has memory tiers only).
+
+    Raises:
+        SwapConfigError: naming the first parameter at fault and the fix.
+    """
+    first: tuple[str, nn.Parameter] | None = None
+    sixteen = False
+    for name, param in module.named_parameters():
+        if param.is_meta or param.dtype in (torch.bfloat16, torch.float16):
+            sixteen = True  # (a meta parameter becomes 16-bit when materialised)
+            continue
+        if param.dtype not in _ACCEPTED:
+            raise SwapConfigError(
+                f"offload: parameter {name!r} (shape {list(param.shape)}) is {param.dtype}; "
+                "parameters must be bf16 or fp16 (fp32 is accepted beside a 16-bit base): "
+                "convert the model first (model.to(torch.bfloat16))"
+            )
+        if first is None:
+            first = (name, param)
+    if first is not None and not sixteen:
+        name, param = first
+        raise SwapConfigError(
+            f"offload: every parameter is torch.float32 (the first is {name!r}, shape "
+            f"{list(param.shape)}); convert the model to bf16 or fp16 first "
+            "(model.to(torch.bfloat16), or from_pretrained(..., dtype=torch.bfloat16)): "
+            "fp32 parameters are accepted only beside a 16-bit base, such as PEFT's fp32 "
+            "adapters"
+        )
+
+
+def check_fp32_grads(module: nn.Module, tier: Tier, limit: int | None) -> None:
+    """Refuse fp32 trainable parameters whose gradients cannot all be retained in
+    ``tier`` (the first memory tier of ``Kind.GRAD32``'s placement; ``limit`` its budget
+    in bytes, None: unlimited): fp32 gradients are never written to NVMe, so they must fit
+    in memory together (4 B per element).
+
+    Raises:
+        SwapConfigError: naming the largest fp32 trainable parameter, the bytes they need
+            and the two fixes.
+    """
+    if limit is None:
+        return
+    fp32 = [
+        (name, p)
+        for name, p in module.named_parameters()
+        if p.requires_grad and not p.is_meta and p.dtype == torch.float32
+    ]
+    need = sum(p.numel() * 4 for _, p in fp32)
+    if need > limit:
+        name, largest = max(fp32, key=lambda item: item[1].numel())
+        raise SwapConfigError(
+            f"offload: the fp32 trainable parameters (the largest {name!r}, shape "
+            f"{list(largest.shape)}) have {need} bytes ({format_size(need)}) of fp32 "
+            f"gradients, which stay in memory (never on NVMe), above the {tier.value} "
+            f"budget of {limit} bytes ({format_size(limit)}); raise it, or make them "
+            "16-bit (for PEFT: autocast_adapter_dtype=False in peft.get_peft_model)"
+        )
 
 
 def check_modules(module: nn.Module, first: Tier, limit: int | None) -> None:
-    """Refuse parameters that are not 16-bit, and a budget of ``first`` (the tier where
+    """Refuse parameters that are neither 16-bit nor fp32 beside a 16-bit base
+    (:func:`check_dtypes`), and a budget of ``first`` (the tier where
     parameters are used; ``limit`` bytes, None: unlimited) that cannot hold some module's
     parameters at once (or what an activation-checkpointing recompute holds), before
     anything is moved.
@@ -37,13 +107,7 @@ def check_modules(module: nn.Module, first: Tier, limit: int | None) -> None:
     Raises:
         SwapConfigError: naming the parameter, or the module and the bytes it needs.
     """
-    for name, param in module.named_parameters():
-        if not param.is_meta and param.dtype not in (torch.bfloat16, torch.float16):
-            raise SwapConfigError(
-                f"offload: parameter {name!r} (shape {list(param.shape)}) is "
-                f"{param.dtype}; convert the model to bf16 or fp16 first "
-                "(model.to(torch.bfloat16))" + _PEFT_HINT * ("lora_" in name)
-            )
+    check_dtypes(module)
 
     def nbytes_of(p: torch.Tensor) -> int:
         # a meta parameter becomes 16-bit when materialised (checked at registration)

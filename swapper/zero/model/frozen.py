@@ -73,6 +73,7 @@ __all__ = [
     "ParametersChanged",
     "TrainableSetChanged",
     "check_known",
+    "check_not_nested",
     "check_trainable",
     "frozen_use",
     "mark_inputs",
@@ -166,3 +167,34 @@ def check_trainable(slots: Iterable[_Param]) -> None:
                 f"it): set requires_grad_({was}) back, or leave the block and wrap the "
                 "model again with the new set (and a new optimizer)"
             )
+
+
+def check_not_nested(module: nn.Module, wrapped: Iterable[nn.Module]) -> None:
+    """Refuse to wrap ``module`` when a module inside it is wrapped now, or it is inside
+    a wrapped model (``wrapped``: the models wrapped now): its parameters would be placed
+    twice, the second time as the first wrap's empty placeholders. Checked before
+    anything moves; O(modules) once per wrap.
+
+    Raises:
+        SwapConfigError: naming the module already wrapped, or the wrapped model and
+            where ``module`` is in it.
+    """
+    models = list(wrapped)
+    inside = {id(sub): name for name, sub in module.named_modules()}
+    for model in models:
+        if id(model) in inside and model is not module:
+            raise SwapConfigError(
+                f"offload: module {inside[id(model)]!r} ({type(model).__name__}) of this "
+                f"{type(module).__name__} is wrapped already: leave that block (or close "
+                "it) and wrap the whole model once"
+            )
+    for model in models:
+        if model is module:
+            continue
+        for name, sub in model.named_modules():
+            if sub is module:
+                raise SwapConfigError(
+                    f"offload: this {type(module).__name__} is module {name!r} of a wrapped "
+                    f"{type(model).__name__}: its parameters are in that model's tiers "
+                    "already; wrap a model once, from its outermost module"
+                )

@@ -51,9 +51,15 @@ forward hook (a fresh allocation each gather: the saved view kept it alive outsi
 device budget, values right). Its forward hooks do not run when a module raises, so a
 pair pushed per module could be left on the stack; one pair is pushed around the whole
 forward instead (:meth:`SavedParams.around`), recognising the parameters of every module
-whose forward runs at the save. Inside a checkpointed block checkpointing's hooks are
-then innermost: the first forward saves nothing, and the recompute's views are kept as
-tensors (right values, a buffer alive until its use: not covered there).
+whose forward runs at the save. Inside a non-reentrant checkpoint's region its hooks are
+innermost, above that pair: there a module's pre-hook pushes a pair of its own
+(:meth:`SavedParams.push`, when :meth:`SavedParams.ours_on_top` is False; popped by its
+forward hook, which runs when the forward raises too), in the first forward and in the
+recompute alike, as the one-process path does. Without it the recompute handed
+checkpointing the parameters themselves: a frozen one (saved undetached) had its
+``.data`` emptied by the module's release before checkpointing compared the recomputed
+tensors' shapes ("recomputed metadata: shape [0]", a CheckpointError at 2 ranks), and a
+trainable one's detached view kept its freed buffer alive outside the budget.
 
 Not covered: a parameter view saved after its module's forward returned (the module
 returned a view of its weight and a later op saved it): the block was released by then;
@@ -217,6 +223,8 @@ class SavedParams:
         self._unpack = _unpack_for(held)
         #: (forward depth, pack hook) of each pair pushed and not popped yet, innermost last
         self._pushed: list[tuple[int, Callable[[torch.Tensor], Any]]] = []
+        #: the pack hooks of the :meth:`around` pairs in force
+        self._around: list[Callable[[torch.Tensor], Any]] = []
 
     def push(self, depth: int, slots: Sequence[SlotLike]) -> None:
         """Push the hooks for the forward at ``depth`` (its index among the forwards that
@@ -255,5 +263,19 @@ class SavedParams:
         """
         _check_enabled()
         pack = _pack_for(lambda: _ranges(held_now()), _top(False))
-        with torch.autograd.graph.saved_tensors_hooks(pack, self._unpack):
-            yield
+        self._around.append(pack)
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, self._unpack):
+                yield
+        finally:
+            self._around.remove(pack)
+
+    def ours_on_top(self) -> bool:
+        """Whether the saved-tensor hooks on top now are ours (a pair of :meth:`around`
+        or :meth:`push`); False inside a non-reentrant checkpoint's region (its pair is
+        innermost there, in the forward and in the recompute), or another's."""
+        top = _top(False)
+        if top is None:
+            return False
+        pack = top[0]
+        return any(pack is p for p in self._around) or any(pack is p for _, p in self._pushed)

@@ -66,7 +66,7 @@ from swapper.zero.checkpoint.snapshot import keeps_store
 from swapper.zero.config.offload import OffloadConfig
 from swapper.zero.config.settings import tiers_of
 from swapper.zero.model.autograd import in_autograd, mark_outputs
-from swapper.zero.model.frozen import check_trainable, mark_inputs
+from swapper.zero.model.frozen import check_not_nested, check_trainable, mark_inputs
 from swapper.zero.model.model_buffers import move_buffers, restore_buffers
 from swapper.zero.model.module_apply import guard_apply, unguard_apply
 from swapper.zero.model.saved import SavedParams
@@ -127,6 +127,7 @@ class ShardedModel(GatherMixin, nn.Module):
             raise SwapConfigError(
                 f"offload: this {type(module).__name__} is already wrapped; wrap a model once"
             )
+        check_not_nested(module, _WRAPPED)  # (a module inside, or around, a wrapped one)
         self.module = module
         self.config = config
         self.group = group
@@ -182,7 +183,10 @@ class ShardedModel(GatherMixin, nn.Module):
             state.all_frozen = bool(state.slots) and not any(s.trainable for s in state.slots)
             pre = self._pre_forward_hook(state)  # (with_kwargs: inputs given by keyword)
             self._handles.append(sub.register_forward_pre_hook(pre, with_kwargs=True))
-            self._handles.append(sub.register_forward_hook(self._post_forward_hook(state)))
+            # always_call: a forward that raises (a recompute's early stop) pops what its
+            # pre-hook pushed and releases what it gathered
+            post = self._post_forward_hook(state)
+            self._handles.append(sub.register_forward_hook(post, always_call=True))
         for slot in self._by_index:
             if slot.param.requires_grad:
                 self._handles.append(
@@ -434,6 +438,9 @@ class ShardedModel(GatherMixin, nn.Module):
             with signals.at_waits:
                 self._acquire(state)
                 self._forward_holds[-1] = state
+            if not self._saved.ours_on_top() and torch.is_grad_enabled():
+                # inside a non-reentrant checkpoint's region (swapper.zero.model.saved)
+                self._saved.push(len(self._forward_holds) - 1, state.slots)
             if state.all_frozen and torch.is_grad_enabled():
                 return mark_inputs(args, kwargs, after)
             return None
@@ -457,6 +464,7 @@ class ShardedModel(GatherMixin, nn.Module):
 
         def hook(module: nn.Module, args: Any, output: Any) -> Any:
             with signals.held:
+                self._saved.pop_from(len(self._forward_holds) - 1)  # (what its pre-hook pushed)
                 taken = self._forward_holds.pop() if self._forward_holds else None
                 if taken is not None:
                     self._release(taken)

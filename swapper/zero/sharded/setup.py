@@ -312,10 +312,17 @@ def dtype_refusal(params: Sequence[tuple[str, str]]) -> str | None:
             "with several ranks they must share one dtype (a module's gather is one "
             "buffer and one collective; several dtypes are not supported yet)"
         )
+    # fp32 beside a 16-bit base (PEFT's default adapters) is one process only so far
+    peft = any("lora_" in name for name in by_dtype.get("torch.float32", ()))
     return (
         f"offload: parameters by dtype: {counts}; {why}: convert the model with "
         ".to(torch.bfloat16) (or materialise it in one 16-bit dtype) before "
         "swapper.offload(..., process_group)"
+        + (
+            "; fp32 PEFT adapters are accepted in one process, not yet with several "
+            "ranks: pass autocast_adapter_dtype=False to peft.get_peft_model"
+        )
+        * peft
     )
 
 

@@ -1,0 +1,145 @@
+"""The fetch path read once (issue 25): placement decides, the mover moves.
+
+One ``TierManager.fetch`` is traced with ``sys.setprofile`` on the calling thread (the
+completions on the engine's threads are not this fetch's path): every call into a file
+of ``swapper/manager`` from another file counts as one *entry* into it. A fetch from NVMe
+that must make room (evicting a dirty victim) enters ``core.py``, ``mover.py`` and
+``placement.py`` at most twice each, and never goes from placement into the mover (the
+run-time ``Transfers`` protocol through which placement evicted its victims is gone).
+"""
+
+from __future__ import annotations
+
+import ast
+import collections
+import contextlib
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import pytest
+import torch
+
+import swapper.manager.placement
+from swapper.manager import Kind, ManagerConfig, NotDurableError, Tier, TierManager
+
+KiB = 1024
+MANAGER = Path(swapper.manager.placement.__file__).parent
+
+
+def _config(root: Path, device_nbytes: int) -> ManagerConfig:
+    return ManagerConfig(
+        device_nbytes=device_nbytes,
+        host_nbytes=64 * KiB,
+        host_arena_nbytes=64 * KiB,
+        nvme_dirs=[root / "nvme"],
+        device="cpu",
+        timeout_s=20.0,
+        close_timeout_s=20.0,
+    )
+
+
+@pytest.fixture
+def tensors() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {k: torch.randn(8192, generator=g) for k in "abcde"}  # 32 KiB each
+
+
+@contextlib.contextmanager
+def _manager(root: Path, device_nbytes: int) -> Iterator[TierManager]:
+    m = TierManager(_config(root, device_nbytes))
+    try:
+        yield m
+    finally:
+        with contextlib.suppress(NotDurableError):
+            m.close()
+
+
+class Trace:
+    """Entries into the manager's files during one call (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.entries: collections.Counter[str] = collections.Counter()
+        self.edges: set[tuple[str, str]] = set()  # (caller's file, callee's file)
+
+    def _file(self, frame: FrameType | None) -> str | None:
+        if frame is None:
+            return None
+        path = Path(frame.f_code.co_filename)
+        return path.name if path.parent == MANAGER else None
+
+    def __call__(self, frame: FrameType, event: str, arg: Any) -> None:
+        if event != "call":
+            return
+        callee = self._file(frame)
+        caller = self._file(frame.f_back)
+        if callee is not None and caller != callee:
+            self.entries[callee] += 1
+            if caller is not None:
+                self.edges.add((caller, callee))
+
+    def run(self, call: Any) -> Any:
+        sys.setprofile(self)
+        try:
+            return call()
+        finally:
+            sys.setprofile(None)
+
+
+def test_a_fetch_that_evicts_enters_each_file_at_most_twice(
+    tmp_path: Path, tensors: dict[str, torch.Tensor]
+) -> None:
+    """NVMe → host, the host full of dirty tensors: room is made by writing one out,
+    then the key is read; core, mover and placement each entered at most twice, and
+    placement never calls into the mover."""
+    with _manager(tmp_path, 0) as m:
+        m.register("a", tensors["a"], Kind.OPTIM_STATE)
+        m.evict("a", Tier.NVME).result(timeout=20)
+        for k in "bc":  # 64 KiB: the host tier is full, and neither is on NVMe
+            m.register(k, tensors[k], Kind.OPTIM_STATE)
+        trace = Trace()
+        fetched = trace.run(lambda: m.fetch("a", Tier.HOST))
+        assert torch.equal(fetched, tensors["a"])
+        m.release("a")
+        victims = [k for k in "bc" if m.info(k).on_nvme]
+        assert victims, "the fetch made no room: the trace did not cover the eviction"
+        assert ("placement.py", "mover.py") not in trace.edges, trace.edges
+        for name in ("core.py", "mover.py", "placement.py"):
+            assert 1 <= trace.entries[name] <= 2, (name, dict(trace.entries))
+
+
+def test_a_fetch_that_makes_room_in_two_tiers_asks_placement_once_per_room(
+    tmp_path: Path, tensors: dict[str, torch.Tensor]
+) -> None:
+    """NVMe → device, both memory tiers full: device victims are demoted to the host,
+    which evicts to NVMe, and the read stages through the host. Placement is asked where
+    the key goes and, once for each room made, which victims leave (here: the device, the
+    host for the demotion, the host for the staging block); it never calls the mover,
+    and core and mover are entered once each."""
+    with _manager(tmp_path, 64 * KiB) as m:
+        m.register("a", tensors["a"], Kind.PARAM16)
+        m.evict("a", Tier.NVME).result(timeout=20)
+        for k in "bcde":  # b, c on the device, d, e in the host: both full
+            m.register(k, tensors[k], Kind.PARAM16)
+        assert [m.info(k).tier for k in "bcde"] == [Tier.DEVICE] * 2 + [Tier.HOST] * 2
+        trace = Trace()
+        fetched = trace.run(lambda: m.fetch("a", Tier.DEVICE))
+        assert torch.equal(fetched, tensors["a"])
+        m.release("a")
+        assert ("placement.py", "mover.py") not in trace.edges, trace.edges
+        assert trace.entries["core.py"] == 1 and trace.entries["mover.py"] == 1
+        assert trace.entries["placement.py"] <= 1 + 3, dict(trace.entries)
+
+
+def test_placement_does_not_import_the_mover() -> None:
+    """Not at module level, not in a function, not for type checking."""
+    tree = ast.parse(Path(swapper.manager.placement.__file__).read_text())
+    imported = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            imported.add(node.module)
+        elif isinstance(node, ast.Import):
+            imported.update(alias.name for alias in node.names)
+    assert not any(name.endswith("mover") for name in imported), imported
