@@ -24,18 +24,27 @@ import signal
 import sys
 import threading
 from pathlib import Path
+from typing import Any
 
 import torch
 
 import swapper
-from swapper import DynamicLossScaler, OffloadAdamW, OffloadConfig, StepConfig
+from swapper import DynamicLossScaler, OffloadAdamW, OffloadConfig, OffloadOptimizer, StepConfig
 from swapper.pressure.model import GPT, GPTConfig, init_weights_
+from swapper.step import StreamedOptimizer
 from swapper.zero.checkpoint.snapshot import final_digest, save_snapshot
 
 # A tiny GPT with tied embedding / head weights: 28 032 parameters.
 CONFIG = GPTConfig(vocab_size=64, context=16, d_model=32, n_layers=2, n_heads=2)
 DEVICE_NBYTES = 40_000  # the largest module and the tied weight, not the whole model
 HOST_NBYTES = 100_000  # less than the optimizer state (12 B x 28 032 = 336 384 B)
+
+#: ``--optimizer NAME`` other than adamw: OffloadOptimizer over these (issue 26)
+OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], dict[str, object]]] = {
+    "sgd": (torch.optim.SGD, {"lr": 1e-2, "momentum": 0.9, "nesterov": True}),
+    "adagrad": (torch.optim.Adagrad, {"lr": 1e-2}),
+    "adafactor": (torch.optim.Adafactor, {"lr": 1e-2}),
+}
 
 
 def config(swap: Path, *, host_fraction: float = 0.0, sub_group_numel: int = 1024) -> OffloadConfig:
@@ -98,6 +107,7 @@ def train(
     resume: bool | str = True,
     stop_after: int | None = None,
     kill: tuple[str, int, float] | None = None,
+    optimizer_name: str = "adamw",
 ) -> str:
     """Train to ``steps`` (from where a resume starts), a snapshot every ``every`` steps;
     return the final digest. ``stop_after``: close after that step without finishing
@@ -107,13 +117,25 @@ def train(
         gpt = gpt.to(torch.float16)
     wrapped = swapper.offload(gpt, config(swap, host_fraction=host_fraction), resume=resume)
     scaler = DynamicLossScaler(2.0**12) if dtype == "fp16" else None
-    optimizer = OffloadAdamW(
-        wrapped.parameters(),
-        lr=1e-2,
-        tiers=wrapped,
-        config=StepConfig(max_grad_norm=1.0),
-        loss_scaler=scaler,
-    )
+    optimizer: StreamedOptimizer
+    if optimizer_name == "adamw":
+        optimizer = OffloadAdamW(
+            wrapped.parameters(),
+            lr=1e-2,
+            tiers=wrapped,
+            config=StepConfig(max_grad_norm=1.0),
+            loss_scaler=scaler,
+        )
+    else:
+        cls, kwargs = OPTIMIZERS[optimizer_name]
+        optimizer = OffloadOptimizer(
+            cls,
+            wrapped.parameters(),
+            tiers=wrapped,
+            config=StepConfig(max_grad_norm=1.0),
+            loss_scaler=scaler,
+            **kwargs,
+        )
     _say("resumed", optimizer.step_count)
 
     def phase(name: str, step: int) -> None:
@@ -144,19 +166,20 @@ def train(
         wrapped.close()
 
 
-def _arm_snapshot_kill(when: str, step: int, optimizer: OffloadAdamW) -> None:
+def _arm_snapshot_kill(when: str, step: int, optimizer: StreamedOptimizer) -> None:
     """SIGKILL just before (``snapshot-file``) or after (``snapshot-done``) the snapshot
     file of ``step`` is written: its tensors are durable by then."""
     from tiers.nvme import snapshotting
 
     original = snapshotting.replace_file
 
-    def replace_file(path: Path, data: bytes, what: str) -> None:
+    def replace_file(path: Path, data: bytes, what: str, **options: Any) -> int | None:
         if optimizer.step_count == step and when == "snapshot-file":
             os.kill(os.getpid(), signal.SIGKILL)
-        original(path, data, what)
+        done = original(path, data, what, **options)
         if optimizer.step_count == step and when == "snapshot-done":
             os.kill(os.getpid(), signal.SIGKILL)
+        return done
 
     snapshotting.replace_file = replace_file  # type: ignore[assignment]
 
@@ -169,6 +192,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="bf16")
     parser.add_argument("--host-fraction", type=float, default=0.0)
     parser.add_argument("--kill", default=None, help="PHASE:STEP:DELAY_MS")
+    parser.add_argument("--optimizer", default="adamw", choices=["adamw", *OPTIMIZERS])
     args = parser.parse_args()
     kill = None
     if args.kill:
@@ -181,6 +205,7 @@ def main() -> None:
         dtype=args.dtype,
         host_fraction=args.host_fraction,
         kill=kill,
+        optimizer_name=args.optimizer,
     )
     _say("digest", digest)
 

@@ -98,8 +98,31 @@ def test_step_readahead_passes(tmp_path: Path, capsys: pytest.CaptureFixture[str
 
 
 @pytest.mark.parametrize(
+    ("name", "state_bytes"), [("sgd", 8), ("adagrad", 8), ("adam", 12), ("adafactor", None)]
+)
+def test_step_optimizer(tmp_path: Path, name: str, state_bytes: int | None) -> None:
+    """``--optimizer NAME``: the step of a torch.optim optimizer under OffloadOptimizer;
+    per parameter, 4 B of master weights and its state's bytes each way (issue 26)."""
+    out = tmp_path / "step.json"
+    argv = ["step", "--dir", str(tmp_path), "--params", "300K", "--sub-group", "50K"]
+    argv += ["--steps", "1", "--warmup", "1", "--optimizer", name, "--json", str(out)]
+    assert main(argv) == 0
+    doc = json.loads(out.read_text())
+    assert doc["optimizer"] == name
+    read, written = doc["read_bytes_per_param"], doc["write_bytes_per_param"]
+    assert read == written
+    if state_bytes is not None:  # 5 sub-groups of 51200 and one of 44000 (padded 44032)
+        assert read == pytest.approx(state_bytes * (5 * 51200 + 44032) / 300_000)
+    else:  # Adafactor: 4 B of master, its 1-D "variance" (one parameter each, whole)
+        assert 4 < read < 9
+    assert doc["step_over_floor"] > 0
+
+
+@pytest.mark.parametrize(
     "argv",
     [
+        ["--optimizer", "lbfgs"],
+        ["--optimizer", "sgd", "--moments", "bf16"],
         ["--readahead", "-1"],
         ["--readahead", "two"],
         ["--params", "0"],

@@ -91,16 +91,18 @@ def _weights(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def test_grad_norm_logged_is_clip_grad_norm_of_a_plain_run(tmp_path: Path) -> None:
+@pytest.mark.parametrize("max_norm", [MAX_NORM, 0.0], ids=["clipped", "no-clipping"])
+def test_grad_norm_logged_is_clip_grad_norm_of_a_plain_run(max_norm: float, tmp_path: Path) -> None:
     """One step on one batch (every row alike: the Trainer's shuffle changes nothing):
     the logged grad_norm equals clip_grad_norm_ over the plain run's fp32 gradients, and
-    the clipped update gives the plain run's weights (fp32 masters, AdamW, the schedule)."""
+    the clipped update gives the plain run's weights (fp32 masters, AdamW, the schedule);
+    with max_grad_norm=0 the norm is logged and nothing is clipped."""
     row = _rows(1)[0]
     data = [row] * ROWS
     model = _model()
     trainer = swapper.hf.Trainer(
         model=model,
-        args=_args(tmp_path / "out", max_steps=1, warmup_steps=0),
+        args=_args(tmp_path / "out", max_steps=1, warmup_steps=0, max_grad_norm=max_norm),
         train_dataset=data,
         offload=_config(tmp_path / "swap"),
     )
@@ -117,9 +119,9 @@ def test_grad_norm_logged_is_clip_grad_norm_of_a_plain_run(tmp_path: Path) -> No
     for param, master in zip(params, masters, strict=True):
         assert param.grad is not None
         master.grad = param.grad.float()
-    norm = torch.nn.utils.clip_grad_norm_(masters, MAX_NORM)
+    norm = torch.nn.utils.clip_grad_norm_(masters, max_norm or float("inf"))
     assert logged == [pytest.approx(float(norm), rel=0, abs=0)]
-    assert float(norm) > MAX_NORM  # it clipped
+    assert float(norm) > MAX_NORM  # (with max_norm=MAX_NORM: it clipped)
     optimizer = torch.optim.AdamW(masters, lr=LR, weight_decay=0.0, fused=True)
     scheduler = transformers.get_linear_schedule_with_warmup(optimizer, 0, 1)
     optimizer.step()

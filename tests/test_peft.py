@@ -159,14 +159,16 @@ def test_lora_quarter_budget_bit_identical_save_reload_merge(tmp_path: Path) -> 
     assert torch.equal(_logits(merged), _logits(merged_plain))
 
 
+@pytest.mark.parametrize("fp32", [False, True], ids=["bf16-adapters", "fp32-adapters"])
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
 def test_lora_with_checkpointing_quarter_budget_bit_identical(
-    reentrant: bool, tmp_path: Path
+    reentrant: bool, fp32: bool, tmp_path: Path
 ) -> None:
-    """HF's gradient checkpointing on (enabled before the wrap: the floor is checked)."""
+    """HF's gradient checkpointing on (enabled before the wrap: the floor is checked);
+    PEFT's default fp32 adapters too (their own masters in the reference)."""
 
     def build() -> nn.Module:
-        model = _lora()
+        model = _lora32() if fp32 else _lora()
         inner = model.base_model.model  # type: ignore[union-attr]
         inner.gradient_checkpointing_enable(  # type: ignore[operator]
             gradient_checkpointing_kwargs={"use_reentrant": reentrant}
@@ -176,7 +178,8 @@ def test_lora_with_checkpointing_quarter_budget_bit_identical(
         return model.train()
 
     tight_model, plain_model = build(), build()
-    tight, peak = _train(tight_model, _tight(tmp_path))
+    config = _fp32_tight(tmp_path, tight_model) if fp32 else _tight(tmp_path)
+    tight, peak = _train(tight_model, config)
     assert tight == _train_plain(plain_model)
     assert peak is not None and 0 < peak <= DEVICE_NBYTES
     _same_weights(tight_model, plain_model)

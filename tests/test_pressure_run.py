@@ -264,3 +264,43 @@ def test_cli_write_budget_warns_once_and_strict_stops_resumably(
         assert main([*strict, "--resume", "--json", str(out)]) == 0, capsys.readouterr().err
     data = json.loads(out.read_text(encoding="utf-8"))
     assert data["resumed_from_step"] >= 1 and data["identical"] is True
+
+
+@pytest.mark.parametrize("name", ["sgd", "adafactor"])
+def test_cli_optimizer_budgeted_equals_unlimited(
+    name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--optimizer NAME`` (issue 26): a torch.optim optimizer under OffloadOptimizer in
+    both runs; the budgeted run (its state through NVMe) equals the unlimited one."""
+    swap = tmp_path / "swap"
+    swap.mkdir()
+    out = tmp_path / "result.json"
+    argv = ["--params", "300k", "--steps", "3", "--dir", str(swap), "--json", str(out)]
+    code = main([*argv, "--optimizer", name])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    data = json.loads(out.read_text(encoding="utf-8"))
+    assert data["identical"] is True and data["losses"] == data["reference_losses"]
+    assert data["nvme_written_bytes_per_step_by_kind"]["optim_state"] > 0
+
+
+@pytest.mark.parametrize(
+    ("argv", "match"),
+    [
+        (["--optimizer", "lbfgs"], "lbfgs"),
+        (["--optimizer", "sgd", "--moments", "bf16"], "--moments"),
+        (["--optimizer", "sgd", "--nproc", "2"], "single-process"),
+    ],
+)
+def test_cli_optimizer_refusals(
+    argv: list[str], match: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["--params", "300k", "--steps", "1", *argv]) == 2
+    assert match in capsys.readouterr().err
+
+
+def test_cli_optimizer_names_are_the_named_optimizers() -> None:
+    from swapper.pressure.cli import OPTIMIZER_NAMES
+    from swapper.step.offload_optimizer import NAMED
+
+    assert ("adamw", *NAMED) == OPTIMIZER_NAMES

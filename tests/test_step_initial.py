@@ -193,7 +193,9 @@ def test_a_slot_is_not_reused_while_its_write_runs(tmp_path: Path) -> None:
     with TierManager(_config(tmp_path / "s", host_nbytes=12 * SG)) as manager:
         opt = OffloadAdamW(params, tiers=manager, config=StepConfig(sub_group_numel=SG))
         pipeline = opt._pipeline
-        writer = InitialWriter(manager, pipeline.codec, pipeline.sub_groups, timeout_s=20.0)
+        writer = InitialWriter(
+            manager, pipeline.codec, pipeline.sub_groups, pipeline._fp32_shape, timeout_s=20.0
+        )
         try:
             assert writer.depth >= 2
             seen: list[int] = []
@@ -251,7 +253,9 @@ def test_a_slot_with_its_write_in_flight_is_given_back_only_when_it_ends(tmp_pat
         opt = OffloadAdamW(params, tiers=manager, config=StepConfig(sub_group_numel=SG))
         pipeline = opt._pipeline
         host = manager.stats().tiers
-        writer = InitialWriter(manager, pipeline.codec, pipeline.sub_groups, timeout_s=20.0)
+        writer = InitialWriter(
+            manager, pipeline.codec, pipeline.sub_groups, pipeline._fp32_shape, timeout_s=20.0
+        )
         try:
             in_host = manager.stats().tiers
             # the slots are host-tier blocks: charged to its budget while held

@@ -223,6 +223,8 @@ def test_not_honoured_fp16_and_optimizer_keys_are_named(caplog: pytest.LogCaptur
         ),
         ({"optimizer": {"type": "AdamW", "params": {"lr": -1}}}, ["optimizer.params", "lr=-1"]),
         ({"optimizer": {"type": "AdamW", "params": {"betas": [2, 0]}}}, ["betas="]),
+        ({"optimizer": {"type": "SGD", "params": {"lr": -1}}}, ["optimizer.params (SGD)"]),
+        ({"optimizer": {"type": "Lion", "params": {}}}, ["optimizer.type='Lion'", "lion"]),
         ({"gradient_clipping": -1}, ["gradient_clipping=-1"]),
         ({"gradient_clipping": "1.0"}, ["gradient_clipping='1.0'"]),
         ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, ["both true"]),
@@ -313,3 +315,38 @@ def test_a_fitting_or_explicit_sub_group_is_left_alone(caplog: pytest.LogCapture
     cfg = OffloadConfig.from_deepspeed(ds, host_nbytes=HOST, sub_group_numel=2048)
     assert cfg.step.sub_group_numel == 2048  # the caller's choice
     assert _warnings(caplog) == []
+
+
+@pytest.mark.parametrize(
+    ("kind", "params", "cls"),
+    [
+        ("SGD", {"lr": 0.1, "momentum": 0.9, "nesterov": True}, torch.optim.SGD),
+        ("Adagrad", {"lr": 0.01, "eps": 1e-10, "weight_decay": 0.0}, torch.optim.Adagrad),
+    ],
+)
+def test_sgd_and_adagrad_map_to_offload_optimizer(
+    kind: str, params: dict[str, Any], cls: type, caplog: pytest.LogCaptureFixture
+) -> None:
+    """optimizer.type SGD / Adagrad → OffloadOptimizer over torch.optim's class with the
+    params it honours (issue 26); AdamW stays OffloadAdamW."""
+    from swapper import ManagerConfig, OffloadAdamW, OffloadOptimizer
+
+    caplog.set_level(logging.WARNING, LOGGER)
+    ds = {"zero_optimization": {"stage": 3}, "optimizer": {"type": kind, "params": params}}
+    _, training = load_deepspeed(ds)
+    assert training.optimizer_class is cls and dict(training.optimizer) == params
+    assert _warnings(caplog) == []
+    weights = [torch.zeros(8, dtype=torch.bfloat16)]
+    with training.make_optimizer(
+        weights, tiers=ManagerConfig(device_nbytes=0, host_nbytes=None)
+    ) as opt:
+        assert isinstance(opt, OffloadOptimizer) and opt.optimizer_class is cls
+        assert {k: opt.param_groups[0][k] for k in params} == params
+    _, adamw = load_deepspeed({"zero_optimization": {"stage": 3}, **TRAINING_OPTIMIZER})
+    with adamw.make_optimizer(
+        weights, tiers=ManagerConfig(device_nbytes=0, host_nbytes=None)
+    ) as opt:
+        assert isinstance(opt, OffloadAdamW)
+
+
+TRAINING_OPTIMIZER = {"optimizer": TRAINING["optimizer"]}

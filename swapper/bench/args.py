@@ -278,4 +278,12 @@ def add_step_arguments(p: argparse.ArgumentParser) -> None:
         help="also time steps that write fp32 gradients to NVMe and read them back "
         "(DeepSpeed ZeRO-Infinity's way)",
     )
+    p.add_argument(
+        "--optimizer",
+        default="adamw",
+        metavar="NAME",
+        help="the optimizer whose step is timed: adamw (OffloadAdamW, the fused kernel; the "
+        "default) or a torch.optim one under OffloadOptimizer: sgd (momentum 0.9), adam, "
+        "nadam, radam, adamax, adagrad, rmsprop, asgd, adafactor",
+    )
     p.add_argument("--seed", type=int, default=0, help="parameters and gradients (default 0)")

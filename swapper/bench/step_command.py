@@ -1,3 +1,5 @@
+# Size: ~520 lines: the plan, its checks, the timed rounds of every pass and the report of
+# one benchmark; split, each part would be read with the others open.
 """``swapper-bench step``: time optimizer steps over NVMe-resident state.
 
 One run builds, over the same 16-bit parameters and gradients (``--params`` elements in
@@ -32,6 +34,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import statistics
 import time
 from collections.abc import Callable
@@ -54,8 +57,9 @@ from swapper.bench.legacy_step import LegacyGradSwapAdamW
 from swapper.bench.step_floor import PROBE_NBYTES, DiskProbe, DiskRound, floor_record
 from swapper.cli_args import UsageError, aio_environment, check_output_path, table, write_json
 from swapper.manager import ManagerConfig
-from swapper.step import OffloadAdamW, StepConfig, StepPipeline
+from swapper.step import OffloadAdamW, StepConfig, StepPipeline, StreamedOptimizer
 from swapper.step.layout import plan_sub_groups
+from swapper.step.offload_optimizer import NAMED, make_optimizer, plan_named
 from tiers.config import AioConfig
 from tiers.units import format_size
 
@@ -89,6 +93,8 @@ class StepPlan:
     readaheads: tuple[int | str, ...] = ()
     #: the stores' I/O settings: SWAPPER_AIO_* over swapper's defaults
     aio: AioConfig = dataclasses.field(default_factory=AioConfig)
+    #: whose step: "adamw" (OffloadAdamW) or a name of swapper.step.offload_optimizer.NAMED
+    optimizer: str = "adamw"
 
     @property
     def state_nbytes(self) -> int:
@@ -101,7 +107,9 @@ class StepPlan:
         return max(min(PROBE_NBYTES, self.state_nbytes), 4096 * len(self.dirs))
 
     def sub_groups(self) -> list[Any]:
-        return plan_sub_groups([_tensor_numels(self.params)], self.sub_group)
+        if self.optimizer == "adamw":
+            return plan_sub_groups([_tensor_numels(self.params)], self.sub_group)
+        return _named_plan(self.optimizer, tuple(_tensor_numels(self.params)), self.sub_group)
 
     @property
     def passes(self) -> tuple[str, ...]:
@@ -110,6 +118,12 @@ class StepPlan:
             + tuple(f"step-{m}" for m in self.moments)
             + tuple(f"step-ra{r}" for r in self.readaheads)
         )
+
+
+@functools.lru_cache(maxsize=4)
+def _named_plan(name: str, numels: tuple[int, ...], sub_group: int) -> list[Any]:
+    """The optimizer's layout (its state discovered once per distinct tensor size)."""
+    return plan_named(name, list(numels), sub_group)
 
 
 def _tensor_numels(params: int) -> list[int]:
@@ -130,7 +144,17 @@ def build_plan(args: argparse.Namespace) -> StepPlan:
     sub_group = args.sub_group or DEFAULT_SUB_GROUP
     check_output_path("--json", args.json)
     aio = AioConfig(**aio_environment())
+    optimizer = getattr(args, "optimizer", "adamw")
+    if optimizer != "adamw":
+        if optimizer not in NAMED:
+            raise UsageError(f"--optimizer {optimizer!r}: use adamw or one of {', '.join(NAMED)}")
+        if getattr(args, "moments", None) or args.legacy_grad_swap:
+            raise UsageError(
+                "--moments and --legacy-grad-swap time AdamW's variants: leave them out "
+                f"with --optimizer {optimizer}"
+            )
     plan = StepPlan(
+        optimizer=optimizer,
         dirs=dirs,
         params=params,
         sub_group=sub_group,
@@ -220,7 +244,7 @@ def _run_rounds(
         pipeline = StepPipeline(io_manager, sub_groups, name="io-only")
         stack.callback(pipeline.close)
         pipeline.initialize(lambda sg, buffer: None)
-        optimizers: dict[str, OffloadAdamW] = {}
+        optimizers: dict[str, StreamedOptimizer] = {}
         for name in plan.passes[1:]:
             config: ManagerConfig
             if name == "compute-only":
@@ -235,19 +259,17 @@ def _run_rounds(
                 readahead = plan.readaheads[plan.passes.index(name) - len(plan.passes)]
             elif name.startswith("step-"):
                 moments = name.removeprefix("step-")
-            optimizers[name] = stack.enter_context(
-                optimizer_class(
-                    params,
-                    lr=1e-4,
-                    tiers=config,
-                    config=StepConfig(
-                        sub_group_numel=plan.sub_group,
-                        name=name,
-                        moments=moments,
-                        readahead=readahead,
-                    ),
-                )
+            step_config = StepConfig(
+                sub_group_numel=plan.sub_group, name=name, moments=moments, readahead=readahead
             )
+            if plan.optimizer == "adamw":
+                made: StreamedOptimizer = optimizer_class(
+                    params, lr=1e-4, tiers=config, config=step_config
+                )
+            else:  # (its state layout discovered: the io-only pass moved the same bytes)
+                made = make_optimizer(plan.optimizer, params, lr=1e-4, tiers=config,
+                                      config=step_config)  # fmt: skip
+            optimizers[name] = stack.enter_context(made)
         io_step = 0
 
         def io_only() -> _Outcome:
@@ -261,11 +283,11 @@ def _run_rounds(
             traffic = pipeline.traffic_since(before)
             return _Outcome(seconds, traffic, io_manager.stats().stall_s - stall)
 
-        def optimizer_step(opt: OffloadAdamW) -> _Outcome:
+        def optimizer_step(opt: StreamedOptimizer) -> _Outcome:
             opt.step()
             report_ = opt.last_step
             if report_ is None:  # step() returns only once its report is set
-                raise BenchError("OffloadAdamW.step() returned without a report (last_step)")
+                raise BenchError(f"{type(opt).__name__}.step() returned without a report")
             return _Outcome(report_.seconds, report_.traffic, report_.stall_seconds)
 
         runs: dict[str, Callable[[], _Outcome]] = {"io-only": io_only}
@@ -322,6 +344,7 @@ def summarize(
     step, io, compute = (results[n].median for n in ("step", "io-only", "compute-only"))
     per_param = plan.params
     doc: dict[str, Any] = {
+        "optimizer": plan.optimizer,
         "params": plan.params,
         "sub_group_numel": plan.sub_group,
         "sub_groups": len(plan.sub_groups()),
@@ -470,7 +493,8 @@ def run_step_command(args: argparse.Namespace) -> int:
     plan = build_plan(args)
     where = ", ".join(str(d) for d in plan.dirs)
     print(
-        f"{PROG} {COMMAND}: {plan.params:,} bf16 params, {len(plan.sub_groups())} sub-groups "
+        f"{PROG} {COMMAND}: {plan.optimizer}, {plan.params:,} bf16 params, "
+        f"{len(plan.sub_groups())} sub-groups "
         f"of {plan.sub_group:,}, {format_size(plan.state_nbytes)} of fp32 state per store"
         + "".join(f" (and a store of {m} moments)" for m in plan.moments)
         + ", "

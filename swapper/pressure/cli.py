@@ -54,6 +54,12 @@ if TYPE_CHECKING:
 PROG = "swapper-pressure"
 #: The most ranks --nproc starts (swapper.pressure.ranks.MAX_NPROC; not imported: no torch).
 MAX_NPROC = 64
+#: --optimizer's names: adamw and swapper.step.offload_optimizer.NAMED's (not imported: no
+#: torch here; tests/test_pressure_run.py keeps them equal).
+OPTIMIZER_NAMES = (
+    "adamw", "sgd", "adam", "nadam", "radam", "adamax", "adagrad", "rmsprop", "asgd", "adafactor",
+)  # fmt: skip
+
 #: StepConfig.moments' values (swapper.step.layout.MOMENTS; not imported: no torch).
 MOMENTS = ("fp32", "bf16", "int8")
 #: --batch when not given (rounded up to a multiple of --nproc).
@@ -190,6 +196,14 @@ def build_parser() -> argparse.ArgumentParser:
         "default fp32)",
     )
     p.add_argument(
+        "--optimizer",
+        default="adamw",
+        metavar="NAME",
+        help="the optimizer of both runs: adamw (OffloadAdamW, the default) or a torch.optim "
+        "one under OffloadOptimizer: sgd (momentum 0.9), adam, nadam, radam, adamax, "
+        "adagrad, rmsprop, asgd, adafactor (single process)",
+    )
+    p.add_argument(
         "--reference",
         choices=("unlimited", "none"),
         default="unlimited",
@@ -277,7 +291,16 @@ def _run(argv: list[str], kept: list[Path] | None = None) -> int:
         )
     if args.nproc == 1 and (args.fetch_collective or args.reduce_dtype):
         parser.error("--fetch-collective and --reduce-dtype need --nproc N > 1 (collectives)")
+    if args.optimizer not in OPTIMIZER_NAMES:
+        parser.error(f"--optimizer {args.optimizer!r}: one of {', '.join(OPTIMIZER_NAMES)}")
+    if args.optimizer != "adamw" and args.moments != "fp32":
+        parser.error(f"--moments {args.moments} is AdamW's: leave it out with --optimizer")
     if args.nproc > 1:
+        if args.optimizer != "adamw":
+            parser.error(
+                "--optimizer other than adamw is single-process here (--nproc 1): the "
+                "ranks' runner builds OffloadAdamW"
+            )
         if args.moments != "fp32":
             parser.error(
                 "--moments other than fp32 is single-process here (--nproc 1): the ranks "
@@ -324,6 +347,7 @@ def _run(argv: list[str], kept: list[Path] | None = None) -> int:
         export_dir=args.export,
         overlap=args.overlap,
         moments=args.moments,
+        optimizer=args.optimizer,
         write_budget_bytes_per_day=args.write_budget,
         write_budget_strict=args.write_budget_strict,
     )

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 from tiers.units import format_size
 
 if TYPE_CHECKING:
-    from swapper.step import OffloadAdamW
+    from swapper.step import StreamedOptimizer
     from swapper.zero.local.offload import OffloadedModel
     from swapper.zero.sharded.model import ShardedModel
 
@@ -65,7 +65,7 @@ class _Progress:
 
 def export_final(
     model: OffloadedModel | ShardedModel,
-    optimizer: OffloadAdamW,
+    optimizer: StreamedOptimizer,
     directory: Path,
     say: Callable[[str], None] | None = None,
 ) -> float:

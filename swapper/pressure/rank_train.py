@@ -226,7 +226,7 @@ def _train(
         stats = wrapped.stats()
         state[Kind.OPTIM_STATE.value] = (
             sum(sg.state_nbytes for sg in optimizer.sub_groups)
-            + optimizer._pipeline.scales.nbytes  # (int8: the block scales, held apart)
+            + optimizer.stored_state.scales_nbytes  # (int8: the block scales, held apart)
         )
         hashes: dict[str, int] = {}
         params: dict[str, torch.Tensor] = {}

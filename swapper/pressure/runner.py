@@ -50,7 +50,8 @@ from swapper.pressure.export import export_final, export_json
 from swapper.pressure.memory import SavedBytes, peak_rss, reset_peak_rss, return_freed_memory
 from swapper.pressure.model import GPT, GPTConfig, batches, materialize_
 from swapper.pressure.timing import Phases, Timing, measure_disk, plain_run
-from swapper.step import DynamicLossScaler, OffloadAdamW, StepConfig
+from swapper.step import DynamicLossScaler, StepConfig
+from swapper.step.offload_optimizer import NAMED, make_optimizer
 from swapper.zero.checkpoint.snapshot import SnapshotReport, final_digest, save_snapshot
 from swapper.zero.config.offload import OffloadConfig
 from swapper.zero.local.offload import OffloadedModel
@@ -104,6 +105,9 @@ class PressureSettings:
             comparison checks that it changes no result.
         moments: how the optimizer stores its Adam moments (``StepConfig.moments``), in
             both runs.
+        optimizer: ``adamw`` (``OffloadAdamW``, weight decay 0.01) or a name of
+            :data:`swapper.step.offload_optimizer.NAMED` (``OffloadOptimizer`` over that
+            ``torch.optim`` class), in both runs.
     """
 
     params: int = 2_000_000
@@ -127,9 +131,18 @@ class PressureSettings:
     export_dir: Path | None = None
     overlap: bool = False
     moments: str = "fp32"
+    optimizer: str = "adamw"
 
     def __post_init__(self) -> None:
         StepConfig(moments=self.moments)  # validates it (SwapConfigError naming it)
+        if self.optimizer != "adamw" and self.optimizer not in NAMED:
+            raise SwapConfigError(
+                f"optimizer={self.optimizer!r} must be adamw or one of {', '.join(NAMED)}"
+            )
+        if self.optimizer != "adamw" and self.moments != "fp32":
+            raise SwapConfigError(
+                f"moments={self.moments!r} is AdamW's; optimizer={self.optimizer!r} stores fp32"
+            )
         if not isinstance(self.aio, AioConfig):
             raise SwapConfigError(f"aio={self.aio!r} must be an AioConfig")
         if self.dtype not in DTYPES:
@@ -521,13 +534,14 @@ def train_once(
         built.model_written_nbytes = _nvme_written(wrapped.stats())
         start = time.perf_counter()
         optimizer = stack.enter_context(
-            OffloadAdamW(
+            make_optimizer(
+                settings.optimizer,
                 wrapped.parameters(),
                 lr=settings.lr,
-                weight_decay=0.01,
                 tiers=wrapped,
                 config=StepConfig(max_grad_norm=1.0),  # sub-groups: the model's config.step
                 loss_scaler=scaler,
+                **({"weight_decay": 0.01} if settings.optimizer == "adamw" else {}),
             )
         )
         built.optimizer_s = time.perf_counter() - start

@@ -3,15 +3,19 @@ from the retained 16-bit ones (never written to disk), PyTorch's fused AdamW."""
 
 from swapper.step.config import StepConfig
 from swapper.step.layout import ALIGN_NUMEL, Piece, SubGroup, plan_sub_groups
+from swapper.step.offload_optimizer import OffloadOptimizer
 from swapper.step.optimizer import (
     DeferredStepError,
     OffloadAdamW,
     StateDictError,
     StepPendingError,
     StepReport,
+    StreamedOptimizer,
     SubGroupStates,
 )
 from swapper.step.pipeline import PipelineClosedError, StepFailedError, StepPipeline, StepTraffic
+from swapper.step.rules.base import StateRow, UpdateRule
+from swapper.step.rules.torch_optim import StateLayoutError, UnsupportedOptimizerError
 from swapper.step.scaler import DynamicLossScaler
 
 __all__ = [
@@ -19,16 +23,22 @@ __all__ = [
     "DeferredStepError",
     "DynamicLossScaler",
     "OffloadAdamW",
+    "OffloadOptimizer",
     "Piece",
     "PipelineClosedError",
     "StateDictError",
+    "StateLayoutError",
+    "StateRow",
     "StepConfig",
     "StepFailedError",
     "StepPendingError",
     "StepPipeline",
     "StepReport",
     "StepTraffic",
+    "StreamedOptimizer",
     "SubGroup",
     "SubGroupStates",
+    "UnsupportedOptimizerError",
+    "UpdateRule",
     "plan_sub_groups",
 ]

@@ -260,12 +260,13 @@ class MomentCodec:
 
     def master(self, sg: SubGroup, stored: torch.Tensor) -> torch.Tensor:
         """The fp32 master weights (``padded_numel``), a view into ``stored``."""
-        if not self.compressed:
-            return stored[0]
+        if not self.compressed:  # (row 0; the state may be flat, see SubGroup.state_shape)
+            return stored.view(-1)[: sg.padded_numel]
         return stored[: 4 * sg.padded_numel].view(torch.float32)
 
     def decode(self, sg: SubGroup, stored: torch.Tensor) -> torch.Tensor:
-        """A new fp32 ``(3, padded_numel)`` tensor: master, exp_avg, exp_avg_sq."""
+        """A new fp32 tensor of the state (``sg.state_shape``; compressed: ``(3,
+        padded_numel)``, master, exp_avg, exp_avg_sq)."""
         if not self.compressed:
             return stored.clone()
         out = torch.empty((3, sg.padded_numel), dtype=torch.float32, device=stored.device)

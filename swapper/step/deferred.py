@@ -85,7 +85,7 @@ from tiers import signals
 from tiers.errors import SwapConfigError
 
 if TYPE_CHECKING:
-    from swapper.step.optimizer import OffloadAdamW
+    from swapper.step.optimizer import StreamedOptimizer
 
 __all__ = ["DeferredStepError", "DeferredSteps"]
 
@@ -139,7 +139,7 @@ class DeferredSteps:
             already.
     """
 
-    def __init__(self, optimizer: OffloadAdamW, model: object, source: ParamSource) -> None:
+    def __init__(self, optimizer: StreamedOptimizer, model: object, source: ParamSource) -> None:
         self._agreed: AgreedModel | None = None
         if isinstance(source, SharedStep):
             if not isinstance(model, AgreedModel):

@@ -41,6 +41,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
+import math
 from collections.abc import Callable
 
 import torch
@@ -84,6 +85,8 @@ class InitialWriter:
         manager: where the state goes (its ``register_behind``).
         codec: the stored form of the state (fp32, or compressed moments).
         sub_groups: the plan; sizes the slots (the largest sub-group).
+        fp32_shape: a sub-group's state in fp32, as ``fill`` sees it (the update rule's
+            rows; three with compressed moments).
         timeout_s: the longest wait for one slot's write to end.
 
     Raises:
@@ -95,20 +98,22 @@ class InitialWriter:
         manager: TierManager,
         codec: MomentCodec,
         sub_groups: tuple[SubGroup, ...],
+        fp32_shape: Callable[[SubGroup], tuple[int, ...]],
         *,
         timeout_s: float,
     ) -> None:
         self.manager = manager
         self.codec = codec
         self.timeout_s = timeout_s
-        largest = max((sg.padded_numel for sg in sub_groups), default=0)
+        self._shape = fp32_shape
+        largest = max((math.prod(fp32_shape(sg)) for sg in sub_groups), default=0)
         #: the fp32 state of one sub-group before it is encoded (compressed moments only)
         self._fp32: torch.Tensor | None = None
         if codec.compressed:
-            self._fp32 = torch.empty((3, largest), dtype=torch.float32)
+            self._fp32 = torch.empty(largest, dtype=torch.float32)
             slot_nbytes = max((sg.state_nbytes for sg in sub_groups), default=0)
         else:
-            slot_nbytes = 3 * largest * 4
+            slot_nbytes = 4 * largest
         host = manager.config.host_nbytes
         self.depth = writes_in_flight(slot_nbytes, host)
         count = min(self.depth, len(sub_groups))
@@ -143,7 +148,7 @@ class InitialWriter:
 
     def put(self, key: str, sg: SubGroup, fill: Callable[[SubGroup, torch.Tensor], None]) -> None:
         """Make ``sg``'s state in a free slot (``fill(sg, buffer)`` into a zeroed fp32
-        ``(3, padded_numel)`` buffer), then register it under ``key`` with its write in
+        buffer of ``fp32_shape(sg)``), then register it under ``key`` with its write in
         flight. On return the key is registered (settling).
 
         Raises:
@@ -155,14 +160,15 @@ class InitialWriter:
         slot = self._queue[0]
         self._settle(slot)
         self._queue.rotate(-1)
+        shape = self._shape(sg)
+        numel = math.prod(shape)
         if self._fp32 is None:
-            state = slot.memory[: 12 * sg.padded_numel].view(torch.float32)
-            state = state.view(3, sg.padded_numel)
+            state = slot.memory[: 4 * numel].view(torch.float32).view(shape)
             state.zero_()
             fill(sg, state)
             stored = state
         else:
-            state = self._fp32[:, : sg.padded_numel]
+            state = self._fp32[:numel].view(shape)
             state.zero_()
             fill(sg, state)
             stored = self.codec.stored_form(sg, state, slot.memory)

@@ -41,6 +41,7 @@ __all__ = [
     "StoredLayout",
     "SubGroup",
     "plan_sub_groups",
+    "plan_whole_sub_groups",
     "scales_numel",
     "stored_layout",
 ]
@@ -163,6 +164,11 @@ class SubGroup:
         scales_offset: int8 moments: where its ``stored.scales_numel`` fp32 block scales
             start in the optimizer's one scales tensor (the sub-groups' scales end to
             end, in index order); 0 otherwise.
+        rows: fp32 rows of ``padded_numel`` in its state (fp32 moments): the master
+            weights, then one per element-wise state row its update rule declares
+            (:mod:`swapper.step.rules.base`; AdamW: 3, :data:`STATE_ROWS`).
+        extra_numel: fp32 elements of per-parameter state (shapes the update rule makes,
+            e.g. Adafactor's factored moments) after the rows; 0 for element-wise rules.
     """
 
     index: int
@@ -173,13 +179,24 @@ class SubGroup:
     pieces: tuple[Piece, ...]
     moments: str = "fp32"
     scales_offset: int = 0
+    rows: int = len(STATE_ROWS)
+    extra_numel: int = 0
+
+    @property
+    def state_numel(self) -> int:
+        """fp32 elements of its state tensor (fp32 moments): ``rows`` rows of
+        ``padded_numel``, then the per-parameter section rounded up to ALIGN_NUMEL."""
+        return self.rows * self.padded_numel + round_up(self.extra_numel)
 
     @property
     def state_shape(self) -> tuple[int, ...]:
-        """Shape of its state tensor as stored: ``(3, padded_numel)`` fp32, or
-        ``(nbytes,)`` uint8 with compressed moments."""
+        """Shape of its state tensor as stored: ``(rows, padded_numel)`` fp32 (flat
+        ``(state_numel,)`` when an update rule keeps per-parameter state, see
+        :attr:`extra_numel`), or ``(nbytes,)`` uint8 with compressed moments."""
         if self.moments == "fp32":
-            return (len(STATE_ROWS), self.padded_numel)
+            if self.extra_numel:
+                return (self.state_numel,)
+            return (self.rows, self.padded_numel)
         return (self.stored.nbytes,)
 
     @property
@@ -192,7 +209,7 @@ class SubGroup:
         """Bytes of its state tensor as stored (padding included): what a step reads and
         writes for it."""
         if self.moments == "fp32":
-            return len(STATE_ROWS) * self.padded_numel * 4
+            return self.state_numel * 4
         return self.stored.nbytes
 
     @property
@@ -221,7 +238,11 @@ def round_up(numel: int, multiple: int = ALIGN_NUMEL) -> int:
 
 
 def plan_sub_groups(
-    group_numels: Sequence[Sequence[int]], sub_group_numel: int, moments: str = "fp32"
+    group_numels: Sequence[Sequence[int]],
+    sub_group_numel: int,
+    moments: str = "fp32",
+    *,
+    rows: int = len(STATE_ROWS),
 ) -> list[SubGroup]:
     """Cut every param group into sub-groups.
 
@@ -230,6 +251,7 @@ def plan_sub_groups(
         sub_group_numel: elements per sub-group; rounded up to a multiple of
             :data:`ALIGN_NUMEL`.
         moments: how the sub-groups' moments are stored (one of :data:`MOMENTS`).
+        rows: fp32 rows of each sub-group's state (master weights included).
 
     Returns:
         the sub-groups of all groups, group by group, numbered from 0. A group without
@@ -241,15 +263,7 @@ def plan_sub_groups(
     """
     if moments not in MOMENTS:
         raise SwapConfigError(f"moments={moments!r} must be one of {', '.join(MOMENTS)}")
-    if isinstance(sub_group_numel, bool) or not isinstance(sub_group_numel, int):
-        raise SwapConfigError(
-            f"sub_group_numel={sub_group_numel!r} must be an int number of elements"
-        )
-    if sub_group_numel <= 0:
-        raise SwapConfigError(
-            f"sub_group_numel={sub_group_numel} must be > 0 elements (e.g. 25_000_000)"
-        )
-    size = round_up(sub_group_numel)
+    size = _check_size(sub_group_numel)
     plan: list[SubGroup] = []
     for group_index, numels in enumerate(group_numels):
         # (param index, first flat element) of each non-empty parameter
@@ -286,6 +300,71 @@ def plan_sub_groups(
                     tuple(pieces),
                     moments,
                     scales if moments == "int8" else 0,
+                    rows,
+                )
+            )
+    return plan
+
+
+def _check_size(sub_group_numel: int) -> int:
+    if isinstance(sub_group_numel, bool) or not isinstance(sub_group_numel, int):
+        raise SwapConfigError(
+            f"sub_group_numel={sub_group_numel!r} must be an int number of elements"
+        )
+    if sub_group_numel <= 0:
+        raise SwapConfigError(
+            f"sub_group_numel={sub_group_numel} must be > 0 elements (e.g. 25_000_000)"
+        )
+    return round_up(sub_group_numel)
+
+
+def plan_whole_sub_groups(
+    group_numels: Sequence[Sequence[int]],
+    sub_group_numel: int,
+    *,
+    rows: int,
+    extra_numels: Sequence[Sequence[int]],
+) -> list[SubGroup]:
+    """Cut every param group into sub-groups that hold whole parameters: for an update
+    rule that is not element-wise (it needs all of a parameter at once, e.g. Adafactor's
+    row and column means). Parameters are taken in order while they fit in
+    ``sub_group_numel`` elements; one larger than that gets a sub-group of its own.
+
+    Args:
+        group_numels: per param group, the element count of each parameter, in order.
+        sub_group_numel: elements per sub-group (a bound, not a cut).
+        rows: fp32 rows of ``padded_numel`` in each state (master weights included).
+        extra_numels: per param group, the fp32 elements of each parameter's
+            per-parameter state (laid after the rows, in piece order).
+
+    Raises:
+        SwapConfigError: ``sub_group_numel`` is not a positive int.
+    """
+    size = _check_size(sub_group_numel)
+    plan: list[SubGroup] = []
+    for group_index, (numels, extras) in enumerate(zip(group_numels, extra_numels, strict=True)):
+        batches: list[list[tuple[int, int, int]]] = []  # (param index, flat start, numel)
+        flat = 0
+        for param_index, numel in enumerate(numels):
+            if numel:
+                last = batches[-1] if batches else None
+                if last is None or flat + numel - last[0][1] > size:
+                    batches.append([])
+                batches[-1].append((param_index, flat, numel))
+            flat += numel
+        for batch in batches:
+            begin = batch[0][1]
+            numel = batch[-1][1] + batch[-1][2] - begin
+            plan.append(
+                SubGroup(
+                    len(plan),
+                    group_index,
+                    begin,
+                    numel,
+                    round_up(numel),
+                    tuple(Piece(i, 0, start - begin, n) for i, start, n in batch),
+                    rows=rows,
+                    extra_numel=sum(extras[i] for i, _, _ in batch),
                 )
             )
     return plan

@@ -1,3 +1,6 @@
+# Size: ~550 lines: StreamedOptimizer's torch.optim surface (construction, the step's
+# order, state dict, zero_grad, close) is one class; OffloadAdamW, its AdamW face (100
+# lines), stays beside it for the importers of swapper.step.optimizer.
 """``OffloadAdamW``: AdamW over 16-bit parameters with fp32 state streamed from the tiers.
 
 The 16-bit parameters and their 16-bit gradients stay where they are (ordinary tensors);
@@ -20,7 +23,7 @@ import contextlib
 import dataclasses
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -28,10 +31,12 @@ from swapper.manager import ManagerConfig, TierManager
 from swapper.step.config import DEFAULT_SUB_GROUP_NUMEL, StepConfig, check_hyper
 from swapper.step.deferred import DeferredStepError, DeferredSteps
 from swapper.step.flat_grads import FlatGrads
-from swapper.step.layout import SubGroup, plan_sub_groups
+from swapper.step.layout import SubGroup
 from swapper.step.params import check_params, fp32_accumulators
 from swapper.step.pipeline import PipelineClosedError, StepPipeline, StepTraffic
 from swapper.step.resume import ResumedState, adopt, resumed_of, unadopt
+from swapper.step.rules.adamw import AdamWRule
+from swapper.step.rules.base import UpdateRule
 from swapper.step.scaler import DynamicLossScaler
 from swapper.step.sources import (
     LocalParams,
@@ -46,6 +51,7 @@ from swapper.step.state import (
     saved_state,
 )
 from swapper.step.update import SubGroupMath
+from swapper.step.view import OptimizerState
 from tiers import signals
 from tiers.errors import SwapConfigError, SwapError
 
@@ -55,6 +61,7 @@ __all__ = [
     "StateDictError",
     "StepPendingError",
     "StepReport",
+    "StreamedOptimizer",
     "SubGroupStates",
 ]
 
@@ -85,66 +92,30 @@ class StepReport:
     traffic: StepTraffic
 
 
-class OffloadAdamW(SubGroupMath, torch.optim.Optimizer):
-    """AdamW (decoupled weight decay) over 16-bit parameters, state in the tiers.
+_Optimizer = TypeVar("_Optimizer", bound="StreamedOptimizer")
 
-    Use it like ``torch.optim.AdamW``: ``loss.backward()``, ``optimizer.step()``,
-    ``optimizer.zero_grad()``. The update is PyTorch's fused AdamW kernel
-    (``torch._fused_adamw_``, the one ``torch.optim.AdamW(fused=True)`` runs), applied to
-    the fp32 master weights; the 16-bit parameters are then rounded from them. It runs
-    where the state was fetched to: on the accelerator when the manager's placement puts
-    ``optim_state`` there, else on the CPU.
 
-    While the state streams from NVMe, :meth:`step` runs PyTorch's intra-op pool with one
-    thread fewer than configured (``torch.set_num_threads``, restored after), leaving a
-    core to the I/O threads.
+class StreamedOptimizer(SubGroupMath, torch.optim.Optimizer):
+    """A ``torch.optim.Optimizer`` over 16-bit parameters whose fp32 master weights and
+    state stream from the tiers in sub-groups, updated by an
+    :class:`~swapper.step.rules.base.UpdateRule` (what it declares is what is stored).
 
-    With ``StepConfig(overlap=True)`` (over an offloaded model), :meth:`step` returns
-    once the global part is done and the sub-group updates run in the background while
-    the next forward runs; what reads parameters or state waits for them first (see
-    :mod:`swapper.step.deferred`; :meth:`wait_pending` waits explicitly).
-
-    A parameter whose ``.grad`` is None at a step is stepped with a zero gradient (its
-    moments decay, weight decay applies), as in ZeRO's flat partitions; ``torch.optim``
-    would skip it; over an offloaded model a frozen one is left out instead (no state).
-
-    Args:
-        params: 16-bit (bf16 or fp16), contiguous tensors, or param groups (dicts), as for
-            any ``torch.optim`` optimizer; ``(name, tensor)`` pairs name them in errors.
-        lr, betas, eps, weight_decay: AdamW's hyper-parameters (per group; lr schedulers
-            work as usual).
-        tiers: the :class:`TierManager` to keep the state in (shared, not closed by
-            :meth:`close`), or a :class:`ManagerConfig` for one of its own, or a model
-            wrapped by :func:`swapper.offload` (its parameters live in its manager, which
-            then holds the state too).
-        config: sub-group size, host fraction, clipping, fp32 accumulation, read-ahead
-            and key prefix (see :class:`~swapper.step.StepConfig`); fields left ``None``
-            come from the offloaded model's ``OffloadConfig.step``, else the defaults.
-        loss_scaler: for fp16: the scaler whose scale the gradients carry; a step with
-            inf/NaN gradients is skipped and leaves all state and parameters untouched.
-            A live object the training loop shares (its state is saved by
-            :meth:`state_dict`), so an argument, not a setting of ``config``.
-
-    Raises:
-        SwapConfigError: a hyper-parameter or setting is out of range (named), a parameter
-            is not a 16-bit contiguous tensor (named by group, index, name and shape) or
-            appears twice.
-        and what :class:`TierManager` raises while the state is set up (nothing is kept).
+    The public optimizers are its subclasses: :class:`OffloadAdamW` (the fused AdamW
+    rule) and :class:`~swapper.step.any.OffloadOptimizer` (any ``torch.optim`` class).
+    Arguments and errors: as :class:`OffloadAdamW`'s, with ``defaults`` the param
+    groups' defaults and ``rule`` the update rule.
     """
 
     def __init__(
         self,
         params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
-        lr: float = 1e-3,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        weight_decay: float = 1e-2,
+        defaults: dict[str, Any],
         *,
+        rule: UpdateRule | None,
         tiers: TierManager | ManagerConfig | TieredModel,
         config: StepConfig | None = None,
         loss_scaler: DynamicLossScaler | None = None,
     ) -> None:
-        check_hyper(lr, betas, eps, weight_decay)
         if config is None:
             config = StepConfig()
         elif not isinstance(config, StepConfig):
@@ -154,7 +125,6 @@ class OffloadAdamW(SubGroupMath, torch.optim.Optimizer):
             )
         if loss_scaler is not None and not isinstance(loss_scaler, DynamicLossScaler):
             raise SwapConfigError(f"loss_scaler={loss_scaler!r} must be a DynamicLossScaler")
-        defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
         super().__init__(params, defaults)
         self._source: ParamSource
         if isinstance(tiers, TieredModel):
@@ -184,9 +154,11 @@ class OffloadAdamW(SubGroupMath, torch.optim.Optimizer):
         self.config = config
         check_params(self.param_groups, self._source)
         for group in self.param_groups:
-            check_hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+            self._check_group(group)
             group.setdefault("step", 0)
-        plan = plan_sub_groups(self._numels(), sub_group_numel, config.moments or "fp32")
+        #: the update of a sub-group, and the state it declares
+        self.rule = rule if rule is not None else self._make_rule()
+        plan = self.rule.plan(self._numels(), sub_group_numel, config.moments or "fp32")
         self.sub_group_numel = sub_group_numel
         self.max_grad_norm = config.max_grad_norm
         self.loss_scaler = loss_scaler
@@ -244,6 +216,12 @@ class OffloadAdamW(SubGroupMath, torch.optim.Optimizer):
         self._constructed = True
 
     # -- the public surface --------------------------------------------------------------
+
+    @property
+    def stored_state(self) -> OptimizerState:
+        """The door to the stored state, for checkpoints, exports and digests
+        (:class:`~swapper.step.view.OptimizerState`)."""
+        return OptimizerState(self, self._pipeline)
 
     @property
     def step_count(self) -> int:
@@ -442,7 +420,7 @@ class OffloadAdamW(SubGroupMath, torch.optim.Optimizer):
         """
         if getattr(self, "_constructed", False):
             raise SwapConfigError(
-                "OffloadAdamW lays its state out once: pass every param group to the "
+                f"{type(self).__name__} lays its state out once: pass every param group to the "
                 "constructor (add_param_group afterwards is not supported)"
             )
         try:
@@ -459,7 +437,7 @@ class OffloadAdamW(SubGroupMath, torch.optim.Optimizer):
                 "loaded; load a state dict again before stepping"
             )
 
-    def __enter__(self) -> OffloadAdamW:
+    def __enter__(self: _Optimizer) -> _Optimizer:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -490,11 +468,104 @@ class OffloadAdamW(SubGroupMath, torch.optim.Optimizer):
                 f"least {kept + scales + largest}"
             )
 
+    def check_group(self, group: dict[str, Any]) -> None:
+        """Check a param group's hyper-parameters (as the constructor does; a resume
+        checks a snapshot's groups with it).
+
+        Raises:
+            SwapConfigError: a value out of range (named).
+            KeyError: a hyper-parameter is missing.
+        """
+        self._check_group(group)
+
+    def _check_group(self, group: dict[str, Any]) -> None:
+        """Check a param group's hyper-parameters (the subclass's; raise SwapConfigError)."""
+
+    def _make_rule(self) -> UpdateRule:
+        """The update rule, when the constructor was given none: made once the param
+        groups and their shapes are known, before anything is stored (a subclass's)."""
+        raise SwapConfigError(f"{type(self).__name__} was given no update rule")
+
     def _initial_state(self, sg: SubGroup, state: torch.Tensor) -> None:
-        master = state[0]
+        master = state.view(-1)[: sg.padded_numel]
         for piece in sg.pieces:
             self._source.read_param(
                 self._param(sg, piece.param_index),
                 piece.param_offset,
                 master[piece.offset : piece.offset + piece.numel],
             )
+        self.rule.initial(sg, state, self.param_groups)
+
+
+class OffloadAdamW(StreamedOptimizer):
+    """AdamW (decoupled weight decay) over 16-bit parameters, state in the tiers.
+
+    Use it like ``torch.optim.AdamW``: ``loss.backward()``, ``optimizer.step()``,
+    ``optimizer.zero_grad()``. The update is PyTorch's fused AdamW kernel
+    (``torch._fused_adamw_``, the one ``torch.optim.AdamW(fused=True)`` runs), applied to
+    the fp32 master weights; the 16-bit parameters are then rounded from them. It runs
+    where the state was fetched to: on the accelerator when the manager's placement puts
+    ``optim_state`` there, else on the CPU.
+
+    While the state streams from NVMe, :meth:`step` runs PyTorch's intra-op pool with one
+    thread fewer than configured (``torch.set_num_threads``, restored after), leaving a
+    core to the I/O threads.
+
+    With ``StepConfig(overlap=True)`` (over an offloaded model), :meth:`step` returns
+    once the global part is done and the sub-group updates run in the background while
+    the next forward runs; what reads parameters or state waits for them first (see
+    :mod:`swapper.step.deferred`; :meth:`wait_pending` waits explicitly).
+
+    A parameter whose ``.grad`` is None at a step is stepped with a zero gradient (its
+    moments decay, weight decay applies), as in ZeRO's flat partitions; ``torch.optim``
+    would skip it; over an offloaded model a frozen one is left out instead (no state).
+
+    Args:
+        params: 16-bit (bf16 or fp16), contiguous tensors, or param groups (dicts), as for
+            any ``torch.optim`` optimizer; ``(name, tensor)`` pairs name them in errors.
+        lr, betas, eps, weight_decay: AdamW's hyper-parameters (per group; lr schedulers
+            work as usual).
+        tiers: the :class:`TierManager` to keep the state in (shared, not closed by
+            :meth:`close`), or a :class:`ManagerConfig` for one of its own, or a model
+            wrapped by :func:`swapper.offload` (its parameters live in its manager, which
+            then holds the state too).
+        config: sub-group size, host fraction, clipping, fp32 accumulation, read-ahead
+            and key prefix (see :class:`~swapper.step.StepConfig`); fields left ``None``
+            come from the offloaded model's ``OffloadConfig.step``, else the defaults.
+        loss_scaler: for fp16: the scaler whose scale the gradients carry; a step with
+            inf/NaN gradients is skipped and leaves all state and parameters untouched.
+            A live object the training loop shares (its state is saved by
+            :meth:`state_dict`), so an argument, not a setting of ``config``.
+
+    Raises:
+        SwapConfigError: a hyper-parameter or setting is out of range (named), a parameter
+            is not a 16-bit contiguous tensor (named by group, index, name and shape) or
+            appears twice.
+        and what :class:`TierManager` raises while the state is set up (nothing is kept).
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        *,
+        tiers: TierManager | ManagerConfig | TieredModel,
+        config: StepConfig | None = None,
+        loss_scaler: DynamicLossScaler | None = None,
+    ) -> None:
+        check_hyper(lr, betas, eps, weight_decay)
+        defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
+        super().__init__(
+            params,
+            defaults,
+            rule=AdamWRule(),
+            tiers=tiers,
+            config=config,
+            loss_scaler=loss_scaler,
+        )
+
+    def _check_group(self, group: dict[str, Any]) -> None:
+        check_hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"])

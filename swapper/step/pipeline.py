@@ -1,4 +1,4 @@
-# Size: ~575 lines: the sub-group state machine, its bookkeeping and the whole-sub-group
+# Size: ~620 lines: the sub-group state machine, its bookkeeping and the whole-sub-group
 # read/write (fp32 in and out, stored through compress.MomentCodec) stay one class.
 """The step pipeline: optimizer state streamed through memory, one sub-group at a time.
 
@@ -61,6 +61,7 @@ Every fetch is recorded in the same section step as the fetch itself, so the rel
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import logging
 from collections.abc import Callable, Iterator, Sequence
@@ -222,6 +223,11 @@ class StepPipeline:
         kept = sum(sg.state_nbytes for sg in self.sub_groups[: self.kept])
         return kept + self.scales.charge
 
+    def held_states(self) -> dict[int, torch.Tensor]:
+        """The sub-groups kept in memory for the optimizer's life: index → stored state
+        (a new dict; the tensors are the kept ones, not copies)."""
+        return dict(self._held)
+
     def holds(self, index: int) -> bool:
         """Whether sub-group ``index`` is kept in memory for the optimizer's life."""
         return index in self._held
@@ -249,6 +255,7 @@ class StepPipeline:
                     self.manager,
                     self.codec,
                     self.sub_groups,
+                    self._fp32_shape,
                     timeout_s=self.manager.config.timeout_s,
                 )
                 for sg in self.sub_groups:
@@ -268,6 +275,13 @@ class StepPipeline:
                     writer.close()
                 self._unregister(gone)
                 raise
+
+    def _fp32_shape(self, sg: SubGroup) -> tuple[int, ...]:
+        """The shape of ``sg``'s state in fp32 (what ``fill`` and the rule see)."""
+        return (3, sg.padded_numel) if self.codec.compressed else sg.state_shape
+
+    def _fp32_numel(self, sg: SubGroup) -> int:
+        return 3 * sg.padded_numel if self.codec.compressed else sg.state_numel
 
     def _default_readahead(self) -> int:
         streamed = self.sub_groups[self.kept :]
@@ -542,6 +556,47 @@ class StepPipeline:
         """Each sub-group with a copy of its state, one at a time."""
         for sg in self.sub_groups:
             yield sg, self.read(sg.index)
+
+    @contextlib.contextmanager
+    def kept_released(self) -> Iterator[None]:
+        """Inside the block, the sub-groups kept in memory and the int8 block scales are
+        released (as modified: a step changed them in place), so that a manager snapshot
+        writes and names them like any other; they are fetched again at the end, all of them
+        whatever happened inside.
+
+        Raises (at the end): the first re-fetch's error, once every other was tried.
+        """
+        manager = self.manager
+        released: list[int] = []
+        scales = False
+        with signals.at_waits:
+            try:
+                for index in list(self._held):
+                    manager.release(self.key(index), modified=True)
+                    del self._held[index]
+                    released.append(index)
+                if self.scales.held:
+                    self.scales.release(modified=True)
+                    scales = True
+                yield
+            finally:
+                # Signals held: a Ctrl-C that came during the block is delivered at the first
+                # wait point, which would be the first re-fetch, and the others would stay
+                # released (streamed from then on). It comes once all are back.
+                error: BaseException | None = None
+                with signals.held:
+                    for index in released:
+                        try:
+                            self._held[index] = manager.fetch(self.key(index))
+                        except Exception as exc:  # the others are still fetched
+                            error = error or exc
+                    if scales:
+                        try:
+                            self.scales.hold()
+                        except Exception as exc:  # (a step then refuses: no scales bound)
+                            error = error or exc
+                if error is not None:
+                    raise error
 
     # -- end ------------------------------------------------------------------------------
 

@@ -19,17 +19,15 @@ the optimizer finds what it resumes from in its model's ``resumed`` attribute
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
-from collections.abc import Iterator
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from swapper.manager import Kind, TierManager, UnknownKeyError
-from swapper.step.config import check_hyper
 from swapper.step.layout import INT8_BLOCK_NUMEL, STORED_ALIGN_NBYTES, round_up
 from swapper.step.pipeline import StepPipeline
 from swapper.step.scaler import DynamicLossScaler
@@ -38,7 +36,7 @@ from tiers import signals
 from tiers.errors import SwapConfigError
 
 if TYPE_CHECKING:
-    from swapper.step.optimizer import OffloadAdamW
+    from swapper.step.optimizer import StreamedOptimizer
 
 __all__ = [
     "SCALES_APART",
@@ -114,7 +112,7 @@ def _decode_value(raw: object, where: str) -> Any:
     raise StateDictError(f"{where}: {raw!r} is not a recorded param group setting")
 
 
-def optimizer_meta(optimizer: OffloadAdamW) -> dict[str, Any]:
+def optimizer_meta(optimizer: StreamedOptimizer) -> dict[str, Any]:
     """What a snapshot records of ``optimizer`` besides its state tensors (JSON-able).
 
     Raises:
@@ -136,10 +134,13 @@ def optimizer_meta(optimizer: OffloadAdamW) -> dict[str, Any]:
             for g in optimizer.param_groups
         ],
         "loss_scaler": None if scaler is None else scaler.state_dict(),
+        # the update rule, and what it keeps in memory (scalars such as each piece's step)
+        "rule": optimizer.rule.name,
+        "rule_state": optimizer.rule.saved(),
     }
 
 
-def adopt(optimizer: OffloadAdamW, pipeline: StepPipeline, resumed: ResumedState) -> None:
+def adopt(optimizer: StreamedOptimizer, pipeline: StepPipeline, resumed: ResumedState) -> None:
     """Make ``optimizer`` take over the state tensors its manager holds under
     ``pipeline``'s keys and the counters ``resumed`` recorded.
 
@@ -196,10 +197,20 @@ def adopt(optimizer: OffloadAdamW, pipeline: StepPipeline, resumed: ResumedState
             raise StateDictError(f"{at} is not an object")
         group = {k: _decode_value(v, f"{at}.{k}") for k, v in raw.items()}
         try:
-            check_hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+            optimizer.check_group(group)
         except (KeyError, TypeError, SwapConfigError) as exc:
             raise StateDictError(f"{at}: {exc}") from None
         groups.append(group)
+    rule = meta.get("rule", "adamw")  # (snapshots from before the seam: AdamW)
+    if rule != optimizer.rule.name:
+        raise StateDictError(
+            f"{where}: its optimizer state is of the {rule!r} rule, this optimizer's "
+            f"{optimizer.rule.name!r}: resume with the optimizer it was taken with"
+        )
+    try:
+        restore_rule = optimizer.rule.restore(meta.get("rule_state"))
+    except ValueError as exc:
+        raise StateDictError(f"{where}: {exc}") from None
     scaler = meta.get("loss_scaler")
     if optimizer.loss_scaler is not None and scaler is not None:
         try:
@@ -252,6 +263,7 @@ def adopt(optimizer: OffloadAdamW, pipeline: StepPipeline, resumed: ResumedState
     for group, saved in zip(optimizer.param_groups, groups, strict=True):
         group.update(saved)
     optimizer._step_count = step
+    restore_rule()
     if optimizer.loss_scaler is not None and scaler is not None:
         optimizer.loss_scaler.load_state_dict(scaler)
     resumed.taken = True
@@ -332,43 +344,6 @@ def unadopt(pipeline: StepPipeline, resumed: ResumedState) -> None:
     resumed.taken = False
 
 
-@contextlib.contextmanager
-def kept_released(pipeline: StepPipeline) -> Iterator[None]:
-    """Inside the block, the sub-groups kept in memory and the int8 block scales are
-    released (as modified: a step changed them in place), so that a manager snapshot
-    writes and names them like any other; they are fetched again at the end, all of them
-    whatever happened inside.
-
-    Raises (at the end): the first re-fetch's error, once every other was tried.
-    """
-    manager = pipeline.manager
-    released: list[int] = []
-    scales = False
-    with signals.at_waits:
-        try:
-            for index in list(pipeline._held):
-                manager.release(pipeline.key(index), modified=True)
-                del pipeline._held[index]
-                released.append(index)
-            if pipeline.scales.held:
-                pipeline.scales.release(modified=True)
-                scales = True
-            yield
-        finally:
-            # Signals held: a Ctrl-C that came during the block is delivered at the first
-            # wait point, which would be the first re-fetch, and the others would stay
-            # released (streamed from then on). It comes once all are back.
-            error: BaseException | None = None
-            with signals.held:
-                for index in released:
-                    try:
-                        pipeline._held[index] = manager.fetch(pipeline.key(index))
-                    except Exception as exc:  # the others are still fetched
-                        error = error or exc
-                if scales:
-                    try:
-                        pipeline.scales.hold()
-                    except Exception as exc:  # (a step then refuses: no scales bound)
-                        error = error or exc
-            if error is not None:
-                raise error
+def kept_released(pipeline: StepPipeline) -> AbstractContextManager[None]:
+    """:meth:`StepPipeline.kept_released` (its docstring)."""
+    return pipeline.kept_released()

@@ -13,13 +13,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from swapper.step.config import check_hyper
-from swapper.step.layout import ALIGN_NUMEL, STATE_ROWS, SubGroup
+from swapper.step.layout import ALIGN_NUMEL, SubGroup
 from swapper.step.pipeline import PipelineClosedError
 from swapper.step.scaler import DynamicLossScaler
 from tiers.errors import SwapConfigError, SwapError
 
 if TYPE_CHECKING:
-    from swapper.step.optimizer import OffloadAdamW
+    from swapper.step.optimizer import StreamedOptimizer
 
 __all__ = [
     "STATE_FORMAT",
@@ -50,7 +50,7 @@ class SubGroupStates(Mapping[int, dict[str, torch.Tensor]]):
     """The ``"state"`` of :meth:`OffloadAdamW.state_dict`: sub-group index → its state,
     read from the tiers on each lookup (a copy; the caller may keep or drop it)."""
 
-    def __init__(self, optimizer: OffloadAdamW) -> None:
+    def __init__(self, optimizer: StreamedOptimizer) -> None:
         self._optimizer = optimizer
         self._step = optimizer.step_count
 
@@ -65,7 +65,7 @@ class SubGroupStates(Mapping[int, dict[str, torch.Tensor]]):
             raise KeyError(index)
         sg = optimizer.sub_groups[index]
         state = optimizer._pipeline.read(index)
-        return {row: state[i, : sg.numel] for i, row in enumerate(STATE_ROWS)}
+        return {row: state[i, : sg.numel] for i, row in enumerate(row_names(optimizer))}
 
     def __iter__(self) -> Iterator[int]:
         return iter(range(len(self._optimizer.sub_groups)))
@@ -146,7 +146,13 @@ def state_tensor(entry: Any, row: str, sg: SubGroup) -> torch.Tensor:
     return tensor.reshape(-1)
 
 
-def saved_state(optimizer: OffloadAdamW) -> dict[str, Any]:
+def row_names(optimizer: StreamedOptimizer) -> list[str]:
+    """The names of the element-wise rows ``optimizer``'s update rule declares (the
+    sub-group format holds those; AdamW: :data:`~swapper.step.layout.STATE_ROWS`)."""
+    return [row.name for row in optimizer.rule.state_rows() if row.per == "element"]
+
+
+def saved_state(optimizer: StreamedOptimizer) -> dict[str, Any]:
     """What :meth:`OffloadAdamW.state_dict` returns (its docstring says what it holds)."""
     scaler = optimizer.loss_scaler
     groups = []
@@ -172,7 +178,7 @@ def saved_state(optimizer: OffloadAdamW) -> dict[str, Any]:
     }
 
 
-def load_state(optimizer: OffloadAdamW, state_dict: Mapping[str, Any]) -> None:
+def load_state(optimizer: StreamedOptimizer, state_dict: Mapping[str, Any]) -> None:
     """:meth:`OffloadAdamW.load_state_dict`: everything but the tensors checked before
     anything is written, then one sub-group at a time (its docstring says what is raised).
     """
@@ -210,7 +216,7 @@ def load_state(optimizer: OffloadAdamW, state_dict: Mapping[str, Any]) -> None:
             entry = states[sg.index]
         except KeyError:
             raise StateDictError(f"state dict: sub-group {sg.index} is missing") from None
-        tensors = [state_tensor(entry, row, sg) for row in STATE_ROWS]
+        tensors = [state_tensor(entry, row, sg) for row in row_names(optimizer)]
 
         def fill(state: torch.Tensor, tensors: list[torch.Tensor] = tensors) -> None:
             state.zero_()

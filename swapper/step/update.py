@@ -22,6 +22,7 @@ from swapper.step.deferred import DeferredSteps
 from swapper.step.flat_grads import FlatGrads
 from swapper.step.layout import SubGroup
 from swapper.step.pipeline import StepPipeline
+from swapper.step.rules.base import UpdateRule
 from swapper.step.scaler import DynamicLossScaler
 from swapper.step.sources import AheadSource, ParamSource, SharedStep
 
@@ -42,6 +43,7 @@ class SubGroupMath:
     _frozen_groups: list[dict[str, Any]] | None
     _deferred: DeferredSteps | None
     _run_order: tuple[int, ...] | None
+    rule: UpdateRule
 
     @property
     def sub_groups(self) -> tuple[SubGroup, ...]:
@@ -112,7 +114,12 @@ class SubGroupMath:
     def _run(self, target: int, factor: float) -> None:
         threads = torch.get_num_threads()
         try:
-            if self._pipeline.streams and threads > 1 and self._pipeline.codec.moments != "int8":
+            if (
+                self._pipeline.streams
+                and threads > 1
+                and self._pipeline.codec.moments != "int8"
+                and self.rule.elementwise  # (a reduction's bits depend on the threads)
+            ):
                 # The kernel runs while reads and writes are in flight, and O_DIRECT
                 # submission and completion take CPU too: on a small machine a kernel on
                 # every core starves them, and the step stops overlapping (measured in
@@ -174,24 +181,7 @@ class SubGroupMath:
     ) -> None:
         group = (self._frozen_groups or self.param_groups)[sg.group_index]
         grad = self._grad(sg, state, extras, factor)
-        beta1, beta2 = group["betas"]
-        # (fp32 moments: views of the state; compressed: decoded, and encoded after)
-        with self._pipeline.codec.rows(sg, state) as (master, exp_avg, exp_avg_sq):
-            torch._fused_adamw_(  # pyright: ignore[reportPrivateImportUsage]
-                [master],
-                [grad],
-                [exp_avg],
-                [exp_avg_sq],
-                [],
-                [torch.tensor(float(step), dtype=torch.float32, device=state.device)],
-                lr=float(group["lr"]),
-                beta1=float(beta1),
-                beta2=float(beta2),
-                weight_decay=float(group["weight_decay"]),
-                eps=float(group["eps"]),
-                amsgrad=False,
-                maximize=False,
-            )
+        self.rule.update(sg, state, grad, group, step, self._pipeline.codec)
 
     def _grad(
         self, sg: SubGroup, state: torch.Tensor, extras: list[torch.Tensor], factor: float

@@ -57,7 +57,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from swapper.distributed import DistGroup, agree
-from swapper.step.layout import STATE_ROWS
 from swapper.zero.checkpoint.dcp_reshard import Box, DcpCheckpointError, flat_boxes
 from swapper.zero.local.weights import _held, _rw_tier, check_unwritten, write_through
 from swapper.zero.sharded.model import ShardedModel
@@ -65,7 +64,7 @@ from tiers import signals
 from tiers.errors import SwapConfigError
 
 if TYPE_CHECKING:
-    from swapper.step.optimizer import OffloadAdamW
+    from swapper.step.optimizer import StreamedOptimizer
     from swapper.zero.checkpoint.dcp_planners import BoxSource
     from swapper.zero.local.offload import OffloadedModel
 
@@ -183,8 +182,8 @@ class _SubGroupCache:
     writes reading it completed (``release_later``), so at most the one being written
     and the one being read are held; :meth:`release_all` at the end."""
 
-    def __init__(self, optimizer: OffloadAdamW) -> None:
-        self._pipeline = optimizer._pipeline
+    def __init__(self, optimizer: StreamedOptimizer) -> None:
+        self._view = optimizer.stored_state
         self._index = -1
         self._state: torch.Tensor | None = None
         self._key: str | None = None
@@ -194,19 +193,19 @@ class _SubGroupCache:
     def get(self, index: int) -> torch.Tensor:
         if index != self._index or self._state is None:
             self.release_all()  # the old one goes before the new one is read
-            kept = self._pipeline._held.get(index)  # kept in memory by the pipeline
+            kept = self._view.held().get(index)  # kept in memory by the pipeline
             if kept is not None:
                 self._state = kept
             else:
-                key = self._pipeline.key(index)
+                key = self._view.key(index)
                 with signals.at_waits:  # fetched and recorded in one section
-                    self._state = self._pipeline.manager.fetch(key)
+                    self._state = self._view.manager.fetch(key)
                     self._key = key
             self._index = index
             self._read_ahead(index + 1)
-            codec = self._pipeline.codec
+            codec = self._view.codec
             if codec.compressed:  # moments stored bf16/int8: export them decoded, fp32
-                decoded = codec.decode(self._pipeline.sub_groups[index], self._state)
+                decoded = codec.decode(self._view.sub_groups[index], self._state)
                 self.release_all()
                 self._state, self._index = decoded, index
         return self._state
@@ -215,22 +214,22 @@ class _SubGroupCache:
         """The next sub-group (the export visits them in order) starts coming from NVMe
         while this one is written, where the budget has room for it (else the request
         is dropped: the manager's prefetch never blocks)."""
-        if index < len(self._pipeline.sub_groups) and index not in self._pipeline._held:
-            self._pipeline.manager.prefetch([self._pipeline.key(index)])
+        if index < len(self._view.sub_groups) and not self._view.is_held(index):
+            self._view.manager.prefetch([self._view.key(index)])
 
     def release_all(self) -> None:
         key, self._key = self._key, None
         self._state, self._index = None, -1
         if key is None:  # (one the pipeline keeps, or decoded: nothing fetched)
             return
-        release = functools.partial(self._pipeline.manager.release, key, modified=False)
+        release = functools.partial(self._view.manager.release, key, modified=False)
         if self.release_later is not None:  # views of it may be in flight (zero-copy)
             self.release_later(release)
         else:
             release()
 
 
-def _spans(optimizer: OffloadAdamW) -> dict[int, list[tuple[int, int, int, int]]]:
+def _spans(optimizer: StreamedOptimizer) -> dict[int, list[tuple[int, int, int, int]]]:
     """``id(param)`` → its pieces ``(sub-group, offset in it, local offset, numel)``."""
     out: dict[int, list[tuple[int, int, int, int]]] = {}
     for sg in optimizer.sub_groups:
@@ -243,11 +242,13 @@ def _spans(optimizer: OffloadAdamW) -> dict[int, list[tuple[int, int, int, int]]
 
 
 def _optimizer_sources(
-    owned: list[_Owned], optimizer: OffloadAdamW, cache: _SubGroupCache
+    owned: list[_Owned], optimizer: StreamedOptimizer, cache: _SubGroupCache
 ) -> list[BoxSource]:
     from swapper.zero.checkpoint.dcp_planners import BoxSource
 
     spans = _spans(optimizer)
+    stored = optimizer.stored_state
+    stored.require_flat_rows("export_dcp")
     mine = {id(o.param) for o in owned}
     for group in optimizer.param_groups:
         for p in group["params"]:
@@ -269,7 +270,7 @@ def _optimizer_sources(
                 pieces.append((index, offset, at, boxes))
         for index, offset, at, boxes in pieces:
             for box in boxes:
-                for row, row_name in enumerate(STATE_ROWS):
+                for row, row_name in enumerate(stored.rows):
 
                     def view(
                         row: int = row, index: int = index, offset: int = offset,
@@ -287,7 +288,7 @@ def _optimizer_sources(
     return out
 
 
-def _meta(optimizer: OffloadAdamW) -> dict[str, Any]:
+def _meta(optimizer: StreamedOptimizer) -> dict[str, Any]:
     out: dict[str, Any] = {
         "optim.step": optimizer.step_count,
         "optim.param_groups": [
@@ -303,7 +304,7 @@ def _meta(optimizer: OffloadAdamW) -> dict[str, Any]:
 def export_dcp(
     model: OffloadedModel | ShardedModel,
     directory: str | os.PathLike[str],
-    optimizer: OffloadAdamW | None = None,
+    optimizer: StreamedOptimizer | None = None,
     *,
     progress: Callable[[int, int], None] | None = None,
 ) -> Path:
@@ -346,7 +347,7 @@ def _no_gc() -> Iterator[None]:
 def _export(
     model: OffloadedModel | ShardedModel,
     out: Path,
-    optimizer: OffloadAdamW | None,
+    optimizer: StreamedOptimizer | None,
     progress: Callable[[int, int], None] | None,
 ) -> Path:
     # (imported here: torch.distributed.checkpoint is heavy, and only an export needs it)

@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from swapper.step.layout import STATE_ROWS
 from swapper.zero.checkpoint.dcp_export import (
     _IGNORED,
     LOAD_BATCH_NBYTES,
@@ -31,7 +30,7 @@ from tiers.errors import SwapConfigError
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import Metadata
 
-    from swapper.step.optimizer import OffloadAdamW
+    from swapper.step.optimizer import StreamedOptimizer
     from swapper.zero.checkpoint.dcp_planners import CheckedReader
     from swapper.zero.local.offload import OffloadedModel
 
@@ -39,7 +38,7 @@ __all__ = ["check", "import_dcp", "load_all"]
 
 
 def check(
-    metadata: Metadata, where: Path, owned: list[_Owned], optimizer: OffloadAdamW | None
+    metadata: Metadata, where: Path, owned: list[_Owned], optimizer: StreamedOptimizer | None
 ) -> None:
     """Every tensor the model (and optimizer) needs is in the checkpoint, of its shape
     and dtype, and the checkpoint holds no parameter the model lacks.
@@ -54,10 +53,11 @@ def check(
     needed = [(f"model.{o.name}", o.shape, o.dtype) for o in owned]
     if optimizer is not None:
         held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        rows = optimizer.stored_state.rows
         for o in owned:
             if id(o.param) not in held:
                 continue
-            missing = [r for r in STATE_ROWS if f"optim.{r}.{o.name}" not in tensors]
+            missing = [r for r in rows if f"optim.{r}.{o.name}" not in tensors]
             if missing and f"model.{o.name}" in tensors:
                 raise DcpCheckpointError(
                     where,
@@ -66,7 +66,7 @@ def check(
                     "leave it out of this optimizer too, or import the weights alone "
                     "(optimizer=None)",
                 )
-            needed += [(f"optim.{r}.{o.name}", o.shape, torch.float32) for r in STATE_ROWS]
+            needed += [(f"optim.{r}.{o.name}", o.shape, torch.float32) for r in rows]
         if "optim.step" not in tensors:
             raise DcpCheckpointError(
                 where, "optim.step is missing (exported without an optimizer?)"
@@ -130,10 +130,10 @@ def _targets(o: _Owned, dtype: torch.dtype) -> tuple[torch.Tensor, list[tuple[An
 
 
 def load_all(
-    reader: CheckedReader, where: Path, owned: list[_Owned], optimizer: OffloadAdamW | None
+    reader: CheckedReader, where: Path, owned: list[_Owned], optimizer: StreamedOptimizer | None
 ) -> None:
     if optimizer is not None:
-        optimizer._load_incomplete = True  # from the first parameter written on
+        optimizer.stored_state.begin_load()  # from the first parameter written on
     batch: list[tuple[_Owned, torch.Tensor]] = []
     targets: dict[str, list[tuple[Any, torch.Tensor]]] = {}
     nbytes = 0
@@ -153,7 +153,7 @@ def load_all(
 
 
 def _import_optimizer(
-    reader: CheckedReader, where: Path, owned: list[_Owned], optimizer: OffloadAdamW
+    reader: CheckedReader, where: Path, owned: list[_Owned], optimizer: StreamedOptimizer
 ) -> None:
     meta = _load(reader, where, {}, _meta(optimizer))
     step = meta["optim.step"]
@@ -167,6 +167,8 @@ def _import_optimizer(
             if o is None:
                 raise SwapConfigError("import_dcp: the optimizer's parameters are not the model's")
             keys[(g, i)] = o
+    view = optimizer.stored_state
+    row_names = view.rows  # the declared element-wise rows (AdamW: master, exp_avg, exp_avg_sq)
     rows: dict[tuple[int, int], list[torch.Tensor]] = {}  # the parameters being spread
     for sg in optimizer.sub_groups:
         needed = {(sg.group_index, piece.param_index) for piece in sg.pieces}
@@ -176,7 +178,7 @@ def _import_optimizer(
             o = keys[key]
             flats: list[torch.Tensor] = []
             targets: dict[str, list[tuple[Any, torch.Tensor]]] = {}
-            for r in STATE_ROWS:
+            for r in row_names:
                 flat, boxes = _targets(o, torch.float32)
                 flats.append(flat)
                 if boxes:
@@ -190,25 +192,23 @@ def _import_optimizer(
             for piece in sg.pieces:
                 flat = rows[(sg.group_index, piece.param_index)]
                 n = max(0, min(piece.numel, flat[0].numel() - piece.param_offset))
-                for r in range(len(STATE_ROWS)):
+                for r in range(len(row_names)):
                     state[r, piece.offset : piece.offset + n] = flat[r][
                         piece.param_offset : piece.param_offset + n
                     ]
 
-        optimizer._pipeline.write(sg.index, fill, step)
+        view.write(sg.index, fill, step)
     for group, saved in zip(optimizer.param_groups, meta["optim.param_groups"], strict=True):
         group.update(saved)
     if optimizer.loss_scaler is not None and "optim.loss_scaler" in meta:
         optimizer.loss_scaler.load_state_dict(meta["optim.loss_scaler"])
-    optimizer._step_count = step
-    optimizer._pending = None
-    optimizer._load_incomplete = False
+    view.end_load(step)
 
 
 def import_dcp(
     model: OffloadedModel | ShardedModel,
     directory: str | os.PathLike[str],
-    optimizer: OffloadAdamW | None = None,
+    optimizer: StreamedOptimizer | None = None,
 ) -> None:
     """Load what :func:`export_dcp` wrote, at any world size, into ``model``'s parameters
     (and ``optimizer``'s state, step, hyper-parameters and loss scaler); the optimizer
@@ -232,8 +232,9 @@ def import_dcp(
     from swapper.zero.checkpoint.dcp_planners import CheckedReader
 
     where = Path(directory)
-    if optimizer is not None and optimizer._deferred is not None:
-        optimizer._deferred.forget_failed()  # the load replaces what it would finish
+    if optimizer is not None:
+        optimizer.stored_state.require_flat_rows("import_dcp")
+        optimizer.stored_state.forget_failed()  # the load replaces what it would finish
     if isinstance(model, ShardedModel):
         # An overlapped update still running would write its sub-groups' values over the
         # loaded ones (a sharded write does not wait at the gate): its end, agreed.
@@ -251,5 +252,5 @@ def import_dcp(
                 lambda: load_all(reader, where, owned, optimizer))  # fmt: skip
     except BaseException:
         if optimizer is not None:  # on every rank: part old, part new (here or elsewhere)
-            optimizer._load_incomplete = True
+            optimizer.stored_state.begin_load()
         raise

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 import xxhash
 
-from swapper.step.optimizer import OffloadAdamW
+from swapper.step.optimizer import StreamedOptimizer
 from swapper.step.resume import optimizer_meta
 
 if TYPE_CHECKING:
@@ -21,7 +21,7 @@ __all__ = ["final_digest"]
 
 
 def final_digest(
-    model: OffloadedModel | ShardedModel, optimizer: OffloadAdamW | None = None
+    model: OffloadedModel | ShardedModel, optimizer: StreamedOptimizer | None = None
 ) -> str:
     """A hash over the 16-bit parameters and the optimizer's state, to compare two runs.
 
@@ -50,17 +50,26 @@ def final_digest(
         meta = optimizer_meta(optimizer)
         counters = {k: meta[k] for k in ("step", "groups", "loss_scaler")}
         total.update(json.dumps(counters, sort_keys=True).encode())
-        rows = [xxhash.xxh3_64() for _ in range(3)]
+        view = optimizer.stored_state
+        if meta.get("rule_state") is not None:  # (a rule's scalars, e.g. each piece's step)
+            total.update(json.dumps(meta["rule_state"], sort_keys=True).encode())
+        rows = [xxhash.xxh3_64() for _ in view.rows]  # (AdamW: master, exp_avg, exp_avg_sq)
         from swapper.zero.sharded.model import ShardedModel  # (it imports this module)
 
-        if isinstance(model, ShardedModel):  # several ranks: gathered whole
+        if view.parameter_rows:  # per-parameter state: each sub-group's state whole
+            if isinstance(model, ShardedModel):
+                view.require_flat_rows("final_digest over ranks")
+            rows = [xxhash.xxh3_64()]
+            for _, state in view.iter_states():
+                rows[0].update(_bytes(state))
+        elif isinstance(model, ShardedModel):  # several ranks: gathered whole
             from swapper.zero.sharded.state_dicts import iter_full_state
 
             for state in iter_full_state(model, optimizer):
                 for row, h in enumerate(rows):
                     h.update(_bytes(state[row]))
         else:
-            for sg, state in optimizer._pipeline.iter_states():
+            for sg, state in view.iter_states():
                 for row, h in enumerate(rows):
                     h.update(_bytes(state[row, : sg.numel]))
         for h in rows:

@@ -62,7 +62,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from swapper.manager import Kind
 from swapper.manager.snapshot import dirty_in_memory, entry_versions
-from swapper.step.optimizer import OffloadAdamW
+from swapper.step.optimizer import StreamedOptimizer
 from tiers import signals
 from tiers.nvme import NvmeStore, content_hash
 from tiers.nvme.snapshots import SnapshotDamagedError, SnapshotInfo
@@ -99,25 +99,23 @@ class _Record:
 
 
 #: per optimizer: its tensors' counters after its last step that was not skipped
-_records: weakref.WeakKeyDictionary[OffloadAdamW, _Record] = weakref.WeakKeyDictionary()
+_records: weakref.WeakKeyDictionary[StreamedOptimizer, _Record] = weakref.WeakKeyDictionary()
 
 
-def _pieces(optimizer: OffloadAdamW) -> dict[str, list[_Piece]]:
+def _pieces(optimizer: StreamedOptimizer) -> dict[str, list[_Piece]]:
     """Parameter key → the pieces its masters cover, in parameter order (empty when the
     optimizer's parameters are not a tiered model's)."""
-    slot_of = getattr(optimizer._source, "_slot", None)
+    view = optimizer.stored_state
+    slot_of = getattr(view.source, "_slot", None)
     if slot_of is None:
         return {}
-    pipeline = optimizer._pipeline
     found: dict[str, list[_Piece]] = {}
-    for sg in optimizer.sub_groups:
-        key = pipeline.key(sg.index)
+    for sg in view.sub_groups:
+        key = view.key(sg.index)
         for piece in sg.pieces:
-            param_key = slot_of(optimizer._param(sg, piece.param_index)).key
+            param_key = slot_of(view.param(sg, piece.param_index)).key
             found.setdefault(param_key, []).append(
-                _Piece(
-                    key, piece.offset, piece.param_offset, piece.numel, sg.index in pipeline._held
-                )
+                _Piece(key, piece.offset, piece.param_offset, piece.numel, view.is_held(sg.index))
             )
     return found
 
@@ -125,13 +123,13 @@ def _pieces(optimizer: OffloadAdamW) -> dict[str, list[_Piece]]:
 def _after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     """torch's post-step hook: record the counters after a completed, not skipped step of
     an :class:`OffloadAdamW` (a skipped step changed nothing: the record stays)."""
-    if not isinstance(optimizer, OffloadAdamW) or optimizer._closed:
+    if not isinstance(optimizer, StreamedOptimizer) or optimizer.stored_state.closed:
         return
+    view = optimizer.stored_state
     report = optimizer.last_step
-    if report is None or report.skipped or optimizer._pending is not None:
+    if report is None or report.skipped or view.pending is not None:
         return
-    pipeline = optimizer._pipeline
-    keys = [pipeline.key(sg.index) for sg in optimizer.sub_groups]
+    keys = [view.key(sg.index) for sg in view.sub_groups]
     keys += list(_pieces(optimizer))
     _records[optimizer] = _Record(entry_versions(optimizer.manager, keys))
 
@@ -154,7 +152,7 @@ class LeftOut:
     nbytes: int
 
 
-def choose_left_out(manager: TierManager, optimizer: OffloadAdamW | None) -> LeftOut:
+def choose_left_out(manager: TierManager, optimizer: StreamedOptimizer | None) -> LeftOut:
     """The 16-bit parameters dirty in memory that a snapshot may leave out because they
     are exactly their masters rounded (module docstring), with their digests. Reads only
     memory. Call it between steps, before the kept sub-groups are released.
@@ -171,8 +169,8 @@ def choose_left_out(manager: TierManager, optimizer: OffloadAdamW | None) -> Lef
     pieces = _pieces(optimizer)
     dirty = dirty_in_memory(manager, pieces)
     now = entry_versions(manager, {p.state_key for k in dirty for p in pieces[k]})
-    pipeline = optimizer._pipeline
-    held = {pipeline.key(index): state for index, state in pipeline._held.items()}
+    view = optimizer.stored_state
+    held = {view.key(index): state for index, state in view.held().items()}
     versions: dict[str, int] = {}
     rows: list[dict[str, Any]] = []
     nbytes = 0

@@ -49,7 +49,7 @@ from swapper.distributed.groups import (
     wait_work,
 )
 from swapper.manager.snapshot import snapshot_manager
-from swapper.step.resume import kept_released, optimizer_meta
+from swapper.step.resume import optimizer_meta
 from swapper.zero.checkpoint.commit import (
     RankPart,
     commit_path,
@@ -74,7 +74,7 @@ from tiers.nvme.snapshots import check_snapshot_name
 from tiers.signals import at_waits
 
 if TYPE_CHECKING:
-    from swapper.step.optimizer import OffloadAdamW
+    from swapper.step.optimizer import StreamedOptimizer
     from swapper.zero.sharded.model import ShardedModel
 
 __all__ = [
@@ -161,7 +161,7 @@ def raise_failed(
 
 def save_sharded(
     model: ShardedModel,
-    optimizer: OffloadAdamW | None,
+    optimizer: StreamedOptimizer | None,
     *,
     name: str | None,
     extra: Mapping[str, Any] | None,
@@ -240,7 +240,7 @@ def save_sharded(
     try:
         model.release_stale_holds()  # a forward or backward that raised
         model.drain()  # gathers started ahead hold shards
-        kept = kept_released(optimizer._pipeline) if optimizer is not None else nullcontext()
+        kept = optimizer.stored_state.kept_released() if optimizer is not None else nullcontext()
         with kept:
             # (replace: a part of that name is one no record names, left by a kill)
             done = snapshot_manager(manager, part, extra=meta, replace=True)

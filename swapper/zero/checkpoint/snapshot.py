@@ -51,8 +51,8 @@ import torch
 from swapper.distributed.identity import refuse_other_layout
 from swapper.manager import Kind, ManagerConfig, TierManager, UnknownKeyError
 from swapper.manager.snapshot import open_at_snapshot, snapshot_manager
-from swapper.step.optimizer import OffloadAdamW, StepPendingError
-from swapper.step.resume import ResumedState, kept_released, optimizer_meta
+from swapper.step.optimizer import StepPendingError, StreamedOptimizer
+from swapper.step.resume import ResumedState, optimizer_meta
 from swapper.step.state import StateDictError
 from swapper.zero.checkpoint.digest import final_digest
 from swapper.zero.checkpoint.rebuild import Rebuilder, choose_left_out, register_rebuilt
@@ -116,7 +116,7 @@ class SnapshotReport:
 
 def save_snapshot(
     model: OffloadedModel | ShardedModel,
-    optimizer: OffloadAdamW | None = None,
+    optimizer: StreamedOptimizer | None = None,
     *,
     name: str | None = None,
     extra: Mapping[str, Any] | None = None,
@@ -174,7 +174,7 @@ def save_snapshot(
         "extra": None if extra is None else dict(extra),
         "rebuilt": left.record,
     }
-    kept = kept_released(optimizer._pipeline) if optimizer is not None else nullcontext()
+    kept = optimizer.stored_state.kept_released() if optimizer is not None else nullcontext()
     with kept:
         done = snapshot_manager(
             model.manager,
@@ -207,7 +207,9 @@ def save_snapshot(
     )
 
 
-def check_saveable(model: OffloadedModel | ShardedModel, optimizer: OffloadAdamW | None) -> None:
+def check_saveable(
+    model: OffloadedModel | ShardedModel, optimizer: StreamedOptimizer | None
+) -> None:
     """Refuse a snapshot of ``optimizer`` that would not resume (see :func:`save_snapshot`).
 
     Raises:
@@ -220,14 +222,15 @@ def check_saveable(model: OffloadedModel | ShardedModel, optimizer: OffloadAdamW
                 "model's; build it with OffloadAdamW(model.parameters(), tiers=model)"
             )
         optimizer.wait_pending()  # an overlapped update finished (or its failure raised)
-        if optimizer._load_incomplete:
+        view = optimizer.stored_state
+        if view.load_incomplete:
             raise StateDictError(
                 "a load_state_dict() or import_dcp() stopped part-way: the optimizer's state "
                 "is partly old, partly loaded; load it again before taking a snapshot"
             )
-        if optimizer._pending is not None:
+        if view.pending is not None:
             raise StepPendingError(
-                f"step {optimizer._pending} failed part-way; call step() again to finish it "
+                f"step {view.pending} failed part-way; call step() again to finish it "
                 "before taking a snapshot"
             )
 

@@ -10,9 +10,15 @@ What is honoured:
 
 - ``optimizer``: ``type`` ``AdamW`` or ``Adam`` (DeepSpeed's ``Adam`` is AdamW unless
   ``adam_w_mode`` is false); ``params.lr``, ``betas``, ``eps``, ``weight_decay`` →
-  ``OffloadAdamW`` keyword arguments. Another type, ``adam_w_mode: false`` (Adam with L2
+  ``OffloadAdamW`` keyword arguments. ``adam_w_mode: false`` (Adam with L2
   regularisation), ``bias_correction: false`` and ``amsgrad: true`` change the update
-  and are refused: OffloadAdamW is bias-corrected AdamW.
+  and are refused: OffloadAdamW is bias-corrected AdamW. ``SGD`` (``lr``, ``momentum``,
+  ``dampening``, ``weight_decay``, ``nesterov``), ``Adagrad`` (``lr``, ``lr_decay``,
+  ``eps``, ``weight_decay``, ``initial_accumulator_value``) and ``Lion`` (``lr``,
+  ``betas``, ``weight_decay``; where ``lion_pytorch`` is importable) →
+  :class:`~swapper.step.OffloadOptimizer` over ``torch.optim.SGD``, ``torch.optim.Adagrad``
+  or ``lion_pytorch.Lion`` (:meth:`TrainingSettings.make_optimizer`). Another type is
+  refused by name.
 - ``gradient_clipping`` → ``max_grad_norm`` (0, DeepSpeed's default, is no clipping).
 - ``fp16``: ``enabled``; ``loss_scale`` 0 (dynamic) with ``initial_scale_power`` (the
   first scale is 2 ** it), ``loss_scale_window`` (good steps before the scale doubles)
@@ -45,6 +51,12 @@ TRAINING_KEYS = frozenset({"optimizer", "gradient_clipping", "fp16", "bf16"})
 
 _OPTIMIZER_TYPES = ("adamw", "adam")
 _ADAMW_PARAMS = ("lr", "betas", "eps", "weight_decay")
+#: DeepSpeed optimizer.type (lower case) → the params it honours, for OffloadOptimizer
+_OTHER_TYPES: dict[str, tuple[str, ...]] = {
+    "sgd": ("lr", "momentum", "dampening", "weight_decay", "nesterov"),
+    "adagrad": ("lr", "lr_decay", "eps", "weight_decay", "initial_accumulator_value"),
+    "lion": ("lr", "betas", "weight_decay"),
+}
 #: optimizer.params keys that change the update: the value OffloadAdamW computes with.
 _ADAMW_FIXED = {"adam_w_mode": True, "bias_correction": True, "amsgrad": False}
 _FP16_READ = ("enabled", "loss_scale", "initial_scale_power", "loss_scale_window", "min_loss_scale")
@@ -101,6 +113,9 @@ class TrainingSettings:
     """
 
     optimizer: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    #: ``None``: AdamW (``OffloadAdamW``); else the ``torch.optim.Optimizer`` class of
+    #: ``optimizer.type`` (SGD, Adagrad, Lion) for ``OffloadOptimizer``
+    optimizer_class: type[torch.optim.Optimizer] | None = None
     max_grad_norm: float | None = None
     dtype: str | None = None
     loss_scaler: Mapping[str, Any] | None = None
@@ -109,6 +124,27 @@ class TrainingSettings:
     def torch_dtype(self) -> torch.dtype | None:
         """``dtype`` as a torch dtype (``None``: neither format enabled)."""
         return {"fp16": torch.float16, "bf16": torch.bfloat16}.get(self.dtype or "")
+
+    def make_optimizer(
+        self, params: Any, *, tiers: Any, config: Any = None
+    ) -> torch.optim.Optimizer:
+        """The optimizer the config asks for over ``params`` (``OffloadAdamW``, or
+        ``OffloadOptimizer(optimizer_class, ...)``) with its loss scaler, in ``tiers``.
+
+        Raises:
+            SwapConfigError: what the optimizer refuses.
+        """
+        from swapper.step import OffloadAdamW, OffloadOptimizer
+
+        scaler = self.make_loss_scaler()
+        if self.optimizer_class is None:
+            return OffloadAdamW(
+                params, **self.optimizer, tiers=tiers, config=config, loss_scaler=scaler
+            )
+        return OffloadOptimizer(
+            self.optimizer_class, params, tiers=tiers, config=config, loss_scaler=scaler,
+            **self.optimizer,
+        )  # fmt: skip
 
     def make_loss_scaler(self) -> DynamicLossScaler | None:
         """A new scaler with the fp16 section's settings, or ``None`` without fp16."""
@@ -124,7 +160,7 @@ def read_training(ds: Mapping[str, Any], notes: Unhonoured) -> TrainingSettings:
             the optimizer is not AdamW (or a key makes it another update), or fp16 and
             bf16 are both enabled; the message names the key.
     """
-    optimizer = _optimizer(ds.get("optimizer"), notes)
+    optimizer_class, optimizer = _optimizer(ds.get("optimizer"), notes)
     clipping = _number(ds.get("gradient_clipping"), "gradient_clipping", notes, minimum=0.0)
     fp16 = _precision(ds.get("fp16"), "fp16", notes)
     bf16 = _precision(ds.get("bf16"), "bf16", notes)
@@ -134,6 +170,7 @@ def read_training(ds: Mapping[str, Any], notes: Unhonoured) -> TrainingSettings:
         )
     return TrainingSettings(
         optimizer=optimizer,
+        optimizer_class=optimizer_class,
         max_grad_norm=clipping or None,  # DeepSpeed's 0.0 is "no clipping"
         dtype="fp16" if fp16 is not None else "bf16" if bf16 is not None else None,
         loss_scaler=fp16,
@@ -168,16 +205,60 @@ def _number(
     return float(value)
 
 
-def _optimizer(value: object, notes: Unhonoured) -> dict[str, Any]:
+def _other_class(kind: str) -> type[torch.optim.Optimizer]:
+    if kind == "sgd":
+        return torch.optim.SGD
+    if kind == "adagrad":
+        return torch.optim.Adagrad
+    try:
+        from lion_pytorch import Lion  # pyright: ignore[reportMissingImports]
+    except ImportError:
+        raise SwapConfigError(
+            "optimizer.type='Lion': no Lion implementation is importable here (swapper "
+            "runs lion_pytorch.Lion under OffloadOptimizer: pip install lion-pytorch), or "
+            "remove the section and build your optimizer yourself"
+        ) from None
+    return Lion  # pyright: ignore[reportUnknownVariableType]
+
+
+def _other_optimizer(
+    kind: str, section: Mapping[str, Any], notes: Unhonoured
+) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
+    cls = _other_class(kind)
+    for key in section:
+        if key not in ("type", "params"):
+            notes.ignored.append(f"optimizer.{key}")
+    out: dict[str, Any] = {}
+    for key, value in _section(section.get("params", {}), "optimizer.params").items():
+        where = f"optimizer.params.{key}"
+        if value == _AUTO:
+            notes.auto.append(where)
+        elif key in _OTHER_TYPES[kind]:
+            out[key] = tuple(value) if key == "betas" and isinstance(value, list) else value
+        else:
+            notes.ignored.append(where)
+    try:  # the class's own checks, before any state is made
+        cls([torch.zeros(1)], **out)
+    except (TypeError, ValueError) as exc:
+        raise SwapConfigError(f"optimizer.params ({cls.__name__}): {exc}") from None
+    return cls, out
+
+
+def _optimizer(
+    value: object, notes: Unhonoured
+) -> tuple[type[torch.optim.Optimizer] | None, dict[str, Any]]:
     if value is None:
-        return {}
+        return None, {}
     section = _section(value, "optimizer")
     kind = section.get("type")
+    if isinstance(kind, str) and kind.lower() in _OTHER_TYPES:
+        return _other_optimizer(kind.lower(), section, notes)
     if not isinstance(kind, str) or kind.lower() not in _OPTIMIZER_TYPES:
         raise SwapConfigError(
-            f"optimizer.type={kind!r}: swapper's optimizer (OffloadAdamW) is AdamW; use "
-            "'AdamW' (or 'Adam', which DeepSpeed runs as AdamW), or remove the section "
-            "and build your optimizer yourself"
+            f"optimizer.type={kind!r}: swapper runs AdamW (OffloadAdamW; 'AdamW', or "
+            "'Adam', which DeepSpeed runs as AdamW), 'SGD', 'Adagrad' and 'Lion' "
+            "(OffloadOptimizer); remove the section and build your optimizer yourself "
+            "for another"
         )
     for key in section:
         if key not in ("type", "params"):
@@ -205,7 +286,7 @@ def _optimizer(value: object, notes: Unhonoured) -> dict[str, Any]:
         check_hyper(**{**defaults, **out})
     except SwapConfigError as exc:
         raise SwapConfigError(f"optimizer.params: {exc}") from None
-    return out
+    return None, out
 
 
 def _precision(value: object, name: str, notes: Unhonoured) -> dict[str, Any] | None:

@@ -424,6 +424,8 @@ def load_deepspeed(
         with swapper.offload(model, config) as wrapped:
             opt = OffloadAdamW(wrapped.parameters(), **training.optimizer, tiers=wrapped,
                                loss_scaler=training.make_loss_scaler())
+            # or, for any optimizer.type it maps (AdamW, SGD, Adagrad, Lion):
+            opt = training.make_optimizer(wrapped.parameters(), tiers=wrapped)
 
     One warning names every key not honoured (use this rather than calling
     ``from_deepspeed`` as well, which would warn again).

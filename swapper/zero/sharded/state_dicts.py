@@ -24,12 +24,11 @@ import torch
 from swapper.distributed import agree, module_layout
 from swapper.distributed.groups import all_gather_single, start_collective, wait_work
 from swapper.manager import Tier
-from swapper.step.layout import STATE_ROWS
 from tiers import signals
 from tiers.errors import SwapConfigError
 
 if TYPE_CHECKING:
-    from swapper.step.optimizer import OffloadAdamW
+    from swapper.step.optimizer import StreamedOptimizer
     from swapper.zero.sharded.model import ShardedModel
 
 __all__ = [
@@ -62,7 +61,7 @@ def iter_full(model: ShardedModel) -> Iterator[tuple[str, torch.Tensor]]:
         yield slot.name, full
 
 
-def iter_full_state(model: ShardedModel, optimizer: OffloadAdamW) -> Iterator[torch.Tensor]:
+def iter_full_state(model: ShardedModel, optimizer: StreamedOptimizer) -> Iterator[torch.Tensor]:
     """Each parameter's whole fp32 state ``(3, numel)`` (master, exp_avg, exp_avg_sq;
     no padding), param group by param group, parameter by parameter as the optimizer
     lists them: the order of one process's flat state. Every rank gets every tensor
@@ -74,14 +73,15 @@ def iter_full_state(model: ShardedModel, optimizer: OffloadAdamW) -> Iterator[to
     """
     group = model.group
     device = group.control_device
-    pipeline = optimizer._pipeline
+    view = optimizer.stored_state
+    view.require_flat_rows("the optimizer state gathered whole")
     pieces: dict[tuple[int, int], list[tuple[int, int, int, int]]] = {}
-    for sg in pipeline.sub_groups:
+    for sg in view.sub_groups:
         for p in sg.pieces:
             where = (sg.group_index, p.param_index)
             pieces.setdefault(where, []).append((sg.index, p.param_offset, p.offset, p.numel))
     cached: tuple[int, torch.Tensor] | None = None
-    rows = len(STATE_ROWS)
+    rows = len(view.rows)
     for g, param_group in enumerate(optimizer.param_groups):
         for i, param in enumerate(param_group["params"]):
             slot = model.slot_of(param)
@@ -92,7 +92,7 @@ def iter_full_state(model: ShardedModel, optimizer: OffloadAdamW) -> Iterator[to
             mine = torch.zeros(rows, width, dtype=torch.float32)
             for index, param_offset, offset, numel in pieces.get((g, i), []):
                 if cached is None or cached[0] != index:
-                    cached = (index, pipeline.read(index))
+                    cached = (index, view.read(index))
                 mine[:, param_offset : param_offset + numel] = cached[1][:, offset : offset + numel]
             out = torch.empty(group.world_size * rows * width, dtype=torch.float32, device=device)
             what = f"the optimizer state of {slot.name!r}"
