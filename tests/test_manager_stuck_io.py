@@ -363,6 +363,8 @@ def test_close_returns_within_its_timeout_naming_what_is_not_durable(
     assert isinstance(error, NotDurableError), repr(error)
     assert took <= TIMEOUT_S + SLACK_S
     assert error.keys == ["c"] and "'c'" in str(error) and "again to keep waiting" in str(error)
+    path, offset, _ = gate.stuck[0]  # and where it is stuck
+    assert path in str(error) and f"offset {offset}" in str(error), str(error)
     gate.release()
     _settles(manager, "c", EntryState.ON_NVME)
     result, _ = _within(manager.close)
@@ -377,6 +379,8 @@ def test_close_with_a_stuck_read_ahead_returns_within_its_timeout(
     assert isinstance(error, NotDurableError), repr(error)
     assert took <= TIMEOUT_S + SLACK_S
     assert "still running" in str(error) and "again to keep waiting" in str(error)
+    path, offset, _ = gate.stuck[0]  # and where it is stuck
+    assert path in str(error) and f"offset {offset}" in str(error), str(error)
     gate.release()
     result, _ = _within(manager.close)
     assert result is None

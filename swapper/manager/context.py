@@ -54,6 +54,7 @@ from tiers.device import DeviceTier
 from tiers.errors import SwapConfigError
 from tiers.host import HostTier
 from tiers.nvme import ManifestError, NvmeStore, StoreExistsError
+from tiers.nvme.futures import StoreFuture
 from tiers.protocols import MemoryTier
 from tiers.signals import deliver_pending, wait_cond
 
@@ -283,7 +284,7 @@ class ManagerContext:
         """
         left = deadline - time.monotonic()
         io = entry.io
-        if left <= 0 and io is not None and not io.done() and self.store is not None:
+        if left <= 0 and isinstance(io, StoreFuture) and not io.done() and self.store is not None:
             window = self.config.timeout_s
             left = self.store.last_progress_s() + window - time.monotonic()
             if left <= 0:

@@ -36,7 +36,7 @@ from swapper.manager.context import ManagerContext
 from swapper.manager.entry import EntryState, Prefetch, SwapEntry
 from swapper.manager.errors import ManagerClosedError, NotDurableError
 from swapper.manager.mover import Mover
-from swapper.manager.shared import named_error, store_key_of
+from swapper.manager.shared import in_flight, named_error, store_key_of
 from tiers.budget import Reservation
 from tiers.protocols import MemoryBlock
 from tiers.signals import wait_cond, wait_future
@@ -265,10 +265,14 @@ class MoverJobs:
         store.save_manifest()
         not_durable = sorted(set(errors) | pending)
         if not_durable:
+            with ctx.cond:
+                where = {k: in_flight(ctx.entries[k]) for k in pending if k in ctx.entries}
             raise NotDurableError(
                 f"{len(not_durable)} tensor(s) not durable on NVMe: "
                 + ", ".join(
-                    f"{key!r} ({errors[key]})" if key in errors else f"{key!r} (still in flight)"
+                    f"{key!r} ({errors[key]})"
+                    if key in errors
+                    else f"{key!r} (still in flight) [{where.get(key, 'no request')}]"
                     for key in not_durable[:10]
                 )
                 + (" ..." if len(not_durable) > 10 else "")
@@ -305,11 +309,16 @@ class MoverJobs:
             while ctx.jobs:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    busy = sorted(e.key for e in ctx.entries.values() if e.state.transient)
+                    moving = sorted(
+                        (e for e in ctx.entries.values() if e.state.transient),
+                        key=lambda e: e.key,
+                    )
+                    busy = [e.key for e in moving]
+                    shown = ", ".join(f"{e.key!r} ({in_flight(e)})" for e in moving[:10])
                     raise NotDurableError(
                         f"close: {ctx.jobs} request(s) (evictions, read-aheads) still "
                         f"running after close_timeout_s={ctx.config.close_timeout_s} s"
-                        + (f", moving {', '.join(repr(k) for k in busy[:10])}" if busy else "")
+                        + (f", moving {shown}" if busy else "")
                         + (" ..." if len(busy) > 10 else "")
                         + ": the disk has not completed them. Nothing was freed or written; "
                         "call close() again to keep waiting",
@@ -322,12 +331,16 @@ class MoverJobs:
             with ctx.cond:
                 # Nothing is written, but memory that I/O uses is freed only once it ends.
                 ctx.wait_for_transfers(deadline)
-                busy = sorted(e.key for e in ctx.entries.values() if e.state.transient)
+                moving = sorted(
+                    (e for e in ctx.entries.values() if e.state.transient), key=lambda e: e.key
+                )
+                busy = [e.key for e in moving]
+                shown = ", ".join(f"{e.key!r} ({in_flight(e)})" for e in moving[:10])
             if busy:  # never free a buffer with I/O in flight: keep everything open
                 raise NotDurableError(
                     f"close(remove=True): {len(busy)} transfer(s) still in flight after "
                     f"close_timeout_s={ctx.config.close_timeout_s} s: "
-                    + ", ".join(repr(k) for k in busy[:10])
+                    + shown
                     + (" ..." if len(busy) > 10 else "")
                     + "; nothing was freed or deleted: call close() again to keep waiting",
                     keys=busy,

@@ -13,12 +13,14 @@ from swapper.manager.config import Kind, Tier
 from swapper.manager.entry import SwapEntry
 from tiers.budget import ByteBudget
 from tiers.errors import IOTimeoutError, SwapIOError
+from tiers.nvme.futures import StoreFuture
 
 __all__ = [
     "charged",
     "check_key",
     "entry_view",
     "forget_view",
+    "in_flight",
     "named_error",
     "store_key_of",
     "to_kind",
@@ -53,6 +55,20 @@ def to_tier(tier: Tier | str) -> Tier:
 def charged(entry: SwapEntry) -> int:
     """Bytes evicting ``entry`` frees in its tier (0 when it holds no memory)."""
     return 0 if entry.block is None else entry.block.charged_nbytes
+
+
+def in_flight(entry: SwapEntry) -> str:
+    """Where ``entry``'s latest read or write stands, for a message that gives up on it:
+    the piece still in flight (file, offset, length), the flush it waits for, or done."""
+    io = entry.io
+    if io is None or io.done():
+        return "no request in flight"
+    if not isinstance(io, StoreFuture):  # (a stand-in store's future: nothing to name)
+        return "a request in flight"
+    piece = io.stuck()
+    if piece is None:
+        return f"its {io.op.value} waits for the flush that makes it durable"
+    return f"stuck: the {piece.describe()}"
 
 
 def store_key_of(entry: SwapEntry) -> str:

@@ -1,5 +1,8 @@
 """The optimizer step pipeline: fp32 state streamed from the tiers, fp32 gradients built
-from the retained 16-bit ones (never written to disk), PyTorch's fused AdamW."""
+from the retained 16-bit ones (never written to disk), the update of each sub-group an
+:class:`UpdateRule`'s (:mod:`swapper.step.rules`): PyTorch's fused AdamW
+(:class:`OffloadAdamW`) or any ``torch.optim`` optimizer's own step
+(:class:`OffloadOptimizer`)."""
 
 from swapper.step.config import StepConfig
 from swapper.step.layout import ALIGN_NUMEL, Piece, SubGroup, plan_sub_groups
