@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from swapper.manager import Kind, ManagerConfig, Policy, Tier
 from swapper.step import StepConfig
-from swapper.zero.config.offload import OffloadConfig
+from swapper.zero.config.offload import OffloadConfig, sub_group_arena_nbytes
 from swapper.zero.config.settings import fp32_grad_tiers, tiers_of
 from tiers.config import AioConfig, Backend
 from tiers.errors import SwapConfigError, SwapError
@@ -1094,3 +1094,20 @@ def test_sizes_as_strings_everywhere_through_one_parser() -> None:
             host_nbytes=None,
             stripe_nbytes="8 furlongs",  # type: ignore[arg-type]
         )
+
+
+def test_host_arena_holds_one_sub_group_of_optimizer_state() -> None:
+    """A sub-group's state larger than the default 64 MiB arena got a mapping of its own,
+    made and faulted in at every fetch; the arena is sized to hold it instead."""
+    step = StepConfig(sub_group_numel=16_000_000)  # 192 MB of fp32 state
+    config = OffloadConfig.create(host_nbytes="3GiB", step=step)
+    assert config.manager.host_arena_nbytes >= 12 * 16_000_000
+    assert config.manager.host_arena_nbytes % (2 << 20) == 0
+    # an explicit setting wins; small sub-groups and unlimited budgets keep the default
+    default = 64 << 20  # ManagerConfig.host_arena_nbytes
+    pinned = OffloadConfig.create(host_nbytes="3GiB", step=step, host_arena_nbytes=32 << 20)
+    assert pinned.manager.host_arena_nbytes == 32 << 20
+    small = OffloadConfig.create(host_nbytes="3GiB", step=StepConfig(sub_group_numel=1 << 20))
+    assert small.manager.host_arena_nbytes == default
+    assert OffloadConfig.create(step=step).manager.host_arena_nbytes == default
+    assert sub_group_arena_nbytes(100 << 20, 16_000_000) is None  # larger than the budget

@@ -159,6 +159,39 @@ class TierManager:
                 registration is undone when it ends (a new ``register`` of the key waits).
             ManagerClosedError: the manager is closed.
         """
+        self._register(key, tensor, kind, None)
+
+    def register_behind(self, key: str, tensor: torch.Tensor, kind: Kind | str) -> Future[None]:
+        """:meth:`register` without waiting for a write to NVMe: the bulk path of state
+        made in a stream (the optimizer's initial state), several writes in flight.
+
+        Where :meth:`register` would write ``tensor`` to NVMe and wait, this issues the
+        write (from ``tensor`` itself when it is page-aligned and contiguous: no staging
+        copy; checksums recorded as written) and returns; the key is registered but
+        settling (a fetch or ``unregister`` of it waits) until the write is durable.
+        ``tensor`` must not be changed or freed before the returned future is done
+        (the manager keeps a reference to it until then). Placed in memory, the copy is
+        taken at once and the future is done already.
+
+        Returns:
+            a future that succeeds once the key is settled (in memory, or durable on
+            NVMe), or fails with :class:`~tiers.errors.SwapIOError` (naming key and file)
+            when the write failed: the key is then unregistered, nothing kept.
+
+        Raises:
+            as :meth:`register` (for what is decided before the write is issued).
+        """
+        behind: Future[None] = Future()
+        behind.set_running_or_notify_cancel()
+        if not self._register(key, tensor, kind, behind):
+            behind.set_result(None)
+        return behind
+
+    def _register(
+        self, key: str, tensor: torch.Tensor, kind: Kind | str, behind: Future[None] | None
+    ) -> bool:
+        """:meth:`register` (``behind`` None) or :meth:`register_behind`: whether a write
+        was handed to ``behind``."""
         check_key(key)
         if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.strided:
             raise TypeError(f"register of key={key!r}: expected a dense torch.Tensor")
@@ -187,7 +220,7 @@ class TierManager:
                 )
                 entry.last_use = next(self._ctx.clock)
                 self._ctx.entries[key] = entry
-            self._mover.place_new(entry, tensor, deadline)
+            return self._mover.place_new(entry, tensor, deadline, behind) and (behind is not None)
 
     def fetch(
         self,

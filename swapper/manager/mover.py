@@ -67,6 +67,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 
 import torch
@@ -106,9 +107,17 @@ class Mover:
 
     # -- registration ---------------------------------------------------------------------
 
-    def place_new(self, entry: SwapEntry, tensor: torch.Tensor, deadline: float) -> None:
+    def place_new(
+        self,
+        entry: SwapEntry,
+        tensor: torch.Tensor,
+        deadline: float,
+        behind: Future[None] | None = None,
+    ) -> bool:
         """Settle a NEW entry where placement says (:meth:`Placement.new_home`): RESIDENT
-        in the first memory tier with room (copied once), else ON_NVME (:meth:`write_new`).
+        in the first memory tier with room (copied once), else ON_NVME (:meth:`write_new`;
+        with ``behind``: the write issued, its completion settles the entry and resolves
+        ``behind``). Returns whether a write to NVMe was issued.
 
         On any failure, and on a signal that came meanwhile, the entry is dropped (GONE)
         and this raises; a signal is delivered here rather than after the key is visible.
@@ -137,8 +146,8 @@ class Mover:
                 self.drop_new(entry, wrote=False)
             raise
         if block is None:
-            self.write_new(entry, tensor, deadline)
-            return
+            self.write_new(entry, tensor, deadline, behind)
+            return True
         with ctx.cond:
             entry.block, entry.tier = block, tier
             entry.view, entry.view_block = view, block  # what fetches hand out
@@ -147,10 +156,21 @@ class Mover:
                 # thread's stream) must wait for it, or they could read stale bytes.
                 entry.ready = ctx.device.mark_ready()
             ctx.set_state(entry, _S.RESIDENT)
+        return False
 
-    def write_new(self, entry: SwapEntry, tensor: torch.Tensor, deadline: float) -> None:
+    def write_new(
+        self,
+        entry: SwapEntry,
+        tensor: torch.Tensor,
+        deadline: float,
+        behind: Future[None] | None = None,
+    ) -> None:
         """Write a NEW entry's tensor straight to NVMe (from the caller's memory if it can):
         ON_NVME, or on failure dropped (GONE) and it raises.
+
+        With ``behind`` (:meth:`TierManager.register_behind`), it returns once the write is
+        issued: the completion settles the entry (ON_NVME, or GONE) and then resolves
+        ``behind`` (with the named error on failure); the source is kept alive until then.
 
         When the wait for the write is cut (an interrupt, or ``deadline`` passed:
         :class:`~swapper.manager.ManagerTimeout`), the exception propagates at once and the
@@ -180,6 +200,12 @@ class Mover:
                 window.release()
                 ctx.stats.end(Tier.HOST, Tier.NVME, None if error else entry.nbytes, entry.kind)
 
+            if behind is not None:
+                outcome = "handed"
+                future.add_done_callback(
+                    lambda done, source=source: self._settle_new(done, entry, ended, behind)
+                )
+                return
             try:
                 ctx.hurry_writes()  # the caller waits for this write to be durable
                 issued = time.monotonic()
@@ -218,6 +244,27 @@ class Mover:
         with ctx.cond:
             entry.nvme_version = entry.version
             ctx.set_state(entry, _S.ON_NVME)
+
+    def _settle_new(
+        self,
+        done: Future[int],
+        entry: SwapEntry,
+        ended: Callable[[BaseException | None], None],
+        behind: Future[None],
+    ) -> None:
+        """The completion of a registration's write nobody waits for (``write_new`` with
+        ``behind``): the entry ON_NVME, or dropped (GONE) on failure; then ``behind``."""
+        ctx = self._ctx
+        error = done.exception()
+        ended(error)
+        named = None if error is None else named_error(error, "writing", entry.key)
+        with ctx.cond:
+            if named is None:
+                entry.nvme_version = entry.version
+                ctx.set_state(entry, _S.ON_NVME)
+            else:
+                self.drop_new(entry, wrote=False)
+        ctx.notifier.submit(resolve_once, behind, named)
 
     def drop_new(self, entry: SwapEntry, *, wrote: bool) -> None:
         """Lock held. Undo a registration that did not finish: NEW → GONE, forgotten, and

@@ -72,6 +72,7 @@ import torch
 from swapper.manager import Kind, Tier, TierManager
 from swapper.step import window
 from swapper.step.compress import MomentCodec
+from swapper.step.initial import InitialWriter
 from swapper.step.layout import SubGroup
 from swapper.step.scales import HeldScales
 from swapper.step.window import Room
@@ -244,29 +245,35 @@ class StepPipeline:
             unregistered again.
         """
         # (A signal waits for a wait point or the end: what is registered or fetched is
-        # always recorded, so that the undo below finds it.)
+        # always recorded, so that the undo below finds it.) Several sub-groups' writes
+        # are in flight at once (swapper.step.initial: the disk's write rate).
         with signals.at_waits:
+            writer: InitialWriter | None = None
             try:
-                # (fp32 state of any shape the update rule declared; compressed: 3 rows)
-                largest = max((self._fp32_numel(sg) for sg in self.sub_groups), default=0)
-                scratch = torch.empty(largest, dtype=torch.float32)
-                stored = self.codec.scratch(self.sub_groups)  # compressed form, or None
                 scales = self.scales.fresh()  # int8: encoding fills it
+                writer = InitialWriter(
+                    self.manager,
+                    self.codec,
+                    self.sub_groups,
+                    self._fp32_shape,
+                    timeout_s=self.manager.config.timeout_s,
+                )
                 for sg in self.sub_groups:
-                    buffer = scratch[: self._fp32_numel(sg)].view(self._fp32_shape(sg))
-                    buffer.zero_()
-                    fill(sg, buffer)
-                    buffer = self.codec.stored_form(sg, buffer, stored)
-                    self.manager.register(self.key(sg.index), buffer, Kind.OPTIM_STATE)
+                    writer.put(self.key(sg.index), sg, fill)
                     self._registered += 1
-                del scratch, stored
+                writer.finish()
+                writer.close()
                 self.scales.register(scales)
                 del scales
                 self.scales.hold()
                 for sg in self.sub_groups[: self.kept]:
                     self._held[sg.index] = self.manager.fetch(self.key(sg.index))
             except BaseException:
-                self._unregister()
+                gone = set()
+                if writer is not None:
+                    gone = writer.drain()  # the keys whose writes failed are gone
+                    writer.close()
+                self._unregister(gone)
                 raise
 
     def _fp32_shape(self, sg: SubGroup) -> tuple[int, ...]:
@@ -308,10 +315,13 @@ class StepPipeline:
         extra_keys: Callable[[SubGroup], list[str]] | None = None,
         timeout_s: float | None = None,
         order: Sequence[int] | None = None,
+        ahead: Callable[[SubGroup], None] | None = None,
     ) -> None:
         """Bring every sub-group to step ``step``, in ``order`` (a permutation of the
         sub-group indices; ``None``: by index). The order changes no result: each
-        sub-group's update reads only its own state and gradients.
+        sub-group's update reads only its own state and gradients. ``ahead(sg)`` is
+        called for each sub-group as its state is read ahead (to read ahead what its
+        compute and publish will read besides: gradients, parameters).
 
         For each sub-group not yet at ``step``: fetch its state (read ahead), ``compute``
         on it (which updates the state in place), ``publish`` the result (the 16-bit
@@ -332,7 +342,7 @@ class StepPipeline:
         # bookkeeping below is exact, or when it ends; never between a fetch and the
         # record of it, nor between a compute and its mark.
         with signals.at_waits:
-            self._run(step, compute, publish, extra_keys, timeout_s, order)
+            self._run(step, compute, publish, extra_keys, timeout_s, order, ahead)
 
     def _run(
         self,
@@ -342,6 +352,7 @@ class StepPipeline:
         extra_keys: Callable[[SubGroup], list[str]] | None,
         timeout_s: float | None,
         order: Sequence[int] | None,
+        ahead: Callable[[SubGroup], None] | None = None,
     ) -> None:
         extra = extra_keys or (lambda sg: [])
         if self.auto:  # budgets and the parameters' share change between steps
@@ -363,7 +374,7 @@ class StepPipeline:
                         # One short of the window before k computes: the farthest one is
                         # asked for once k's eviction is queued (below), see _read_ahead.
                         depth = min(self.readahead, max(1, self.readahead - 1))
-                        self._read_ahead(compute_todo, position[sg.index] + 1, extra, depth)
+                        self._read_ahead(compute_todo, position[sg.index] + 1, extra, depth, ahead)
 
                     self._compute_one(sg, compute, publish, extra(sg), step, timeout_s, read_ahead)
                 elif progress.published < step:
@@ -373,7 +384,9 @@ class StepPipeline:
                 else:
                     writes[index] = self.manager.evict(self.key(index), Tier.NVME)
                 if computing:
-                    self._read_ahead(compute_todo, position[index] + 1, extra, self.readahead)
+                    self._read_ahead(
+                        compute_todo, position[index] + 1, extra, self.readahead, ahead
+                    )
         except BaseException as exc:  # raised below, once the writes have ended
             error = exc
         finally:
@@ -398,9 +411,10 @@ class StepPipeline:
         start: int,
         extra: Callable[[SubGroup], list[str]],
         depth: int,
+        ahead: Callable[[SubGroup], None] | None = None,
     ) -> None:
         """Ask the manager to read ahead ``order[start : start + depth]`` (keys already
-        asked for are skipped by the manager).
+        asked for are skipped by the manager), and ``ahead`` for each, state first.
 
         Why the window's far end waits for the eviction of the sub-group before it: the
         manager runs read-aheads and evictions on the same few mover threads, in the
@@ -418,6 +432,9 @@ class StepPipeline:
             keys.extend(extra(sg))
         if keys:
             self.manager.prefetch(keys)
+        if ahead is not None:
+            for sg in order[start : start + depth]:
+                ahead(sg)
 
     def _compute_one(
         self,
@@ -591,14 +608,18 @@ class StepPipeline:
         self._unregister()
         self._closed = True
 
-    def _unregister(self) -> None:
+    def _unregister(self, gone: set[str] | frozenset[str] = frozenset()) -> None:
+        """Forget the state; ``gone``: keys the manager dropped already (a failed write
+        of :meth:`initialize`)."""
         with signals.at_waits:  # each undo and its record go together
             for index in list(self._held):
                 self.manager.release(self.key(index), modified=True)
                 del self._held[index]
             self.scales.unregister()
             while self._registered:
-                self.manager.unregister(self.key(self.sub_groups[self._registered - 1].index))
+                key = self.key(self.sub_groups[self._registered - 1].index)
+                if key not in gone:
+                    self.manager.unregister(key)
                 self._registered -= 1
 
     def _check_open(self) -> None:

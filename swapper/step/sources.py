@@ -124,6 +124,19 @@ class ResidentSource(Protocol):
 
 
 @runtime_checkable
+class AheadSource(Protocol):
+    """A :class:`ParamSource` whose parameters and gradients may be on NVMe: the step
+    asks for those of the sub-groups after the one computing to be read ahead, beside
+    their optimizer state (at 2.17 B parameters the step read 3.2 GB of gradients and
+    1.9 GB of parameters, each on demand as its sub-group came up)."""
+
+    def read_ahead(self, params: Sequence[torch.Tensor]) -> None:
+        """Ask for the retained gradients and the parameters of ``params`` to be read
+        into memory (a hint: returns at once; what has no room is left where it is)."""
+        ...
+
+
+@runtime_checkable
 class SharedStep(Protocol):
     """A :class:`ParamSource` whose step is shared with other processes (one rank's
     shards of a model partitioned over a process group)."""

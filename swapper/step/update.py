@@ -24,7 +24,7 @@ from swapper.step.layout import SubGroup
 from swapper.step.pipeline import StepPipeline
 from swapper.step.rules.base import UpdateRule
 from swapper.step.scaler import DynamicLossScaler
-from swapper.step.sources import ParamSource, SharedStep
+from swapper.step.sources import AheadSource, ParamSource, SharedStep
 
 __all__ = ["SubGroupMath"]
 
@@ -140,7 +140,14 @@ class SubGroupMath:
             lambda sg, state, extras: self._update(sg, state, extras, target, factor),
             self._publish,
             order=self._run_order,
+            ahead=self._ahead if isinstance(self._source, AheadSource) else None,
         )
+
+    def _ahead(self, sg: SubGroup) -> None:
+        """Read ahead the gradients and parameters ``sg``'s update and publish read."""
+        source = self._source
+        if isinstance(source, AheadSource):
+            source.read_ahead([self._param(sg, piece.param_index) for piece in sg.pieces])
 
     def _grad_buffer(self, device: torch.device, numel: int) -> torch.Tensor:
         buffer = self._grad32.get(device)

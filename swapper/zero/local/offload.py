@@ -191,6 +191,8 @@ class OffloadedModel(ModuleHooks):
                 self.core.lock,
             )
             self._place_all(module, materialize)
+            # the first step reads ahead along the modules' order (no order recorded yet)
+            self.core.plan.guess([[s.key for s in slots] for slots in self._module_slots.values()])
             self._buffer_moves = move_buffers(module, self._use_device())
             self._apply_guarded = guard_apply(module, self._use_device())
             # Whether a forward's holds are kept for its backward: the use tier holds

@@ -215,6 +215,27 @@ class FetchPlan:
         self._keys: list[str] = []  # the order's distinct keys
         #: ``manager.departures`` when every key was last seen in ``tier`` (None: not)
         self._resident_stamp: int | None = None
+        #: the read-ahead of the first step, along the modules' order (see :meth:`guess`)
+        self._guess: ReadAhead | None = None
+
+    def guess(self, modules: Sequence[Sequence[str]]) -> None:
+        """Before the first step: the keys of each module's parameters, modules in their
+        registration order. Until an order is recorded, read ahead along the forward
+        these give (the modules in order) and the backward after it (the reverse), so the
+        first step does not fetch every parameter on demand (at 2.17 B parameters, 1 GiB
+        of device budget: 658 of 873 fetches missed and 34 % of the first forward and
+        backward stalled, against 3.5-5.9 % once the recorded order read ahead). Where the
+        guess is wrong (a module called out of order, twice, or not at all) it reads
+        ahead what is not used next, as a stale window would; the recorded order replaces
+        it at the end of the first backward."""
+        forward = [key for keys in modules for key in keys]
+        if not forward:
+            return
+        order = forward + forward[::-1]
+        with self._lock:
+            self._guess = ReadAhead(
+                order, {key: self._nbytes_of(key) for key in forward}, window_nbytes=self._window
+            )
 
     def step_boundary(self) -> None:
         """At the first forward, start recording every fetch of the manager; at the first
@@ -277,6 +298,11 @@ class FetchPlan:
         """Record the fetch order (first step), or read ahead along it (later steps)."""
         if self._recording is not None:
             self._recording.append(key)
+            guess = self._guess
+            if guess is not None:  # the first step: along the modules' order
+                ahead = guess.after(key)
+                if ahead:
+                    self._manager.prefetch(ahead, self._tier)
             return
         readahead = self.readahead
         if readahead is None or self._resident_stamp == self._manager.departures:
@@ -294,6 +320,7 @@ class FetchPlan:
         step), so that the fetches of the next step can skip the read-ahead."""
         if self._recording is not None and self._recording:
             order, self._recording = self._recording, None
+            self._guess = None
             self._keys = list(dict.fromkeys(order))
             self.readahead = ReadAhead(
                 order, {key: self._nbytes_of(key) for key in self._keys}, window_nbytes=self._window
