@@ -14,6 +14,7 @@ medians. ``--window`` also runs the offloaded model with that read-ahead window
     python tools/hook_overhead.py --layers 8 16 32 64 --iters 10
     python tools/hook_overhead.py --layers 32 64 --window 1MiB
     python tools/hook_overhead.py --model llama --layers 32 64 --window 1MiB   # 291, 579 tensors
+    python tools/hook_overhead.py --layers 32 --iters 15 --warmup 3 --cpu-time --every-hook
 
 No optimizer step is timed (the hooks are the subject); the gradients the offloaded run
 keeps accumulate in their retained buffers, as they do over micro-steps.
@@ -42,10 +43,10 @@ from swapper.pressure.model import GPT, GPTConfig
 from swapper.zero import OffloadConfig
 
 
-def _timed(run: Callable[[], None]) -> float:
-    start = time.perf_counter()
+def _timed(run: Callable[[], None], clock: Callable[[], float] = time.perf_counter) -> float:
+    start = clock()
     run()
-    return time.perf_counter() - start
+    return clock() - start
 
 
 def _llama(layers: int, args: argparse.Namespace) -> torch.nn.Module:
@@ -88,10 +89,15 @@ def _measure(layers: int, args: argparse.Namespace, window: int | None) -> dict[
         plain.zero_grad(set_to_none=True)
 
     settings = OffloadConfig.create(prefetch_nbytes=window, device="cpu")
-    with swapper.offload(offloaded_model, settings):
+    clock = time.process_time if args.cpu_time else time.perf_counter
+    with swapper.offload(offloaded_model, settings) as wrapped:
+        if args.every_hook:
+            wrapped.set_persistent(False)  # fetch and release around every module again
 
         def offloaded_step() -> None:
             _loss(offloaded_model, tokens).backward()  # the hooks are on its modules
+            if args.every_hook:
+                wrapped.zero_grad()  # (retained gradients would otherwise accumulate)
 
         for _ in range(args.warmup):
             plain_step()
@@ -99,8 +105,8 @@ def _measure(layers: int, args: argparse.Namespace, window: int | None) -> dict[
         plain_s: list[float] = []
         offload_s: list[float] = []
         for _ in range(args.iters):
-            plain_s.append(_timed(plain_step))
-            offload_s.append(_timed(offloaded_step))
+            plain_s.append(_timed(plain_step, clock))
+            offload_s.append(_timed(offloaded_step, clock))
         if args.profile:
             profile = cProfile.Profile(time.process_time)
             profile.enable()
@@ -126,6 +132,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--window", type=size_arg, default=None, help="also with this window")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--profile", type=int, default=0, metavar="N", help="print top N")
+    parser.add_argument(
+        "--cpu-time",
+        action="store_true",
+        help="time by this process's CPU time (time.process_time), not the wall clock: on a "
+        "shared, loaded machine the wall clock measures the neighbours",
+    )
+    parser.add_argument(
+        "--every-hook",
+        action="store_true",
+        help="persistence off: every module hook fetches and releases (the lifecycle's whole "
+        "cost), instead of budgets that hold everything letting the hooks stand aside",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     print(f"{'layers':>6} {'tensors':>7} {'window':>8} {'plain ms':>9} {'swapper ms':>10} ratio")
