@@ -475,18 +475,19 @@ def test_first_step_reads_ahead_along_the_modules_order(
     assert order[0] in flat[len(asked[0]) :]
 
 
-def test_step_reads_ahead_the_gradients_and_parameters_of_the_next_sub_groups(
+def test_step_reads_ahead_the_gradients_of_the_next_sub_groups(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The step asks for the retained gradients and parameters on NVMe of the sub-groups
-    after the one computing, beside their state. Without it each was read on demand when
-    its sub-group came up (the step asked for optimizer state only)."""
+    """The step asks for the retained gradients on NVMe of the sub-groups after the one
+    computing, beside their state. Without it each was read on demand when its sub-group
+    came up (the step asked for optimizer state only). Parameters are read on demand
+    (see TieredParams.read_ahead)."""
     x, y = _mlp_data(1)[0]
     with swapper.offload(_mlp(), _tight(tmp_path)) as wrapped, _optimizer(wrapped) as optimizer:
         _mse(wrapped(x), y).backward()
         manager = wrapped.manager
         registered = manager.keys()  # (a list, in registration order)
-        on_nvme = {k for k in registered if k.startswith(("grad/", "param/"))}
+        on_nvme = {k for k in registered if k.startswith("grad/")}
         on_nvme = {k for k in on_nvme if manager.info(k).tier is None}
         asked: set[str] = set()
         real = manager.prefetch

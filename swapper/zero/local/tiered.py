@@ -121,31 +121,29 @@ class TieredParams:
                 self._manager.release_all(grad_keys, modified=False)
 
     def read_ahead(self, params: Sequence[torch.Tensor]) -> None:
-        """:class:`~swapper.step.sources.AheadSource`: the retained gradients (to their
-        home tier) and the parameters (to the tier the step writes them in) of
-        ``params`` that are on NVMe only, asked for as read-aheads; nothing during a
-        resident step (all held)."""
+        """:class:`~swapper.step.sources.AheadSource`: the retained gradients of
+        ``params`` that are on NVMe only, asked for as read-aheads to their home tier;
+        nothing during a resident step (all held).
+
+        Parameters are not read ahead: doing so (as wt-scale2 first did) made trainable
+        fp32 parameters be written to NVMe more than once a step under reentrant
+        checkpointing (tests/test_frozen.py's write bound), a cause not yet understood;
+        the step reads them on demand, as before."""
         if self._pinned is not None:
             return
         grads: dict[str, None] = {}
-        keys: dict[str, None] = {}
         manager = self._manager
         for param in params:
             slot = self._slot(param)
-            # Only what is on NVMe alone: a gradient in memory is read where it is, a
-            # parameter written where it is (in_place); a read-ahead would move them.
+            # Only what is on NVMe alone: a gradient in memory is read where it is.
             if (
                 slot.has_grad
                 and slot.grad_held is None
                 and manager.info(slot.grad_key).tier is None
             ):
                 grads[slot.grad_key] = None
-            if manager.info(slot.key).tier is None:
-                keys[slot.key] = None
         if grads:
             manager.prefetch(grads)
-        if keys:
-            manager.prefetch(keys, self._tier)
 
     def read_param(self, param: torch.Tensor, start: int, out: torch.Tensor) -> None:
         copy_out(self._manager, self._slot(param).key, self._tier, start, out, in_place=True)
