@@ -486,9 +486,24 @@ def test_step_reads_ahead_the_gradients_of_the_next_sub_groups(
     with swapper.offload(_mlp(), _tight(tmp_path)) as wrapped, _optimizer(wrapped) as optimizer:
         _mse(wrapped(x), y).backward()
         manager = wrapped.manager
+        # those of the first sub-group's parameters are fetched before any read-ahead
+        first = {
+            name
+            for name, p in wrapped.module.named_parameters()
+            if any(
+                optimizer._param(optimizer.sub_groups[0], pc.param_index) is p
+                for pc in optimizer.sub_groups[0].pieces
+            )
+        }
+        # Which gradients the budgets leave on NVMe depends on when each write-behind ends
+        # (on a loaded machine, none of the later ones at times: CI at 0641a25), so those
+        # of the later sub-groups are sent there, and the test waits for it.
         registered = manager.keys()  # (a list, in registration order)
-        on_nvme = {k for k in registered if k.startswith("grad/")}
-        on_nvme = {k for k in on_nvme if manager.info(k).tier is None}
+        later = {k for k in registered if k.startswith("grad/") and k[5:] not in first}
+        assert later, "no gradient outside the first sub-group"
+        for write in [manager.evict(k, Tier.NVME) for k in sorted(later)]:
+            write.result(timeout=30)
+        assert all(manager.info(k).tier is None for k in later)
         asked: set[str] = set()
         real = manager.prefetch
 
@@ -500,17 +515,6 @@ def test_step_reads_ahead_the_gradients_of_the_next_sub_groups(
         monkeypatch.setattr(manager, "prefetch", prefetch)
         assert optimizer._pipeline.readahead >= 1
         optimizer.step()
-    # those of the first sub-group's parameters are fetched before any read-ahead
-    first = {
-        name
-        for name, p in wrapped.module.named_parameters()
-        if any(
-            optimizer._param(optimizer.sub_groups[0], pc.param_index) is p
-            for pc in optimizer.sub_groups[0].pieces
-        )
-    }
-    later = {k for k in on_nvme if k.split("/", 1)[1] not in first}
-    assert later, "the budgets left nothing of the later sub-groups on NVMe"
     assert later <= asked, sorted(later - asked)
 
 
