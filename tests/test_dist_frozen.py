@@ -78,17 +78,23 @@ def train(rank: int, world: int, tmp: str, name: str, tight: bool, ckpt: str) ->
             optimizer.step()
             optimizer.zero_grad()
             losses.append(float(loss.detach()))
-        stats = wrapped.stats()
-        return {
-            "losses": losses,
-            "params": {k: v.clone() for k, v in wrapped.state_dict().items()},
-            "device_peak": stats.tiers[Tier.DEVICE].peak_nbytes,
-            "optimizer_numel": sum(sg.numel for sg in optimizer.sub_groups),
-            "nvme_read": stats.moved(Tier.NVME, Tier.HOST).nbytes,
-        }
+        return summary(wrapped, optimizer, losses)
     finally:
         optimizer.close()
         wrapped.close()
+
+
+def summary(wrapped: Any, optimizer: OffloadAdamW, losses: list[float]) -> dict[str, Any]:
+    """What a rank's run gives the parent: losses, weights, device peak, the optimizer's
+    elements, the NVMe bytes read."""
+    stats = wrapped.stats()
+    return {
+        "losses": losses,
+        "params": {k: v.clone() for k, v in wrapped.state_dict().items()},
+        "device_peak": stats.tiers[Tier.DEVICE].peak_nbytes,
+        "optimizer_numel": sum(sg.numel for sg in optimizer.sub_groups),
+        "nvme_read": stats.moved(Tier.NVME, Tier.HOST).nbytes,
+    }
 
 
 def run_all(rank: int, world: int, tmp: str) -> dict[str, Any]:
