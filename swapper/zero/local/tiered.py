@@ -16,7 +16,7 @@ from typing import Protocol
 
 import torch
 
-from swapper.manager import Kind, Tier
+from swapper.manager import Kind, ManagerClosedError, Tier
 from swapper.step.clip import grad_norm32
 from swapper.zero.config.settings import tiers_of
 from swapper.zero.local.params import NORM_BATCH_NUMEL, LocalCore, Slot, copy_in, copy_out
@@ -202,7 +202,11 @@ class TieredParams:
             pinned[slot.key].view(-1)[start : start + source.numel()].copy_(source)
             return
         numel = slot.shape.numel()
-        if source.numel() == numel and slot.key not in self._split:
+        # An overlapped update (param_gate) runs beside the forward, under a host floor
+        # made for the two without holds (swapper.step.deferred): a hold there starved
+        # the forward (test_step_overlap's floor timed out); it writes piece by piece.
+        whole = source.numel() == numel and slot.key not in self._split
+        if whole or self._core.param_gate is not None:
             copy_in(self._manager, slot.key, self._tier, start, source, in_place=True)
             return
         self._write_piece(slot.key, numel, start, source)
@@ -218,7 +222,8 @@ class TieredParams:
         Pieces may come in any order (the run order alternates) and more than once (a
         failed step published again): the hold ends when the pieces written since it
         began cover the parameter, or at :meth:`end_holds`. It only keeps the parameter
-        where it is; no byte depends on it."""
+        where it is; no byte depends on it. Not in an overlapped update
+        (:meth:`write_param`)."""
         manager = self._manager
         with signals.at_waits:  # the hold taken and recorded, or neither
             split = self._split.get(key)
@@ -238,7 +243,10 @@ class TieredParams:
         with signals.held:
             keys, self._split = list(self._split), {}
             for key in keys:
-                self._manager.release(key, modified=False)
+                try:
+                    self._manager.release(key, modified=False)
+                except ManagerClosedError:
+                    return  # (closed meanwhile: it released what was held, as modified)
 
     def grad_norms(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         slots = [self._slot(param) for param in params]
