@@ -10,6 +10,7 @@ backward.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import pytest
@@ -69,11 +70,20 @@ def train(rank: int, world: int, tmp: str, name: str, tight: bool, ckpt: str) ->
         weight_decay=WEIGHT_DECAY,
         tiers=wrapped,
     )
+    share = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
+    steps = [lambda x=x, y=y: _loss(wrapped(x[share]), y[share]) for x, y in _data()]
+    return run_steps(wrapped, optimizer, steps)
+
+
+def run_steps(
+    wrapped: Any, optimizer: OffloadAdamW, steps: Iterable[Callable[[], torch.Tensor]]
+) -> dict[str, Any]:
+    """Each step's loss backpropagated, the optimizer stepped; then :func:`summary`; the
+    optimizer and the wrap closed however it ends."""
     losses = []
     try:
-        for x, y in _data():
-            share = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
-            loss = _loss(wrapped(x[share]), y[share])
+        for compute in steps:
+            loss = compute()
             loss.backward()
             optimizer.step()
             optimizer.zero_grad()

@@ -25,7 +25,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
-from test_dist_frozen import summary
+from test_dist_frozen import run_steps
 from test_dist_train import PG_TIMEOUT_S, _spawn
 from test_peft import ADAM, DEVICE_NBYTES, _batches, _lora, _train_plain
 
@@ -70,19 +70,9 @@ def train(rank: int, world: int, tmp: str, tight: bool) -> dict[str, Any]:
     config = _config(os.path.join(tmp, str(tight)), tight)
     wrapped = swapper.offload(model, config, dist.group.WORLD)
     optimizer = OffloadAdamW(wrapped.parameters(), **ADAM, tiers=wrapped)
-    losses = []
-    try:
-        for ids in _batches():
-            share = ids[rank * len(ids) // world : (rank + 1) * len(ids) // world]
-            loss = wrapped(input_ids=share, labels=share).loss
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            losses.append(float(loss.detach()))
-        return summary(wrapped, optimizer, losses)
-    finally:
-        optimizer.close()
-        wrapped.close()
+    shares = [ids[rank * len(ids) // world : (rank + 1) * len(ids) // world] for ids in _batches()]
+    steps = [lambda ids=ids: wrapped(input_ids=ids, labels=ids).loss for ids in shares]
+    return run_steps(wrapped, optimizer, steps)
 
 
 def run_both(rank: int, world: int, tmp: str) -> dict[str, Any]:
