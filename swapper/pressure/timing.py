@@ -80,12 +80,16 @@ class Phases:
     model_prefetch: list[dict[str, int]] = dataclasses.field(default_factory=list)
     #: the process's peak resident memory (VmHWM) when each step ended, bytes
     peak_rss_nbytes: list[int] = dataclasses.field(default_factory=list)
+    #: per step, NVMe (read, written) bytes of each phase: "forward", "backward", "step"
+    #: (``swapper-pressure --timeline``: :mod:`swapper.pressure.timeline`)
+    phase_nbytes: list[dict[str, tuple[int, int]]] = dataclasses.field(default_factory=list)
     _t: float = 0.0
     _t0: float = 0.0
     _stall: float = 0.0
     _stall0: float = 0.0
     _read: int = 0
     _written: int = 0
+    _moved: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     _kinds0: dict[tuple[Kind, Tier, Tier], int] = dataclasses.field(default_factory=dict)
     _kinds1: dict[tuple[Kind, Tier, Tier], int] = dataclasses.field(default_factory=dict)
     _prefetch0: dict[str, int] = dataclasses.field(default_factory=dict)
@@ -104,12 +108,14 @@ class Phases:
         self._t0 = self._t = time.perf_counter()
         self._stall0 = self._stall = _stall(stats, waited_s)
         self._read, self._written = _nvme(stats)
+        self._moved = [(self._read, self._written)]
         self._kinds0 = dict(stats.kind_nbytes)
         self._prefetch0 = _prefetch(stats)
 
     def forward_done(self, stats: ManagerStats, waited_s: float = 0.0) -> None:
         self.forward_s.append(time.perf_counter() - self._t0)
         self.forward_stall_s.append(_stall(stats, waited_s) - self._stall0)
+        self._moved.append(_nvme(stats))
 
     def backward_done(self, stats: ManagerStats, waited_s: float = 0.0) -> None:
         now = time.perf_counter()
@@ -117,6 +123,7 @@ class Phases:
         self.model_s.append(now - self._t0)
         self.model_stall_s.append(stall - self._stall0)
         self._t, self._stall = now, stall
+        self._moved.append(_nvme(stats))
         self._kinds1 = dict(stats.kind_nbytes)
         now_prefetch = _prefetch(stats)
         self.model_prefetch.append({k: v - self._prefetch0[k] for k, v in now_prefetch.items()})
@@ -127,6 +134,14 @@ class Phases:
         read, written = _nvme(stats)
         self.nvme_read_nbytes.append(read - self._read)
         self.nvme_written_nbytes.append(written - self._written)
+        marks = [*self._moved, (read, written)]
+        if len(marks) == 4:  # begin, forward, backward, step: each phase's bytes
+            self.phase_nbytes.append(
+                {
+                    phase: (marks[i + 1][0] - marks[i][0], marks[i + 1][1] - marks[i][1])
+                    for i, phase in enumerate(("forward", "backward", "step"))
+                }
+            )
         kinds = dict(stats.kind_nbytes)
         self.kind_nbytes.append(
             {
@@ -270,10 +285,14 @@ def measure_disk(
 @dataclasses.dataclass(frozen=True)
 class PlainRun:
     """What :func:`plain_run` measured: per-step losses and seconds (forward + backward +
-    optimizer step)."""
+    optimizer step), and each phase's seconds (the optimizer's: from the end of backward
+    to the end of the update, the fp32 gradients made and the 16-bit weights copied)."""
 
     losses: list[float]
     step_s: list[float]
+    forward_s: list[float] = dataclasses.field(default_factory=list)
+    backward_s: list[float] = dataclasses.field(default_factory=list)
+    optimizer_s: list[float] = dataclasses.field(default_factory=list)
 
 
 def plain_run(
@@ -308,10 +327,13 @@ def plain_run(
     scaler = DynamicLossScaler(2.0**12) if dtype == torch.float16 else None
     losses: list[float] = []
     step_s: list[float] = []
+    run = PlainRun(losses, step_s)
     for tokens in data:
         start = time.perf_counter()
         loss = model.loss(tokens)
+        forward = time.perf_counter()
         (scaler.scale(loss) if scaler is not None else loss).backward()
+        backward = time.perf_counter()
         scale = scaler.loss_scale if scaler is not None else 1.0
         grads: list[torch.Tensor] = []
         for p, m in zip(params, masters, strict=True):
@@ -329,9 +351,13 @@ def plain_run(
             scaler.update(found_inf)
         model.zero_grad(set_to_none=True)
         optimizer.zero_grad(set_to_none=True)
-        step_s.append(time.perf_counter() - start)
+        end = time.perf_counter()
+        step_s.append(end - start)
+        run.forward_s.append(forward - start)
+        run.backward_s.append(backward - forward)
+        run.optimizer_s.append(end - backward)
         losses.append(float(loss.detach()))
-    return PlainRun(losses, step_s)
+    return run
 
 
 # ----------------------------------------------------------------------------------------
