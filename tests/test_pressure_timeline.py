@@ -3,6 +3,7 @@ I/O floor and plain PyTorch's seconds (swapper/pressure/timeline.py, issue 24)."
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -12,7 +13,7 @@ from hypothesis import strategies as st
 
 from swapper.pressure.cli import main
 from swapper.pressure.timeline import PHASES, PhaseRow, format_timeline, phase_rows
-from swapper.pressure.timing import DiskRates, Phases, PlainRun
+from swapper.pressure.timing import DiskRates, Phases, PlainRun, Timing, spin_wait_warning
 
 DISK = DiskRates(write_bytes_per_s=2e9, read_bytes_per_s=1e9, nbytes=1 << 20, direct=True)
 
@@ -127,3 +128,35 @@ def test_phases_record_each_phases_bytes(
             assert row.to_json() == r
             assert 0 <= r["stall_seconds"] <= r["seconds"] + 1e-9
     assert list(swap.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("load", "cpus", "threads", "policy", "warns"),
+    [
+        (12.0, 2, 2, None, True),  # busier than the cores, spinning: plain's seconds suspect
+        (12.0, 2, 2, "active", True),
+        (12.0, 2, 2, "PASSIVE", False),  # the fix: no spinning
+        (12.0, 2, 2, " passive ", False),
+        (1.5, 2, 2, None, False),  # a quiet machine
+        (12.0, 2, 1, None, False),  # one thread: no team to wait for
+    ],
+)
+def test_spin_wait_warning(
+    load: float, cpus: int, threads: int, policy: str | None, warns: bool
+) -> None:
+    env = {} if policy is None else {"OMP_WAIT_POLICY": policy}
+    got = spin_wait_warning(load=load, cpus=cpus, threads=threads, environ=env)
+    if warns:
+        assert got is not None and "OMP_WAIT_POLICY=PASSIVE" in got and f"{load:.1f}" in got
+    else:
+        assert got is None
+
+
+def test_timing_summary_carries_the_warning() -> None:
+    phases = _phases([(1.0, 2.0, 3.0, 0, 0, 10)] * 2)
+    plain = PlainRun(losses=[1.0, 1.0], step_s=[1.0, 1.0])
+    timing = dataclasses.replace(Timing.of(phases, phases, plain, DISK), warning="spinning")
+    assert timing.summary().endswith("\nnote: spinning")
+    assert timing.to_json()["timing_warning"] == "spinning"
+    quiet = dataclasses.replace(timing, warning=None)
+    assert "note:" not in quiet.summary() and quiet.to_json()["timing_warning"] is None

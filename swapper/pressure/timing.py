@@ -29,7 +29,7 @@ import shutil
 import statistics
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +46,15 @@ from tiers.config import AioConfig
 from tiers.errors import SwapConfigError
 from tiers.units import format_size
 
-__all__ = ["DiskRates", "Phases", "PlainRun", "Timing", "measure_disk", "plain_run"]
+__all__ = [
+    "DiskRates",
+    "Phases",
+    "PlainRun",
+    "Timing",
+    "measure_disk",
+    "plain_run",
+    "spin_wait_warning",
+]
 
 #: Bytes written then read per swap directory to measure the disk (a few tens of MiB:
 #: long enough to see the device's rate, short beside a run).
@@ -375,6 +383,8 @@ class Timing:
     stall_seconds: dict[str, float]
     disk: DiskRates
     plain_losses: list[float]
+    #: why the seconds beside plain PyTorch may mislead here (:func:`spin_wait_warning`)
+    warning: str | None = None
 
     @classmethod
     def of(cls, pressure: Phases, reference: Phases, plain: PlainRun, disk: DiskRates) -> Timing:
@@ -397,6 +407,7 @@ class Timing:
             },
             disk=disk,
             plain_losses=plain.losses,
+            warning=spin_wait_warning(),
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -412,6 +423,7 @@ class Timing:
             ),
             "disk": self.disk.to_json(),
             "plain_losses": self.plain_losses,
+            "timing_warning": self.warning,
         }
 
     def summary(self) -> str:
@@ -425,4 +437,46 @@ class Timing:
             f"write, {format_size(self.disk.read_bytes_per_s)}/s read"
             f"{'' if self.disk.direct else ', not O_DIRECT'}); stalled {s['forward']:.3f} s "
             f"forward, {s['backward']:.3f} s backward, {s['step']:.3f} s step"
+            + (f"\nnote: {self.warning}" if self.warning else "")
         )
+
+
+def spin_wait_warning(
+    *,
+    load: float | None = None,
+    cpus: int | None = None,
+    threads: int | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> str | None:
+    """A warning when the machine is busier than its cores and OpenMP spin-waits, else None.
+
+    With libgomp's default (active) wait policy, PyTorch's intra-op threads spin at every
+    barrier; when other processes hold the cores, a team waits for a member that is not
+    running. Measured on the 2-core VM at load 11-12 (docs/notes/2026-11-28-speed-3.md):
+    plain PyTorch's forward + backward of the 20M GPT took 5-8x longer with 2 threads than
+    with 1, and not with ``OMP_WAIT_POLICY=PASSIVE``; the offloaded run in the same process
+    was not slowed alike, so its ratio to plain PyTorch meant nothing.
+
+    Args (each ``None``: this process's): load: the 1-minute load average; cpus: the cores
+    this process may use; threads: torch's intra-op threads; environ: the environment.
+    """
+    env = os.environ if environ is None else environ
+    policy = env.get("OMP_WAIT_POLICY", "").strip().upper()
+    if policy == "PASSIVE":
+        return None
+    if load is None:
+        try:
+            load = os.getloadavg()[0]
+        except OSError:  # not available here: nothing to say
+            return None
+    if cpus is None:
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
+    if threads is None:
+        threads = torch.get_num_threads()
+    if threads < 2 or load <= cpus:
+        return None
+    return (
+        f"load average {load:.1f} on {cpus} core(s) with {threads} intra-op threads and "
+        "OpenMP spin-waiting: plain PyTorch's seconds may be several times too long here; "
+        "set OMP_WAIT_POLICY=PASSIVE for every run compared (docs/cli.md)"
+    )
