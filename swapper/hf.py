@@ -315,9 +315,9 @@ class Trainer(transformers.Trainer):
 def _enable_checkpointing(model: nn.Module, kwargs: dict[str, Any] | str | None) -> None:
     """HF's gradient checkpointing on ``model`` with ``kwargs``. Reentrant (transformers
     4.x's default) over a frozen input embedding (a PEFT model's), the inputs are made to
-    require grad first, as PEFT does for a base checkpointing when it is wrapped: else the
-    checkpointed blocks' outputs need no grad and the backward fails ("element 0 of
-    tensors does not require grad")."""
+    require grad, as transformers 5 always does and PEFT does for a base checkpointing
+    when it is wrapped: else, with 4.x, the checkpointed blocks' outputs need no grad and
+    the backward fails ("element 0 of tensors does not require grad")."""
     enable = getattr(model, "gradient_checkpointing_enable", None)
     if enable is None:
         return

@@ -277,16 +277,27 @@ def _floor(model: nn.Module, check: Any, tier: Any) -> int:
     return int(found.group(1))
 
 
-def test_peft_default_adapters_through_the_trainer(tmp_path: Path) -> None:
+@pytest.mark.parametrize("reentrant", [None, True], ids=["default", "reentrant"])
+def test_peft_default_adapters_through_the_trainer(tmp_path: Path, reentrant: bool | None) -> None:
     """PEFT's fp32 adapters (its defaults) over the bf16 base, gradient checkpointing on,
-    under the quarter budget: trains, and save_model writes the adapters only."""
+    under the quarter budget: trains, and save_model writes the adapters only. Reentrant
+    checkpointing over PEFT's frozen embedding: transformers 5 makes the inputs require
+    grad itself; with 4.x (reentrant by default) the backward failed ("element 0 of
+    tensors does not require grad") until swapper.hf did it, as PEFT and 5.x do (run in
+    a 4.57 venv: docs/notes/2026-11-28-peft-3.md)."""
     pytest.importorskip("peft")
     import test_peft
 
     model = test_peft._lora32()
     config = test_peft._fp32_tight(tmp_path, model)
     rows = [{k: v % test_peft.VOCAB for k, v in row.items()} for row in _rows(12)]
-    args = _args(tmp_path / "out", max_steps=3, gradient_checkpointing=True)
+    kwargs = None if reentrant is None else {"use_reentrant": reentrant}
+    args = _args(
+        tmp_path / "out",
+        max_steps=3,
+        gradient_checkpointing=True,
+        gradient_checkpointing_kwargs=kwargs,
+    )
     trainer = swapper.hf.Trainer(model=model, args=args, train_dataset=rows, offload=config)
     trainer.train()
     norms = [r["grad_norm"] for r in trainer.state.log_history if "grad_norm" in r]
