@@ -122,6 +122,20 @@ def _tight(tmp_path: Path, name: str) -> ManagerConfig:
     )
 
 
+def _tight_optimizer(
+    cls: type[torch.optim.Optimizer],
+    params: list[torch.Tensor],
+    tmp_path: Path,
+    kwargs: dict[str, Any],
+    name: str = "a",
+) -> OffloadOptimizer:
+    """``cls`` over ``params`` with :func:`_tight` budgets and sub-groups of SG_NUMEL."""
+    return OffloadOptimizer(
+        cls, params, tiers=_tight(tmp_path, name), config=StepConfig(sub_group_numel=SG_NUMEL),
+        **kwargs,
+    )  # fmt: skip
+
+
 def _unlimited() -> ManagerConfig:
     return ManagerConfig(device_nbytes=0, host_nbytes=None, nvme_dirs=[])
 
@@ -407,13 +421,7 @@ def test_state_dict_round_trip_both_ways(tmp_path: Path, name: str) -> None:
     model = _gpt(torch.bfloat16)
     params = list(model.parameters())
     ref = Reference(cls, kwargs, params)
-    with OffloadOptimizer(
-        cls,
-        params,
-        tiers=_tight(tmp_path, "a"),
-        config=StepConfig(sub_group_numel=SG_NUMEL),
-        **kwargs,
-    ) as opt:
+    with _tight_optimizer(cls, params, tmp_path, kwargs) as opt:
         for step in range(1, 4):
             _loss(model, step).backward()
             opt.step()

@@ -13,13 +13,12 @@ from typing import Any
 import pytest
 import torch
 from test_offload_optimizer import (
-    SG_NUMEL,
     Reference,
     _assert_states_equal,
     _gpt,
     _loss,
     _split_params,
-    _tight,
+    _tight_optimizer,
 )
 from torch import nn
 
@@ -49,13 +48,7 @@ def _run(
     model = _gpt(torch.bfloat16)
     params = list(model.parameters())
     ref = Reference(cls, kwargs, params)
-    with OffloadOptimizer(
-        cls,
-        params,
-        tiers=_tight(tmp_path, "tight"),
-        config=StepConfig(sub_group_numel=SG_NUMEL),
-        **kwargs,
-    ) as opt:
+    with _tight_optimizer(cls, params, tmp_path, kwargs) as opt:
         assert _split_params(opt.sub_groups)
         schedulers = [] if scheduler is None else [scheduler(opt), scheduler(ref.opt)]
         read = 0

@@ -52,7 +52,10 @@ __all__ = [
 #: :class:`~swapper.step.OffloadAdamW` (the fused kernel), not in this table.
 NAMED: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
     "sgd": (torch.optim.SGD, {"momentum": 0.9}),
-    "adam": (torch.optim.Adam, {}),
+    # fused: PyTorch's one-pass CPU kernel; the default (single-tensor) Adam makes five
+    # passes over the state with temporaries, ~4x the CPU time, which on a small
+    # machine the I/O threads then lack (docs/notes/2026-11-28-optim-3.md)
+    "adam": (torch.optim.Adam, {"fused": True}),
     "nadam": (torch.optim.NAdam, {}),
     "radam": (torch.optim.RAdam, {}),
     "adamax": (torch.optim.Adamax, {}),
@@ -416,15 +419,21 @@ def make_optimizer(
 
 
 def plan_named(
-    name: str, numels: list[int], sub_group_numel: int, *, lr: float = 1e-4
+    name: str,
+    shapes: list[int] | list[tuple[int, ...]],
+    sub_group_numel: int,
+    *,
+    lr: float = 1e-4,
 ) -> list[SubGroup]:
-    """The sub-groups ``make_optimizer(name, ...)`` lays one group of 1-D parameters of
-    ``numels`` out in (its state rows discovered; nothing stored): for sizing budgets
-    before any optimizer is made.
+    """The sub-groups ``make_optimizer(name, ...)`` lays one group of parameters of
+    ``shapes`` (an int: a 1-D parameter of that many elements) out in (its state
+    discovered; nothing stored): for sizing budgets before any optimizer is made.
 
     Raises:
         SwapConfigError: an unknown name.
     """
+    sizes = [torch.Size([s]) if isinstance(s, int) else torch.Size(s) for s in shapes]
+    numels = [s.numel() for s in sizes]
     if name == "adamw":
         from swapper.step.layout import plan_sub_groups
 
@@ -432,12 +441,12 @@ def plan_named(
     cls, defaults = _named(name)
     hyper = {"lr": lr, **defaults}
     elementwise = cls.__name__ not in NOT_ELEMENTWISE
-    specs = {n: discover(cls, hyper, torch.Size([n]), elementwise=elementwise) for n in set(numels)}
+    specs = {s: discover(cls, hyper, s, elementwise=elementwise) for s in set(sizes)}
     rule = TorchRule(
         cls,
         elementwise=elementwise,
-        specs=[[specs[n] for n in numels]],
-        shapes=[[torch.Size([n]) for n in numels]],
+        specs=[[specs[s] for s in sizes]],
+        shapes=[sizes],
         hypers=[hyper],
     )
     return rule.plan([numels], sub_group_numel, "fp32")
