@@ -164,12 +164,14 @@ class OffloadOptimizer(StreamedOptimizer):
         )
 
     def _grown_rule(self, rule: UpdateRule) -> UpdateRule:
-        """A rule over every group (the new one's shapes discovered), keeping what the
-        old one holds in memory (the pieces' scalars: the sub-groups before keep their
-        numbers)."""
+        """A rule over every group (the new one's shapes discovered), with a copy of what
+        the old one holds in memory (the pieces' scalars: the sub-groups before keep
+        their numbers). A copy: if the new group's set-up fails, the old rule is put
+        back as it was, without the new pieces' scalars."""
         grown = self._make_rule()
         if isinstance(rule, TorchRule) and isinstance(grown, TorchRule):
-            grown.scalars = rule.scalars
+            grown.scalars.values = dict(rule.scalars.values)
+            grown.scalars.started = set(rule.scalars.started)
         return grown
 
     @property
