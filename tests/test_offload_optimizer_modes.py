@@ -177,3 +177,66 @@ def test_overlapped_step_over_an_offloaded_model_matches_x(
         _assert_states_equal(
             dict(opt.state_dict()["state"].items()), ref.state_dict()["state"], name
         )
+
+
+class _TwoHeads(nn.Module):
+    """A trunk and two heads; a step that uses one head leaves the other without a
+    gradient (its ``.grad`` None, as ``torch.optim`` sees it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = nn.Linear(IN, HIDDEN)
+        self.a = nn.Linear(HIDDEN, IN)
+        self.b = nn.Linear(HIDDEN, IN)
+        generator = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for param in self.parameters():
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
+        self.to(torch.bfloat16)
+
+    def forward(self, x: torch.Tensor, head: str) -> torch.Tensor:
+        return getattr(self, head)(torch.relu(self.trunk(x)))
+
+
+@pytest.mark.parametrize("budgets", ["unlimited", "tight"])
+def test_a_head_without_gradient_is_skipped_over_an_offloaded_model(
+    tmp_path: Path, budgets: str
+) -> None:
+    """Over an offloaded model (unlimited budgets: the step converts every gradient at
+    once; tight: piece by piece from the tiers), a parameter the forward did not use is
+    skipped as X skips it: Adam over a plain copy, bitwise, every step and every state."""
+    cls, kwargs = torch.optim.Adam, {"lr": 1e-2, "weight_decay": 0.01}
+    plain = _TwoHeads()
+    masters = [p.detach().float().clone() for p in plain.parameters()]
+    ref = cls(masters, **kwargs)
+    if budgets == "unlimited":
+        config = OffloadConfig.create(device="cpu", step=StepConfig(sub_group_numel=2048))
+    else:
+        config = OffloadConfig.create(
+            nvme_dirs=[tmp_path / "nvme"], device="cpu", device_nbytes=20_000,
+            host_nbytes=60_000, step=StepConfig(sub_group_numel=2048),
+        )  # fmt: skip
+    heads = ["a", "a", "b", "a", "b", "b"]
+    with (
+        swapper.offload(_TwoHeads(), config) as wrapped,
+        OffloadOptimizer(cls, wrapped.parameters(), tiers=wrapped, **kwargs) as opt,
+    ):
+        for step, head in enumerate(heads, start=1):
+            x, y = _batch(step)
+            (wrapped(x, head).float() - y).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            (plain(x, head).float() - y).pow(2).mean().backward()
+            for m, p in zip(masters, plain.parameters(), strict=True):
+                m.grad = None if p.grad is None else p.grad.float()
+            ref.step()
+            with torch.no_grad():
+                for m, p in zip(masters, plain.parameters(), strict=True):
+                    p.copy_(m)
+            plain.zero_grad()
+            for (key, value), p in zip(
+                wrapped.state_dict().items(), plain.state_dict().values(), strict=True
+            ):
+                assert torch.equal(value, p), f"step {step} ({head}): {key}"
+        ours = dict(opt.state_dict()["state"].items())
+        _assert_states_equal(ours, ref.state_dict()["state"], budgets)
