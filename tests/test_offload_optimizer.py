@@ -340,8 +340,9 @@ def test_add_param_group_after_steps_matches_x(tmp_path: Path, name: str) -> Non
 
 
 def test_add_param_group_refusals_change_nothing(tmp_path: Path) -> None:
-    """A parameter already in a group, a bad hyper-parameter, compressed moments
-    (OffloadAdamW): refused with the reason, the groups and state as they were."""
+    """A parameter already in a group, a bad hyper-parameter, a sub-group the host
+    budget cannot hold, compressed moments (OffloadAdamW): refused with the reason, the
+    groups and state as they were, nothing written."""
     from swapper import OffloadAdamW
 
     model = _gpt(torch.bfloat16)
@@ -362,6 +363,17 @@ def test_add_param_group_refusals_change_nothing(tmp_path: Path) -> None:
         assert len(opt.param_groups) == 1 and len(opt.sub_groups) == count
         opt.add_param_group({"params": params[-2:]})  # and then it works
         assert len(opt.param_groups) == 2 and len(opt.sub_groups) > count
+    big = nn.Parameter(torch.zeros(64, 1024, dtype=torch.bfloat16))  # 256 KiB of masters
+    with OffloadOptimizer(
+        torch.optim.Adafactor, params, tiers=_tight(tmp_path, "b"),
+        config=StepConfig(sub_group_numel=SG_NUMEL),
+    ) as ada:  # fmt: skip
+        count = len(ada.sub_groups)
+        files = sorted(p.name for p in (tmp_path / "b").rglob("*"))
+        with pytest.raises(SwapConfigError, match="host_nbytes"):
+            ada.add_param_group({"params": [big]})  # a whole parameter: no room for it
+        assert len(ada.param_groups) == 1 and len(ada.sub_groups) == count
+        assert sorted(p.name for p in (tmp_path / "b").rglob("*")) == files
     with OffloadAdamW(
         params[:-2],
         tiers=_unlimited(),
