@@ -51,7 +51,7 @@ from swapper.step.state import (
     saved_state,
 )
 from swapper.step.update import SubGroupMath
-from swapper.step.view import OptimizerState
+from swapper.step.view import OptimizerState, StepCounters
 from tiers import signals
 from tiers.errors import SwapConfigError, SwapError
 
@@ -158,17 +158,16 @@ class StreamedOptimizer(SubGroupMath, torch.optim.Optimizer):
             group.setdefault("step", 0)
         #: the update of a sub-group, and the state it declares
         self.rule = rule if rule is not None else self._make_rule()
-        plan = self.rule.plan(self._numels(), sub_group_numel, config.moments or "fp32")
+        plan = self.rule.plan(self.numels(), sub_group_numel, config.moments or "fp32")
         self.sub_group_numel = sub_group_numel
         self.max_grad_norm = config.max_grad_norm
         self.loss_scaler = loss_scaler
         self.last_step: StepReport | None = None
-        self._step_count = 0
-        self._pending: int | None = None  # a step that failed part-way
+        #: steps taken, a step that failed part-way, a load part-way, closed: shared with
+        #: the step modules (deferred, state, resume) and the stored state's view
+        self.counters = StepCounters()
         self._grad32: dict[torch.device, torch.Tensor] = {}
         self._flat = FlatGrads()  # the gradients converted once (a resident step)
-        self._closed = False
-        self._load_incomplete = False  # a load_state_dict stopped part-way
         self._accumulators: list[torch.Tensor] = []
         self._hooks: list[Any] = []
         # overlap (swapper.step.deferred): the running update's hyper-parameters and order
@@ -202,7 +201,7 @@ class StreamedOptimizer(SubGroupMath, torch.optim.Optimizer):
             else:  # the state is in the manager already (swapper.offload(resume=...))
                 adopt(self, pipeline, resumed)
             if config.overlap:
-                self._deferred = DeferredSteps(self, tiers, self._source)
+                self._deferred = DeferredSteps(self, pipeline, tiers, self._source)
         except BaseException:
             for hook in self._hooks:
                 hook.remove()
@@ -221,12 +220,41 @@ class StreamedOptimizer(SubGroupMath, torch.optim.Optimizer):
     def stored_state(self) -> OptimizerState:
         """The door to the stored state, for checkpoints, exports and digests
         (:class:`~swapper.step.view.OptimizerState`)."""
-        return OptimizerState(self, self._pipeline)
+        return OptimizerState(self, self._pipeline, self.counters, self._source, self._deferred)
 
     @property
     def step_count(self) -> int:
         """Steps taken (skipped ones not counted)."""
-        return self._step_count
+        return self.counters.step
+
+    # The counters under the names the subclasses use (OffloadOptimizer, the bench's).
+    @property
+    def _step_count(self) -> int:
+        return self.counters.step
+
+    @_step_count.setter
+    def _step_count(self, value: int) -> None:
+        self.counters.step = value
+
+    @property
+    def _pending(self) -> int | None:
+        return self.counters.pending
+
+    @_pending.setter
+    def _pending(self, value: int | None) -> None:
+        self.counters.pending = value
+
+    @property
+    def _load_incomplete(self) -> bool:
+        return self.counters.load_incomplete
+
+    @_load_incomplete.setter
+    def _load_incomplete(self, value: bool) -> None:
+        self.counters.load_incomplete = value
+
+    @property
+    def _closed(self) -> bool:
+        return self.counters.closed
 
     @property
     def overlap_waited_s(self) -> float:
@@ -285,13 +313,13 @@ class StreamedOptimizer(SubGroupMath, torch.optim.Optimizer):
             ) as resident,
             self._flat_grads(resident),
         ):
-            grad_norm, found_inf = self._grad_norm()
+            grad_norm, found_inf = self.grad_norm()
             skipped = found_inf and self.loss_scaler is not None and self._pending is None
             if skipped and self.loss_scaler is not None:
                 self.loss_scaler.update(True)
             else:
-                factor = self._grad_factor(grad_norm)
-                self._check_open()
+                factor = self.grad_factor(grad_norm)
+                self.check_open()
                 self._pending = target
                 self._run_agreed(target, factor)
                 self._pending = None
@@ -301,7 +329,7 @@ class StreamedOptimizer(SubGroupMath, torch.optim.Optimizer):
                 if self.loss_scaler is not None:
                     self.loss_scaler.update(False)
         norm = None if grad_norm is None else float(grad_norm)
-        self._report(started, before, stall_before, norm, skipped=skipped)
+        self.report_step(started, before, stall_before, norm, skipped=skipped)
         self.manager.check_write_budget()  # issue 29: warns once, or (strict) raises
 
     @contextlib.contextmanager
@@ -318,9 +346,14 @@ class StreamedOptimizer(SubGroupMath, torch.optim.Optimizer):
         finally:
             self._flat.clear()
 
-    def _report(
+    def report_step(
         self, started: float, before: Any, stall_before: float, norm: float | None, *, skipped: bool
     ) -> None:
+        """Record what a step did as :attr:`last_step` (a :class:`StepReport`):
+        ``started`` its ``time.perf_counter()`` at the start, ``before`` the pipeline's
+        counters then, ``stall_before`` the manager's stall seconds then, ``norm`` the
+        gradient norm (or None). Called by the step, and by the overlapped step at its
+        start and its update's end."""
         self.last_step = StepReport(
             step=self._step_count,
             skipped=skipped,
@@ -345,9 +378,12 @@ class StreamedOptimizer(SubGroupMath, torch.optim.Optimizer):
                 f"step {self._pending} failed part-way; call step() again to finish it "
                 "before zero_grad() (the sub-groups left need these gradients)"
             )
-        self._zero_grad_now(set_to_none)
+        self.zero_grad_now(set_to_none)
 
-    def _zero_grad_now(self, set_to_none: bool = True) -> None:
+    def zero_grad_now(self, set_to_none: bool = True) -> None:
+        """Clear the gradients (and the fp32 accumulators) now, without consulting an
+        overlapped update or a pending step (:meth:`zero_grad` does; the overlapped
+        update calls this once it has read them)."""
         if isinstance(self._source, LocalParams):
             super().zero_grad(set_to_none=set_to_none)
         else:
@@ -400,7 +436,7 @@ class StreamedOptimizer(SubGroupMath, torch.optim.Optimizer):
     def close(self) -> None:
         """Forget the state (its NVMe copy is deleted), remove the hooks, and close the
         manager if the optimizer made it (its files are deleted). Idempotent."""
-        if self._closed:
+        if self.counters.closed:
             return
         if self._deferred is not None:
             self._deferred.close()
@@ -410,7 +446,7 @@ class StreamedOptimizer(SubGroupMath, torch.optim.Optimizer):
         self._pipeline.close()
         if self._owns_manager:
             self.manager.close(remove=True)
-        self._closed = True
+        self.counters.closed = True
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Only while constructing: the state is laid out once.
@@ -428,10 +464,16 @@ class StreamedOptimizer(SubGroupMath, torch.optim.Optimizer):
         except ValueError as exc:  # e.g. a parameter in two groups
             raise SwapConfigError(f"param group {len(self.param_groups)}: {exc}") from None
 
-    def _check_open(self) -> None:
-        if self._closed:
+    def check_open(self) -> None:
+        """Raise unless a step may run.
+
+        Raises:
+            PipelineClosedError: the optimizer is closed.
+            StateDictError: a ``load_state_dict()`` stopped part-way.
+        """
+        if self.counters.closed:
             raise PipelineClosedError("the optimizer is closed")
-        if self._load_incomplete:
+        if self.counters.load_incomplete:
             raise StateDictError(
                 "a load_state_dict() stopped part-way: the state is partly old, partly "
                 "loaded; load a state dict again before stepping"
@@ -445,7 +487,7 @@ class StreamedOptimizer(SubGroupMath, torch.optim.Optimizer):
 
     # -- set-up ---------------------------------------------------------------------------
 
-    def _numels(self) -> list[list[int]]:
+    def numels(self) -> list[list[int]]:
         """Per group, the element count of each parameter (from the source: an offloaded
         parameter's ``.data`` is a placeholder)."""
         return [[self._source.shape(p).numel() for p in g["params"]] for g in self.param_groups]
