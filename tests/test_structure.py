@@ -23,6 +23,7 @@ improvement is written down the moment it is made.
 from __future__ import annotations
 
 import ast
+import inspect
 from collections import Counter
 
 from test_layering import ROOT, _is_type_checking, _modules, _targets, find_cycles, import_graph
@@ -256,6 +257,9 @@ SHARED_LIFECYCLE = (
     "_backward_ended",
     "_close_manager",
     "_check_wrappable",
+    "drop_grads",
+    "iter_state_dict",
+    "state_dict",
 )
 
 
@@ -269,3 +273,42 @@ def test_one_lifecycle_for_one_rank_and_n() -> None:
         for model in (OffloadedModel, ShardedModel):
             found = next(c.__dict__[name] for c in model.__mro__ if name in c.__dict__)
             assert found is shared, f"{model.__name__}.{name} is its own copy again"
+
+
+#: Method families moved out of the models into strategy objects (issue 25, third round):
+#: the lifecycle asks ``model.fetch`` (a FetchStrategy) and ``model.layout`` (a
+#: StateLayout); no model defines them any more.
+MOVED_TO_STRATEGIES = ("_acquire", "_release", "_records")
+
+
+def _declared(model: type, attribute: str, base: type) -> str:
+    return next(
+        inspect.get_annotations(c)[attribute]
+        for c in model.__mro__
+        if c is not base and attribute in inspect.get_annotations(c)
+    )
+
+
+def test_holds_and_state_go_through_the_strategies() -> None:
+    from swapper.zero.local.fetch import TierFetch
+    from swapper.zero.local.layout import WholeTensors
+    from swapper.zero.local.offload import OffloadedModel
+    from swapper.zero.model.lifecycle import ModelLifecycle
+    from swapper.zero.sharded.gathers import Gathers
+    from swapper.zero.sharded.layout import Shards
+    from swapper.zero.sharded.model import ShardedModel
+
+    pairs = ((OffloadedModel, TierFetch, WholeTensors), (ShardedModel, Gathers, Shards))
+    for model, fetch, layout in pairs:
+        for name in MOVED_TO_STRATEGIES:
+            owners = [c.__name__ for c in model.__mro__ if name in c.__dict__]
+            assert not owners, f"{model.__name__}.{name} is a template method again: {owners}"
+        assert _declared(model, "fetch", ModelLifecycle) == fetch.__name__
+        assert _declared(model, "layout", ModelLifecycle) == layout.__name__
+        for strategy, names in (
+            (fetch, ("acquire", "release")),
+            (layout, ("records", "drop_grads", "iter_state_dict", "state_dict")),
+        ):
+            for name in names:
+                assert callable(getattr(strategy, name)), (strategy.__name__, name)
+    assert {"fetch", "layout"} <= set(inspect.get_annotations(ModelLifecycle))
