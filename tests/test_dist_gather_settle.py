@@ -1,7 +1,7 @@
 """A gather's buffers are never freed while its collective may still write into them.
 
 ``ShardedModel.drain()`` (the optimizer's first write waits for the gathers started
-ahead) and the forward pre-hook's ``_acquire`` used to free a gather's buffers (give its
+ahead) and the forward pre-hook's ``Gathers.acquire`` used to free a gather's buffers (give its
 device blocks back to the budget, for the next reservation to reuse) as soon as its wait
 raised an ordinary error, although a wait that raises leaves the collective unwaited (a
 group that failed earlier raises at once; torch.distributed's async work may still be
@@ -58,7 +58,7 @@ def _frees_after_settle(rank: int, world: int, tmp: str, path: str) -> dict[str,
         if path == "drain":
             wrapped.drain()
         else:
-            wrapped._acquire(in_flight[0])
+            wrapped.fetch.acquire(in_flight[0])
     except CollectiveError as exc:
         raised = f"CollectiveError: {exc}"
     budget.release, budget.waited = real_release, real_waited  # type: ignore[method-assign]

@@ -23,6 +23,7 @@ improvement is written down the moment it is made.
 from __future__ import annotations
 
 import ast
+import inspect
 from collections import Counter
 
 from test_layering import ROOT, _is_type_checking, _modules, _targets, find_cycles, import_graph
@@ -108,60 +109,39 @@ def folder_sizes() -> dict[str, int]:
 
 # ---- the ratchets: today's figures, written out so they can only shrink -------------------
 
-#: Strongly connected components of the full import graph. Target (issue 25): none.
-ALLOWED_KNOTS: list[list[str]] = [
-    [
-        "swapper.step.deferred",
-        "swapper.step.optimizer",
-        "swapper.step.resume",
-        "swapper.step.state",
-        "swapper.step.update",
-    ],
-]
+#: Strongly connected components of the full import graph. Target (issue 25): none, met
+#: (the last, step/'s five modules, cut by the ``StepOwner`` protocol in step/view.py).
+ALLOWED_KNOTS: list[list[str]] = []
 
-#: Cross-module private reaches, per (module file, private name). Target (issue 25): <= 40
-#: in all, each one inside its own package with a reason.
-ALLOWED_REACHES: dict[tuple[str, str], int] = {
-    ("swapper/manager/snapshot.py", "_ctx"): 3,
-    ("swapper/manager/snapshot.py", "_jobs"): 1,
-    ("swapper/step/deferred.py", "_check_open"): 2,
-    ("swapper/step/deferred.py", "_frozen_groups"): 2,
-    ("swapper/step/deferred.py", "_grad_factor"): 1,
-    ("swapper/step/deferred.py", "_grad_norm"): 1,
-    ("swapper/step/deferred.py", "_param"): 1,
-    ("swapper/step/deferred.py", "_pending"): 2,
-    ("swapper/step/deferred.py", "_pipeline"): 5,
-    ("swapper/step/deferred.py", "_run_order"): 2,
-    ("swapper/step/deferred.py", "_run_pipeline"): 1,
-    ("swapper/step/deferred.py", "_step_count"): 1,
-    ("swapper/step/deferred.py", "_zero_grad_now"): 1,
-    ("swapper/step/resume.py", "_held"): 3,
-    ("swapper/step/resume.py", "_numels"): 2,
-    ("swapper/step/resume.py", "_pipeline"): 2,
-    ("swapper/step/resume.py", "_registered"): 2,
-    ("swapper/step/resume.py", "_step_count"): 1,
-    ("swapper/step/state.py", "_closed"): 1,
-    ("swapper/step/state.py", "_load_incomplete"): 2,
-    ("swapper/step/state.py", "_numels"): 2,
-    ("swapper/step/state.py", "_pending"): 2,
-    ("swapper/step/state.py", "_pipeline"): 3,
-    ("swapper/step/state.py", "_step_count"): 2,
-    ("swapper/zero/checkpoint/resume.py", "_ctx"): 1,
-    ("swapper/zero/checkpoint/shard_snapshot.py", "_ctx"): 2,
-    ("swapper/zero/model/model_buffers.py", "_buffers"): 4,
-    ("swapper/zero/model/module_apply.py", "_buffers"): 2,
-    ("tiers/nvme/core.py", "_attach"): 2,
-    ("tiers/nvme/core.py", "_complete"): 1,
-    ("tiers/nvme/core.py", "_expect"): 1,
-    ("tiers/nvme/core.py", "_issued"): 1,
-    ("tiers/nvme/core.py", "_part_done"): 1,
-    ("tiers/nvme/core.py", "_parts"): 2,
-    ("tiers/nvme/core.py", "_resolve"): 3,
-    ("tiers/nvme/store.py", "_expect"): 1,
-    ("tiers/nvme/store.py", "_part_done"): 2,
-    ("tiers/nvme/store.py", "_setup"): 1,
+#: Cross-module private reaches, per (module file, private name): (count, why it stays).
+#: Target (issue 25): <= 40 in all (met: 69 -> 12), each one inside its own package (the
+#: name defined in the same folder) or a third-party object's field (the reason says whose).
+ALLOWED_REACHES: dict[tuple[str, str], tuple[int, str]] = {
+    ("swapper/manager/snapshot.py", "_ctx"): (
+        4,
+        "the manager's checkpoint half reads the facade's context under its lock (one room)",
+    ),
+    ("swapper/manager/snapshot.py", "_jobs"): (
+        1,
+        "a snapshot flushes the mover's write-behind itself, skipping the left-out keys",
+    ),
+    ("swapper/zero/model/model_buffers.py", "_buffers"): (
+        4,
+        "torch's nn.Module._buffers (no public call replaces a buffer in place); counted "
+        "because zero/checkpoint/dcp_io.py names a field _buffers too",
+    ),
+    ("swapper/zero/model/module_apply.py", "_buffers"): (
+        2,
+        "torch's nn.Module._buffers, as Module._apply itself converts them (same collision)",
+    ),
+    ("tiers/nvme/store.py", "_setup"): (
+        1,
+        "NvmeStore.open builds its instance through the base class's set-up (its own class)",
+    ),
 }
 
+#: Reasons that name a third-party object's field (not inside a package of ours).
+THIRD_PARTY = ("torch's",)
 #: Folders allowed more than MAX_MODULES modules. Target (issue 25): none.
 ALLOWED_BIG_FOLDERS: dict[str, int] = {}
 
@@ -205,31 +185,53 @@ def test_reach_counter_tells_own_from_others() -> None:
     assert not _is_self(ast.parse("model", mode="eval").body)
 
 
-def test_import_knots_only_shrink() -> None:
+def test_no_import_knots() -> None:
     knots = find_cycles(full_import_graph())
-    allowed = [set(knot) for knot in ALLOWED_KNOTS]
-    new = [knot for knot in knots if not any(set(knot) <= room for room in allowed)]
-    assert not new, (
+    assert not ALLOWED_KNOTS, "the target is met: keep ALLOWED_KNOTS empty"
+    assert not knots, (
         "import knots (strongly connected components counting late and TYPE_CHECKING "
-        f"imports) not in ALLOWED_KNOTS; the target is none: {new}"
+        "imports): cut them with a protocol in a leaf module or by handing an object over "
+        f"(issue 25; there are none): {knots}"
     )
-    assert sorted(map(sorted, knots)) == sorted(map(sorted, ALLOWED_KNOTS)), (
-        f"the knots shrank: write ALLOWED_KNOTS = {knots!r}"
-    )
+
+
+def _definers() -> dict[str, set[str]]:
+    """Private name -> the folders whose modules define it."""
+    out: dict[str, set[str]] = {}
+    for path in _modules().values():
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for name in _defined_private_names(tree):
+            out.setdefault(name, set()).add(str(path.parent.relative_to(ROOT)))
+    return out
 
 
 def test_private_reaches_only_shrink() -> None:
     found = private_reaches()
-    grown = {key: n for key, n in found.items() if n > ALLOWED_REACHES.get(key, 0)}
+    allowed = {key: n for key, (n, _) in ALLOWED_REACHES.items()}
+    grown = {key: n for key, n in found.items() if n > allowed.get(key, 0)}
     assert not grown, (
         f"private reaches x._name into another module's state beyond ALLOWED_REACHES "
         f"(target <= {MAX_REACHES} in all): give the owner a named method or protocol: {grown}"
     )
-    stale = {key: n for key, n in ALLOWED_REACHES.items() if found.get(key, 0) < n}
+    stale = {key: n for key, n in allowed.items() if found.get(key, 0) < n}
     assert not stale, (
         "fewer private reaches than ALLOWED_REACHES allows (well done): lower these entries "
         f"to { ({key: found.get(key, 0) for key in stale}) } (0: delete the line)"
     )
+    assert sum(allowed.values()) <= MAX_REACHES
+
+
+def test_each_reach_left_has_a_reason_and_stays_in_its_package() -> None:
+    definers = _definers()
+    for (module, name), (_, reason) in ALLOWED_REACHES.items():
+        assert len(reason) > 20, f"{module} {name}: say why the reach stays"
+        if reason.startswith(THIRD_PARTY):
+            continue
+        folder = module.rsplit("/", 1)[0]
+        assert folder in definers.get(name, set()), (
+            f"{module} reads {name}, defined outside its package ({definers.get(name)}): "
+            "give the owner a door"
+        )
 
 
 def test_no_folder_over_twenty_modules() -> None:
@@ -255,6 +257,9 @@ SHARED_LIFECYCLE = (
     "_backward_ended",
     "_close_manager",
     "_check_wrappable",
+    "drop_grads",
+    "iter_state_dict",
+    "state_dict",
 )
 
 
@@ -268,3 +273,42 @@ def test_one_lifecycle_for_one_rank_and_n() -> None:
         for model in (OffloadedModel, ShardedModel):
             found = next(c.__dict__[name] for c in model.__mro__ if name in c.__dict__)
             assert found is shared, f"{model.__name__}.{name} is its own copy again"
+
+
+#: Method families moved out of the models into strategy objects (issue 25, third round):
+#: the lifecycle asks ``model.fetch`` (a FetchStrategy) and ``model.layout`` (a
+#: StateLayout); no model defines them any more.
+MOVED_TO_STRATEGIES = ("_acquire", "_release", "_records")
+
+
+def _declared(model: type, attribute: str, base: type) -> str:
+    return next(
+        inspect.get_annotations(c)[attribute]
+        for c in model.__mro__
+        if c is not base and attribute in inspect.get_annotations(c)
+    )
+
+
+def test_holds_and_state_go_through_the_strategies() -> None:
+    from swapper.zero.local.fetch import TierFetch
+    from swapper.zero.local.layout import WholeTensors
+    from swapper.zero.local.offload import OffloadedModel
+    from swapper.zero.model.lifecycle import ModelLifecycle
+    from swapper.zero.sharded.gathers import Gathers
+    from swapper.zero.sharded.layout import Shards
+    from swapper.zero.sharded.model import ShardedModel
+
+    pairs = ((OffloadedModel, TierFetch, WholeTensors), (ShardedModel, Gathers, Shards))
+    for model, fetch, layout in pairs:
+        for name in MOVED_TO_STRATEGIES:
+            owners = [c.__name__ for c in model.__mro__ if name in c.__dict__]
+            assert not owners, f"{model.__name__}.{name} is a template method again: {owners}"
+        assert _declared(model, "fetch", ModelLifecycle) == fetch.__name__
+        assert _declared(model, "layout", ModelLifecycle) == layout.__name__
+        for strategy, names in (
+            (fetch, ("acquire", "release")),
+            (layout, ("records", "drop_grads", "iter_state_dict", "state_dict")),
+        ):
+            for name in names:
+                assert callable(getattr(strategy, name)), (strategy.__name__, name)
+    assert {"fetch", "layout"} <= set(inspect.get_annotations(ModelLifecycle))

@@ -44,6 +44,7 @@ __all__ = [
     "entry_versions",
     "open_at_snapshot",
     "snapshot_manager",
+    "snapshot_store",
 ]
 
 log = logging.getLogger("swapper.manager")
@@ -68,6 +69,13 @@ class ManagerSnapshot:
     seconds: float
     dropped: tuple[str, ...]
     left_out: tuple[str, ...] = ()
+
+
+def snapshot_store(manager: TierManager) -> NvmeStore | None:
+    """The store holding ``manager``'s snapshots (to list or drop them: the training
+    snapshots' retention, whether closing must keep the files), or None without an NVMe
+    tier. Taking a snapshot goes through :func:`snapshot_manager`, never the store."""
+    return manager._ctx.store
 
 
 def entry_versions(manager: TierManager, keys: Iterable[str]) -> dict[str, int]:

@@ -42,7 +42,7 @@ States of one overlapped step (one at a time)::
 Interrupts: Ctrl-C reaches the main thread only; a wait for the update is a wait point,
 cut there nothing has been taken (a hook has not yet counted its fetch), and the update
 goes on in its thread, its bookkeeping exact (:mod:`swapper.step.pipeline`). A failed or
-cut update leaves ``optimizer._pending`` at its step, which every reader of the state
+cut update leaves ``optimizer.counters.pending`` at its step, which every reader of the state
 refuses until ``step()`` finishes it, as after a failed ordinary step.
 
 Cost and who waits: ``step()`` asks for the state of the first streamed sub-group of the
@@ -74,18 +74,16 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from swapper.manager import background_work
-from swapper.step.pipeline import StepFailedError
+from swapper.step.pipeline import StepFailedError, StepPipeline
 from swapper.step.sources import AgreedModel, GatedModel, ParamSource, SharedStep
+from swapper.step.view import StepOwner
 from tiers import signals
 from tiers.errors import SwapConfigError
-
-if TYPE_CHECKING:
-    from swapper.step.optimizer import StreamedOptimizer
 
 __all__ = ["DeferredStepError", "DeferredSteps"]
 
@@ -139,7 +137,9 @@ class DeferredSteps:
             already.
     """
 
-    def __init__(self, optimizer: StreamedOptimizer, model: object, source: ParamSource) -> None:
+    def __init__(
+        self, optimizer: StepOwner, pipeline: StepPipeline, model: object, source: ParamSource
+    ) -> None:
         self._agreed: AgreedModel | None = None
         if isinstance(source, SharedStep):
             if not isinstance(model, AgreedModel):
@@ -156,6 +156,7 @@ class DeferredSteps:
                 "plain tensors have no hooks (use overlap=False)"
             )
         self._optimizer = optimizer
+        self._pipeline = pipeline  # the optimizer's, handed over (its state's stream)
         self._model: GatedModel = model
         self._cond = threading.Condition(threading.Lock())
         self._job: _Job | None = None  # running, or failed; None once a job succeeded
@@ -165,7 +166,8 @@ class DeferredSteps:
         self._sub_groups_of: dict[int, tuple[int, ...]] = {}
         params_of: list[list[int]] = []
         for sg in optimizer.sub_groups:
-            ids = [id(optimizer._param(sg, piece.param_index)) for piece in sg.pieces]
+            params = optimizer.param_groups[sg.group_index]["params"]
+            ids = [id(params[piece.param_index]) for piece in sg.pieces]
             params_of.append(ids)
             for pid in ids:
                 self._sub_groups_of[pid] = (*self._sub_groups_of.get(pid, ()), sg.index)
@@ -228,24 +230,24 @@ class DeferredSteps:
             self._finish_failed(failed)
             return
         started = time.perf_counter()
-        counters = optimizer._pipeline.counters()
+        counters = self._pipeline.counters()
         stall_before = optimizer.manager.stats().stall_s
         order = self._order()
         # The next forward's first module waits for the first sub-group of this order:
         # its state's read starts now, beside the gradient norm below, instead of when
         # the update's thread asks for it (at 100M parameters that read was most of the
         # forward's wait at the gate). A hint: dropped when there is no room.
-        optimizer._check_open()
+        optimizer.check_open()
         self._read_first(order)
-        grad_norm, found_inf = optimizer._grad_norm()
+        grad_norm, found_inf = optimizer.grad_norm()
         norm = None if grad_norm is None else float(grad_norm)
         scaler = optimizer.loss_scaler
         if found_inf and scaler is not None:
             scaler.update(True)
-            optimizer._report(started, counters, stall_before, norm, skipped=True)
+            optimizer.report_step(started, counters, stall_before, norm, skipped=True)
             return
-        factor = optimizer._grad_factor(grad_norm)
-        optimizer._check_open()
+        factor = optimizer.grad_factor(grad_norm)
+        optimizer.check_open()
         # here, not in the update's thread: a failed pass's holds are the forward's state
         self._model.release_stale_holds()
         # Before anything changes: over ranks it waits for the gathers started ahead (a
@@ -260,12 +262,12 @@ class DeferredSteps:
         job = _Job(target, factor, groups, order, started, counters, stall_before, norm)
         # The counters move now (what reads them next sees this step taken); the state
         # follows in the thread, and every reader of the state waits for it.
-        optimizer._step_count = target
+        optimizer.counters.step = target
         for group in optimizer.param_groups:
             group["step"] = target
         if scaler is not None:
             scaler.update(False)
-        optimizer._report(started, counters, stall_before, norm, skipped=False)
+        optimizer.report_step(started, counters, stall_before, norm, skipped=False)
         with self._cond:
             self._job = job
         thread = threading.Thread(
@@ -325,7 +327,7 @@ class DeferredSteps:
         parameter or gradient (fetched whole to read or write its piece, one at a
         time)."""
         optimizer = self._optimizer
-        kept = optimizer._pipeline.kept
+        kept = self._pipeline.kept
         groups = optimizer.sub_groups
         largest_param = max(
             (
@@ -336,14 +338,14 @@ class DeferredSteps:
             default=0,
         )
         return (
-            optimizer._pipeline.kept_nbytes  # (the kept sub-groups and the int8 scales)
+            self._pipeline.kept_nbytes  # (the kept sub-groups and the int8 scales)
             + max((sg.state_nbytes for sg in groups[kept:]), default=0)
             + largest_param
         )
 
     def _read_first(self, order: tuple[int, ...]) -> None:
         """Read ahead the state of the first streamed sub-group of ``order``."""
-        pipeline = self._optimizer._pipeline
+        pipeline = self._pipeline
         if not pipeline.streams:
             return
         first = next((index for index in order if not pipeline.holds(index)), None)
@@ -384,7 +386,7 @@ class DeferredSteps:
         undone = tuple(
             sg.index
             for sg in self._optimizer.sub_groups
-            if self._optimizer._pipeline.progress[sg.index].durable < job.step
+            if self._pipeline.progress[sg.index].durable < job.step
         )
         raise DeferredStepError(
             f"the overlapped update of step {job.step} failed in the background "
@@ -400,13 +402,7 @@ class DeferredSteps:
         for; then the job's end, recorded. Raises what failed (recorded first)."""
         optimizer = self._optimizer
         try:
-            optimizer._frozen_groups = job.groups
-            optimizer._run_order = job.order
-            try:
-                optimizer._run_pipeline(job.step, job.factor)
-            finally:
-                optimizer._frozen_groups = None
-                optimizer._run_order = None
+            optimizer.run_update(job.step, job.factor, groups=job.groups, order=job.order)
             while True:
                 with self._cond:  # checked and ended in one go: no zero_grad() missed
                     if not job.zero_grad:
@@ -415,7 +411,7 @@ class DeferredSteps:
                         break
                     job.zero_grad = False
                 try:
-                    optimizer._zero_grad_now()
+                    optimizer.zero_grad_now()
                 except BaseException:
                     job.zero_grad = True  # asked for still: done after the retry
                     raise
@@ -452,7 +448,7 @@ class DeferredSteps:
         self._complete(job)
 
     def _report(self, job: _Job) -> None:
-        self._optimizer._report(
+        self._optimizer.report_step(
             job.started, job.counters, job.stall_before, job.grad_norm, skipped=False
         )
 
@@ -461,9 +457,9 @@ class DeferredSteps:
         optimizer = self._optimizer
         job.ended, job.error = True, error
         if error is None:
-            optimizer._pending = None
+            optimizer.counters.pending = None
             self._job = None
         else:
-            optimizer._pending = job.step
+            optimizer.counters.pending = job.step
         self._worker = None
         self._cond.notify_all()

@@ -52,7 +52,7 @@ from swapper.step.state import (
     saved_state,
 )
 from swapper.step.update import SubGroupMath
-from swapper.step.view import OptimizerState
+from swapper.step.view import OptimizerState, StepCounters
 from tiers import signals
 from tiers.errors import SwapConfigError, SwapError
 
@@ -159,18 +159,17 @@ class StreamedOptimizer(SubGroupMath, torch.optim.Optimizer):
             group.setdefault("step", 0)
         #: the update of a sub-group, and the state it declares
         self.rule = rule if rule is not None else self._make_rule()
-        plan = self.rule.plan(self._numels(), sub_group_numel, config.moments or "fp32")
+        plan = self.rule.plan(self.numels(), sub_group_numel, config.moments or "fp32")
         self.sub_group_numel = sub_group_numel
         self.max_grad_norm = config.max_grad_norm
         self.loss_scaler = loss_scaler
         self.last_step: StepReport | None = None
-        self._step_count = 0
-        self._pending: int | None = None  # a step that failed part-way
+        #: steps taken, a step that failed part-way, a load part-way, closed: shared with
+        #: the step modules (deferred, state, resume) and the stored state's view
+        self.counters = StepCounters()
         self._grad32: dict[torch.device, torch.Tensor] = {}
         self._flat = FlatGrads()  # the gradients converted once (a resident step)
         self._absent = {}
-        self._closed = False
-        self._load_incomplete = False  # a load_state_dict stopped part-way
         self._accumulators: list[torch.Tensor] = []
         self._hooks: list[Any] = []
         # overlap (swapper.step.deferred): the running update's hyper-parameters and order
@@ -205,7 +204,7 @@ class StreamedOptimizer(SubGroupMath, torch.optim.Optimizer):
             else:  # the state is in the manager already (swapper.offload(resume=...))
                 adopt(self, pipeline, resumed)
             if config.overlap:
-                self._deferred = DeferredSteps(self, tiers, self._source)
+                self._deferred = DeferredSteps(self, pipeline, tiers, self._source)
         except BaseException:
             for hook in self._hooks:
                 hook.remove()
@@ -224,12 +223,41 @@ class StreamedOptimizer(SubGroupMath, torch.optim.Optimizer):
     def stored_state(self) -> OptimizerState:
         """The door to the stored state, for checkpoints, exports and digests
         (:class:`~swapper.step.view.OptimizerState`)."""
-        return OptimizerState(self, self._pipeline)
+        return OptimizerState(self, self._pipeline, self.counters, self._source, self._deferred)
 
     @property
     def step_count(self) -> int:
         """Steps taken (skipped ones not counted)."""
-        return self._step_count
+        return self.counters.step
+
+    # The counters under the names the subclasses use (OffloadOptimizer, the bench's).
+    @property
+    def _step_count(self) -> int:
+        return self.counters.step
+
+    @_step_count.setter
+    def _step_count(self, value: int) -> None:
+        self.counters.step = value
+
+    @property
+    def _pending(self) -> int | None:
+        return self.counters.pending
+
+    @_pending.setter
+    def _pending(self, value: int | None) -> None:
+        self.counters.pending = value
+
+    @property
+    def _load_incomplete(self) -> bool:
+        return self.counters.load_incomplete
+
+    @_load_incomplete.setter
+    def _load_incomplete(self, value: bool) -> None:
+        self.counters.load_incomplete = value
+
+    @property
+    def _closed(self) -> bool:
+        return self.counters.closed
 
     @property
     def overlap_waited_s(self) -> float:
@@ -288,13 +316,13 @@ class StreamedOptimizer(SubGroupMath, torch.optim.Optimizer):
             ) as resident,
             self._flat_grads(resident),
         ):
-            grad_norm, found_inf = self._grad_norm()
+            grad_norm, found_inf = self.grad_norm()
             skipped = found_inf and self.loss_scaler is not None and self._pending is None
             if skipped and self.loss_scaler is not None:
                 self.loss_scaler.update(True)
             else:
-                factor = self._grad_factor(grad_norm)
-                self._check_open()
+                factor = self.grad_factor(grad_norm)
+                self.check_open()
                 self._pending = target
                 self._run_agreed(target, factor)
                 self._pending = None
@@ -304,7 +332,7 @@ class StreamedOptimizer(SubGroupMath, torch.optim.Optimizer):
                 if self.loss_scaler is not None:
                     self.loss_scaler.update(False)
         norm = None if grad_norm is None else float(grad_norm)
-        self._report(started, before, stall_before, norm, skipped=skipped)
+        self.report_step(started, before, stall_before, norm, skipped=skipped)
         self.manager.check_write_budget()  # issue 29: warns once, or (strict) raises
 
     @contextlib.contextmanager
@@ -321,9 +349,14 @@ class StreamedOptimizer(SubGroupMath, torch.optim.Optimizer):
         finally:
             self._flat.clear()
 
-    def _report(
+    def report_step(
         self, started: float, before: Any, stall_before: float, norm: float | None, *, skipped: bool
     ) -> None:
+        """Record what a step did as :attr:`last_step` (a :class:`StepReport`):
+        ``started`` its ``time.perf_counter()`` at the start, ``before`` the pipeline's
+        counters then, ``stall_before`` the manager's stall seconds then, ``norm`` the
+        gradient norm (or None). Called by the step, and by the overlapped step at its
+        start and its update's end."""
         self.last_step = StepReport(
             step=self._step_count,
             skipped=skipped,
@@ -348,9 +381,12 @@ class StreamedOptimizer(SubGroupMath, torch.optim.Optimizer):
                 f"step {self._pending} failed part-way; call step() again to finish it "
                 "before zero_grad() (the sub-groups left need these gradients)"
             )
-        self._zero_grad_now(set_to_none)
+        self.zero_grad_now(set_to_none)
 
-    def _zero_grad_now(self, set_to_none: bool = True) -> None:
+    def zero_grad_now(self, set_to_none: bool = True) -> None:
+        """Clear the gradients (and the fp32 accumulators) now, without consulting an
+        overlapped update or a pending step (:meth:`zero_grad` does; the overlapped
+        update calls this once it has read them)."""
         if isinstance(self._source, LocalParams):
             super().zero_grad(set_to_none=set_to_none)
         else:
@@ -403,7 +439,7 @@ class StreamedOptimizer(SubGroupMath, torch.optim.Optimizer):
     def close(self) -> None:
         """Forget the state (its NVMe copy is deleted), remove the hooks, and close the
         manager if the optimizer made it (its files are deleted). Idempotent."""
-        if self._closed:
+        if self.counters.closed:
             return
         if self._deferred is not None:
             self._deferred.close()
@@ -413,7 +449,7 @@ class StreamedOptimizer(SubGroupMath, torch.optim.Optimizer):
         self._pipeline.close()
         if self._owns_manager:
             self.manager.close(remove=True)
-        self._closed = True
+        self.counters.closed = True
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a param group, as on ``torch.optim``: its missing hyper-parameters are the
@@ -448,7 +484,7 @@ class StreamedOptimizer(SubGroupMath, torch.optim.Optimizer):
             group["step"] = self._step_count
             self.rule = self._grown_rule(rule)
             moments = self.config.moments or "fp32"
-            plan = self.rule.plan(self._numels(), self.sub_group_numel, moments)
+            plan = self.rule.plan(self.numels(), self.sub_group_numel, moments)
             old = self.sub_groups
             if tuple(plan[: len(old)]) != old:  # pragma: no cover - the plans go group by group
                 raise SwapConfigError("the new param group would move the others' state")
@@ -470,7 +506,7 @@ class StreamedOptimizer(SubGroupMath, torch.optim.Optimizer):
     def _check_growable(self) -> None:
         """Refuse :meth:`add_param_group` after construction where it cannot work."""
         name = type(self).__name__
-        self._check_open()
+        self.check_open()
         self.wait_pending()
         if self._pending is not None:
             raise StepPendingError(
@@ -497,10 +533,16 @@ class StreamedOptimizer(SubGroupMath, torch.optim.Optimizer):
         ``rule`` itself unless a subclass's rule depends on the groups."""
         return rule
 
-    def _check_open(self) -> None:
-        if self._closed:
+    def check_open(self) -> None:
+        """Raise unless a step may run.
+
+        Raises:
+            PipelineClosedError: the optimizer is closed.
+            StateDictError: a ``load_state_dict()`` stopped part-way.
+        """
+        if self.counters.closed:
             raise PipelineClosedError("the optimizer is closed")
-        if self._load_incomplete:
+        if self.counters.load_incomplete:
             raise StateDictError(
                 "a load_state_dict() stopped part-way: the state is partly old, partly "
                 "loaded; load a state dict again before stepping"
@@ -514,7 +556,7 @@ class StreamedOptimizer(SubGroupMath, torch.optim.Optimizer):
 
     # -- set-up ---------------------------------------------------------------------------
 
-    def _numels(self) -> list[list[int]]:
+    def numels(self) -> list[list[int]]:
         """Per group, the element count of each parameter (from the source: an offloaded
         parameter's ``.data`` is a placeholder)."""
         return [[self._source.shape(p).numel() for p in g["params"]] for g in self.param_groups]

@@ -263,6 +263,39 @@ class StepPipeline:
                 self._unregister(gone)
                 raise
 
+    def take_registered(self) -> None:
+        """Take over the state tensors the manager holds under this pipeline's keys already
+        (a resume, :func:`swapper.step.resume.adopt`): :meth:`close` unregisters them from
+        now on. Then :meth:`hold_registered`, or :meth:`disown` to give them back."""
+        self._registered = len(self.sub_groups)
+
+    def hold_registered(self) -> None:
+        """After :meth:`take_registered`: the int8 block scales (if any) marked registered
+        and held, and the kept sub-groups fetched and kept, each recorded as it is taken
+        (signals held to wait points: :meth:`disown` finds what was taken).
+
+        Raises:
+            what :meth:`TierManager.fetch` raises.
+        """
+        with signals.at_waits:
+            self.scales.registered = self.scales.numel > 0
+            self.scales.hold()
+            for sg in self.sub_groups[: self.kept]:
+                self._held[sg.index] = self.manager.fetch(self.key(sg.index))
+
+    def disown(self) -> None:
+        """Undo :meth:`take_registered` and :meth:`hold_registered` (wholly or in part):
+        the kept sub-groups and the scales released unmodified, the state tensors
+        forgotten without being unregistered (they stay in the manager for the next
+        optimizer to take over)."""
+        with signals.at_waits:  # each undo and its record go together
+            for index in list(self._held):
+                self.manager.release(self.key(index), modified=False)
+                del self._held[index]
+            self.scales.release(modified=False)
+            self._registered = 0
+            self.scales.registered = False
+
     def _write_initial(
         self,
         sub_groups: Sequence[SubGroup],

@@ -36,7 +36,7 @@ from tiers import signals
 from tiers.errors import SwapConfigError
 
 if TYPE_CHECKING:
-    from swapper.step.optimizer import StreamedOptimizer
+    from swapper.step.view import StepOwner
 
 __all__ = [
     "SCALES_APART",
@@ -112,7 +112,7 @@ def _decode_value(raw: object, where: str) -> Any:
     raise StateDictError(f"{where}: {raw!r} is not a recorded param group setting")
 
 
-def optimizer_meta(optimizer: StreamedOptimizer) -> dict[str, Any]:
+def optimizer_meta(optimizer: StepOwner) -> dict[str, Any]:
     """What a snapshot records of ``optimizer`` besides its state tensors (JSON-able).
 
     Raises:
@@ -120,13 +120,14 @@ def optimizer_meta(optimizer: StreamedOptimizer) -> dict[str, Any]:
             (named).
     """
     scaler = optimizer.loss_scaler
+    stored = optimizer.stored_state
     return {
-        "name": optimizer._pipeline.name,
+        "name": stored.name,
         "step": optimizer.step_count,
         "sub_group_numel": optimizer.sub_group_numel,
-        "numels": optimizer._numels(),
+        "numels": optimizer.numels(),
         # how the state tensors are stored: a resume takes them as they are
-        "moments": optimizer._pipeline.codec.moments,
+        "moments": stored.codec.moments,
         # where the int8 block scales are (records without it: in each state tensor)
         "scales": SCALES_APART,
         "groups": [
@@ -140,7 +141,7 @@ def optimizer_meta(optimizer: StreamedOptimizer) -> dict[str, Any]:
     }
 
 
-def adopt(optimizer: StreamedOptimizer, pipeline: StepPipeline, resumed: ResumedState) -> None:
+def adopt(optimizer: StepOwner, pipeline: StepPipeline, resumed: ResumedState) -> None:
     """Make ``optimizer`` take over the state tensors its manager holds under
     ``pipeline``'s keys and the counters ``resumed`` recorded.
 
@@ -167,7 +168,7 @@ def adopt(optimizer: StreamedOptimizer, pipeline: StepPipeline, resumed: Resumed
             "snapshots with the optimizer"
         )
     try:
-        check_same_layout(meta, optimizer._numels(), optimizer.sub_group_numel)
+        check_same_layout(meta, optimizer.numels(), optimizer.sub_group_numel)
     except StateDictError as exc:
         raise StateDictError(f"{where}: {exc}") from None
     if meta.get("name") != pipeline.name:
@@ -239,7 +240,7 @@ def adopt(optimizer: StreamedOptimizer, pipeline: StepPipeline, resumed: Resumed
             "int8, block scales apart",
         )
     with signals.at_waits:  # each fetch and its record go together
-        pipeline._registered = len(pipeline.sub_groups)
+        pipeline.take_registered()
         if inband:
             try:
                 _convert_inband(pipeline)
@@ -254,15 +255,12 @@ def adopt(optimizer: StreamedOptimizer, pipeline: StepPipeline, resumed: Resumed
             # The manager holds the current layout now: an optimizer made after this one
             # failed (holding the scales, fetching a kept sub-group) adopts it as such.
             meta["scales"] = SCALES_APART
-        pipeline.scales.registered = pipeline.scales.numel > 0
-        pipeline.scales.hold()
-        for sg in pipeline.sub_groups[: pipeline.kept]:
-            pipeline._held[sg.index] = manager.fetch(pipeline.key(sg.index))
+        pipeline.hold_registered()
     for progress in pipeline.progress:
         progress.applied = progress.published = progress.durable = step
     for group, saved in zip(optimizer.param_groups, groups, strict=True):
         group.update(saved)
-    optimizer._step_count = step
+    optimizer.counters.step = step
     restore_rule()
     if optimizer.loss_scaler is not None and scaler is not None:
         optimizer.loss_scaler.load_state_dict(scaler)
@@ -333,14 +331,7 @@ def unadopt(pipeline: StepPipeline, resumed: ResumedState) -> None:
     state tensors without deleting them, so the next optimizer adopts them as they are
     (closing the pipeline would delete them, and a resume marked taken would make the
     next optimizer start afresh)."""
-    manager = pipeline.manager
-    with signals.at_waits:  # each undo and its record go together
-        for index in list(pipeline._held):
-            manager.release(pipeline.key(index), modified=False)
-            del pipeline._held[index]
-        pipeline.scales.release(modified=False)
-        pipeline._registered = 0
-        pipeline.scales.registered = False
+    pipeline.disown()
     resumed.taken = False
 
 

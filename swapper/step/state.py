@@ -19,7 +19,7 @@ from swapper.step.scaler import DynamicLossScaler
 from tiers.errors import SwapConfigError, SwapError
 
 if TYPE_CHECKING:
-    from swapper.step.optimizer import StreamedOptimizer
+    from swapper.step.view import StepOwner
 
 __all__ = [
     "STATE_FORMAT",
@@ -52,13 +52,13 @@ class SubGroupStates(Mapping[int, dict[str, torch.Tensor]]):
     """The ``"state"`` of :meth:`OffloadAdamW.state_dict`: sub-group index → its state,
     read from the tiers on each lookup (a copy; the caller may keep or drop it)."""
 
-    def __init__(self, optimizer: StreamedOptimizer) -> None:
+    def __init__(self, optimizer: StepOwner) -> None:
         self._optimizer = optimizer
         self._step = optimizer.step_count
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         optimizer = self._optimizer
-        if optimizer.step_count != self._step or optimizer._pending is not None:
+        if optimizer.step_count != self._step or optimizer.counters.pending is not None:
             raise StateDictError(
                 f"this state dict was taken at step {self._step}; the optimizer has moved "
                 f"on (step {optimizer.step_count}): take a new one"
@@ -66,7 +66,7 @@ class SubGroupStates(Mapping[int, dict[str, torch.Tensor]]):
         if not isinstance(index, int) or not 0 <= index < len(optimizer.sub_groups):
             raise KeyError(index)
         sg = optimizer.sub_groups[index]
-        state = optimizer._pipeline.read(index)
+        state = optimizer.stored_state.read(index)
         return {row: state[i, : sg.numel] for i, row in enumerate(row_names(optimizer))}
 
     def __iter__(self) -> Iterator[int]:
@@ -148,7 +148,7 @@ def state_tensor(entry: Any, row: str, sg: SubGroup) -> torch.Tensor:
     return tensor.reshape(-1)
 
 
-def row_names(optimizer: StreamedOptimizer) -> list[str]:
+def row_names(optimizer: StepOwner) -> list[str]:
     """The names of the element-wise rows ``optimizer``'s update rule declares (the
     sub-group format holds those; AdamW: :data:`~swapper.step.layout.STATE_ROWS`)."""
     return [row.name for row in optimizer.rule.state_rows() if row.per == "element"]
@@ -184,7 +184,7 @@ def load_groups(param_groups: list[dict[str, Any]], saved: Sequence[Mapping[str,
                 group[key] = value
 
 
-def saved_state(optimizer: StreamedOptimizer) -> dict[str, Any]:
+def saved_state(optimizer: StepOwner) -> dict[str, Any]:
     """What :meth:`OffloadAdamW.state_dict` returns (its docstring says what it holds)."""
     scaler = optimizer.loss_scaler
     return {
@@ -192,23 +192,23 @@ def saved_state(optimizer: StreamedOptimizer) -> dict[str, Any]:
         "param_groups": saved_groups(optimizer.param_groups),
         "swapper": {
             "format": STATE_FORMAT,
-            "step": optimizer._step_count,
+            "step": optimizer.step_count,
             "sub_group_numel": optimizer.sub_group_numel,
-            "numels": optimizer._numels(),
+            "numels": optimizer.numels(),
             "loss_scaler": None if scaler is None else scaler.state_dict(),
             # what the tensors were decoded from (informative: they are fp32 whatever it
             # is, and load into an optimizer of any moments)
-            "moments": optimizer._pipeline.codec.moments,
+            "moments": optimizer.stored_state.codec.moments,
         },
     }
 
 
-def load_state(optimizer: StreamedOptimizer, state_dict: Mapping[str, Any]) -> None:
+def load_state(optimizer: StepOwner, state_dict: Mapping[str, Any]) -> None:
     """:meth:`OffloadAdamW.load_state_dict`: everything but the tensors checked before
     anything is written, then one sub-group at a time (its docstring says what is raised).
     """
     meta = state_meta(state_dict)
-    check_same_layout(meta, optimizer._numels(), optimizer.sub_group_numel)
+    check_same_layout(meta, optimizer.numels(), optimizer.sub_group_numel)
     step = meta.get("step")
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise StateDictError(f"state dict: step={step!r} must be an int >= 0")
@@ -232,10 +232,12 @@ def load_state(optimizer: StreamedOptimizer, state_dict: Mapping[str, Any]) -> N
     states = state_dict["state"]
     if not isinstance(states, Mapping):
         raise StateDictError("state dict: 'state' must map sub-group index to tensors")
-    if optimizer._closed:  # (a load left incomplete is what a new load repairs)
+    counters = optimizer.counters
+    if counters.closed:  # (a load left incomplete is what a new load repairs)
         raise PipelineClosedError("the optimizer is closed")
     # From the first write until the last, the state is part old, part new.
-    optimizer._load_incomplete = True
+    counters.load_incomplete = True
+    stored = optimizer.stored_state
     for sg in optimizer.sub_groups:
         try:
             entry = states[sg.index]
@@ -248,11 +250,11 @@ def load_state(optimizer: StreamedOptimizer, state_dict: Mapping[str, Any]) -> N
             for row, tensor in enumerate(tensors):
                 state[row, : tensor.numel()].copy_(tensor)
 
-        optimizer._pipeline.write(sg.index, fill, step)
+        stored.write(sg.index, fill, step)
         del entry, tensors
     load_groups(optimizer.param_groups, groups)
-    optimizer._step_count = step
-    optimizer._pending = None
+    counters.step = step
+    counters.pending = None
     if optimizer.loss_scaler is not None and scaler is not None:
         optimizer.loss_scaler.load_state_dict(scaler)
-    optimizer._load_incomplete = False
+    counters.load_incomplete = False

@@ -59,7 +59,7 @@ class SubGroupMath:
     def _param(self, sg: SubGroup, param_index: int) -> torch.Tensor:
         return self.param_groups[sg.group_index]["params"][param_index]
 
-    def _grad_norm(self) -> tuple[torch.Tensor | None, bool]:
+    def grad_norm(self) -> tuple[torch.Tensor | None, bool]:
         """(unscaled global L2 norm as a 0-dim fp32 tensor, found inf/NaN), when clipping
         or scaling needs it; computed as ``clip_grad_norm_`` does (see
         :mod:`swapper.step.clip`)."""
@@ -87,7 +87,7 @@ class SubGroupMath:
             total = total / self.loss_scaler.loss_scale
         return total, False
 
-    def _grad_factor(self, grad_norm: torch.Tensor | None) -> float:
+    def grad_factor(self, grad_norm: torch.Tensor | None) -> float:
         """What the fp32 gradients are multiplied by: 1/scale, times the clip coefficient
         (computed in fp32 as ``clip_grad_norm_`` does; the returned float is that fp32
         value exactly, so multiplying an fp32 tensor by it rounds as torch does)."""
@@ -134,6 +134,31 @@ class SubGroupMath:
             self._run_pipeline(target, factor)
         finally:
             torch.set_num_threads(threads)
+
+    def run_update(
+        self,
+        step: int,
+        factor: float,
+        *,
+        groups: list[dict[str, Any]] | None = None,
+        order: tuple[int, ...] | None = None,
+    ) -> None:
+        """Every sub-group's update of step ``step`` (the overlapped step's, in its
+        thread): with ``groups``' hyper-parameters (as they were at ``step()``; default:
+        the live param groups) in ``order`` (sub-group indices; default: by index), the
+        fp32 gradients multiplied by ``factor``.
+
+        Raises:
+            StepFailedError: an I/O error or timeout stopped it part-way (the sub-groups
+                done stay done).
+        """
+        self._frozen_groups = groups
+        self._run_order = order
+        try:
+            self._run_pipeline(step, factor)
+        finally:
+            self._frozen_groups = None
+            self._run_order = None
 
     def _run_pipeline(self, target: int, factor: float) -> None:
         """Every sub-group through the pipeline; a subclass may fetch more per sub-group

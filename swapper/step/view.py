@@ -1,6 +1,10 @@
-"""The optimizer's door: :class:`OptimizerState`, what checkpoints, exports, digests, the
+"""The optimizer's doors: :class:`OptimizerState`, what checkpoints, exports, digests, the
 DeepSpeed reader and the pressure tools read and write of a streamed optimizer's state,
-instead of reaching into ``optimizer._pipeline`` and its counters.
+instead of reaching into ``optimizer._pipeline`` and its counters; :class:`StepCounters`,
+the counters the optimizer shares with its step modules; :class:`StepOwner`, what those
+modules (the overlapped step :mod:`~swapper.step.deferred`, the state dict
+:mod:`~swapper.step.state`, the resume :mod:`~swapper.step.resume`) need of the optimizer
+that owns them.
 
 Order of use (a reader): ``optimizer.wait_pending()``, then a check that no step and no
 load is part-way (:attr:`OptimizerState.pending`, :attr:`~OptimizerState.load_incomplete`),
@@ -15,10 +19,16 @@ What is stored is what the update rule declares (:mod:`swapper.step.rules.base`)
 :attr:`~OptimizerState.rows` names the element-wise rows of a decoded state (row 0 the
 fp32 master weights); a rule with per-parameter state (Adafactor's factored moments) has
 :attr:`~OptimizerState.parameter_rows` too, which the flat-row readers refuse by name.
+
+Why a protocol (:class:`StepOwner`) and not the optimizer's class: the optimizer imports
+the step modules, so a step module that named ``StreamedOptimizer`` (even under
+``TYPE_CHECKING``) closed an import knot, and read its private fields. This module imports
+none of them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, Protocol
@@ -29,13 +39,34 @@ from swapper.manager import TierManager
 from swapper.step.compress import MomentCodec
 from swapper.step.layout import SubGroup
 from swapper.step.rules.base import UpdateRule
+from swapper.step.scaler import DynamicLossScaler
 from tiers.errors import SwapConfigError
 
 if TYPE_CHECKING:
     from swapper.step.pipeline import StepPipeline
     from swapper.step.sources import ParamSource
 
-__all__ = ["OptimizerState", "Streamed"]
+__all__ = ["OptimizerState", "StepCounters", "StepOwner", "Streamed"]
+
+
+@dataclasses.dataclass
+class StepCounters:
+    """The counters of one streamed optimizer, one object shared by the optimizer, its
+    overlapped steps, its state-dict load, its resume and :class:`OptimizerState`
+    (``optimizer.counters``).
+
+    Attributes:
+        step: steps taken (skipped ones not counted).
+        pending: the step that failed part-way (``step()`` again finishes it), or None.
+        load_incomplete: a load stopped part-way (the state is part old, part new);
+            ``step()`` refuses until a load succeeds.
+        closed: the optimizer is closed.
+    """
+
+    step: int = 0
+    pending: int | None = None
+    load_incomplete: bool = False
+    closed: bool = False
 
 
 class _Forgets(Protocol):
@@ -43,31 +74,105 @@ class _Forgets(Protocol):
 
 
 class Streamed(Protocol):
-    """What the view reads of its optimizer (``StreamedOptimizer``; a protocol, so that
-    this module does not import the optimizer that makes it)."""
+    """What the view reads of its optimizer itself (``StreamedOptimizer``; a protocol,
+    so that this module does not import the optimizer that makes it)."""
 
     rule: UpdateRule
     param_groups: list[dict[str, Any]]
-    _source: ParamSource
-    _closed: bool
-    _pending: int | None
-    _load_incomplete: bool
-    _step_count: int
-
-    @property
-    def _deferred(self) -> _Forgets | None: ...  # (DeferredSteps)
 
     @property
     def step_count(self) -> int: ...
+
+
+class StepOwner(Protocol):
+    """What the optimizer's step modules need of the optimizer that owns them
+    (``StreamedOptimizer`` has it): its settings, its counters, its door to the stored
+    state, and the parts of a step the overlapped step runs in its own order.
+
+    Order of calls in an overlapped step (:mod:`swapper.step.deferred`):
+    :meth:`check_open`, :meth:`grad_norm`, :meth:`grad_factor`, :meth:`check_open`, the
+    counters moved (``counters.step``), :meth:`report_step`; then, in the update's thread,
+    :meth:`run_update`, :meth:`zero_grad_now` if asked, :meth:`report_step`, and
+    ``counters.pending`` set (failed) or cleared (done).
+    """
+
+    param_groups: list[dict[str, Any]]
+    rule: UpdateRule
+    loss_scaler: DynamicLossScaler | None
+    sub_group_numel: int
+    manager: TierManager
+    counters: StepCounters
+
+    @property
+    def sub_groups(self) -> tuple[SubGroup, ...]: ...
+
+    @property
+    def step_count(self) -> int: ...
+
+    @property
+    def stored_state(self) -> OptimizerState: ...
+
+    def numels(self) -> list[list[int]]:
+        """Per group, the element count of each parameter."""
+        ...
+
+    def check_group(self, group: dict[str, Any]) -> None:
+        """Check a param group's hyper-parameters (raises SwapConfigError, KeyError)."""
+        ...
+
+    def check_open(self) -> None:
+        """Raise unless a step may run (closed: PipelineClosedError; a load part-way:
+        StateDictError)."""
+        ...
+
+    def grad_norm(self) -> tuple[torch.Tensor | None, bool]:
+        """(unscaled global gradient norm or None, found inf/NaN)."""
+        ...
+
+    def grad_factor(self, grad_norm: torch.Tensor | None) -> float:
+        """What the fp32 gradients are multiplied by (unscale, clip)."""
+        ...
+
+    def report_step(
+        self, started: float, before: Any, stall_before: float, norm: float | None, *, skipped: bool
+    ) -> None:
+        """Record the report of a step (``optimizer.last_step``)."""
+        ...
+
+    def run_update(
+        self,
+        step: int,
+        factor: float,
+        *,
+        groups: list[dict[str, Any]] | None = None,
+        order: tuple[int, ...] | None = None,
+    ) -> None:
+        """Every sub-group's update through the pipeline, with ``groups``'
+        hyper-parameters (default: the live ones) in ``order`` (default: by index)."""
+        ...
+
+    def zero_grad_now(self, set_to_none: bool = True) -> None:
+        """Drop the gradients now (no overlapped update consulted)."""
+        ...
 
 
 class OptimizerState:
     """A view of one streamed optimizer's stored state (module docstring). Made by
     :attr:`~swapper.step.optimizer.StreamedOptimizer.stored_state`; holds nothing itself."""
 
-    def __init__(self, optimizer: Streamed, pipeline: StepPipeline) -> None:
+    def __init__(
+        self,
+        optimizer: Streamed,
+        pipeline: StepPipeline,
+        counters: StepCounters,
+        source: ParamSource,
+        deferred: _Forgets | None,
+    ) -> None:
         self._optimizer = optimizer
         self._pipeline = pipeline
+        self._counters = counters
+        self._source = source
+        self._deferred = deferred
 
     # -- what is stored --------------------------------------------------------------------
 
@@ -120,12 +225,17 @@ class OptimizerState:
     @property
     def source(self) -> ParamSource:
         """Where the 16-bit parameters live (local tensors, an offloaded model)."""
-        return self._optimizer._source  # (the door: one reach, here)
+        return self._source
 
     @property
     def scales_nbytes(self) -> int:
         """Bytes of the int8 block scales held in memory apart from the sub-groups."""
         return self._pipeline.scales.nbytes
+
+    @property
+    def name(self) -> str:
+        """The state's name (``StepConfig.name``: the prefix of its manager keys)."""
+        return self._pipeline.name
 
     def key(self, index: int) -> str:
         """The manager key of sub-group ``index``'s state."""
@@ -168,7 +278,7 @@ class OptimizerState:
     @property
     def closed(self) -> bool:
         """Whether the optimizer is closed."""
-        return self._optimizer._closed  # (the door: one reach, here)
+        return self._counters.closed
 
     @property
     def step_count(self) -> int:
@@ -178,31 +288,30 @@ class OptimizerState:
     @property
     def pending(self) -> int | None:
         """The step that failed part-way (``step()`` again finishes it), or None."""
-        return self._optimizer._pending  # (the door: one reach, here)
+        return self._counters.pending
 
     @property
     def load_incomplete(self) -> bool:
         """Whether a load stopped part-way (the state is part old, part new)."""
-        return self._optimizer._load_incomplete  # (the door: one reach, here)
+        return self._counters.load_incomplete
 
     def forget_failed(self) -> None:
         """Forget a failed overlapped update (a load replaces what it would finish)."""
-        deferred = self._optimizer._deferred  # (the door: one reach, here)
-        if deferred is not None:
-            deferred.forget_failed()
+        if self._deferred is not None:
+            self._deferred.forget_failed()
 
     def begin_load(self) -> None:
         """Mark a load under way: from the first write on, ``step()`` refuses until
         :meth:`end_load`; a failed overlapped update is forgotten (the load replaces it)."""
         self.forget_failed()
-        self._optimizer._load_incomplete = True  # (the door: one reach, here)
+        self._counters.load_incomplete = True
 
     def end_load(self, step: int) -> None:
         """The load finished: the optimizer is at ``step``, nothing pending."""
-        optimizer = self._optimizer
-        optimizer._step_count = step  # (the door: one reach, here)
-        optimizer._pending = None  # (the door: one reach, here)
-        optimizer._load_incomplete = False  # (the door: one reach, here)
+        counters = self._counters
+        counters.step = step
+        counters.pending = None
+        counters.load_incomplete = False
 
     def describe(self) -> dict[str, Any]:
         """A summary for logs and tests: rule, rows, sub-groups, moments."""

@@ -214,8 +214,8 @@ class StoreCore:
     ) -> None:
         """Hand every extent's piece of ``data`` (a flat uint8 view) to the engine at once;
         with ``verify`` a read's piece is done only once its digest matches."""
-        if future._parts == 0:
-            future._complete()  # nothing to transfer: settle now (outside the lock)
+        if future.parts == 0:
+            future.complete()  # nothing to transfer: settle now (outside the lock)
             return
         if future.op is Op.WRITE:
             # A write needs no per-extent check, so extents that lie back to back in one
@@ -224,7 +224,7 @@ class StoreCore:
             # chunk size.
             for dir_index, offset, start, nbytes in write_runs(extents):
                 piece = data[start : start + nbytes]
-                future._attach(self._engine.pwrite(piece, self._data[dir_index], offset), None)
+                future.attach(self._engine.pwrite(piece, self._data[dir_index], offset), None)
             return
         submit = self._engine.pread
         start = 0
@@ -235,15 +235,15 @@ class StoreCore:
             if verify and e.checksum is not None:
                 path = str(self._files.data(e.dir_index))
                 check = ReadCheck(future, e, piece, path, self._hasher.submit)
-            future._attach(io, check)
+            future.attach(io, check)
             start += e.nbytes
 
     def _abort(self, future: StoreFuture, error: BaseException) -> NoReturn:
         """Issuing failed part-way: settle the parts never issued, wait for those that
         were (the kernel may still be using the buffer and the extents), then raise the
         error with the key named. The future's finish step has undone the request."""
-        for _ in range(future._parts - future._issued):
-            future._part_done(error)
+        for _ in range(future.parts - future.issued):
+            future.part_done(error)
         raised = future.exception()  # waits for the pieces in flight
         raise raised if raised is not None else error
 
@@ -286,7 +286,7 @@ class StoreCore:
                 self._op_done()
                 self._committer.nudge()  # a group may be waiting for this write to join
         if outcome is Outcome.FAILED:
-            future._resolve(error)
+            future.resolve(error)
 
     def _metadata_counts(self) -> tuple[int, int, int]:
         """(journal, manifest, snapshot files) bytes this process wrote to this store's
@@ -321,7 +321,7 @@ class StoreCore:
             )
             named.__cause__ = error
             error = named
-        future._resolve(error)
+        future.resolve(error)
         with self._lock:
             self._op_done()
 
@@ -350,7 +350,7 @@ class StoreCore:
             future.nbytes = stored.nbytes
             self._table.pin(version)
             self._ops += 1
-            future._expect(
+            future.expect(
                 len(stored.extents), lambda error: self._finish_read(version, future, error)
             )
         try:
@@ -363,7 +363,7 @@ class StoreCore:
         with self._lock:
             self._table.unpin(version)
             self._op_done()
-        future._resolve(error)
+        future.resolve(error)
 
 
 def write_runs(extents: tuple[Extent, ...]) -> list[tuple[int, int, int, int]]:

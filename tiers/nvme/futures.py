@@ -101,49 +101,65 @@ class StoreFuture(concurrent.futures.Future):
             nbytes=nbytes,
         )
 
-    # The store drives these; they are not for callers.
+    # The producer side (as concurrent.futures' set_result): the store's core drives
+    # these, in this order: expect, attach per engine request (or part_done per part
+    # that never reached the engine), complete when there are no parts, resolve from
+    # the finish step. Not for callers, who wait on the future.
 
-    def _expect(self, parts: int, finish: Callable[[BaseException | None], None]) -> None:
+    @property
+    def parts(self) -> int:
+        """Completions expected (:meth:`expect`)."""
+        return self._parts
+
+    @property
+    def issued(self) -> int:
+        """Engine requests attached so far (:meth:`attach`)."""
+        return self._issued
+
+    def expect(self, parts: int, finish: Callable[[BaseException | None], None]) -> None:
         """Expect ``parts`` completions, then call ``finish(first_error)``, which resolves
-        the future (now or later) with :meth:`_resolve`. With no parts, the caller calls
-        :meth:`_complete` itself (outside any lock ``finish`` takes)."""
+        the future (now or later) with :meth:`resolve`. With no parts, the caller calls
+        :meth:`complete` itself (outside any lock ``finish`` takes)."""
         self._parts = self._left = parts
         self._finish = finish
 
-    def _attach(
+    def attach(
         self,
         piece: IOFuture,
         then: Callable[[concurrent.futures.Future], None] | None = None,
     ) -> None:
         """Count ``piece`` as one part: done when it is, or when ``then(piece)`` (which
-        must call :meth:`_part_done` once) says so."""
+        must call :meth:`part_done` once) says so."""
         self._issued += 1
         self._pieces.append(piece)
         piece.add_done_callback(then if then is not None else self._piece_done)
 
     def _piece_done(self, piece: concurrent.futures.Future) -> None:
-        self._part_done(piece.exception())
+        self.part_done(piece.exception())
 
-    def _part_done(self, error: BaseException | None) -> None:
+    def part_done(self, error: BaseException | None) -> None:
+        """One part ended (``error``: its failure, or None); the last one completes."""
         with self._lock:
             if error is not None and self._error is None:
                 self._error = name_key(error, self.op, self.key)
             self._left -= 1
             last = self._left == 0
         if last:
-            self._complete()
+            self.complete()
 
-    def _complete(self) -> None:
+    def complete(self) -> None:
+        """Every part ended: ``finish(first_error)``, or resolve at once without one."""
         error = self._error
         try:
             if self._finish is None:
-                self._resolve(error)
+                self.resolve(error)
             else:
                 self._finish(error)
         except BaseException as exc:  # a bookkeeping bug must still resolve the future
-            self._resolve(error or exc)
+            self.resolve(error or exc)
 
-    def _resolve(self, error: BaseException | None) -> None:
+    def resolve(self, error: BaseException | None) -> None:
+        """Settle the future, once: ``error``, or the request's byte count."""
         with self._lock:
             if self._resolved:
                 return
@@ -199,12 +215,12 @@ class ReadCheck:
     def __call__(self, io: concurrent.futures.Future) -> None:
         error = io.exception()
         if error is not None:
-            self.future._part_done(error)
+            self.future.part_done(error)
             return
         try:
             self._submit(self._check)
         except BaseException as exc:  # e.g. interpreter shutdown: never leave the part open
-            self.future._part_done(exc)
+            self.future.part_done(exc)
 
     def _check(self) -> None:
         try:
@@ -212,7 +228,7 @@ class ReadCheck:
             e, key = self.extent, self.future.key
             expected = e.checksum if e.checksum is not None else 0
             if actual == expected:
-                self.future._part_done(None)
+                self.future.part_done(None)
                 return
             error = SwapCorruptionError(
                 f"read of key={key!r}: bytes {e.offset}..{e.offset + e.nbytes} of {self.path} "
@@ -226,6 +242,6 @@ class ReadCheck:
                 expected=expected,
                 actual=actual,
             )
-            self.future._part_done(error)
+            self.future.part_done(error)
         except BaseException as exc:
-            self.future._part_done(exc)
+            self.future.part_done(exc)

@@ -289,7 +289,7 @@ class NvmeStore(SnapshotStore):
             extents = version.stored.extents
             digests = [None] * len(extents)
             hashing = self._checksum and bool(extents)
-            future._expect(
+            future.expect(
                 len(write_runs(extents)) + int(hashing),
                 lambda error: self._finish_write(version, digests, future, error),
             )
@@ -306,9 +306,9 @@ class NvmeStore(SnapshotStore):
                     digests[i] = digest(data[start : start + e.nbytes])
                     start += e.nbytes
             except BaseException as exc:  # e.g. KeyboardInterrupt: still settle the write
-                future._part_done(exc)
+                future.part_done(exc)
                 raise
-            future._part_done(None)
+            future.part_done(None)
         return future
 
     def read(self, key: str, out: torch.Tensor) -> StoreFuture:

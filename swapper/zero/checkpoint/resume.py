@@ -28,7 +28,7 @@ import torch
 
 from swapper.distributed.identity import refuse_other_layout
 from swapper.manager import Kind, ManagerConfig, TierManager, UnknownKeyError
-from swapper.manager.snapshot import open_at_snapshot
+from swapper.manager.snapshot import open_at_snapshot, snapshot_store
 from swapper.step.resume import ResumedState
 from swapper.step.state import StateDictError
 from swapper.zero.checkpoint.commit import refuse_other_world_size
@@ -319,5 +319,5 @@ def restore_rng(resumed: ResumedState) -> None:
 
 def keeps_store(manager: TierManager) -> bool:
     """Whether the manager's store holds snapshots (then closing must keep its files)."""
-    store = manager._ctx.store
+    store = snapshot_store(manager)
     return store is not None and bool(store.snapshots() or store.damaged_snapshots())

@@ -38,7 +38,7 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from swapper.manager.snapshot import snapshot_manager
+from swapper.manager.snapshot import snapshot_manager, snapshot_store
 from swapper.step.resume import optimizer_meta
 from swapper.zero.checkpoint.agree import agree_or_raise, all_gather_json, raise_failed
 from swapper.zero.checkpoint.commit import (
@@ -63,6 +63,7 @@ from tiers.signals import at_waits
 if TYPE_CHECKING:
     from swapper.step.optimizer import StreamedOptimizer
     from swapper.zero.sharded.model import ShardedModel
+    from tiers.nvme import NvmeStore
 
 __all__ = [
     "ShardedSnapshotReport",
@@ -264,7 +265,7 @@ def _retain(model: ShardedModel, base: Path, newest: str, keep_last: int) -> lis
         # The new snapshot is committed; only the clean-up failed: said, not raised.
         log.warning("snapshot retention skipped: rank 0 failed: %s", decided[0]["error"])
         return []
-    store_ = model.manager._ctx.nvme()
+    store_ = _store(model)
     kept = set(decided[0]["keep"])
     damaged = tuple(f"{n}--g" for n in decided[0]["damaged"])  # (their parts: unknown)
     doomed = [
@@ -273,10 +274,18 @@ def _retain(model: ShardedModel, base: Path, newest: str, keep_last: int) -> lis
     return _drop_parts(model, doomed)
 
 
+def _store(model: ShardedModel) -> NvmeStore:
+    """This rank's store (a sharded snapshot is taken only with an NVMe tier)."""
+    store = snapshot_store(model.manager)
+    if store is None:
+        raise SwapConfigError("no NVMe tier: nvme_dirs is empty")
+    return store
+
+
 def _drop_parts(model: ShardedModel, names: list[str]) -> list[str]:
     """Drop this rank's parts ``names``; a failure is logged (the space is reclaimed by a
     later retention), never raised: the committed snapshots are whole either way."""
-    store = model.manager._ctx.nvme()
+    store = _store(model)
     dropped: list[str] = []
     with at_waits:
         for name in names:

@@ -1,12 +1,12 @@
 """One process: :class:`~swapper.zero.local.offload.OffloadedModel`, the local fetch.
 
-Offers: the model (``offload``), the lifecycle's one-process strategy: the hooks and the
-fetch and release of one parameter (``offload_hooks``, a
-:class:`~swapper.zero.model.lifecycle.ModelLifecycle`), the parameters' records and the
-model's core (``params``: ``Slot``, ``LocalCore``), the optimizer's view (``tiered``), the
-persistent and resident fast paths for budgets that hold everything (``persist``,
-``resident``), the wrap's checks and undo (``placing``) and the real weights through
-``state_dict`` (``weights``).
+Offers: the model (``offload``), the lifecycle's one-process strategy: the hooks
+(``offload_hooks``, a :class:`~swapper.zero.model.lifecycle.ModelLifecycle`) and the fetch
+and release of one parameter (``fetch``: ``TierFetch``, the model's ``FetchStrategy``), the
+parameters' records and the model's core (``params``: ``Slot``, ``LocalCore``), the
+optimizer's view (``tiered``), the persistent and resident fast paths for budgets that hold
+everything (``persist``, ``resident``), the wrap's checks and undo (``placing``) and the
+real weights through ``state_dict`` (``weights``).
 
 The helpers take the core (``LocalCore``) or a small protocol of public calls, never the
 model: the room's modules import each other one way (``params`` at the bottom, ``offload``

@@ -62,7 +62,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -73,6 +73,8 @@ from swapper.manager import Kind, Tier
 from swapper.step.sources import ParamGate, ParamSource
 from swapper.zero.config.offload import OffloadConfig
 from swapper.zero.config.settings import tiers_of
+from swapper.zero.local.fetch import TierFetch
+from swapper.zero.local.layout import WholeTensors
 from swapper.zero.local.offload_hooks import ModuleHooks
 from swapper.zero.local.params import LocalCore, Slot
 from swapper.zero.local.persist import install, remove_all
@@ -87,7 +89,6 @@ from swapper.zero.local.tiered import TieredParams
 from swapper.zero.local.weights import (
     NATIVE_GRADS,
     WeightHooks,
-    fetch_copy,
     guard,
     leave,
     unguard,
@@ -135,6 +136,7 @@ class OffloadedModel(ModuleHooks):
             (None otherwise), e.g. ``resumed.step``, ``resumed.extra``.
     """
 
+    layout: WholeTensors  # whole tensors in this process (swapper.zero.local.layout)
     _registry = _WRAPPED
     _log = log
 
@@ -164,6 +166,10 @@ class OffloadedModel(ModuleHooks):
         #: overlapped optimizer's gate (set_param_gate) and persistence
         #: (swapper.zero.local.persist)
         self.core = LocalCore(use_tier, room_limit)
+        #: a parameter's fetch from the tiers and release (swapper.zero.local.fetch)
+        self.fetch = TierFetch(self.core)
+        #: whole tensors: records, retained gradients, weights (swapper.zero.local.layout)
+        self.layout = WholeTensors(self.core, module)
         manager_config = config.manager
         self._module_slots: dict[nn.Module, list[Slot]] = {}
         self._handles: list[Any] = []
@@ -285,6 +291,11 @@ class OffloadedModel(ModuleHooks):
         """Whether the parameters are persistent now (:mod:`swapper.zero.local.persist`)."""
         return self.core.persist.active
 
+    def drop_kept_grads(self) -> None:
+        """Unregister the gradient entries that ``zero_grad`` kept empty (a snapshot
+        writes every entry it finds: none holds a gradient then)."""
+        self.layout.drop_grads(self.core.by_name.values(), keep=False)
+
     def step_started(self) -> None:
         """The overlapped optimizer starts a step's update (:mod:`swapper.step.deferred`):
         see :meth:`~swapper.zero.model.readahead.FetchPlan.overlapped`."""
@@ -294,25 +305,6 @@ class OffloadedModel(ModuleHooks):
         """(name, shape, dtype) of every offloaded parameter."""
         for slot in self.core.by_name.values():
             yield slot.name, slot.shape, slot.dtype
-
-    def iter_state_dict(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(name, an ordinary CPU copy of the parameter), one parameter at a time (only
-        one copy alive if the caller drops each); the names are the wrapped model's own
-        (no ``module.`` prefix). Raises what :func:`~swapper.zero.local.weights.fetch_copy`
-        raises."""
-        for name, slot in self.core.by_name.items():
-            yield name, fetch_copy(self.core, slot)
-
-    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
-        """The wrapped model's ``state_dict()`` (keys its own, no ``module.`` prefix):
-        its state-dict hooks put in ordinary CPU copies of the parameters, fetched one
-        at a time (see :mod:`swapper.zero.local.weights`); the same as
-        ``wrapped.module.state_dict(...)``. Called by a parent module's ``state_dict``
-        (``destination=`` given), it is ``nn.Module``'s, keys under ``module.`` as the
-        parent's ``load_state_dict`` expects them."""
-        if args or "destination" in kwargs:
-            return super().state_dict(*args, **kwargs)
-        return self.module.state_dict(**kwargs)
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:  # type: ignore[override]
         """The wrapped model's ``load_state_dict`` (keys its own): each offloaded
@@ -379,9 +371,6 @@ class OffloadedModel(ModuleHooks):
     def _settle_update(self, what: str) -> None:
         if self.core.param_gate is not None:
             self.core.param_gate(None)  # an overlapped update still reads the gradients
-
-    def _records(self) -> Iterable[Slot]:
-        return self.core.by_name.values()
 
     # -- set-up ---------------------------------------------------------------------------
 

@@ -1,6 +1,7 @@
-"""The hooks of :class:`~swapper.zero.local.offload.OffloadedModel` around each module's work,
-and the fetch and release of one parameter (:mod:`swapper.zero.local.offload`'s docstring says
-what each hook does and when).
+"""The hooks of :class:`~swapper.zero.local.offload.OffloadedModel` around each module's work
+(:mod:`swapper.zero.local.offload`'s docstring says what each hook does and when); the fetch
+and release of one parameter is the model's fetch strategy,
+:class:`~swapper.zero.local.fetch.TierFetch` (``self.fetch``).
 
 This is the one-process strategy of the shared lifecycle
 (:class:`~swapper.zero.model.lifecycle.ModelLifecycle`: forward, release of a failed
@@ -10,21 +11,21 @@ one parameter (``Slot``), fetched from the tiers by ``TierManager.fetch`` and gi
 see; the hooks are the state machine the forward and backward drive, with the
 lifecycle's invariants (a hold is counted once it is fetched, and released exactly once:
 by the module's forward hook, its gradient hook, the end of the backward, or a failed
-pass's clean-up). ``core`` is set by ``OffloadedModel.__init__``.
+pass's clean-up). ``core`` and ``fetch`` are set by ``OffloadedModel.__init__``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
+from swapper.zero.local.fetch import TierFetch
 from swapper.zero.local.params import LocalCore, Slot, retain_grad
-from swapper.zero.local.persist import drop_native, enter, retain_held
+from swapper.zero.local.persist import enter, retain_held
 from swapper.zero.local.resident import acquire_resident
-from swapper.zero.local.weights import check_unwritten
 from swapper.zero.model.autograd import hook_outputs, in_autograd
 from swapper.zero.model.frozen import FrozenUse, mark_inputs
 from swapper.zero.model.lifecycle import ModelLifecycle
@@ -36,9 +37,10 @@ __all__ = ["ModuleHooks"]
 
 
 class ModuleHooks(ModelLifecycle):
-    """The module hooks and the per-parameter fetch and release (module docstring)."""
+    """The module hooks of the one-process model (module docstring)."""
 
     core: LocalCore  # what the hooks and their helpers share (swapper.zero.model.core)
+    fetch: TierFetch  # a parameter's fetch and release (swapper.zero.local.fetch)
     _saved: SavedParams
     _frozen_uses: list[FrozenUse]  # modules whose parameters are all frozen
 
@@ -62,7 +64,7 @@ class ModuleHooks(ModelLifecycle):
                     taken.extend(slots)
                 else:
                     for slot in slots:
-                        self._acquire(slot)
+                        self.fetch.acquire(slot)
                         taken.append(slot)
                 if self.core.room_limit is not None:
                     # Parameters can move before the backward (a limited use tier: even
@@ -91,7 +93,7 @@ class ModuleHooks(ModelLifecycle):
                     for slot in frozen.slots:
                         slot.backward_holds -= 1
                 for slot in frozen.slots:
-                    self._release(slot)
+                    self.fetch.release(slot)
 
         return after
 
@@ -115,7 +117,7 @@ class ModuleHooks(ModelLifecycle):
                             self.core.holds.carried -= 1
                             slot.backward_holds += 1
                         continue
-                    self._acquire(slot)
+                    self.fetch.acquire(slot)
                     with self.core.lock:
                         slot.backward_holds += 1
                 if frozen is not None:
@@ -152,7 +154,7 @@ class ModuleHooks(ModelLifecycle):
                             self.core.holds.carried += len(own)
                     else:
                         for slot in own:
-                            self._release(slot)
+                            self.fetch.release(slot)
 
         return hook
 
@@ -170,7 +172,7 @@ class ModuleHooks(ModelLifecycle):
                 with self.core.lock:
                     holds, slot.backward_holds = slot.backward_holds, 0
                 for _ in range(holds):
-                    self._release(slot)
+                    self.fetch.release(slot)
 
         return hook
 
@@ -191,82 +193,10 @@ class ModuleHooks(ModelLifecycle):
                 frozen.pending = 0
         for slot, holds, kept in leftovers:
             for _ in range(holds + kept):
-                self._release(slot)
+                self.fetch.release(slot)
         return sum(h for _, h, _ in leftovers), sum(k for _, _, k in leftovers)
 
-    # -- retained gradients dropped ----------------------------------------------------------
-
-    def drop_kept_grads(self) -> None:
-        """Unregister the gradient entries that ``zero_grad`` kept empty (a snapshot
-        writes every entry it finds: none holds a gradient then)."""
-        self.drop_grads(self.core.by_name.values(), keep=False)
-
-    def drop_grads(self, slots: Iterable[Slot], *, keep: bool | None = None) -> None:
-        """Drop the slots' retained gradients. With budgets that hold everything (the
-        gradients' tier has no limit: nothing would use the room; and no overlapped
-        update, whose ``zero_grad`` runs on its thread) each entry is kept, marked empty
-        (``Slot.grad_kept``): the next backward copies into it instead of registering a
-        new entry (~20 µs a gradient and step for the pair). ``keep=False``: unregister."""
-        if keep is None:
-            keep = self.core.lazy_norms and self.core.param_gate is None
-        if self.core.persist.active:  # persistent: those held by reference or by autograd
-            slots = drop_native(self.core, slots)
-        for slot in slots:
-            # Unregistered first, then marked: cut in between (Ctrl-C at the wait for a
-            # write of it), the slot still says what the manager holds.
-            with signals.at_waits:
-                if slot.has_grad and keep:
-                    with self.core.lock:
-                        slot.has_grad, slot.grad_norm, slot.grad_kept = False, None, True
-                elif slot.has_grad or slot.grad_kept:
-                    self.core.manager.unregister(slot.grad_key)
-                    with self.core.lock:
-                        slot.has_grad, slot.grad_norm, slot.grad_kept = False, None, False
-
-    # -- fetching and releasing -------------------------------------------------------------
-
-    def _acquire(self, slot: Slot) -> None:
-        """Count a user of the slot, fetching it for the first. Cut (Ctrl-C at a wait of
-        the fetch, an error), nothing is counted or held; a signal arriving after the fetch
-        waits for the caller's section, which records the hold first."""
-        with signals.at_waits:
-            if self.core.param_gate is not None:
-                self.core.param_gate(slot.param)  # an overlapped step's update of it first
-            with self.core.lock:
-                slot.users += 1
-                if slot.users > 1:
-                    return
-                if self.core.persist.active:  # fetched already (swapper.zero.local.persist)
-                    self.core.holds.held_nbytes += slot.nbytes
-                    return
-            try:
-                check_unwritten(slot)  # a write to the placeholder: raised, not lost quietly
-                tensor = self.core.manager.fetch(slot.key, self.core.use_tier)
-            except BaseException:
-                with self.core.lock:
-                    slot.users -= 1
-                raise
-            with self.core.lock:
-                slot.param.data = tensor
-                slot.version = slot.param._version
-                self.core.holds.held_nbytes += slot.nbytes
-            self.core.plan.fetched(slot.key)
-
-    def _release(self, slot: Slot) -> None:
-        with signals.held:  # uncounted and released, or neither
-            with self.core.lock:
-                slot.users -= 1
-                if slot.users > 0:
-                    return
-                if self.core.persist.active:  # stays fetched (swapper.zero.local.persist)
-                    self.core.holds.held_nbytes -= slot.nbytes
-                    return
-                # an in-place write while fetched landed in the tiers' bytes: keep it
-                modified = slot.param._version != slot.version
-                slot.param.data = slot.placeholder
-                slot.version = slot.param._version
-                self.core.holds.held_nbytes -= slot.nbytes
-            self.core.manager.release(slot.key, modified=modified)
+    # -- room ---------------------------------------------------------------------------------
 
     def _keeps_held(self, reserve: int) -> bool:
         """Whether a forward's holds are kept for its backward: the use tier holds every

@@ -15,7 +15,7 @@ and post-hooks off (their dict entries removed, kept to be put back where they w
 Nothing else changes: the gradient hooks still move each gradient into its retained
 buffer; the optimizer's step fetches the parameters in place (a second hold each) and
 writes the bytes the forward reads; a backward of a graph recorded before (whose output
-hooks call ``_acquire``) counts its holds without fetching (see ``ModuleHooks._acquire``).
+hooks call ``fetch.acquire``) counts its holds without fetching (see ``TierFetch.acquire``).
 
 Leaving (:func:`leave`): every hold released, ``.data`` back to the placeholder, the hooks
 put back, before anything that moves parameters between tiers or reads them from the

@@ -25,8 +25,8 @@ def acquire_resident(core: LocalCore, slots: Sequence[Slot]) -> bool:
     (the only one that takes holds while no overlapped update runs).
 
     Raises:
-        OffloadedWriteError: as ``_acquire`` (:func:`~swapper.zero.local.weights.check_unwritten`),
-            before anything is fetched.
+        OffloadedWriteError: as ``TierFetch.acquire``
+            (:func:`~swapper.zero.local.weights.check_unwritten`), before anything is fetched.
     """
     if core.param_gate is not None or not core.keep_held:
         return False

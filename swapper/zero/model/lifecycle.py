@@ -3,13 +3,18 @@
 :class:`~swapper.zero.sharded.model.ShardedModel` shared by name, written once.
 
 What differs between one process and N ranks is *how bytes arrive* and *what a hold is
-of*, not the lifecycle. A subclass supplies that through the methods marked
-"strategy" below (the template-method form of the ``FetchStrategy`` / ``StateLayout``
-pair of ``docs/architecture.md``): one process holds single parameters fetched from the
-tiers (``_acquire``/``_release`` of a ``Slot``: ``TierManager.fetch``/``release``); N
-ranks hold modules gathered by collective (of a ``ModuleState``:
-:mod:`swapper.zero.sharded.gathers`), their gradients reduce-scattered
-(:mod:`swapper.zero.sharded.grads`).
+of*, not the lifecycle. How a hold's bytes arrive and leave is an object, the model's
+:class:`FetchStrategy` (``model.fetch``): one process holds single parameters fetched
+from the tiers (:class:`~swapper.zero.local.fetch.TierFetch`: a ``Slot`` by
+``TierManager.fetch``/``release``); N ranks hold modules gathered by collective
+(:class:`~swapper.zero.sharded.gathers.Gathers`: a ``ModuleState``), their gradients
+reduce-scattered (:mod:`swapper.zero.sharded.grads`). How the state is laid out is the
+model's :class:`StateLayout` (``model.layout``): whole tensors
+(:class:`~swapper.zero.local.layout.WholeTensors`) or this rank's shards
+(:class:`~swapper.zero.sharded.layout.Shards`); the lifecycle's ``zero_grad``,
+``drop_grads``, ``iter_state_dict`` and ``state_dict`` ask it. The rest a subclass supplies
+through the methods marked "strategy" below (template methods still: the hooks' bodies,
+see ``docs/architecture.md``).
 
 The order in which the lifecycle calls the strategy (each call on the thread that runs
 the forward or the backward)::
@@ -17,13 +22,13 @@ the forward or the backward)::
     forward()            ─► _forward_checks() (outermost forward only: nothing moved yet)
                          ─► _run(args, kwargs) (the module; its hooks acquire/release)
        raised (an error, Ctrl-C):
-                         ─► _drop_forward_holds(depth): _release(unit) of every unit the
-                            forwards begun inside it hold (_entry_units)
+                         ─► _drop_forward_holds(depth): fetch.release(unit) of every unit
+                            the forwards begun inside it hold (_entry_units)
     a module's backward  ─► _backward_started() (once per backward: queues _backward_ended)
     end of the backward  ─► _backward_ended(): _release_backward_holds(), _after_backward()
     release_stale_holds()─► _drop_forward_holds(0), _release_backward_holds(),
                             _after_failed_pass()
-    zero_grad()          ─► _settle_update("zero_grad"), drop_grads(_records())
+    zero_grad()          ─► _settle_update("zero_grad"), layout.drop_grads(layout.records())
     close()              ─► (the subclass's) ... _close_manager(): _before_manager_close()
 
 Invariants (the subclasses' hooks keep them too): a hold is counted once it is held and
@@ -36,8 +41,8 @@ from __future__ import annotations
 
 import logging
 import weakref
-from collections.abc import Iterable
-from typing import Any, ClassVar, TypeVar
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, ClassVar, Protocol, TypeVar
 
 import torch
 from torch import nn
@@ -53,17 +58,77 @@ from swapper.zero.model.saved import SavedParams
 from tiers import signals
 from tiers.errors import SwapConfigError
 
-__all__ = ["ModelLifecycle"]
+__all__ = ["FetchStrategy", "ModelLifecycle", "StateLayout"]
 
 _M = TypeVar("_M", bound="ModelLifecycle")
+#: what one hold is of (one process: a ``Slot``; N ranks: a ``ModuleState``)
+_U = TypeVar("_U", contravariant=True)
+#: a model's record of one parameter (one process: a ``Slot``; N ranks: a ``ShardSlot``)
+_R = TypeVar("_R")
+
+
+class FetchStrategy(Protocol[_U]):
+    """How the bytes of one hold arrive and leave (``model.fetch``): the model's hooks
+    call :meth:`acquire` before a unit is used and :meth:`release` after, once per hold;
+    the lifecycle calls :meth:`release` for the holds a failed pass left. A unit is
+    fetched for its first user and given back after its last.
+
+    One process: :class:`~swapper.zero.local.fetch.TierFetch` (a parameter from the
+    tiers); N ranks: :class:`~swapper.zero.sharded.gathers.Gathers` (a module gathered by
+    collective)."""
+
+    def acquire(self, unit: _U) -> None:
+        """Count a user of ``unit``, its bytes arriving for the first. Cut (an error,
+        Ctrl-C), nothing is counted or held."""
+        ...
+
+    def release(self, unit: _U) -> None:
+        """Give back one hold of ``unit``; after the last, its bytes leave. Never cut
+        half-way (signals held)."""
+        ...
+
+
+class StateLayout(Protocol[_R]):
+    """How the model's state is laid out in this process (``model.layout``): whole
+    tensors (:class:`~swapper.zero.local.layout.WholeTensors`) or this rank's shards
+    (:class:`~swapper.zero.sharded.layout.Shards`), ``_R`` the record of one parameter.
+    The lifecycle calls :meth:`records` and :meth:`drop_grads` from ``zero_grad``, and
+    hands ``iter_state_dict``/``state_dict`` to it."""
+
+    def records(self) -> Iterable[_R]:
+        """Every parameter's record."""
+        ...
+
+    def drop_grads(self, slots: Iterable[_R], *, keep: bool | None = None) -> None:
+        """Drop the retained gradients of ``slots`` (``keep``: may an entry stay,
+        marked empty)."""
+        ...
+
+    def iter_state_dict(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, full CPU copy) of every parameter, one at a time."""
+        ...
+
+    def state_dict(
+        self,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        as_submodule: Callable[..., dict[str, Any]],
+    ) -> dict[str, Any]:
+        """The model's ``state_dict(*args, **kwargs)`` (``as_submodule``: the wrapper's
+        own ``nn.Module.state_dict``, for a parent module's call)."""
+        ...
 
 
 class ModelLifecycle(nn.Module):
     """The hook lifecycle both models share (module docstring). Not built directly: a
-    subclass sets ``core``, ``module``, ``config`` and ``_saved`` in its constructor and
-    supplies the strategy methods."""
+    subclass sets ``core``, ``fetch``, ``layout``, ``module``, ``config`` and ``_saved``
+    in its constructor and supplies the strategy methods."""
 
     core: ModelCore[Any, Any]
+    #: how a hold's bytes arrive and leave (set by the subclass's constructor)
+    fetch: FetchStrategy[Any]
+    #: how the state is laid out: whole tensors, or shards (set by the constructor)
+    layout: StateLayout[Any]
     module: nn.Module
     config: OffloadConfig
     _saved: SavedParams
@@ -148,7 +213,42 @@ class ModelLifecycle(nn.Module):
         overlapped optimizer, its update (which still reads them) ends first."""
         self._settle_update("zero_grad")
         super().zero_grad(set_to_none=set_to_none)
-        self.drop_grads(self._records())
+        self.layout.drop_grads(self.layout.records())
+
+    def drop_grads(self, slots: Iterable[Any], *, keep: bool | None = None) -> None:
+        """Drop the retained 16-bit gradients of ``slots`` (records of this model's
+        parameters; the optimizer's ``zero_grad`` calls it). One process: with budgets
+        that hold everything an entry is kept, marked empty, for the next backward to
+        copy into (``keep=False``: unregistered); N ranks: the shards' entries are
+        unregistered."""
+        self.layout.drop_grads(slots, keep=keep)
+
+    def iter_state_dict(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, an ordinary full CPU copy of the parameter), one parameter at a time
+        (only one copy alive if the caller drops each); the names are the wrapped
+        model's own (no ``module.`` prefix). Over N ranks each is gathered (a collective:
+        call it on every rank alike).
+
+        Raises:
+            OffloadedWriteError: a parameter was written outside the hooks.
+            ManagerClosedError: the model was closed (its weights dropped).
+            CollectiveError, PeerFailedError: over N ranks, a gather or another rank
+                failed.
+            and what ``TierManager.fetch`` raises (I/O, corruption).
+        """
+        return self.layout.iter_state_dict()
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
+        """The wrapped model's state dict with real weights (keys its own, no
+        ``module.`` prefix). One process: ``wrapped.module.state_dict(...)``, whose hooks
+        put in ordinary CPU copies of the parameters fetched one at a time
+        (:mod:`swapper.zero.local.weights`); called by a parent module's ``state_dict``
+        (``destination=`` given) it is ``nn.Module``'s, keys under ``module.`` as the
+        parent's ``load_state_dict`` expects them. N ranks: the consolidated state dict on
+        rank 0 (parameters gathered one at a time; tied parameters under every name;
+        buffers as they are), ``{}`` on the others; every rank alike, no arguments
+        (TypeError). Raises as :meth:`iter_state_dict`."""
+        return self.layout.state_dict(args, kwargs, super().state_dict)
 
     def __enter__(self: _M) -> _M:
         return self
@@ -179,7 +279,7 @@ class ModelLifecycle(nn.Module):
         forward_holds = self.core.forward_holds
         while len(forward_holds) > depth:
             for unit in self._entry_units(forward_holds.pop()):
-                self._release(unit)
+                self.fetch.release(unit)
                 dropped += 1
         return dropped
 
@@ -225,10 +325,6 @@ class ModelLifecycle(nn.Module):
         """Strategy: the units (records, or modules) one ``forward_holds`` entry holds."""
         raise NotImplementedError
 
-    def _release(self, unit: Any) -> None:
-        """Strategy: give back one hold of ``unit`` (fetched or gathered)."""
-        raise NotImplementedError
-
     def _release_backward_holds(self) -> tuple[int, int]:
         """Strategy: release every backward hold and every hold kept from a forward for
         its backward; returns how many of each. Signals held by the caller."""
@@ -244,14 +340,6 @@ class ModelLifecycle(nn.Module):
     def _settle_update(self, what: str) -> None:
         """Strategy: wait for an overlapped optimizer's update before ``what`` changes
         what it reads."""
-        raise NotImplementedError
-
-    def _records(self) -> Iterable[Any]:
-        """Strategy: every parameter's record."""
-        raise NotImplementedError
-
-    def drop_grads(self, slots: Iterable[Any], *, keep: bool | None = None) -> None:
-        """Strategy: drop the retained gradients of ``slots``."""
         raise NotImplementedError
 
     def _before_manager_close(self) -> None:

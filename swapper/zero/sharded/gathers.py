@@ -1,36 +1,37 @@
-"""The gathers of a :class:`~swapper.zero.sharded.model.ShardedModel`: each module's
-parameters gathered from every rank's shards into one buffer, held while the module
-runs, released, and started ahead along the recorded order.
+"""The gathers of a :class:`~swapper.zero.sharded.model.ShardedModel`, its
+:class:`~swapper.zero.model.lifecycle.FetchStrategy`: each module's parameters gathered
+from every rank's shards into one buffer, held while the module runs, released, and
+started ahead along the recorded order.
 
 Job: a gather's life, and nothing of hooks or autograd (those are
-:mod:`swapper.zero.sharded.model`'s, which calls :meth:`GatherMixin._acquire` and
-:meth:`GatherMixin._release` from its hooks)::
+:mod:`swapper.zero.sharded.model`'s, which calls :meth:`Gathers.acquire` and
+:meth:`Gathers.release` from its hooks; the lifecycle calls :meth:`Gathers.release` for a
+failed pass's holds)::
 
-    start_gather ──► pending (state.pending: read-ahead) ──► _acquire: wait ──► gathered
-         │                  │                                  │ (users > 0)      │
-         │                  └─ drain / _settle_gathers ◄───────┘ wait raised      ▼
-         │                     (settled, then freed)                         _release
-         └───────────────────────────────────────────────────────────────► (freed, users 0)
+    start ──► pending (state.pending: read-ahead) ──► acquire: wait ──► gathered
+      │              │                                   │ (users > 0)      │
+      │              └─ drain / settle_all ◄─────────────┘ wait raised      ▼
+      │                 (settled, then freed)                           release
+      └───────────────────────────────────────────────────────────► (freed, users 0)
 
 Invariant: a gather's buffers (blocks of the device budget,
 :class:`~swapper.zero.sharded.gather_budget.GatherBudget`) are freed only once its collective is
 done with them: after a wait that returned, or after
 :meth:`~swapper.distributed.PendingFetch.settle` when a wait raised (a failed group
 raises at once, the collective still unwaited). A gather cut by an interrupt stays in
-``state.pending`` (with its buffers) until :meth:`GatherMixin._settle_gathers` (close)
-settles it.
+``state.pending`` (with its buffers) until :meth:`Gathers.settle_all` (close) settles it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import TYPE_CHECKING
 
 import torch
 
 from swapper.distributed import DistGroup, ModuleLayout, PendingFetch
 from swapper.zero.model.core import ModelCore
-from swapper.zero.model.lifecycle import ModelLifecycle
 from swapper.zero.sharded.gather_budget import GatherBudget, gather_need
 from swapper.zero.sharded.state import ModuleState, ShardSlot
 from tiers import signals
@@ -40,26 +41,55 @@ if TYPE_CHECKING:
     from swapper.zero.sharded.overlap import ShardOverlap
     from swapper.zero.sharded.writes import WriteGuard
 
-__all__ = ["GatherMixin"]
+__all__ = ["Gathers"]
+
+log = logging.getLogger("swapper.zero.sharded.model")  # (the messages keep their logger)
 
 
-class GatherMixin(ModelLifecycle):
-    """The gather methods of :class:`~swapper.zero.sharded.model.ShardedModel` (module
-    docstring); the attributes below are the model's, set by its constructor."""
+class Gathers:
+    """Holds of modules, gathered by collective (module docstring): the N-rank fetch
+    strategy. Made by the model's constructor, which hands over what it uses: the core
+    (lock, manager, use tier), the group and its settings, the records, each module's
+    state, the gathers' device budget, the write guard and the overlapped optimizer's
+    gate. The gather order (recorded over the first step, then followed by read-ahead)
+    is its own."""
 
-    group: DistGroup
-    _dist: DistributedConfig
-    core: ModelCore[ShardSlot, ModuleState | None]
-    _device: torch.device
-    _by_index: list[ShardSlot]
-    _states: dict[torch.nn.Module, ModuleState]
-    _budget: GatherBudget
-    _writes: WriteGuard
-    _order: list[ModuleState] | None
-    _recording: list[ModuleState] | None
-    _position: dict[ModuleState, list[int]]
-    _cursor: int
-    _overlap: ShardOverlap
+    def __init__(
+        self,
+        core: ModelCore[ShardSlot, ModuleState | None],
+        group: DistGroup,
+        dist: DistributedConfig,
+        device: torch.device,
+        by_index: list[ShardSlot],
+        states: dict[torch.nn.Module, ModuleState],
+        budget: GatherBudget,
+        writes: WriteGuard,
+        overlap: ShardOverlap,
+    ) -> None:
+        self.core = core
+        self.group = group
+        self._dist = dist
+        self._device = device
+        self._by_index = by_index
+        self._states = states
+        self._budget = budget
+        self._writes = writes
+        self._overlap = overlap
+        #: the gather order recorded over the first step (None until then)
+        self.order: list[ModuleState] | None = None
+        #: the first step's gathers, in order (None once recorded)
+        self.recording: list[ModuleState] | None = []
+        self._position: dict[ModuleState, list[int]] = {}
+        self._cursor = -1
+
+    def backward_ended(self) -> None:
+        """The first backward's end: the gathers recorded so far become the order that
+        read-ahead follows from now on."""
+        if self.recording is not None and self.recording:
+            self.order, self.recording = self.recording, None
+            for i, state in enumerate(self.order):
+                self._position.setdefault(state, []).append(i)
+            log.info("offload: recorded a gather order of %d modules", len(self.order))
 
     def drain(self) -> None:
         """Wait for every gather started ahead of use and drop it (the collectives were
@@ -97,7 +127,7 @@ class GatherMixin(ModelLifecycle):
         state.pending = None
         self._budget.release(pending)
 
-    def _settle_gathers(self) -> None:
+    def settle_all(self) -> None:
         """For close: every gather started ahead of use waited for, whatever the group's
         state (a broken group fails a wait at once, its collective still unwaited), then
         its buffers freed; a failure is dropped (nothing is left to pair with). An
@@ -107,8 +137,8 @@ class GatherMixin(ModelLifecycle):
             pending = state.pending
             if pending is None:
                 continue
-            # (not in PendingFetch.wait: a signal held by _acquire's section is delivered
-            # there; _acquire keeps an interrupted gather in state.pending, for here)
+            # (not in PendingFetch.wait: a signal held by acquire's section is delivered
+            # there; acquire keeps an interrupted gather in state.pending, for here)
             signals.wait_point("gather")  # a Ctrl-C here keeps it in flight, for close()
             with contextlib.suppress(Exception):
                 pending.wait()
@@ -116,12 +146,12 @@ class GatherMixin(ModelLifecycle):
             state.pending = None
             self._budget.release(pending)
 
-    def start_gather(self, layout: ModuleLayout, slots: list[ShardSlot], what: str) -> PendingFetch:
+    def start(self, layout: ModuleLayout, slots: list[ShardSlot], what: str) -> PendingFetch:
         """Start the gather of ``slots`` (their layout): with an overlapped optimizer, once
         the update published this rank's shards of them (:mod:`swapper.zero.sharded.overlap`);
         this rank's shards are read from
         the tiers, copied into the collective's buffer (charged to the device budget
-        until :meth:`_release`: :class:`~swapper.zero.sharded.gather_budget.GatherBudget`), and
+        until :meth:`release`: :class:`~swapper.zero.sharded.gather_budget.GatherBudget`), and
         released.
 
         Raises:
@@ -145,12 +175,21 @@ class GatherMixin(ModelLifecycle):
             for key in held:
                 self.core.manager.release(key, modified=False)
 
-    def end_gather(self, pending: PendingFetch) -> None:
-        """A gather from :meth:`start_gather` is no longer used: its buffers' device
+    def end(self, pending: PendingFetch) -> None:
+        """A gather from :meth:`start` is no longer used: its buffers' device
         bytes go back to the budget (the memory itself once no view is left)."""
         self._budget.release(pending)
 
-    def _acquire(self, state: ModuleState) -> None:
+    def acquire(self, state: ModuleState) -> None:
+        """Count a user of the module, gathering it for the first (the gather started
+        ahead, or one started now), then start the next gathers along the order. Cut (an
+        error, Ctrl-C), nothing is counted or held; a gather cut mid-collective stays in
+        ``state.pending`` for :meth:`settle_all`.
+
+        Raises:
+            CollectiveError: the gather failed or timed out (settled, then freed).
+            BudgetTimeout: no device room for the buffers.
+        """
         with signals.at_waits:
             with self.core.lock:
                 state.users += 1
@@ -159,7 +198,7 @@ class GatherMixin(ModelLifecycle):
             try:
                 pending, state.pending = state.pending, None
                 if pending is None:
-                    pending = self.start_gather(state.layout, state.slots, f"module {state.name!r}")
+                    pending = self.start(state.layout, state.slots, f"module {state.name!r}")
                 pending.wait()
             except BaseException as exc:
                 with self.core.lock:
@@ -182,10 +221,13 @@ class GatherMixin(ModelLifecycle):
                 # fetch's wait, no device room, a collective): the caller records no hold
                 # of this module, so give it back here. Kept, it stayed gathered for
                 # good, and every later forward used that buffer, stale after a step.
-                self._release(state)
+                self.release(state)
                 raise
 
-    def _release(self, state: ModuleState) -> None:
+    def release(self, state: ModuleState) -> None:
+        """Give back one hold of the module; after the last, its buffer is charged no
+        more and each parameter points at another module's gathered view of it, or at
+        its placeholder."""
         with signals.held, self.core.lock:
             state.users -= 1
             if state.users > 0:
@@ -206,10 +248,10 @@ class GatherMixin(ModelLifecycle):
 
     def _note_fetch(self, state: ModuleState) -> None:
         """Record the gather order (first step), or start the next gathers along it."""
-        if self._recording is not None:
-            self._recording.append(state)
+        if self.recording is not None:
+            self.recording.append(state)
             return
-        order = self._order
+        order = self.order
         positions = self._position.get(state)
         if not order or not positions:
             return
@@ -221,4 +263,4 @@ class GatherMixin(ModelLifecycle):
             if nxt.pending is None and nxt.gathered is None:
                 if not self._budget.may_start_ahead(gather_need(nxt.layout, world, method, False)):
                     break  # fewer ahead: the gather needed next must always find room
-                nxt.pending = self.start_gather(nxt.layout, nxt.slots, f"module {nxt.name!r}")
+                nxt.pending = self.start(nxt.layout, nxt.slots, f"module {nxt.name!r}")

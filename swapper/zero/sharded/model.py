@@ -46,7 +46,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -54,7 +54,9 @@ from torch import nn
 
 from swapper.distributed import (
     DistGroup,
+    ModuleLayout,
     PartitionPlan,
+    PendingFetch,
 )
 from swapper.manager import Kind, Tier
 from swapper.step.sources import ParamGate, ParamSource
@@ -63,17 +65,19 @@ from swapper.zero.config.settings import tiers_of
 from swapper.zero.model.autograd import mark_outputs
 from swapper.zero.model.core import ModelCore
 from swapper.zero.model.frozen import check_trainable, mark_inputs
+from swapper.zero.model.lifecycle import ModelLifecycle
 from swapper.zero.model.model_buffers import move_buffers, restore_buffers
 from swapper.zero.model.module_apply import guard_apply, unguard_apply
 from swapper.zero.model.readahead import ManagerRecording
 from swapper.zero.model.saved import SavedParams
 from swapper.zero.sharded.gather_budget import GatherBudget, charges_device
-from swapper.zero.sharded.gathers import GatherMixin
+from swapper.zero.sharded.gathers import Gathers
 from swapper.zero.sharded.grads import GradReducer
+from swapper.zero.sharded.layout import Shards
 from swapper.zero.sharded.overlap import ShardOverlap
 from swapper.zero.sharded.setup import Materialize, place_model
 from swapper.zero.sharded.state import ModuleState, ShardedParams, ShardSlot
-from swapper.zero.sharded.state_dicts import consolidated, iter_full, load_sharded, sharded
+from swapper.zero.sharded.state_dicts import load_sharded, sharded
 from swapper.zero.sharded.writes import WriteGuard
 from tiers import signals
 from tiers.errors import SwapConfigError
@@ -87,7 +91,7 @@ log = logging.getLogger(__name__)
 _WRAPPED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 
-class ShardedModel(GatherMixin):
+class ShardedModel(ModelLifecycle):
     """A module whose 16-bit parameters are partitioned over the ranks of ``group``.
 
     Built by :func:`swapper.offload` when its process group has more than one rank; see
@@ -108,6 +112,8 @@ class ShardedModel(GatherMixin):
             :func:`~swapper.zero.checkpoint.shard_resume.choose_sharded`).
     """
 
+    fetch: Gathers  # a module's gather and release (swapper.zero.sharded.gathers)
+    layout: Shards  # this rank's shards (swapper.zero.sharded.layout)
     _registry = _WRAPPED
     _hold_unit = "module"
     _log = log
@@ -136,10 +142,6 @@ class ShardedModel(GatherMixin):
         )
         self._device = group.control_device
         self._handles: list[Any] = []
-        self._order: list[ModuleState] | None = None
-        self._recording: list[ModuleState] | None = []
-        self._position: dict[ModuleState, list[int]] = {}
-        self._cursor = -1
         #: autograd's saved views of gathered parameters (swapper.zero.model.saved)
         self._saved = SavedParams(
             lambda slot: any(state.gathered is not None for state in slot.modules)
@@ -167,6 +169,13 @@ class ShardedModel(GatherMixin):
         )  # fmt: skip
         #: an overlapped optimizer's gate and agreements (swapper.zero.sharded.overlap)
         self._overlap = ShardOverlap(group, self.drain)
+        #: a module's gather by collective and its release (swapper.zero.sharded.gathers)
+        self.fetch = Gathers(
+            self.core, group, self._dist, self._device, self._by_index, self._states,
+            self._budget, self._writes, self._overlap,
+        )  # fmt: skip
+        #: this rank's shards: records, gradient shards, gathered weights (sharded.layout)
+        self.layout = Shards(self, self._by_index, self._grads, self._overlap, self._writes)
         # buffers on the gathers' device; model.to() guarded (swapper.zero.model.module_apply)
         self._buffer_moves = move_buffers(module, self._device)
         self._apply_guarded = guard_apply(module, self._device)
@@ -213,10 +222,19 @@ class ShardedModel(GatherMixin):
             slot for state in self.core.forward_holds if state is not None for slot in state.slots
         ]
 
-    def drop_grads(self, slots: Iterable[ShardSlot], *, keep: bool | None = None) -> None:
-        """Unregister the retained gradient shards of ``slots`` (``keep``: the one-process
-        model's; a shard's entry is always unregistered)."""
-        self._grads.drop(slots)
+    def drain(self) -> None:
+        """Wait for every gather started ahead of use and drop it
+        (:meth:`~swapper.zero.sharded.gathers.Gathers.drain`, which says what it raises)."""
+        self.fetch.drain()
+
+    def start_gather(self, layout: ModuleLayout, slots: list[ShardSlot], what: str) -> PendingFetch:
+        """Start the gather of ``slots`` (a collective: every rank alike;
+        :meth:`~swapper.zero.sharded.gathers.Gathers.start`, which says what it raises)."""
+        return self.fetch.start(layout, slots, what)
+
+    def end_gather(self, pending: PendingFetch) -> None:
+        """A gather from :meth:`start_gather` is no longer used: its buffers go back."""
+        self.fetch.end(pending)
 
     def before_param_write(self, slot: ShardSlot) -> None:
         """Called before the optimizer writes a shard: no gather in flight may deliver
@@ -274,24 +292,6 @@ class ShardedModel(GatherMixin):
         """Every parameter's record, in plan (forward) order."""
         return tuple(self._by_index)
 
-    def iter_state_dict(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(name, full CPU copy) of every parameter, gathered one at a time (a collective
-        each: call it on every rank alike). Raises CollectiveError (a gather failed or
-        timed out), OffloadedWriteError or PeerFailedError (:mod:`.shard_writes`)."""
-        self._overlap.settle("iter_state_dict")
-        self._writes.check("iter_state_dict")
-        return iter_full(self)
-
-    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
-        """The consolidated state dict on rank 0 (parameters gathered one at a time; tied
-        parameters under every name; buffers as they are); ``{}`` on the other ranks.
-        Call it on every rank alike. Raises as :meth:`iter_state_dict`."""
-        if args or kwargs:
-            raise TypeError("state_dict() of a sharded model takes no arguments")
-        self._overlap.settle("state_dict")
-        self._writes.check("state_dict")
-        return consolidated(self)
-
     def sharded_state_dict(self) -> dict[str, Any]:
         """This rank's shards, for a per-rank checkpoint (see
         :func:`swapper.zero.sharded.state_dicts.sharded`)."""
@@ -333,7 +333,7 @@ class ShardedModel(GatherMixin):
         self._close_manager()
 
     def _before_manager_close(self) -> None:
-        self._settle_gathers()  # their buffers are the manager's blocks
+        self.fetch.settle_all()  # their buffers are the manager's blocks
 
     def __exit__(self, *exc: object) -> None:
         self.close()
@@ -347,13 +347,13 @@ class ShardedModel(GatherMixin):
                     return  # (released already: the backward ended)
                 state.frozen_pending -= 1
                 state.backward_holds -= 1
-                self._release(state)
+                self.fetch.release(state)
 
         def hook(module: nn.Module, args: Any, kwargs: Any) -> Any:
             self._step_boundary()
             self.core.forward_holds.append(None)
             with signals.at_waits:
-                self._acquire(state)
+                self.fetch.acquire(state)
                 self.core.forward_holds[-1] = state
             if not self._saved.ours_on_top() and torch.is_grad_enabled():
                 # inside a non-reentrant checkpoint's region (swapper.zero.model.saved)
@@ -371,7 +371,7 @@ class ShardedModel(GatherMixin):
                 self._overlap.settle("the backward after an overlapped optimizer step")
             self._backward_started()
             with signals.at_waits:
-                self._acquire(state)
+                self.fetch.acquire(state)
                 with self.core.lock:
                     if not state.backward_holds:
                         state.waiting = {s.index for s in state.slots if s.param.requires_grad}
@@ -385,7 +385,7 @@ class ShardedModel(GatherMixin):
                 self._saved.pop_from(len(held) - 1)  # (what its pre-hook pushed)
                 taken = held.pop() if held else None
                 if taken is not None:
-                    self._release(taken)
+                    self.fetch.release(taken)
             if not torch.is_grad_enabled():
                 return output
             return mark_outputs(output, before_backward)
@@ -403,7 +403,7 @@ class ShardedModel(GatherMixin):
                         if not state.waiting:
                             holds, state.backward_holds = state.backward_holds, 0
                             for _ in range(holds):
-                                self._release(state)
+                                self.fetch.release(state)
             self._grads.add(slot, grad)
 
         return hook
@@ -411,7 +411,7 @@ class ShardedModel(GatherMixin):
     def _step_boundary(self) -> None:
         """Record the manager's accesses over the first whole step (as the one-rank path
         does), so its eviction order covers forward, backward and the optimizer."""
-        self._manager_recording.boundary(self._order is not None)
+        self._manager_recording.boundary(self.fetch.order is not None)
 
     # -- the lifecycle's strategy (swapper.zero.model.lifecycle): N ranks ---------------
 
@@ -437,7 +437,7 @@ class ShardedModel(GatherMixin):
             state.waiting.clear()
             state.frozen_pending = 0
             for _ in range(holds):
-                self._release(state)
+                self.fetch.release(state)
             dropped += holds
         return dropped, 0  # (nothing is kept from a forward for its backward)
 
@@ -446,16 +446,7 @@ class ShardedModel(GatherMixin):
 
     def _after_backward(self) -> None:
         self._grads.flush()  # parameters unused in this pass: zeros
-        if self._recording is not None and self._recording:
-            self._order, self._recording = self._recording, None
-            for i, state in enumerate(self._order):
-                self._position.setdefault(state, []).append(i)
-            self._log.info("offload: recorded a gather order of %d modules", len(self._order))
+        self.fetch.backward_ended()  # (the first: the gather order recorded)
 
     def _settle_update(self, what: str) -> None:
         self._overlap.settle(what)
-
-    def _records(self) -> list[ShardSlot]:
-        return self._by_index
-
-    # -- gathering and releasing: swapper.zero.sharded.gathers (GatherMixin) ---------------

@@ -3,7 +3,7 @@ over a :class:`~swapper.zero.sharded.model.ShardedModel`: the gate in the gather
 agreements that keep the ranks' collectives paired.
 
 What the gate guards. A gather reads this rank's shard of each parameter it holds a piece
-of (:meth:`~swapper.zero.sharded.gathers.GatherMixin.start_gather`); each rank's optimizer
+of (:meth:`~swapper.zero.sharded.gathers.Gathers.start`); each rank's optimizer
 steps only its own shards. So before a rank contributes its local shard to a gather
 (one started by the forward, by read-ahead, or by a reader of the weights), the gate
 waits for the sub-groups *of this rank* holding that shard to publish their new 16-bit
