@@ -55,6 +55,10 @@ def test_no_reference_run_reports_each_step(tmp_path: Path) -> None:
     assert len(result.steps) == 2 and result.losses_finite
     assert result.within_budgets
     assert 0 < result.peak_rss_bytes <= result.rss_bound_bytes
+    # the final phase (hashes, digest) is measured apart, and counts for ok
+    assert 0 < result.final_peak_rss_bytes <= result.rss_bound_bytes
+    over = dataclasses.replace(result, final_peak_rss_bytes=result.rss_bound_bytes + 1)
+    assert not over.ok and "PEAK RSS OVER BOUND" in over.summary()
     assert result.state_nbytes == 16 * result.num_params
     assert result.compute_floor_sub_group_s > 0
     assert result.disk.read_bytes_per_s > 0 and result.disk.write_bytes_per_s > 0
@@ -127,6 +131,7 @@ def test_cli_no_reference_json(tmp_path: Path, capsys: pytest.CaptureFixture[str
         assert step[key] is not None and step[key] >= 0, key
     assert step["nvme_bytes"]["optimizer"]["written"]["optim_state"] > 0
     assert data["state_bytes"] > 0 and data["memory_total_bytes"] > 0
+    assert 0 < data["final_phase_peak_rss_bytes"] <= data["rss_bound_bytes"]
     assert data["materialise"]["nvme_written_bytes"] > 0
     assert "result (no reference): losses finite" in capsys.readouterr().out
 

@@ -190,6 +190,8 @@ class TrainedRun:
     nvme_written: dict[str, int] = dataclasses.field(default_factory=dict)
     steps_run: int = 0
     materialised: Materialised = dataclasses.field(default_factory=lambda: Materialised())
+    #: peak RSS while the final state was hashed, digested and exported (after training)
+    final_peak_rss_bytes: int = 0
 
 
 @dataclasses.dataclass
@@ -612,12 +614,16 @@ def train_once(
         stats = wrapped.stats()
         written = stats.nvme_written()
         written = {k: v - (written_before or written).get(k, 0) for k, v in written.items()}
+        # What reads the whole final state back (hashes, digest, export) must stream it
+        # within the budgets: its own peak, measured apart from the training's.
+        reset_peak_rss()
         hashes = {name: content_hash(t) for name, t in wrapped.iter_state_dict()}
         digest = final_digest(wrapped, optimizer)
         export_s = None
         if checkpoint and settings.export_dir is not None:
             export_s = export_final(wrapped, optimizer, settings.export_dir, say)
             say(f"  {label}: exported to {settings.export_dir} in {export_s:.2f} s")
+        final_peak = peak_rss()
         # close rather than give the whole model back into memory (leaving the block would)
         optimizer.close()
         wrapped.close()
@@ -639,6 +645,7 @@ def train_once(
         nvme_written=written,
         steps_run=len(losses),
         materialised=built,
+        final_peak_rss_bytes=final_peak,
     )
 
 

@@ -149,6 +149,12 @@ class StoreFuture(concurrent.futures.Future):
 
     def complete(self) -> None:
         """Every part ended: ``finish(first_error)``, or resolve at once without one."""
+        # Every part is in: no piece is in flight. Drop them, since a done engine future
+        # keeps its callbacks (a read's ReadCheck, and through it the slice of the
+        # destination it hashed): a finished request kept by its owner (the manager keeps
+        # each tensor's latest one) would otherwise keep that memory mapped after the tier
+        # gave it back.
+        self._pieces = []
         error = self._error
         try:
             if self._finish is None:
@@ -209,12 +215,14 @@ class ReadCheck:
         path: str,
         submit: Callable[[Callable[[], None]], object],
     ) -> None:
-        self.future, self.extent, self.piece, self.path = future, extent, piece, path
+        self.future, self.extent, self.path = future, extent, path
+        self.piece: torch.Tensor | None = piece
         self._submit = submit
 
     def __call__(self, io: concurrent.futures.Future) -> None:
         error = io.exception()
         if error is not None:
+            self.piece = None
             self.future.part_done(error)
             return
         try:
@@ -223,8 +231,11 @@ class ReadCheck:
             self.future.part_done(exc)
 
     def _check(self) -> None:
+        piece, self.piece = self.piece, None  # (hashed once; held no longer than that)
         try:
-            actual = digest(self.piece)
+            if piece is None:
+                raise RuntimeError(f"read of key={self.future.key!r}: a piece checked twice")
+            actual = digest(piece)
             e, key = self.extent, self.future.key
             expected = e.checksum if e.checksum is not None else 0
             if actual == expected:
