@@ -61,6 +61,7 @@ from swapper.pressure.runner import (
     store_dirs,
     train_once,
 )
+from swapper.pressure.timeline import PhaseRow, phase_rows
 from swapper.pressure.timing import DiskRates, Phases, measure_disk
 from swapper.zero.checkpoint import SnapshotReport
 from tiers.errors import SwapConfigError
@@ -333,6 +334,8 @@ class BudgetedResult:
     resumed_from_step: int = 0
     snapshots: tuple[SnapshotReport, ...] = ()
     export_seconds: float | None = None
+    #: each step's phases (``--timeline``; no plain run here, so no plain column)
+    timeline: tuple[PhaseRow, ...] = ()
 
     @property
     def losses(self) -> list[float]:
@@ -412,6 +415,7 @@ class BudgetedResult:
             "resumed_from_step": self.resumed_from_step,
             **export_json(self.settings.export_dir, self.export_seconds),
             "snapshots": snapshots_json(self.snapshots),
+            "timeline": [row.to_json() for row in self.timeline],
             "ok": self.ok,
         }
 
@@ -547,6 +551,7 @@ def run_budgeted(
         resumed_from_step=run.resumed_from,
         snapshots=tuple(run.snapshots),
         export_seconds=run.export_seconds,
+        timeline=tuple(phase_rows(run.phases, disk, first_step=run.resumed_from + 1)),
     )
 
 

@@ -232,6 +232,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --write-budget: stop with an error at the step that crosses it, every "
         "tensor durable (resumable with --checkpoint-every/--resume)",
     )
+    p.add_argument(
+        "--timeline",
+        action="store_true",
+        help="print each step's phases (forward, backward, optimizer step): seconds, stall, "
+        "busy, NVMe bytes, their I/O floor and plain PyTorch's seconds (the JSON's "
+        "'timeline' has them either way)",
+    )
     p.add_argument("--json", type=Path, metavar="FILE", help="write the results as JSON")
     return p
 
@@ -368,9 +375,15 @@ def _run(argv: list[str], kept: list[Path] | None = None) -> int:
             reduce_dtype="float32" if args.reduce_dtype == "float32" else None,
         )
     if args.reference == "none":
-        return _run_budgeted(settings, args.json, compare=args.compare_budgets)
+        return _run_budgeted(
+            settings, args.json, compare=args.compare_budgets, timeline=args.timeline
+        )
     result = run_pressure(settings, say=lambda line: print(line, flush=True))
     print(_summary(result))
+    if args.timeline:
+        from swapper.pressure.timeline import format_timeline
+
+        print(format_timeline(result.timeline))
     if args.json is not None:
         write_json(args.json, result.to_json())
         print(f"results written to {args.json}")
@@ -381,12 +394,19 @@ def _run(argv: list[str], kept: list[Path] | None = None) -> int:
     return 0 if result.ok else 1
 
 
-def _run_budgeted(settings: PressureSettings, json_path: Path | None, *, compare: bool) -> int:
-    from swapper.pressure.budgeted import compare_budgets, run_budgeted
+def _run_budgeted(
+    settings: PressureSettings, json_path: Path | None, *, compare: bool, timeline: bool = False
+) -> int:
+    from swapper.pressure.budgeted import BudgetComparison, compare_budgets, run_budgeted
+    from swapper.pressure.timeline import format_timeline
 
     say = lambda line: print(line, flush=True)  # noqa: E731
     result = compare_budgets(settings, say=say) if compare else run_budgeted(settings, say=say)
-    _show(result.summary(), json_path, result.to_json)
+    summary = result.summary()
+    if timeline:
+        runs = [result.first, result.second] if isinstance(result, BudgetComparison) else [result]
+        summary += "".join("\n" + format_timeline(run.timeline) for run in runs)
+    _show(summary, json_path, result.to_json)
     what = "budget splits differ, or a run" if compare else "run"
     if not result.ok:
         print(f"{PROG}: FAILED: the {what} failed its checks (see above)", file=sys.stderr)

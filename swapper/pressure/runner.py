@@ -49,6 +49,7 @@ from swapper.manager import Kind, ManagerStats, Tier
 from swapper.pressure.export import export_final, export_json
 from swapper.pressure.memory import SavedBytes, peak_rss, reset_peak_rss, return_freed_memory
 from swapper.pressure.model import GPT, GPTConfig, batches, materialize_
+from swapper.pressure.timeline import PhaseRow, phase_rows
 from swapper.pressure.timing import Phases, Timing, measure_disk, plain_run
 from swapper.step import DynamicLossScaler, StepConfig
 from swapper.step.offload_optimizer import NAMED, make_optimizer
@@ -247,6 +248,8 @@ class PressureResult:
     #: tensor kinds and the store's metadata (``ManagerStats.nvme_written``)
     nvme_written_by_kind: dict[str, int] = dataclasses.field(default_factory=dict)
     steps_run: int = 0
+    #: the budgeted run's phases step by step, beside plain PyTorch's (``--timeline``)
+    timeline: tuple[PhaseRow, ...] = ()
 
     @property
     def nvme_written_bytes_per_step(self) -> float:
@@ -353,6 +356,7 @@ class PressureResult:
             **export_json(self.settings.export_dir, self.export_seconds),
             "snapshots": snapshots_json(self.snapshots),
             **(self.timing.to_json() if self.timing is not None else {}),
+            "timeline": [row.to_json() for row in self.timeline],
         }
 
 
@@ -454,6 +458,9 @@ def run_pressure(
         timing=Timing.of(pressure.phases, reference.phases, plain, disk),
         state_read_bytes_per_param=pressure.state_read_nbytes / num_params,
         state_written_bytes_per_param=pressure.state_written_nbytes / num_params,
+        timeline=tuple(
+            phase_rows(pressure.phases, disk, first_step=pressure.resumed_from + 1, plain=plain)
+        ),
     )
 
 

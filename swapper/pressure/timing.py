@@ -29,7 +29,7 @@ import shutil
 import statistics
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +46,15 @@ from tiers.config import AioConfig
 from tiers.errors import SwapConfigError
 from tiers.units import format_size
 
-__all__ = ["DiskRates", "Phases", "PlainRun", "Timing", "measure_disk", "plain_run"]
+__all__ = [
+    "DiskRates",
+    "Phases",
+    "PlainRun",
+    "Timing",
+    "measure_disk",
+    "plain_run",
+    "spin_wait_warning",
+]
 
 #: Bytes written then read per swap directory to measure the disk (a few tens of MiB:
 #: long enough to see the device's rate, short beside a run).
@@ -80,12 +88,16 @@ class Phases:
     model_prefetch: list[dict[str, int]] = dataclasses.field(default_factory=list)
     #: the process's peak resident memory (VmHWM) when each step ended, bytes
     peak_rss_nbytes: list[int] = dataclasses.field(default_factory=list)
+    #: per step, NVMe (read, written) bytes of each phase: "forward", "backward", "step"
+    #: (``swapper-pressure --timeline``: :mod:`swapper.pressure.timeline`)
+    phase_nbytes: list[dict[str, tuple[int, int]]] = dataclasses.field(default_factory=list)
     _t: float = 0.0
     _t0: float = 0.0
     _stall: float = 0.0
     _stall0: float = 0.0
     _read: int = 0
     _written: int = 0
+    _moved: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     _kinds0: dict[tuple[Kind, Tier, Tier], int] = dataclasses.field(default_factory=dict)
     _kinds1: dict[tuple[Kind, Tier, Tier], int] = dataclasses.field(default_factory=dict)
     _prefetch0: dict[str, int] = dataclasses.field(default_factory=dict)
@@ -104,12 +116,14 @@ class Phases:
         self._t0 = self._t = time.perf_counter()
         self._stall0 = self._stall = _stall(stats, waited_s)
         self._read, self._written = _nvme(stats)
+        self._moved = [(self._read, self._written)]
         self._kinds0 = dict(stats.kind_nbytes)
         self._prefetch0 = _prefetch(stats)
 
     def forward_done(self, stats: ManagerStats, waited_s: float = 0.0) -> None:
         self.forward_s.append(time.perf_counter() - self._t0)
         self.forward_stall_s.append(_stall(stats, waited_s) - self._stall0)
+        self._moved.append(_nvme(stats))
 
     def backward_done(self, stats: ManagerStats, waited_s: float = 0.0) -> None:
         now = time.perf_counter()
@@ -117,6 +131,7 @@ class Phases:
         self.model_s.append(now - self._t0)
         self.model_stall_s.append(stall - self._stall0)
         self._t, self._stall = now, stall
+        self._moved.append(_nvme(stats))
         self._kinds1 = dict(stats.kind_nbytes)
         now_prefetch = _prefetch(stats)
         self.model_prefetch.append({k: v - self._prefetch0[k] for k, v in now_prefetch.items()})
@@ -127,6 +142,14 @@ class Phases:
         read, written = _nvme(stats)
         self.nvme_read_nbytes.append(read - self._read)
         self.nvme_written_nbytes.append(written - self._written)
+        marks = [*self._moved, (read, written)]
+        if len(marks) == 4:  # begin, forward, backward, step: each phase's bytes
+            self.phase_nbytes.append(
+                {
+                    phase: (marks[i + 1][0] - marks[i][0], marks[i + 1][1] - marks[i][1])
+                    for i, phase in enumerate(("forward", "backward", "step"))
+                }
+            )
         kinds = dict(stats.kind_nbytes)
         self.kind_nbytes.append(
             {
@@ -270,10 +293,14 @@ def measure_disk(
 @dataclasses.dataclass(frozen=True)
 class PlainRun:
     """What :func:`plain_run` measured: per-step losses and seconds (forward + backward +
-    optimizer step)."""
+    optimizer step), and each phase's seconds (the optimizer's: from the end of backward
+    to the end of the update, the fp32 gradients made and the 16-bit weights copied)."""
 
     losses: list[float]
     step_s: list[float]
+    forward_s: list[float] = dataclasses.field(default_factory=list)
+    backward_s: list[float] = dataclasses.field(default_factory=list)
+    optimizer_s: list[float] = dataclasses.field(default_factory=list)
 
 
 def plain_run(
@@ -308,10 +335,13 @@ def plain_run(
     scaler = DynamicLossScaler(2.0**12) if dtype == torch.float16 else None
     losses: list[float] = []
     step_s: list[float] = []
+    run = PlainRun(losses, step_s)
     for tokens in data:
         start = time.perf_counter()
         loss = model.loss(tokens)
+        forward = time.perf_counter()
         (scaler.scale(loss) if scaler is not None else loss).backward()
+        backward = time.perf_counter()
         scale = scaler.loss_scale if scaler is not None else 1.0
         grads: list[torch.Tensor] = []
         for p, m in zip(params, masters, strict=True):
@@ -329,9 +359,13 @@ def plain_run(
             scaler.update(found_inf)
         model.zero_grad(set_to_none=True)
         optimizer.zero_grad(set_to_none=True)
-        step_s.append(time.perf_counter() - start)
+        end = time.perf_counter()
+        step_s.append(end - start)
+        run.forward_s.append(forward - start)
+        run.backward_s.append(backward - forward)
+        run.optimizer_s.append(end - backward)
         losses.append(float(loss.detach()))
-    return PlainRun(losses, step_s)
+    return run
 
 
 # ----------------------------------------------------------------------------------------
@@ -349,6 +383,8 @@ class Timing:
     stall_seconds: dict[str, float]
     disk: DiskRates
     plain_losses: list[float]
+    #: why the seconds beside plain PyTorch may mislead here (:func:`spin_wait_warning`)
+    warning: str | None = None
 
     @classmethod
     def of(cls, pressure: Phases, reference: Phases, plain: PlainRun, disk: DiskRates) -> Timing:
@@ -371,6 +407,7 @@ class Timing:
             },
             disk=disk,
             plain_losses=plain.losses,
+            warning=spin_wait_warning(),
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -386,6 +423,7 @@ class Timing:
             ),
             "disk": self.disk.to_json(),
             "plain_losses": self.plain_losses,
+            "timing_warning": self.warning,
         }
 
     def summary(self) -> str:
@@ -399,4 +437,46 @@ class Timing:
             f"write, {format_size(self.disk.read_bytes_per_s)}/s read"
             f"{'' if self.disk.direct else ', not O_DIRECT'}); stalled {s['forward']:.3f} s "
             f"forward, {s['backward']:.3f} s backward, {s['step']:.3f} s step"
+            + (f"\nnote: {self.warning}" if self.warning else "")
         )
+
+
+def spin_wait_warning(
+    *,
+    load: float | None = None,
+    cpus: int | None = None,
+    threads: int | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> str | None:
+    """A warning when the machine is busier than its cores and OpenMP spin-waits, else None.
+
+    With libgomp's default (active) wait policy, PyTorch's intra-op threads spin at every
+    barrier; when other processes hold the cores, a team waits for a member that is not
+    running. Measured on the 2-core VM at load 11-12 (docs/notes/2026-11-28-speed-3.md):
+    plain PyTorch's forward + backward of the 20M GPT took 5-8x longer with 2 threads than
+    with 1, and not with ``OMP_WAIT_POLICY=PASSIVE``; the offloaded run in the same process
+    was not slowed alike, so its ratio to plain PyTorch meant nothing.
+
+    Args (each ``None``: this process's): load: the 1-minute load average; cpus: the cores
+    this process may use; threads: torch's intra-op threads; environ: the environment.
+    """
+    env = os.environ if environ is None else environ
+    policy = env.get("OMP_WAIT_POLICY", "").strip().upper()
+    if policy == "PASSIVE":
+        return None
+    if load is None:
+        try:
+            load = os.getloadavg()[0]
+        except OSError:  # not available here: nothing to say
+            return None
+    if cpus is None:
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
+    if threads is None:
+        threads = torch.get_num_threads()
+    if threads < 2 or load <= cpus:
+        return None
+    return (
+        f"load average {load:.1f} on {cpus} core(s) with {threads} intra-op threads and "
+        "OpenMP spin-waiting: plain PyTorch's seconds may be several times too long here; "
+        "set OMP_WAIT_POLICY=PASSIVE for every run compared (docs/cli.md)"
+    )
