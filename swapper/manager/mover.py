@@ -435,12 +435,7 @@ class Mover:
             target = self._placement.fetch_tier(entry, tier)
             if in_place and entry.tier is not None and not entry.state.transient:
                 target = entry.tier
-            ctx.note_access(entry)
-            entry.waiters += 1  # from here on it is nobody's victim
-            if entry.prefetch is Prefetch.QUEUED:
-                # This fetch moves it now; a read-ahead starting later would read it
-                # again after the caller has used it (and perhaps written it out).
-                entry.prefetch = Prefetch.NONE
+            self._want(entry)
         brought = False
         try:
             tensor, hit, waited = self.bring(entry, target, deadline)
@@ -457,12 +452,7 @@ class Mover:
             # A signal that came during the fetch is delivered here, with the pin
             # undone, rather than after the caller holds the tensor without knowing.
             deliver_pending()
-            ctx.stats.add(
-                fetches=1,
-                stall_s=elapsed if (waited or not hit) else 0.0,
-                prefetch_hits=int(hit),
-                prefetch_misses=int(not hit),
-            )
+            self._count_fetch(elapsed, hit, waited)
         except BaseException:
             ctx.unpin(entry)
             raise
@@ -491,10 +481,7 @@ class Mover:
             entry = ctx.get(key)
             _check_assignable(entry, source, convert)
             target = self._placement.fetch_tier(entry, tier)
-            ctx.note_access(entry)
-            entry.waiters += 1  # from here on it is nobody's victim
-            if entry.prefetch is Prefetch.QUEUED:
-                entry.prefetch = Prefetch.NONE  # nothing left to read ahead (as fetch)
+            self._want(entry)
         placed = False
         try:
             hit, waited = self._place_value(entry, source, target, deadline)
@@ -505,7 +492,22 @@ class Mover:
                 entry.waiters -= 1
             if not placed:
                 ctx.stats.add(stall_s=elapsed)
-        ctx.stats.add(
+        self._count_fetch(elapsed, hit, waited)
+
+    def _want(self, entry: SwapEntry) -> None:
+        """Lock held. A fetch or assign of ``entry`` begins: its access noted, and from
+        here on it is nobody's victim (``waiters``) until the caller's ``finally``."""
+        self._ctx.note_access(entry)
+        entry.waiters += 1
+        if entry.prefetch is Prefetch.QUEUED:
+            # This call moves it now; a read-ahead starting later would read it again
+            # after the caller has used it (and perhaps written it out).
+            entry.prefetch = Prefetch.NONE
+
+    def _count_fetch(self, elapsed: float, hit: bool, waited: bool) -> None:
+        """One fetch (or assign) in the stats: a hit when it was where it was wanted, its
+        ``elapsed`` seconds a stall when it waited for another transfer or was a miss."""
+        self._ctx.stats.add(
             fetches=1,
             stall_s=elapsed if (waited or not hit) else 0.0,
             prefetch_hits=int(hit),
