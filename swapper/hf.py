@@ -33,7 +33,7 @@ writes by hand; docs/huggingface.md):
   swap directory of ``offload``: resume with the same one.
 
 Needs ``transformers`` and ``accelerate`` (``pip install swapper[hf]``). One process:
-several ranks are not supported here.
+``TrainingArguments`` for several (``torchrun``) are refused at construction, naming why.
 """
 
 from __future__ import annotations
@@ -123,8 +123,10 @@ class Trainer(transformers.Trainer):
             the optimizer and its scheduler is the Trainer's).
 
     Raises:
-        SwapConfigError: ``offload`` is not a config, ``optimizers`` is given, or the
-            DeepSpeed file disagrees with ``args`` (named).
+        SwapConfigError: ``offload`` is not a config, ``optimizers`` is given, the
+            DeepSpeed file disagrees with ``args`` (named), or ``args`` are for several
+            processes (``world_size`` > 1: one process only, :func:`_refuse_several_ranks`
+            says why).
     """
 
     def __init__(
@@ -142,6 +144,7 @@ class Trainer(transformers.Trainer):
                 "not pass optimizers=; set the learning rate and schedule in the "
                 "TrainingArguments"
             )
+        _refuse_several_ranks(args)
         self.offload_config, self._training = _offload_config(offload)
         self._adam = _optimizer_kwargs(args, self._training)
         self._wrapped: OffloadedModel | None = None
@@ -183,9 +186,7 @@ class Trainer(transformers.Trainer):
             resume = _snapshot_name(Path(checkpoint))
         model = self._model()
         if self.args.gradient_checkpointing:  # before the wrap: its floor is checked
-            enable = getattr(model, "gradient_checkpointing_enable", None)
-            if enable is not None:
-                enable(gradient_checkpointing_kwargs=self.args.gradient_checkpointing_kwargs)
+            _enable_checkpointing(model, self.args.gradient_checkpointing_kwargs)
         self.optimizer, self.lr_scheduler = None, None  # (made over this wrap)
         # Leaving the block gives the model its weights back (an error too: see
         # swapper.zero.local.weights.leave); a store holding snapshots keeps its files.
@@ -249,6 +250,16 @@ class Trainer(transformers.Trainer):
         )
         return self.optimizer
 
+    def create_accelerator_and_postprocess(self) -> None:
+        """The Trainer's accelerator, whose ``clip_grad_norm_`` gives the step's norm:
+        transformers 4.x clips through it (5.x through :meth:`_clip_grad_norm`), and
+        there too it would find no ``.grad`` and log 0."""
+        super().create_accelerator_and_postprocess()
+        self.accelerator.clip_grad_norm_ = self._accelerator_clip  # type: ignore[method-assign]
+
+    def _accelerator_clip(self, parameters: Any, max_norm: float, norm_type: float = 2) -> Any:
+        return self._clip_grad_norm(self._model())
+
     def _clip_grad_norm(self, model: nn.Module) -> torch.Tensor:
         # The step clips (and computes the norm) itself: the gradients are in swapper's
         # retained buffers, not in .grad. What the Trainer logs is this tensor, filled with
@@ -299,6 +310,55 @@ class Trainer(transformers.Trainer):
                 groups, scheduler.get_last_lr(), scheduler.base_lrs, strict=True
             ):
                 group["lr"], group["initial_lr"] = lr, base
+
+
+def _enable_checkpointing(model: nn.Module, kwargs: dict[str, Any] | str | None) -> None:
+    """HF's gradient checkpointing on ``model`` with ``kwargs``. Reentrant (transformers
+    4.x's default) over a frozen input embedding (a PEFT model's), the inputs are made to
+    require grad, as transformers 5 always does and PEFT does for a base checkpointing
+    when it is wrapped: else, with 4.x, the checkpointed blocks' outputs need no grad and
+    the backward fails ("element 0 of tensors does not require grad")."""
+    enable = getattr(model, "gradient_checkpointing_enable", None)
+    if enable is None:
+        return
+    enable(gradient_checkpointing_kwargs=kwargs)
+    default = int(transformers.__version__.split(".")[0]) < 5  # (5.x: non-reentrant)
+    # (a str: the arguments' JSON form, which TrainingArguments parses into a dict)
+    reentrant = kwargs.get("use_reentrant", default) if isinstance(kwargs, dict) else default
+    embeddings = getattr(model, "get_input_embeddings", None)
+    require = getattr(model, "enable_input_require_grads", None)
+    if not reentrant or embeddings is None or require is None:
+        return
+    embedding = embeddings()
+    if isinstance(embedding, nn.Module) and not any(
+        p.requires_grad for p in embedding.parameters()
+    ):
+        require()
+
+
+def _refuse_several_ranks(args: transformers.TrainingArguments) -> None:
+    """Several processes (``torchrun --nproc_per_node N``, ``accelerate launch``) are
+    refused: there the Trainer (through accelerate) wraps the model in
+    ``DistributedDataParallel``, which broadcasts the parameters from rank 0 and
+    all-reduces their ``.grad``; under swapper a parameter is an empty placeholder
+    whose bytes are in the tiers (a rank's shard of them, sharded) and its gradient is
+    in swapper's retained buffers, reduce-scattered by swapper itself, so neither would
+    happen right. Several ranks need ``swapper.offload(model, config, process_group)``
+    and a training loop (docs/distributed.md).
+
+    Raises:
+        SwapConfigError: ``args.world_size`` is more than 1 (named).
+    """
+    world = args.world_size
+    if world > 1:
+        raise SwapConfigError(
+            f"swapper.hf.Trainer runs in one process; these TrainingArguments have "
+            f"world_size={world} (torchrun or accelerate launch): the Trainer would wrap "
+            "the model in DistributedDataParallel, which cannot broadcast or reduce "
+            "parameters whose bytes live in swapper's tiers. Launch one process, or train "
+            "several ranks with swapper.offload(model, config, process_group) and your own "
+            "loop (docs/distributed.md)"
+        )
 
 
 def _snapshot_name(checkpoint: Path) -> str:

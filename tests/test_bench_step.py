@@ -113,8 +113,9 @@ def test_step_optimizer(tmp_path: Path, name: str, state_bytes: int | None) -> N
     assert read == written
     if state_bytes is not None:  # 5 sub-groups of 51200 and one of 44000 (padded 44032)
         assert read == pytest.approx(state_bytes * (5 * 51200 + 44032) / 300_000)
-    else:  # Adafactor: 4 B of master, its 1-D "variance" (one parameter each, whole)
-        assert 4 < read < 9
+    else:  # Adafactor on the bench's 2-D tensors: 4 B of master and its factored rows
+        # (48 + 1024 fp32 per 48 x 1024 tensor), not a full 4 B "variance"
+        assert 4 < read < 4.5
     assert doc["step_over_floor"] > 0
 
 

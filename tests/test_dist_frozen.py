@@ -10,6 +10,7 @@ backward.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import pytest
@@ -69,26 +70,41 @@ def train(rank: int, world: int, tmp: str, name: str, tight: bool, ckpt: str) ->
         weight_decay=WEIGHT_DECAY,
         tiers=wrapped,
     )
+    share = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
+    steps = [lambda x=x, y=y: _loss(wrapped(x[share]), y[share]) for x, y in _data()]
+    return run_steps(wrapped, optimizer, steps)
+
+
+def run_steps(
+    wrapped: Any, optimizer: OffloadAdamW, steps: Iterable[Callable[[], torch.Tensor]]
+) -> dict[str, Any]:
+    """Each step's loss backpropagated, the optimizer stepped; then :func:`summary`; the
+    optimizer and the wrap closed however it ends."""
     losses = []
     try:
-        for x, y in _data():
-            share = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
-            loss = _loss(wrapped(x[share]), y[share])
+        for compute in steps:
+            loss = compute()
             loss.backward()
             optimizer.step()
             optimizer.zero_grad()
             losses.append(float(loss.detach()))
-        stats = wrapped.stats()
-        return {
-            "losses": losses,
-            "params": {k: v.clone() for k, v in wrapped.state_dict().items()},
-            "device_peak": stats.tiers[Tier.DEVICE].peak_nbytes,
-            "optimizer_numel": sum(sg.numel for sg in optimizer.sub_groups),
-            "nvme_read": stats.moved(Tier.NVME, Tier.HOST).nbytes,
-        }
+        return summary(wrapped, optimizer, losses)
     finally:
         optimizer.close()
         wrapped.close()
+
+
+def summary(wrapped: Any, optimizer: OffloadAdamW, losses: list[float]) -> dict[str, Any]:
+    """What a rank's run gives the parent: losses, weights, device peak, the optimizer's
+    elements, the NVMe bytes read."""
+    stats = wrapped.stats()
+    return {
+        "losses": losses,
+        "params": {k: v.clone() for k, v in wrapped.state_dict().items()},
+        "device_peak": stats.tiers[Tier.DEVICE].peak_nbytes,
+        "optimizer_numel": sum(sg.numel for sg in optimizer.sub_groups),
+        "nvme_read": stats.moved(Tier.NVME, Tier.HOST).nbytes,
+    }
 
 
 def run_all(rank: int, world: int, tmp: str) -> dict[str, Any]:

@@ -475,13 +475,12 @@ def test_first_step_reads_ahead_along_the_modules_order(
     assert order[0] in flat[len(asked[0]) :]
 
 
-def test_step_reads_ahead_the_gradients_of_the_next_sub_groups(
+def test_step_reads_ahead_the_gradients_and_parameters_of_the_next_sub_groups(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The step asks for the retained gradients on NVMe of the sub-groups after the one
-    computing, beside their state. Without it each was read on demand when its sub-group
-    came up (the step asked for optimizer state only). Parameters are read on demand
-    (see TieredParams.read_ahead)."""
+    """The step asks for the retained gradients and parameters on NVMe of the sub-groups
+    after the one computing, beside their state. Without it each was read on demand when
+    its sub-group came up (the step asked for optimizer state only)."""
     x, y = _mlp_data(1)[0]
     with swapper.offload(_mlp(), _tight(tmp_path)) as wrapped, _optimizer(wrapped) as optimizer:
         _mse(wrapped(x), y).backward()
@@ -499,8 +498,12 @@ def test_step_reads_ahead_the_gradients_of_the_next_sub_groups(
         # (on a loaded machine, none of the later ones at times: CI at 0641a25), so those
         # of the later sub-groups are sent there, and the test waits for it.
         registered = manager.keys()  # (a list, in registration order)
-        later = {k for k in registered if k.startswith("grad/") and k[5:] not in first}
-        assert later, "no gradient outside the first sub-group"
+        later = {
+            k
+            for k in registered
+            if k.startswith(("grad/", "param/")) and k.split("/", 1)[1] not in first
+        }
+        assert later, "no gradient or parameter outside the first sub-group"
         for write in [manager.evict(k, Tier.NVME) for k in sorted(later)]:
             write.result(timeout=30)
         assert all(manager.info(k).tier is None for k in later)
@@ -516,6 +519,38 @@ def test_step_reads_ahead_the_gradients_of_the_next_sub_groups(
         assert optimizer._pipeline.readahead >= 1
         optimizer.step()
     assert later <= asked, sorted(later - asked)
+
+
+def test_a_parameter_split_across_sub_groups_is_held_between_its_pieces(
+    tmp_path: Path,
+) -> None:
+    """A parameter whose pieces lie in two sub-groups stays held (no victim) from its
+    first piece's write to its last one's. Without it the next sub-group's state, or the
+    parameters read ahead for it, could evict it between them at tight host budgets: its
+    half-updated bytes written to NVMe, read back for the second piece, and written again
+    (twice a step; tests/test_frozen.py's write bound with the parameters read ahead)."""
+    model = _mlp()
+    with swapper.offload(model, _tight(tmp_path)) as wrapped:
+        manager = wrapped.manager
+        source = wrapped.param_source()
+        param = dict(model.named_parameters())["3.weight"]  # HIDDEN x HIDDEN: two halves
+        key = "param/3.weight"
+        numel = HIDDEN * HIDDEN  # (param itself is an empty placeholder in the block)
+        half = numel // 2
+        new = torch.arange(numel, dtype=torch.float32) / 1000
+        before = manager.info(key).users
+        source.write_param(param, half, new[half:])  # (the run order may start at the end)
+        assert manager.info(key).users == before + 1  # held: no eviction can take it
+        assert not manager.info(key).clean
+        source.write_param(param, 0, new[:half])
+        assert manager.info(key).users == before  # the whole written: released
+        # a step cut between the pieces: the hold ends with it (resident()'s end)
+        with source.resident([param]):  # type: ignore[attr-defined]
+            source.write_param(param, 0, new[:half])
+            assert manager.info(key).users == before + 1
+        assert manager.info(key).users == before
+        expected = new.to(torch.bfloat16).view(HIDDEN, HIDDEN)
+        assert torch.equal(wrapped.state_dict()["3.weight"], expected)
 
 
 def test_read_ahead_is_bounded_in_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -681,7 +716,7 @@ def test_wrap_failing_part_way_gives_the_placed_parameters_back() -> None:
     before = {k: v.clone() for k, v in model.state_dict().items()}
 
     def materialize(module: nn.Module, place: Any) -> None:
-        place("0", module[0])
+        place("0", module.get_submodule("0"))
         raise OSError(5, "injected: the disk went away")
 
     with pytest.raises(OSError, match="injected"):

@@ -122,6 +122,20 @@ def _tight(tmp_path: Path, name: str) -> ManagerConfig:
     )
 
 
+def _tight_optimizer(
+    cls: type[torch.optim.Optimizer],
+    params: list[torch.Tensor],
+    tmp_path: Path,
+    kwargs: dict[str, Any],
+    name: str = "a",
+) -> OffloadOptimizer:
+    """``cls`` over ``params`` with :func:`_tight` budgets and sub-groups of SG_NUMEL."""
+    return OffloadOptimizer(
+        cls, params, tiers=_tight(tmp_path, name), config=StepConfig(sub_group_numel=SG_NUMEL),
+        **kwargs,
+    )  # fmt: skip
+
+
 def _unlimited() -> ManagerConfig:
     return ManagerConfig(device_nbytes=0, host_nbytes=None, nvme_dirs=[])
 
@@ -138,6 +152,9 @@ class Reference:
 
     def step(self, factor: float) -> None:
         for m, p in zip(self.masters, self.params, strict=True):
+            if p.grad is None:  # X skips it
+                m.grad = None
+                continue
             grad = p.grad.float()  # (a new tensor)
             if factor != 1.0:
                 grad.mul_(factor)
@@ -152,7 +169,7 @@ def _factor(
     params: list[torch.Tensor], max_norm: float | None, scale: float | None
 ) -> tuple[float, bool]:
     """As torch: the unscaled global norm, its fp32 clip coefficient; (factor, overflow)."""
-    total = torch.nn.utils.get_total_norm([p.grad.float() for p in params])
+    total = torch.nn.utils.get_total_norm([p.grad.float() for p in params if p.grad is not None])
     if not math.isfinite(float(total)):
         return 1.0, True
     factor = 1.0
@@ -174,12 +191,20 @@ def _assert_states_equal(ours: Any, theirs: dict[int, dict[str, torch.Tensor]], 
             assert torch.equal(mine[key], value), f"{what}: param {index} {key} differs"
 
 
-def _train(name: str, dtype: torch.dtype, tight: ManagerConfig, *, steps: int = 10) -> None:
+def _train(
+    name: str,
+    dtype: torch.dtype,
+    tight: ManagerConfig,
+    *,
+    steps: int = 10,
+    drop: Callable[[int], set[int]] | None = None,
+) -> None:
     """``steps`` steps of the tiny GPT under two OffloadOptimizers, one with ``tight``
     budgets, one with unlimited ones, and the reference beside them, all compared at every
     step: clipping on; fp16 with a loss scaler and a skipped step. Tight and unlimited
     params are equal at every step (checked), so one forward and backward serves both:
-    the gradients are copied."""
+    the gradients are copied. ``drop(step)``: the indices of the parameters whose
+    ``.grad`` is set to None before that step."""
     cls, kwargs = OPTIMIZERS[name]
     models = [_gpt(dtype), _gpt(dtype)]
     params = [list(m.parameters()) for m in models]
@@ -207,8 +232,10 @@ def _train(name: str, dtype: torch.dtype, tight: ManagerConfig, *, steps: int = 
             (loss if scaler is None else scaler.scale(loss)).backward()
             if scaler is not None and step == 4:
                 params[0][3].grad.view(-1)[7] = math.inf  # overflow: the step is skipped
+            for i in drop(step) if drop is not None else ():
+                params[0][i].grad = None
             for a, b in zip(params[0], params[1], strict=True):
-                b.grad = a.grad.clone()
+                b.grad = None if a.grad is None else a.grad.clone()
             factor, overflow = _factor(params[0], max_norm, scale)
             opt.step()
             free.step()
@@ -234,6 +261,127 @@ def test_parity_with_the_optimizer_in_memory(tmp_path: Path, name: str, dtype: t
     """Tight budgets (state on NVMe, a parameter split across sub-groups where element-wise)
     bit-identical to X in memory at every step, and to unlimited budgets."""
     _train(name, dtype, _tight(tmp_path, "tight"))
+
+
+def _split_params(sub_groups: Any) -> set[int]:
+    """Indices of the parameters (one group) cut across two or more sub-groups."""
+    seen = [p.param_index for sg in sub_groups for p in sg.pieces]
+    return {i for i in seen if seen.count(i) > 1}
+
+
+@pytest.mark.parametrize("name", ["sgd", "adam", "adagrad", "adafactor", "lion"])
+def test_a_parameter_without_gradient_is_skipped_as_x_does(tmp_path: Path, name: str) -> None:
+    """A parameter whose ``.grad`` is None at a step (some of them split across two
+    sub-groups, some alone in one) is left as X leaves it: no update, no weight decay,
+    no state made or advanced (Adam's per-parameter ``step`` lags), bitwise."""
+    model = _gpt(torch.bfloat16)
+    with OffloadOptimizer(
+        torch.optim.SGD,
+        list(model.parameters()),
+        tiers=_unlimited(),
+        config=StepConfig(sub_group_numel=SG_NUMEL),
+        lr=0.1,
+    ) as probe:
+        split = _split_params(probe.sub_groups)
+    assert split  # the case that matters: a piece of a parameter skipped, the other not
+    count = len(list(model.parameters()))
+
+    def drop(step: int) -> set[int]:
+        if step == 1:
+            return {0, count - 1}  # never stepped at the first step: no state until later
+        if step in (3, 4, 7):
+            return split | {2, 5}
+        return set()
+
+    _train(name, torch.bfloat16, _tight(tmp_path, "tight"), drop=drop)
+
+
+@pytest.mark.parametrize("name", ["sgd", "adam", "adagrad", "adafactor"])
+def test_add_param_group_after_steps_matches_x(tmp_path: Path, name: str) -> None:
+    """``add_param_group`` after three steps: the new group (its own lr and weight decay)
+    gets new sub-groups after the others, and the run stays bit-identical to X given the
+    same group at the same step; the state dict numbers the new parameters after the
+    others'."""
+    cls, kwargs = OPTIMIZERS[name]
+    model = _gpt(torch.bfloat16)
+    params = list(model.parameters())
+    first, later = params[:-4], params[-4:]  # (the block's last layers and the final norm)
+    masters = {id(p): p.detach().float().clone() for p in params}
+    ref = cls([masters[id(p)] for p in first], **kwargs)
+    extra = {"lr": kwargs["lr"] / 2, "weight_decay": 0.05}
+    with OffloadOptimizer(
+        cls, first, tiers=_tight(tmp_path, "a"), config=StepConfig(sub_group_numel=SG_NUMEL),
+        **kwargs,
+    ) as opt:  # fmt: skip
+        before = len(opt.sub_groups)
+        for step in range(1, 8):
+            if step == 4:
+                ref.add_param_group({"params": [masters[id(p)] for p in later], **extra})
+                opt.add_param_group({"params": later, **extra})
+                assert len(opt.sub_groups) > before
+                assert all(sg.group_index == 1 for sg in opt.sub_groups[before:])
+            _loss(model, step).backward()
+            stepped = first if step < 4 else params
+            for p in params:
+                if p.grad is not None and not any(p is q for q in stepped):
+                    p.grad = None  # (X's parameters only)
+                masters[id(p)].grad = None if p.grad is None else p.grad.float()
+            opt.step()
+            ref.step()
+            for i, p in enumerate(params):
+                assert torch.equal(p.detach(), masters[id(p)].to(p.dtype)), f"step {step} p{i}"
+            opt.zero_grad()
+            for p in params:
+                p.grad = None
+        ours = opt.state_dict()
+        assert ours["param_groups"][1]["params"] == list(range(len(first), len(params)))
+        assert ours["param_groups"][1]["lr"] == extra["lr"]
+        _assert_states_equal(dict(ours["state"].items()), ref.state_dict()["state"], name)
+
+
+def test_add_param_group_refusals_change_nothing(tmp_path: Path) -> None:
+    """A parameter already in a group, a bad hyper-parameter, a sub-group the host
+    budget cannot hold, compressed moments (OffloadAdamW): refused with the reason, the
+    groups and state as they were, nothing written."""
+    from swapper import OffloadAdamW
+
+    model = _gpt(torch.bfloat16)
+    params = list(model.parameters())
+    with OffloadOptimizer(
+        torch.optim.SGD,
+        params[:-2],
+        tiers=_tight(tmp_path, "a"),
+        config=StepConfig(sub_group_numel=SG_NUMEL),
+        lr=0.1,
+        momentum=0.9,
+    ) as opt:
+        count = len(opt.sub_groups)
+        with pytest.raises(SwapConfigError, match="param group 1"):
+            opt.add_param_group({"params": params[-3:]})  # params[-3] is in group 0
+        with pytest.raises(SwapConfigError, match=r"SGD.*learning rate"):
+            opt.add_param_group({"params": params[-2:], "lr": -1.0})
+        assert len(opt.param_groups) == 1 and len(opt.sub_groups) == count
+        opt.add_param_group({"params": params[-2:]})  # and then it works
+        assert len(opt.param_groups) == 2 and len(opt.sub_groups) > count
+    big = nn.Parameter(torch.zeros(64, 1024, dtype=torch.bfloat16))  # 256 KiB of masters
+    with OffloadOptimizer(
+        torch.optim.Adafactor, params, tiers=_tight(tmp_path, "b"),
+        config=StepConfig(sub_group_numel=SG_NUMEL),
+    ) as ada:  # fmt: skip
+        count = len(ada.sub_groups)
+        files = sorted(p.name for p in (tmp_path / "b").rglob("*"))
+        with pytest.raises(SwapConfigError, match="host_nbytes"):
+            ada.add_param_group({"params": [big]})  # a whole parameter: no room for it
+        assert len(ada.param_groups) == 1 and len(ada.sub_groups) == count
+        assert sorted(p.name for p in (tmp_path / "b").rglob("*")) == files
+    with OffloadAdamW(
+        params[:-2],
+        tiers=_unlimited(),
+        config=StepConfig(sub_group_numel=SG_NUMEL, moments="bf16"),
+    ) as adamw:
+        with pytest.raises(SwapConfigError, match="compressed moments"):
+            adamw.add_param_group({"params": params[-2:]})
+        assert len(adamw.param_groups) == 1
 
 
 def test_elementwise_split_and_whole_parameters(tmp_path: Path) -> None:
@@ -285,13 +433,7 @@ def test_state_dict_round_trip_both_ways(tmp_path: Path, name: str) -> None:
     model = _gpt(torch.bfloat16)
     params = list(model.parameters())
     ref = Reference(cls, kwargs, params)
-    with OffloadOptimizer(
-        cls,
-        params,
-        tiers=_tight(tmp_path, "a"),
-        config=StepConfig(sub_group_numel=SG_NUMEL),
-        **kwargs,
-    ) as opt:
+    with _tight_optimizer(cls, params, tmp_path, kwargs) as opt:
         for step in range(1, 4):
             _loss(model, step).backward()
             opt.step()

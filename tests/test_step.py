@@ -1292,15 +1292,27 @@ def test_parameter_in_two_groups_raises_swap_config_error(tmp_path: Path) -> Non
         ).close()
 
 
-def test_add_param_group_after_construction_is_refused(tmp_path: Path) -> None:
+def test_add_param_group_before_the_first_step_only(tmp_path: Path) -> None:
+    """OffloadAdamW counts steps per optimizer (its bias correction): a group added after
+    construction but before any step gets sub-groups of its own and steps; after a step
+    it is refused (the new group would start at that step), nothing changed."""
+    first, second, third = _bf16(10), _bf16(4), _bf16(6)
     with OffloadAdamW(
-        [_bf16(10)],
+        [first],
         tiers=_config(tmp_path),
         config=StepConfig(sub_group_numel=SG_NUMEL),
     ) as opt:
-        with pytest.raises(SwapConfigError, match="add_param_group"):
-            opt.add_param_group({"params": [_bf16(4)]})
-        assert len(opt.param_groups) == 1 and len(opt.sub_groups) == 1
+        opt.add_param_group({"params": [second], "lr": 0.5})
+        assert len(opt.param_groups) == 2 and len(opt.sub_groups) == 2
+        assert opt.sub_groups[1].group_index == 1
+        before = second.detach().clone()
+        for p in (first, second):
+            p.grad = torch.ones_like(p)
+        opt.step()
+        assert not torch.equal(second.detach(), before)  # stepped, with its own lr
+        with pytest.raises(SwapConfigError, match="add_param_group after a step"):
+            opt.add_param_group({"params": [third]})
+        assert len(opt.param_groups) == 2 and len(opt.sub_groups) == 2
 
 
 # -- life cycle ---------------------------------------------------------------------------

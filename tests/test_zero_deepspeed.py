@@ -277,17 +277,22 @@ def _adamw(cfg: OffloadConfig) -> OffloadAdamW:
     return OffloadAdamW([param], tiers=cfg.manager, config=cfg.step)
 
 
-def test_a_sub_group_the_host_budget_cannot_hold_is_reduced_with_one_line(
-    caplog: pytest.LogCaptureFixture, tmp_path: Path
-) -> None:
-    caplog.set_level(logging.INFO, LOGGER)
-    ds = {
+def _big_sub_group(tmp_path: Path) -> dict[str, Any]:
+    """A config whose sub_group_size (5e7) the host budget HOST cannot hold."""
+    return {
         "zero_optimization": {
             "stage": 3,
             "sub_group_size": 5e7,
             "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path / "swap")},
         }
     }
+
+
+def test_a_sub_group_the_host_budget_cannot_hold_is_reduced_with_one_line(
+    caplog: pytest.LogCaptureFixture, tmp_path: Path
+) -> None:
+    caplog.set_level(logging.INFO, LOGGER)
+    ds = _big_sub_group(tmp_path)
     cfg = OffloadConfig.from_deepspeed(ds, host_nbytes=HOST, device="cpu")
     expected = HOST // 48 // 1024 * 1024  # a quarter of the budget, whole alignment units
     assert cfg.step.sub_group_numel == expected
@@ -304,6 +309,20 @@ def test_a_sub_group_the_host_budget_cannot_hold_is_reduced_with_one_line(
     assert cfg.step.sub_group_numel == expected
     (line,) = _warnings(caplog)
     assert "default sub-group size" in line
+
+
+def test_the_sub_group_is_fitted_to_the_optimizers_state_bytes(
+    caplog: pytest.LogCaptureFixture, tmp_path: Path
+) -> None:
+    """SGD with momentum keeps 8 B per element (master + momentum), not AdamW's 12: its
+    sub-group is fitted to a quarter of the host budget at 8 B."""
+    caplog.set_level(logging.INFO, LOGGER)
+    ds = _big_sub_group(tmp_path)
+    ds["optimizer"] = {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}}
+    cfg = OffloadConfig.from_deepspeed(ds, host_nbytes=HOST, device="cpu")
+    assert cfg.step.sub_group_numel == HOST // 32 // 1024 * 1024
+    (line,) = _warnings(caplog)
+    assert "(8 B per element)" in line
 
 
 def test_a_fitting_or_explicit_sub_group_is_left_alone(caplog: pytest.LogCaptureFixture) -> None:

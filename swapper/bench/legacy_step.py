@@ -10,16 +10,10 @@ are built from the retained 16-bit ones in memory), so it lives with the benchma
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Any
-
 import torch
 
-from swapper.manager import Kind, ManagerConfig, Tier, TierManager
+from swapper.manager import Kind, Tier, TierManager
 from swapper.step import OffloadAdamW, StepFailedError, SubGroup
-from swapper.step.config import StepConfig
-from swapper.step.scaler import DynamicLossScaler
-from swapper.step.sources import TieredModel
 from tiers.errors import SwapConfigError
 from tiers.signals import wait_future
 
@@ -39,38 +33,9 @@ class LegacyGradSwapAdamW(OffloadAdamW):
             :class:`~swapper.step.OffloadAdamW` raises.
     """
 
-    def __init__(
-        self,
-        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
-        lr: float = 1e-3,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        weight_decay: float = 1e-2,
-        *,
-        tiers: TierManager | ManagerConfig | TieredModel,
-        config: StepConfig | None = None,
-        loss_scaler: DynamicLossScaler | None = None,
-    ) -> None:
-        if isinstance(tiers, ManagerConfig):
-            nvme_dirs = tiers.nvme_dirs
-        elif isinstance(tiers, (TierManager, TieredModel)):
-            nvme_dirs = (
-                tiers if isinstance(tiers, TierManager) else tiers.manager
-            ).config.nvme_dirs
-        else:
-            nvme_dirs = ()  # OffloadAdamW names what tiers must be
-        if isinstance(tiers, (ManagerConfig, TierManager, TieredModel)) and not nvme_dirs:
+    def _check_manager(self, manager: TierManager) -> None:
+        if not manager.config.nvme_dirs:
             raise SwapConfigError("legacy_grad_swap needs an NVMe tier: give nvme_dirs")
-        super().__init__(
-            params,
-            lr,
-            betas,
-            eps,
-            weight_decay,
-            tiers=tiers,
-            config=config,
-            loss_scaler=loss_scaler,
-        )
 
     def _run_pipeline(self, target: int, factor: float) -> None:
         try:

@@ -60,6 +60,7 @@ from swapper.manager import ManagerConfig
 from swapper.step import OffloadAdamW, StepConfig, StepPipeline, StreamedOptimizer
 from swapper.step.layout import plan_sub_groups
 from swapper.step.offload_optimizer import NAMED, make_optimizer, plan_named
+from swapper.step.rules.torch_optim import NOT_ELEMENTWISE
 from tiers.config import AioConfig
 from tiers.units import format_size
 
@@ -67,6 +68,8 @@ COMMAND = "step"
 #: Parameters are tensors of at most this many elements (like a model's layers), so that
 #: sub-groups cut through some of them.
 TENSOR_NUMEL = 10_000_000
+#: Columns of the bench's 2-D parameters (for an optimizer that is not element-wise).
+ROW_NUMEL = 1024
 STATE_BYTES_PER_PARAM = 12
 PASSES = ("io-only", "compute-only", "step", "legacy")
 #: the disk probe's turn in a round (not a pass of the optimizer)
@@ -109,7 +112,24 @@ class StepPlan:
     def sub_groups(self) -> list[Any]:
         if self.optimizer == "adamw":
             return plan_sub_groups([_tensor_numels(self.params)], self.sub_group)
-        return _named_plan(self.optimizer, tuple(_tensor_numels(self.params)), self.sub_group)
+        return _named_plan(self.optimizer, tuple(self.shapes()), self.sub_group)
+
+    def shapes(self) -> list[tuple[int, ...]]:
+        """The bench's parameters: 1-D tensors of up to :data:`TENSOR_NUMEL` elements;
+        for an optimizer whose update is not element-wise (Adafactor), 2-D tensors of
+        :data:`ROW_NUMEL` columns and at most a sub-group's elements, so that its
+        factored state is what a model's matrices get and its sub-groups (whole
+        parameters) are the size asked for."""
+        if self.optimizer == "adamw" or NAMED[self.optimizer][0].__name__ not in NOT_ELEMENTWISE:
+            return [(n,) for n in _tensor_numels(self.params)]
+        rows = max(1, min(TENSOR_NUMEL, self.sub_group) // ROW_NUMEL)
+        full, rest = divmod(self.params, rows * ROW_NUMEL)
+        shapes: list[tuple[int, ...]] = [(rows, ROW_NUMEL)] * full
+        if rest:
+            shapes.append((rest // ROW_NUMEL, ROW_NUMEL) if rest >= ROW_NUMEL else (rest,))
+            if rest >= ROW_NUMEL and rest % ROW_NUMEL:
+                shapes.append((rest % ROW_NUMEL,))
+        return shapes
 
     @property
     def passes(self) -> tuple[str, ...]:
@@ -121,9 +141,9 @@ class StepPlan:
 
 
 @functools.lru_cache(maxsize=4)
-def _named_plan(name: str, numels: tuple[int, ...], sub_group: int) -> list[Any]:
-    """The optimizer's layout (its state discovered once per distinct tensor size)."""
-    return plan_named(name, list(numels), sub_group)
+def _named_plan(name: str, shapes: tuple[tuple[int, ...], ...], sub_group: int) -> list[Any]:
+    """The optimizer's layout (its state discovered once per distinct tensor shape)."""
+    return plan_named(name, list(shapes), sub_group)
 
 
 def _tensor_numels(params: int) -> list[int]:
@@ -210,9 +230,9 @@ class _Pass:
 def _make_params(plan: StepPlan) -> list[torch.nn.Parameter]:
     gen = torch.Generator().manual_seed(plan.seed)
     params = []
-    for numel in _tensor_numels(plan.params):
-        p = torch.nn.Parameter(torch.randn(numel, generator=gen).to(torch.bfloat16))
-        p.grad = (torch.randn(numel, generator=gen) * 1e-3).to(torch.bfloat16)
+    for shape in plan.shapes():
+        p = torch.nn.Parameter(torch.randn(shape, generator=gen).to(torch.bfloat16))
+        p.grad = (torch.randn(shape, generator=gen) * 1e-3).to(torch.bfloat16)
         params.append(p)
     return params
 

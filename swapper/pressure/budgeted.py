@@ -58,6 +58,7 @@ from swapper.pressure.runner import (
     budgeted_config,
     default_budgets,
     snapshots_json,
+    state_nbytes_per_param,
     store_dirs,
     train_once,
 )
@@ -89,8 +90,6 @@ RSS_SLACK_NBYTES = 3 << 29
 MATERIALISE_FACTOR = 1.3
 #: Bytes of training state per parameter beside the optimizer's: 16-bit param + grad.
 _PARAM_GRAD_NBYTES = 4
-#: Optimizer state bytes per parameter by moments: fp32 master + two moments.
-_STATE_NBYTES = {"fp32": 12, "bf16": 8, "int8": 6}
 
 
 def compute_floor(sub_group_numel: int, moments: str = "fp32", *, repeats: int = 3) -> float:
@@ -349,8 +348,8 @@ class BudgetedResult:
     @property
     def state_nbytes(self) -> int:
         """Training state: 16-bit parameters and gradients and the optimizer's state."""
-        per_param = _PARAM_GRAD_NBYTES + _STATE_NBYTES[self.settings.moments]
-        return per_param * self.num_params
+        per_param = _PARAM_GRAD_NBYTES + state_nbytes_per_param(self.settings)
+        return round(per_param * self.num_params)
 
     @property
     def rss_bound_bytes(self) -> int:
@@ -499,7 +498,7 @@ def run_budgeted(
     return_freed_memory()
     reset_peak_rss()  # (a run before this one in the process, e.g. compare_budgets' first)
     baseline = baseline_rss(settings, dtype)
-    state = (_PARAM_GRAD_NBYTES + _STATE_NBYTES[settings.moments]) * num_params
+    state = round((_PARAM_GRAD_NBYTES + state_nbytes_per_param(settings)) * num_params)
     say(
         f"swapper-pressure (no reference): GPT of {num_params:,} params "
         f"({model_config.n_layers} layers, d_model {model_config.d_model}), {settings.dtype}, "

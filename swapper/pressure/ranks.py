@@ -69,7 +69,7 @@ from swapper.pressure.ranks_report import (
     RanksResult,
     compare_params,
 )
-from swapper.pressure.runner import DTYPES, PressureSettings, swap_dirs
+from swapper.pressure.runner import DTYPES, PressureSettings, state_nbytes_per_param, swap_dirs
 from swapper.zero.config.distributed import DistributedConfig
 from swapper.zero.config.offload import OffloadConfig
 from tiers.errors import SwapConfigError, SwapError
@@ -217,8 +217,11 @@ def _plan(
     if device is None:
         floor = _gather_floor(model_config, nproc, timeout_s, fetch_collective=fetch_collective)
         device = max(2 * share // 4, floor)
-    host = settings.host_nbytes if settings.host_nbytes is not None else 12 * share // 4
-    sub_group = settings.sub_group_numel or max(1024, host // 4 // 12)
+    per_param = state_nbytes_per_param(settings)  # (AdamW: 12)
+    host = settings.host_nbytes
+    if host is None:
+        host = int(per_param * share) // 4
+    sub_group = settings.sub_group_numel or max(1024, int(host // 4 // per_param))
     say(
         f"swapper-pressure: GPT of {num_params:,} params ({model_config.n_layers} layers, "
         f"d_model {model_config.d_model}), {settings.dtype}, {settings.steps} steps on "

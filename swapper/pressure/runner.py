@@ -52,7 +52,7 @@ from swapper.pressure.model import GPT, GPTConfig, batches, materialize_
 from swapper.pressure.timeline import PhaseRow, phase_rows
 from swapper.pressure.timing import Phases, Timing, measure_disk, plain_run
 from swapper.step import DynamicLossScaler, StepConfig
-from swapper.step.offload_optimizer import NAMED, make_optimizer
+from swapper.step.offload_optimizer import NAMED, make_optimizer, state_nbytes_per_element
 from swapper.zero.checkpoint.snapshot import SnapshotReport, final_digest, save_snapshot
 from swapper.zero.config.offload import OffloadConfig
 from swapper.zero.local.offload import OffloadedModel
@@ -69,6 +69,7 @@ __all__ = [
     "default_budgets",
     "run_pressure",
     "snapshots_json",
+    "state_nbytes_per_param",
     "store_dirs",
     "swap_dirs",
     "train_once",
@@ -86,7 +87,8 @@ class PressureSettings:
         steps: optimizer steps.
         seed: model initialisation and data.
         device_nbytes: device budget (``None``: a quarter of the 16-bit parameters).
-        host_nbytes: host budget (``None``: a quarter of the optimizer state, 12 B/param).
+        host_nbytes: host budget (``None``: a quarter of the optimizer state; AdamW's is
+            12 B/param, see :func:`state_nbytes_per_param`).
         dirs: directories to swap to; a private directory is made in each and removed
             after (empty: one temporary directory).
         dtype: ``"bf16"`` or ``"fp16"`` (fp16 trains with a dynamic loss scaler).
@@ -388,7 +390,7 @@ def run_pressure(
     num_params = model_config.num_params()
     dtype = DTYPES[settings.dtype]
     param_nbytes = 2 * num_params
-    state_nbytes = 12 * num_params
+    state_nbytes = round(state_nbytes_per_param(settings) * num_params)
     device, host, sub_group = default_budgets(settings, num_params)
     data = batches(
         model_config,
@@ -464,13 +466,24 @@ def run_pressure(
     )
 
 
+def state_nbytes_per_param(settings: PressureSettings) -> float:
+    """Bytes of optimizer state per parameter the run's optimizer keeps in the tiers
+    (``adamw``: 12, 8 or 6 by moments; SGD with momentum and Adagrad 8; Adam 12; ...),
+    from its update rule (:func:`~swapper.step.offload_optimizer.state_nbytes_per_element`)."""
+    return state_nbytes_per_element(settings.optimizer, moments=settings.moments)
+
+
 def default_budgets(settings: PressureSettings, num_params: int) -> tuple[int, int, int]:
     """(device bytes, host bytes, sub-group elements) of a run: the settings' or, where
-    unset, a quarter of the 16-bit parameters, a quarter of the 12 B/param optimizer state,
-    and what lets the host budget hold 4 sub-groups."""
+    unset, a quarter of the 16-bit parameters, a quarter of the optimizer's state (its
+    bytes per parameter: :func:`state_nbytes_per_param`), and what lets the host budget
+    hold 4 sub-groups."""
+    per_param = state_nbytes_per_param(settings)
     device = settings.device_nbytes if settings.device_nbytes is not None else 2 * num_params // 4
-    host = settings.host_nbytes if settings.host_nbytes is not None else 12 * num_params // 4
-    return device, host, settings.sub_group_numel or max(1024, host // 4 // 12)
+    host = settings.host_nbytes
+    if host is None:
+        host = int(per_param * num_params) // 4
+    return device, host, settings.sub_group_numel or max(1024, int(host // 4 // per_param))
 
 
 def budgeted_config(

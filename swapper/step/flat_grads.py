@@ -36,6 +36,8 @@ class FlatGrads:
         self.filled = False
         #: the fp32 norm of each parameter's gradient that exists, in parameter order
         self.norms: list[torch.Tensor] = []
+        #: (group index, param index) of the parameters without a gradient this step
+        self._absent: set[tuple[int, int]] = set()
 
     def fill(self, param_groups: Sequence[dict[str, Any]], source: ParamSource) -> None:
         """Convert every parameter's gradient into its window (zeros where it has none)
@@ -43,6 +45,7 @@ class FlatGrads:
         if len(self._buffers) != len(param_groups):
             self._buffers = [torch.empty(0) for _ in param_groups]
         present: list[torch.Tensor] = []
+        self._absent = set()
         for index, group in enumerate(param_groups):
             numels = [source.shape(p).numel() for p in group["params"]]
             buffer = self._buffers[index]
@@ -50,12 +53,13 @@ class FlatGrads:
                 buffer = torch.empty(sum(numels), dtype=torch.float32)
                 self._buffers[index] = buffer
             offset = 0
-            for param, numel in zip(group["params"], numels, strict=True):
+            for param_index, (param, numel) in enumerate(zip(group["params"], numels, strict=True)):
                 window = buffer[offset : offset + numel]
                 if source.read_grad(param, 0, window):
                     present.append(window)
                 else:
                     window.zero_()
+                    self._absent.add((index, param_index))
                 offset += numel
         self.norms = grad_norm32(present)
         self.filled = True
@@ -64,6 +68,15 @@ class FlatGrads:
         """End of the step: the vectors are stale from here (kept for the next fill)."""
         self.filled = False
         self.norms = []
+        self._absent = set()
+
+    def absent(self, sg: SubGroup) -> frozenset[int]:
+        """Positions in ``sg.pieces`` of the pieces whose parameter had no gradient."""
+        return frozenset(
+            position
+            for position, piece in enumerate(sg.pieces)
+            if (sg.group_index, piece.param_index) in self._absent
+        )
 
     def grad(self, sg: SubGroup, device: torch.device) -> torch.Tensor | None:
         """``sg``'s fp32 gradient (a view: the caller may scale it in place), or None

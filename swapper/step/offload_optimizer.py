@@ -35,17 +35,27 @@ from swapper.step.rules.torch_optim import (
 )
 from swapper.step.scaler import DynamicLossScaler
 from swapper.step.sources import SharedStep, TieredModel
-from swapper.step.state import StateDictError
+from swapper.step.state import StateDictError, load_groups, saved_groups
 from tiers.errors import SwapConfigError
 
-__all__ = ["NAMED", "OffloadOptimizer", "ParamStates", "make_optimizer", "plan_named"]
+__all__ = [
+    "NAMED",
+    "OffloadOptimizer",
+    "ParamStates",
+    "make_optimizer",
+    "plan_named",
+    "state_nbytes_per_element",
+]
 
 #: ``--optimizer NAME`` of the command-line tools and DeepSpeed's ``optimizer.type``:
 #: name → (``torch.optim`` class, its settings besides ``lr``). ``adamw`` is
 #: :class:`~swapper.step.OffloadAdamW` (the fused kernel), not in this table.
 NAMED: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
     "sgd": (torch.optim.SGD, {"momentum": 0.9}),
-    "adam": (torch.optim.Adam, {}),
+    # fused: PyTorch's one-pass CPU kernel; the default (single-tensor) Adam makes five
+    # passes over the state with temporaries, ~4x the CPU time, which on a small
+    # machine the I/O threads then lack (docs/notes/2026-11-28-optim-3.md)
+    "adam": (torch.optim.Adam, {"fused": True}),
     "nadam": (torch.optim.NAdam, {}),
     "radam": (torch.optim.RAdam, {}),
     "adamax": (torch.optim.Adamax, {}),
@@ -64,7 +74,8 @@ class OffloadOptimizer(StreamedOptimizer):
 
     Use it as ``optimizer_class``: ``loss.backward()``, ``step()``, ``zero_grad()``; lr
     schedulers change ``param_groups`` as usual. A parameter whose ``.grad`` is None at
-    a step is stepped with a zero gradient (as :class:`~swapper.step.OffloadAdamW`).
+    a step is skipped, as ``optimizer_class`` skips it (no update, no state made or
+    advanced; :class:`~swapper.step.OffloadAdamW` steps it with a zero gradient).
 
     Args:
         optimizer_class: a ``torch.optim.Optimizer`` subclass with per-parameter tensor
@@ -152,6 +163,17 @@ class OffloadOptimizer(StreamedOptimizer):
             hypers=hypers,
         )
 
+    def _grown_rule(self, rule: UpdateRule) -> UpdateRule:
+        """A rule over every group (the new one's shapes discovered), with a copy of what
+        the old one holds in memory (the pieces' scalars: the sub-groups before keep
+        their numbers). A copy: if the new group's set-up fails, the old rule is put
+        back as it was, without the new pieces' scalars."""
+        grown = self._make_rule()
+        if isinstance(rule, TorchRule) and isinstance(grown, TorchRule):
+            grown.scalars.values = dict(rule.scalars.values)
+            grown.scalars.started = set(rule.scalars.started)
+        return grown
+
     @property
     def torch_rule(self) -> TorchRule:
         """The update rule (discovered state layout, scalars in memory)."""
@@ -179,13 +201,7 @@ class OffloadOptimizer(StreamedOptimizer):
         :class:`StateDictError`.
         """
         self.wait_pending()
-        groups = []
-        index = 0
-        for group in self.param_groups:
-            saved = {k: v for k, v in group.items() if k not in _NOT_SAVED}
-            saved["params"] = list(range(index, index + len(group["params"])))
-            index += len(group["params"])
-            groups.append(saved)
+        groups = saved_groups(self.param_groups, skip=("step",))
         return {"state": ParamStates(self), "param_groups": groups}
 
     def _flat_index(self) -> list[tuple[int, int]]:
@@ -263,10 +279,7 @@ class OffloadOptimizer(StreamedOptimizer):
                     rule.scalars.started.add(key)
 
             self.stored_state.write(sg.index, fill, self._step_count)
-        for group, saved in zip(self.param_groups, groups, strict=True):
-            for key, value in saved.items():
-                if key not in ("params", "param_names"):
-                    group[key] = value
+        load_groups(self.param_groups, groups)
         self._pending = None
         self._load_incomplete = False
 
@@ -408,15 +421,21 @@ def make_optimizer(
 
 
 def plan_named(
-    name: str, numels: list[int], sub_group_numel: int, *, lr: float = 1e-4
+    name: str,
+    shapes: list[int] | list[tuple[int, ...]],
+    sub_group_numel: int,
+    *,
+    lr: float = 1e-4,
 ) -> list[SubGroup]:
-    """The sub-groups ``make_optimizer(name, ...)`` lays one group of 1-D parameters of
-    ``numels`` out in (its state rows discovered; nothing stored): for sizing budgets
-    before any optimizer is made.
+    """The sub-groups ``make_optimizer(name, ...)`` lays one group of parameters of
+    ``shapes`` (an int: a 1-D parameter of that many elements) out in (its state
+    discovered; nothing stored): for sizing budgets before any optimizer is made.
 
     Raises:
         SwapConfigError: an unknown name.
     """
+    sizes = [torch.Size([s]) if isinstance(s, int) else torch.Size(s) for s in shapes]
+    numels = [s.numel() for s in sizes]
     if name == "adamw":
         from swapper.step.layout import plan_sub_groups
 
@@ -424,12 +443,56 @@ def plan_named(
     cls, defaults = _named(name)
     hyper = {"lr": lr, **defaults}
     elementwise = cls.__name__ not in NOT_ELEMENTWISE
-    specs = {n: discover(cls, hyper, torch.Size([n]), elementwise=elementwise) for n in set(numels)}
+    specs = {s: discover(cls, hyper, s, elementwise=elementwise) for s in set(sizes)}
     rule = TorchRule(
         cls,
         elementwise=elementwise,
-        specs=[[specs[n] for n in numels]],
-        shapes=[[torch.Size([n]) for n in numels]],
+        specs=[[specs[s] for s in sizes]],
+        shapes=[sizes],
         hypers=[hyper],
     )
     return rule.plan([numels], sub_group_numel, "fp32")
+
+
+#: The probe :func:`state_nbytes_per_element` discovers a class's state on (1-D, so that
+#: per-parameter state such as Adafactor's is counted as its 1-D form: a full row).
+_PROBE_NUMEL = 1024
+
+
+def state_nbytes_per_element(
+    optimizer: str | type[torch.optim.Optimizer] | None,
+    *,
+    moments: str = "fp32",
+    **settings: Any,
+) -> float:
+    """Bytes of optimizer state the tiers hold per parameter element, master weights
+    included: for sizing budgets and sub-groups before any optimizer is made.
+
+    Args:
+        optimizer: ``"adamw"`` or None (:class:`~swapper.step.OffloadAdamW`: 12, 8 with
+            bf16 ``moments``, 6 with int8), a name of :data:`NAMED`, or a
+            ``torch.optim.Optimizer`` class (4 B of master plus 4 B per state tensor of
+            a parameter's shape it keeps, discovered on a 1-D probe; a class whose update
+            is not element-wise counts its state on that probe too, an upper bound of
+            the factored rows it keeps for 2-D parameters).
+        moments: ``StepConfig.moments`` (OffloadAdamW's only).
+        settings: the class's hyper-parameters besides its defaults (``momentum=0.9``
+            makes SGD keep a momentum buffer).
+
+    Raises:
+        SwapConfigError: an unknown name; UnsupportedOptimizerError: a class that cannot
+            stream (named).
+    """
+    if optimizer is None or optimizer == "adamw":
+        from swapper.step.rules.adamw import AdamWRule
+
+        return AdamWRule().bytes_per_element(moments)
+    if isinstance(optimizer, str):
+        cls, defaults = _named(optimizer)
+        settings = {**defaults, **settings}
+    else:
+        cls = check_optimizer_class(optimizer)
+    hyper = {"lr": 1e-3, **settings}
+    elementwise = cls.__name__ not in NOT_ELEMENTWISE
+    spec = discover(cls, hyper, torch.Size([_PROBE_NUMEL]), elementwise=elementwise)
+    return 4.0 * (1 + len(spec.element)) + 4.0 * spec.section_numel / _PROBE_NUMEL

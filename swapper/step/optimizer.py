@@ -1,6 +1,6 @@
-# Size: ~550 lines: StreamedOptimizer's torch.optim surface (construction, the step's
-# order, state dict, zero_grad, close) is one class; OffloadAdamW, its AdamW face (100
-# lines), stays beside it for the importers of swapper.step.optimizer.
+# Size: ~640 lines: StreamedOptimizer's torch.optim surface (construction, the step's
+# order, state dict, zero_grad, add_param_group, close) is one class; OffloadAdamW, its
+# AdamW face (100 lines), stays beside it for the importers of swapper.step.optimizer.
 """``OffloadAdamW``: AdamW over 16-bit parameters with fp32 state streamed from the tiers.
 
 The 16-bit parameters and their 16-bit gradients stay where they are (ordinary tensors);
@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -42,6 +42,7 @@ from swapper.step.sources import (
     LocalParams,
     ParamSource,
     ResidentSource,
+    SharedStep,
     TieredModel,
 )
 from swapper.step.state import (
@@ -167,6 +168,7 @@ class StreamedOptimizer(SubGroupMath, torch.optim.Optimizer):
         self._pending: int | None = None  # a step that failed part-way
         self._grad32: dict[torch.device, torch.Tensor] = {}
         self._flat = FlatGrads()  # the gradients converted once (a resident step)
+        self._absent = {}
         self._closed = False
         self._load_incomplete = False  # a load_state_dict stopped part-way
         self._accumulators: list[torch.Tensor] = []
@@ -185,6 +187,7 @@ class StreamedOptimizer(SubGroupMath, torch.optim.Optimizer):
         pipeline: StepPipeline | None = None
         resumed: ResumedState | None = None
         try:
+            self._check_manager(self.manager)
             pipeline = StepPipeline(
                 self.manager,
                 plan,
@@ -413,20 +416,86 @@ class StreamedOptimizer(SubGroupMath, torch.optim.Optimizer):
         self._closed = True
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Only while constructing: the state is laid out once.
+        """Add a param group, as on ``torch.optim``: its missing hyper-parameters are the
+        defaults; after construction its fp32 masters are read from its 16-bit
+        parameters and its state laid out in new sub-groups after the others (written to
+        the tiers before this returns). The parameters of the groups before it keep
+        their sub-groups and state.
+
+        Not after construction (refused, nothing changed): over a model sharded across
+        ranks, with ``StepConfig(overlap=True)``, ``accumulate_fp32`` or compressed
+        moments (each sizes what it holds from the groups at construction). A snapshot
+        of the optimizer after it resumes into an optimizer constructed with every group.
 
         Raises:
-            SwapConfigError: called after construction.
+            SwapConfigError: a parameter already in a group, not 16-bit or not contiguous,
+                a hyper-parameter out of range (named), one of the cases above, or the
+                host budget cannot hold the new sub-groups; nothing is changed.
+            StepPendingError: a step failed part-way; finish it with ``step()`` first.
+            and what :class:`TierManager` raises writing the new state (nothing kept).
         """
-        if getattr(self, "_constructed", False):
-            raise SwapConfigError(
-                f"{type(self).__name__} lays its state out once: pass every param group to the "
-                "constructor (add_param_group afterwards is not supported)"
-            )
+        if not getattr(self, "_constructed", False):
+            self._append_group(param_group)
+            return
+        self._check_growable()
+        groups = len(self.param_groups)
+        rule = self.rule
+        try:
+            self._append_group(param_group)
+            group = self.param_groups[-1]
+            check_params(self.param_groups, self._source)
+            self._check_group(group)
+            group["step"] = self._step_count
+            self.rule = self._grown_rule(rule)
+            moments = self.config.moments or "fp32"
+            plan = self.rule.plan(self._numels(), self.sub_group_numel, moments)
+            old = self.sub_groups
+            if tuple(plan[: len(old)]) != old:  # pragma: no cover - the plans go group by group
+                raise SwapConfigError("the new param group would move the others' state")
+            new = plan[len(old) :]
+            self._check_budget(new)
+            self._pipeline.extend(new, self._initial_state, self._step_count)
+        except BaseException:
+            del self.param_groups[groups:]
+            self.rule = rule
+            raise
+        self._grad32.clear()  # (sized for the largest sub-group)
+
+    def _append_group(self, param_group: dict[str, Any]) -> None:
         try:
             super().add_param_group(param_group)
         except ValueError as exc:  # e.g. a parameter in two groups
             raise SwapConfigError(f"param group {len(self.param_groups)}: {exc}") from None
+
+    def _check_growable(self) -> None:
+        """Refuse :meth:`add_param_group` after construction where it cannot work."""
+        name = type(self).__name__
+        self._check_open()
+        self.wait_pending()
+        if self._pending is not None:
+            raise StepPendingError(
+                f"step {self._pending} failed part-way; call step() again to finish it "
+                "before add_param_group()"
+            )
+        why = None
+        if isinstance(self._source, SharedStep):
+            why = "over ranks every rank would have to add it in step (not supported yet)"
+        elif self._deferred is not None:
+            why = "StepConfig(overlap=True) maps parameters to sub-groups at construction"
+        elif self._accumulators:
+            why = "accumulate_fp32's accumulators and hooks are made at construction"
+        elif self._pipeline.codec.compressed:
+            why = "compressed moments keep their block scales in one tensor sized then"
+        if why is not None:
+            raise SwapConfigError(
+                f"{name}.add_param_group after construction: {why}; pass every param "
+                "group to the constructor"
+            )
+
+    def _grown_rule(self, rule: UpdateRule) -> UpdateRule:
+        """The update rule once a param group was added (``self.param_groups`` has it):
+        ``rule`` itself unless a subclass's rule depends on the groups."""
+        return rule
 
     def _check_open(self) -> None:
         if self._closed:
@@ -450,14 +519,17 @@ class StreamedOptimizer(SubGroupMath, torch.optim.Optimizer):
         parameter's ``.data`` is a placeholder)."""
         return [[self._source.shape(p).numel() for p in g["params"]] for g in self.param_groups]
 
-    def _check_budget(self) -> None:
+    def _check_budget(self, added: Sequence[SubGroup] = ()) -> None:
+        """Check the host budget holds the kept state and one streamed sub-group (of the
+        sub-groups and those ``added``, which are streamed)."""
         host = self.manager.config.host_nbytes
-        if host is None or not self.sub_groups:
+        if host is None or not (self.sub_groups or added):
             return
         pipeline = self._pipeline
         scales = pipeline.scales.charge  # int8: kept in memory for the optimizer's life
         kept = pipeline.kept_nbytes - scales
-        largest = max((sg.state_nbytes for sg in self.sub_groups[pipeline.kept :]), default=0)
+        streamed = (*self.sub_groups[pipeline.kept :], *added)
+        largest = max((sg.state_nbytes for sg in streamed), default=0)
         if host < kept + scales + largest:
             raise SwapConfigError(
                 f"host_nbytes={host} cannot hold the kept sub-groups' state ({kept} bytes, "
@@ -480,6 +552,10 @@ class StreamedOptimizer(SubGroupMath, torch.optim.Optimizer):
 
     def _check_group(self, group: dict[str, Any]) -> None:
         """Check a param group's hyper-parameters (the subclass's; raise SwapConfigError)."""
+
+    def _check_manager(self, manager: TierManager) -> None:
+        """Check the manager the state will live in, before anything is stored (a
+        subclass's; raise SwapConfigError)."""
 
     def _make_rule(self) -> UpdateRule:
         """The update rule, when the constructor was given none: made once the param
@@ -569,3 +645,13 @@ class OffloadAdamW(StreamedOptimizer):
 
     def _check_group(self, group: dict[str, Any]) -> None:
         check_hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+
+    def _check_growable(self) -> None:
+        super()._check_growable()
+        if self._step_count:
+            raise SwapConfigError(
+                "OffloadAdamW.add_param_group after a step: its bias correction counts "
+                f"the optimizer's steps ({self._step_count}), not each parameter's as "
+                "torch.optim.AdamW does, so the new group would start at that step; add "
+                "it before the first step, or use OffloadOptimizer(torch.optim.AdamW, ...)"
+            )

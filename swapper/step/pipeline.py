@@ -1,5 +1,6 @@
-# Size: ~620 lines: the sub-group state machine, its bookkeeping and the whole-sub-group
-# read/write (fp32 in and out, stored through compress.MomentCodec) stay one class.
+# Size: ~700 lines: the sub-group state machine, its bookkeeping (and extension: a param
+# group added late) and the whole-sub-group read/write (fp32 in and out, stored through
+# compress.MomentCodec) stay one class.
 """The step pipeline: optimizer state streamed through memory, one sub-group at a time.
 
 Each sub-group's state (fp32 master weights, ``exp_avg``, ``exp_avg_sq``; see
@@ -202,6 +203,7 @@ class StepPipeline:
         self.auto = readahead == window.AUTO
         #: sub-groups read ahead (this step's, under "auto")
         self.readahead = readahead if isinstance(readahead, int) else self._default_readahead()
+        self._readahead_default = readahead is None  # (sized again by extend())
         self.room: Room | None = None  #: what "auto" decided from, last step
         self.streams = manager.config.nvme_dirs != ()
         #: per sub-group: how far it got (see the module docstring)
@@ -248,32 +250,84 @@ class StepPipeline:
         # always recorded, so that the undo below finds it.) Several sub-groups' writes
         # are in flight at once (swapper.step.initial: the disk's write rate).
         with signals.at_waits:
-            writer: InitialWriter | None = None
+            gone: set[str] = set()
             try:
                 scales = self.scales.fresh()  # int8: encoding fills it
-                writer = InitialWriter(
-                    self.manager,
-                    self.codec,
-                    self.sub_groups,
-                    self._fp32_shape,
-                    timeout_s=self.manager.config.timeout_s,
-                )
-                for sg in self.sub_groups:
-                    writer.put(self.key(sg.index), sg, fill)
-                    self._registered += 1
-                writer.finish()
-                writer.close()
+                self._write_initial(self.sub_groups, fill, gone)
                 self.scales.register(scales)
                 del scales
                 self.scales.hold()
                 for sg in self.sub_groups[: self.kept]:
                     self._held[sg.index] = self.manager.fetch(self.key(sg.index))
             except BaseException:
-                gone = set()
-                if writer is not None:
-                    gone = writer.drain()  # the keys whose writes failed are gone
-                    writer.close()
                 self._unregister(gone)
+                raise
+
+    def _write_initial(
+        self,
+        sub_groups: Sequence[SubGroup],
+        fill: Callable[[SubGroup, torch.Tensor], None],
+        gone: set[str],
+    ) -> None:
+        """Register ``sub_groups``' states, made by ``fill`` (:class:`InitialWriter`),
+        counting each in ``_registered``. On an error, the keys whose writes failed (the
+        manager dropped them) are added to ``gone`` before it is raised."""
+        writer = InitialWriter(
+            self.manager,
+            self.codec,
+            tuple(sub_groups),
+            self._fp32_shape,
+            timeout_s=self.manager.config.timeout_s,
+        )
+        try:
+            for sg in sub_groups:
+                writer.put(self.key(sg.index), sg, fill)
+                self._registered += 1
+            writer.finish()
+        except BaseException:
+            gone |= writer.drain()
+            raise
+        finally:
+            writer.close()
+
+    def extend(
+        self,
+        sub_groups: Sequence[SubGroup],
+        fill: Callable[[SubGroup, torch.Tensor], None],
+        step: int,
+    ) -> None:
+        """Add ``sub_groups`` (numbered on from the last one: a param group added after
+        construction) and register their state as :meth:`initialize` does; they count as
+        at ``step``. They are streamed (``host_fraction`` counted the sub-groups made at
+        construction).
+
+        Raises:
+            SwapConfigError: ``sub_groups`` do not continue the numbering, or other
+                moments than the others'.
+            what :meth:`TierManager.register` raises; the new sub-groups registered so
+            far are unregistered again and the pipeline is as before.
+        """
+        self._check_open()
+        new = tuple(sub_groups)
+        if [sg.index for sg in new] != list(
+            range(len(self.sub_groups), len(self.sub_groups) + len(new))
+        ) or any(sg.moments != self.codec.moments for sg in new):
+            raise SwapConfigError(
+                f"optimizer state {self.name!r}: added sub-groups must continue the "
+                f"numbering from {len(self.sub_groups)} with {self.codec.moments} moments"
+            )
+        before = (self.sub_groups, self.progress, self.readahead)
+        gone: set[str] = set()
+        with signals.at_waits:
+            try:
+                self.sub_groups = self.sub_groups + new
+                self.progress = self.progress + tuple(Progress(step, step, step) for _ in new)
+                if self._readahead_default:
+                    self.readahead = self._default_readahead()
+                self._write_initial(new, fill, gone)
+            except BaseException:
+                self._unregister_to(len(before[0]), gone)
+                self.sub_groups, self.progress, self.readahead = before
                 raise
 
     def _fp32_shape(self, sg: SubGroup) -> tuple[int, ...]:
@@ -616,11 +670,15 @@ class StepPipeline:
                 self.manager.release(self.key(index), modified=True)
                 del self._held[index]
             self.scales.unregister()
-            while self._registered:
-                key = self.key(self.sub_groups[self._registered - 1].index)
-                if key not in gone:
-                    self.manager.unregister(key)
-                self._registered -= 1
+            self._unregister_to(0, gone)
+
+    def _unregister_to(self, count: int, gone: set[str] | frozenset[str]) -> None:
+        """Unregister the sub-groups registered after the first ``count``, last first."""
+        while self._registered > count:
+            key = self.key(self.sub_groups[self._registered - 1].index)
+            if key not in gone:
+                self.manager.unregister(key)
+            self._registered -= 1
 
     def _check_open(self) -> None:
         if self._closed:

@@ -7,7 +7,7 @@ before it writes anything.
 from __future__ import annotations
 
 import collections
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -27,7 +27,9 @@ __all__ = [
     "StateDictError",
     "SubGroupStates",
     "check_same_layout",
+    "load_groups",
     "load_state",
+    "saved_groups",
     "saved_state",
     "state_meta",
     "state_tensor",
@@ -152,19 +154,42 @@ def row_names(optimizer: StreamedOptimizer) -> list[str]:
     return [row.name for row in optimizer.rule.state_rows() if row.per == "element"]
 
 
-def saved_state(optimizer: StreamedOptimizer) -> dict[str, Any]:
-    """What :meth:`OffloadAdamW.state_dict` returns (its docstring says what it holds)."""
-    scaler = optimizer.loss_scaler
+#: Keys of a param group a state dict never carries as settings (its own numbering
+#: stands for the parameters).
+_NOT_SETTINGS = ("params", "param_names")
+
+
+def saved_groups(
+    param_groups: list[dict[str, Any]], skip: tuple[str, ...] = ()
+) -> list[dict[str, Any]]:
+    """``param_groups`` as a state dict holds them (as ``torch.optim``'s): each group's
+    settings but ``skip`` (and the parameters and their names), with ``"params"`` the
+    parameters' indices, numbered over all groups in order."""
     groups = []
     index = 0
-    for group in optimizer.param_groups:
-        saved = {k: v for k, v in group.items() if k not in ("params", "param_names")}
+    for group in param_groups:
+        saved = {k: v for k, v in group.items() if k not in _NOT_SETTINGS + skip}
         saved["params"] = list(range(index, index + len(group["params"])))
         index += len(group["params"])
         groups.append(saved)
+    return groups
+
+
+def load_groups(param_groups: list[dict[str, Any]], saved: Sequence[Mapping[str, Any]]) -> None:
+    """Set each group's settings from its saved form (checked by the caller; the
+    parameters stay)."""
+    for group, entry in zip(param_groups, saved, strict=True):
+        for key, value in entry.items():
+            if key not in _NOT_SETTINGS:
+                group[key] = value
+
+
+def saved_state(optimizer: StreamedOptimizer) -> dict[str, Any]:
+    """What :meth:`OffloadAdamW.state_dict` returns (its docstring says what it holds)."""
+    scaler = optimizer.loss_scaler
     return {
         "state": SubGroupStates(optimizer),
-        "param_groups": groups,
+        "param_groups": saved_groups(optimizer.param_groups),
         "swapper": {
             "format": STATE_FORMAT,
             "step": optimizer._step_count,
@@ -225,10 +250,7 @@ def load_state(optimizer: StreamedOptimizer, state_dict: Mapping[str, Any]) -> N
 
         optimizer._pipeline.write(sg.index, fill, step)
         del entry, tensors
-    for group, saved in zip(optimizer.param_groups, groups, strict=True):
-        for key, value in saved.items():
-            if key not in ("params", "param_names"):
-                group[key] = value
+    load_groups(optimizer.param_groups, groups)
     optimizer._step_count = step
     optimizer._pending = None
     if optimizer.loss_scaler is not None and scaler is not None:

@@ -43,6 +43,9 @@ class SubGroupMath:
     _frozen_groups: list[dict[str, Any]] | None
     _deferred: DeferredSteps | None
     _run_order: tuple[int, ...] | None
+    #: sub-group index → positions of its pieces without a gradient, from :meth:`_grad`
+    #: to the rule's update (one update per sub-group at a time, on one thread)
+    _absent: dict[int, frozenset[int]]
     rule: UpdateRule
 
     @property
@@ -157,19 +160,24 @@ class SubGroupMath:
             self._grad32[device] = buffer
         return buffer[:numel]
 
-    def _build_grad(self, sg: SubGroup, out: torch.Tensor, factor: float) -> None:
-        """The fp32 gradient of ``sg`` from the retained 16-bit gradients, into ``out``."""
+    def _build_grad(self, sg: SubGroup, out: torch.Tensor, factor: float) -> frozenset[int]:
+        """The fp32 gradient of ``sg`` from the retained 16-bit gradients, into ``out``
+        (zeros where a parameter has none); returns the positions in ``sg.pieces`` of the
+        pieces whose parameter has no gradient."""
+        absent: set[int] = set()
         if self._accumulators:
             accumulator = self._accumulators[sg.group_index]
             out.copy_(accumulator[sg.flat_offset : sg.flat_offset + sg.numel])
         else:
-            for piece in sg.pieces:
+            for position, piece in enumerate(sg.pieces):
                 window = out[piece.offset : piece.offset + piece.numel]
                 param = self._param(sg, piece.param_index)
                 if not self._source.read_grad(param, piece.param_offset, window):
                     window.zero_()
+                    absent.add(position)
         if factor != 1.0:
             out.mul_(factor)
+        return frozenset(absent)
 
     def _update(
         self,
@@ -181,7 +189,8 @@ class SubGroupMath:
     ) -> None:
         group = (self._frozen_groups or self.param_groups)[sg.group_index]
         grad = self._grad(sg, state, extras, factor)
-        self.rule.update(sg, state, grad, group, step, self._pipeline.codec)
+        absent = self._absent.pop(sg.index, frozenset())
+        self.rule.update(sg, state, grad, group, step, self._pipeline.codec, absent=absent)
 
     def _grad(
         self, sg: SubGroup, state: torch.Tensor, extras: list[torch.Tensor], factor: float
@@ -192,9 +201,10 @@ class SubGroupMath:
         if grad is not None:  # converted once for the step: a view, scaled in place
             if factor != 1.0:
                 grad.mul_(factor)
+            self._absent[sg.index] = self._flat.absent(sg)
             return grad
         grad = self._grad_buffer(state.device, sg.numel)
-        self._build_grad(sg, grad, factor)
+        self._absent[sg.index] = self._build_grad(sg, grad, factor)
         return grad
 
     def _publish(self, sg: SubGroup, state: torch.Tensor) -> None:

@@ -38,7 +38,10 @@ class AdamWRule(UpdateRule):
         group: dict[str, Any],
         step: int,
         codec: MomentCodec,
+        *,
+        absent: frozenset[int] = frozenset(),
     ) -> None:
+        del absent  # (a parameter without a gradient steps with zeros, as in ZeRO)
         beta1, beta2 = group["betas"]
         # (fp32 moments: views of the state; compressed: decoded, and encoded after)
         with codec.rows(sg, state) as (master, exp_avg, exp_avg_sq):

@@ -96,10 +96,16 @@ class UpdateRule(abc.ABC):
         group: dict[str, Any],
         step: int,
         codec: MomentCodec,
+        *,
+        absent: frozenset[int] = frozenset(),
     ) -> None:
         """One step of ``sg`` in place on ``state`` (as stored; ``codec`` decodes it),
         with ``grad`` its fp32 gradient (``sg.numel``) and ``group`` its param group's
-        hyper-parameters at this step; ``step`` is the optimizer's step number (1-based)."""
+        hyper-parameters at this step; ``step`` is the optimizer's step number (1-based).
+        ``absent``: positions in ``sg.pieces`` of the pieces whose parameter has no
+        gradient at this step (their ``grad`` is zeros): a rule steps them with a zero
+        gradient (AdamW, as ZeRO's flat partitions) or leaves them as they are
+        (``torch.optim``'s rule, as ``torch.optim`` does)."""
 
     @abc.abstractmethod
     def entries(

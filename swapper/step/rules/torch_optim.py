@@ -381,27 +381,35 @@ class TorchRule(UpdateRule):
         group: dict[str, Any],
         step: int,
         codec: MomentCodec,
+        *,
+        absent: frozenset[int] = frozenset(),
     ) -> None:
         del step, codec  # (the class counts its own steps; its state is fp32)
         instance = self._instances[sg.group_index]
         params: list[torch.Tensor] = []
+        positions: list[int] = []
         views: list[dict[str, torch.Tensor]] = []
         state_of = collections.defaultdict(dict)
         for position, piece in enumerate(sg.pieces):
+            if position in absent:
+                continue  # no gradient: torch.optim skips the parameter (state, step)
             master, tensors = self._views(sg, state, position, piece)
             master.grad = grad[piece.offset : piece.offset + piece.numel].view(master.shape)
             params.append(master)
+            positions.append(position)
             views.append(tensors)
             key = (sg.index, position)
             if key in self.scalars.started:
                 state_of[master] = {**tensors, **self.scalars.values.get(key, {})}
+        if not params:
+            return
         own = instance.param_groups[0]
         own.update(_hyper(group))
         own["params"] = params
         instance.state = state_of
         try:
             instance.step()
-            for position, (master, tensors) in enumerate(zip(params, views, strict=True)):
+            for position, master, tensors in zip(positions, params, views, strict=True):
                 self._keep(sg, position, tensors, instance.state.get(master, {}))
         finally:
             for master in params:

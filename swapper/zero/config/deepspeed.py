@@ -17,8 +17,9 @@ Nothing is dropped silently: every key given that is not honoured (a top-level k
 read here such as ``scheduler`` or ``train_batch_size``, a ZeRO key that swapper's
 budgets replace, an ``"auto"`` placeholder) is named in one warning per load (logger
 ``swapper.zero.config.deepspeed``); keys DeepSpeed does not have are refused. A sub-group
-(``sub_group_size``, or ours when absent) whose state (12 B per element) the host budget
-cannot hold is reduced to a quarter of the host budget, with one log line saying so.
+(``sub_group_size``, or ours when absent) whose state (the optimizer's bytes per element:
+AdamW 12, SGD with momentum or Adagrad 8) the host budget cannot hold is reduced to a
+quarter of the host budget, with one log line saying so.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from typing import Any
 from swapper.manager.config import Tier
 from swapper.step.config import DEFAULT_SUB_GROUP_NUMEL
 from swapper.step.layout import ALIGN_NUMEL
+from swapper.step.offload_optimizer import state_nbytes_per_element
 from swapper.zero.config.deepspeed_training import (
     TRAINING_KEYS,
     TrainingSettings,
@@ -47,8 +49,6 @@ __all__ = ["deepspeed_settings", "read_deepspeed"]
 
 log = logging.getLogger(__name__)
 
-#: Bytes of optimizer state per sub-group element (fp32 master, exp_avg, exp_avg_sq).
-_STATE_BYTES = 12
 #: Sub-groups a reduced ``sub_group_size`` leaves room for in the host budget: one
 #: computing, one written behind, the rest read ahead (as ``swapper-pressure`` sizes them).
 _FIT_SUB_GROUPS = 4
@@ -108,14 +108,20 @@ def read_deepspeed(
     message = notes.message()
     if message is not None:
         log.warning("%s", message)
-    _fit_sub_group(values, overrides)
+    _fit_sub_group(values, overrides, training)
     return values, training
 
 
-def _fit_sub_group(values: dict[str, Any], overrides: Mapping[str, Any]) -> None:
+def _fit_sub_group(
+    values: dict[str, Any],
+    overrides: Mapping[str, Any],
+    training: TrainingSettings,
+) -> None:
     """Reduce ``sub_group_numel`` (the config's, or our default when it gives none) to a
-    quarter of the host budget when the host budget cannot hold one sub-group's state,
-    which OffloadAdamW would refuse; one log line says so. Left alone: a sub-group size
+    quarter of the host budget when the host budget cannot hold one sub-group's state
+    (the bytes per element of ``training``'s optimizer: OffloadAdamW's 12, or its
+    ``optimizer_class``'s with its settings), which the optimizer would refuse; one log
+    line says so. Left alone: a sub-group size
     the caller passed, kept sub-groups (``host_fraction``), no host budget, or a budget
     too small for the smallest sub-group (OffloadAdamW's message gives the figures)."""
     host = values.get("host_nbytes")
@@ -133,10 +139,16 @@ def _fit_sub_group(values: dict[str, Any], overrides: Mapping[str, Any]) -> None
         return
     given = values.get("sub_group_numel")
     numel = DEFAULT_SUB_GROUP_NUMEL if given is None else given
+    cls = training.optimizer_class
+    per_element = (
+        state_nbytes_per_element(None)
+        if cls is None
+        else state_nbytes_per_element(cls, **training.optimizer)
+    )
     padded = -(-numel // ALIGN_NUMEL) * ALIGN_NUMEL  # as the optimizer lays it out
-    if _STATE_BYTES * padded <= host:
+    if int(per_element * padded) <= host:
         return
-    fitted = host // (_FIT_SUB_GROUPS * _STATE_BYTES) // ALIGN_NUMEL * ALIGN_NUMEL
+    fitted = int(host // (_FIT_SUB_GROUPS * per_element)) // ALIGN_NUMEL * ALIGN_NUMEL
     if fitted < ALIGN_NUMEL:
         return
     values["sub_group_numel"] = fitted
@@ -146,15 +158,16 @@ def _fit_sub_group(values: dict[str, Any], overrides: Mapping[str, Any]) -> None
         else f"the default sub-group size ({numel} elements; the config gives none)"
     )
     log.warning(
-        "%s needs %s of optimizer state per sub-group (12 B per element), more than "
+        "%s needs %s of optimizer state per sub-group (%g B per element), more than "
         "host_nbytes=%d (%s) holds: reduced to %d elements (%s each, a quarter of the "
         "host budget: one sub-group steps while others are read ahead and written behind)",
         where,
-        format_size(_STATE_BYTES * padded),
+        format_size(int(per_element * padded)),
+        per_element,
         host,
         format_size(host),
         fitted,
-        format_size(_STATE_BYTES * fitted),
+        format_size(int(per_element * fitted)),
     )
 
 
