@@ -601,6 +601,35 @@ class FetchNvmeToDevice(Case):
         _fetch_and_check(m, "n", expected["n"], Tier.DEVICE)
 
 
+class AssignNvmeToDevice(Case):
+    """As ``FetchNvmeToDevice``, but the tensor on NVMe is assigned a new value (never
+    read): room is made on the device (demoting, evicting) and the value copied in."""
+
+    name = "assign nvme->device, evicting"
+
+    def setup(self, m: TierManager) -> dict[str, torch.Tensor]:
+        ts = {k: _rand(NUMEL, 100 + i) for i, k in enumerate(("d", "h0", "h1", "n"))}
+        for k, t in ts.items():
+            m.register(k, t, Kind.PARAM16)
+        assert [m.info(k).tier for k in ts] == [Tier.DEVICE, Tier.HOST, Tier.HOST, None]
+        self.new = _rand(NUMEL, 109)
+        return ts
+
+    def op(self, m: TierManager, expected: dict[str, torch.Tensor]) -> None:
+        try:
+            m.assign("n", self.new.clone(), Tier.DEVICE)
+        except BaseException:
+            # Cut: as before (on NVMe, its old copy valid), or, cut in a mover after
+            # the copy, assigned; never resident with a clean mark and other bytes.
+            info = m.info("n")
+            assert info.state is not EntryState.RESIDENT or not info.clean, info
+            raise
+        expected["n"] = self.new  # (the checks between the cut and the retry read it)
+
+    def after(self, expected: dict[str, torch.Tensor]) -> None:
+        expected["n"] = self.new
+
+
 class FetchHostToDevice(Case):
     name = "fetch host->device, demoting"
 
@@ -775,6 +804,7 @@ CASES = [
     FetchNvmeToHost(),
     FetchBehindAWrite(),
     FetchNvmeToDevice(),
+    AssignNvmeToDevice(),
     FetchHostToDevice(),
     Evict(),
     PrefetchFetch(),

@@ -887,7 +887,7 @@ _shapes = st.one_of(
 
 
 class ManagerMachine(RuleBasedStateMachine):
-    """Random register / fetch / prefetch / evict / release / unregister / close-and-reopen
+    """Random register / fetch / assign / prefetch / evict / release / unregister / close-and-reopen
     over two swap directories: every tensor stays bit-exact, no tier exceeds its budget."""
 
     def __init__(self) -> None:
@@ -949,6 +949,24 @@ class ManagerMachine(RuleBasedStateMachine):
             flat[:: max(1, flat.numel() // 7)] ^= 0x5A
             self.model[key] = got.clone()
         self.m.release(key, modified=modify)
+
+    @precondition(lambda self: self.model)
+    @rule(data=st.data(), tier=st.sampled_from([None, Tier.DEVICE, Tier.HOST]))
+    def assign(self, data: st.DataObject, tier: Tier | None) -> None:
+        # Held keys too: copied into where they are (the holder sees the new value).
+        key = data.draw(st.sampled_from(sorted(self.model)))
+        old = self.model[key]
+        new = self._fresh(old.dtype, tuple(old.shape), strided=False)
+        try:
+            self.m.assign(key, new, tier)
+        except BudgetExceededError:
+            nbytes = old.numel() * old.element_size()
+            assert nbytes > (_DEVICE_NBYTES if tier is not Tier.HOST else _HOST_NBYTES) - 4096
+            return
+        self.model[key] = new.clone()
+        info = self.m.info(key)
+        assert info.tier is not None and not info.clean, (key, info)
+        assert info.users == (1 if key in self.held else 0), (key, info)
 
     @precondition(lambda self: set(self.model) - set(self.held))
     @rule(data=st.data())

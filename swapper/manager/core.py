@@ -1,5 +1,5 @@
-# Size: the facade (~575 lines): each public call, its units and errors (issue 29 added
-# the undo after a pin and the wear check).
+# Size: the facade (~645 lines): each public call, its units and errors (issue 29 added
+# the undo after a pin and the wear check; issue 24 assign).
 """TierManager: every tensor's bytes in device memory, host memory or NVMe, moved on demand.
 
 This module is the facade: the public calls, their checks and their statistics. The work
@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import time
 import warnings
 from collections.abc import Iterable, Iterator
@@ -263,6 +264,49 @@ class TierManager:
             # A signal that arrived since is delivered as the section ends: pin undone.
             undo_if_cut(self._ctx.unpin_key, key)
         return tensor
+
+    def assign(
+        self,
+        key: str,
+        source: torch.Tensor,
+        tier: Tier | str | None = None,
+        *,
+        timeout_s: float | None = None,
+        convert: bool = False,
+    ) -> None:
+        """Replace ``key``'s whole value with a copy of ``source``, never reading the old
+        one: what ``fetch`` + a copy of every element + ``release(modified=True)`` leave,
+        without the fetch's read from NVMe (a parameter the optimizer has just computed
+        anew need not be read first). Returns with the entry resident, modified (its NVMe
+        copy stale) and not held by this call; ``source`` is not kept.
+
+        In memory already (any tier, in use by others or not): a plain copy into it,
+        nothing moved. On NVMe only: room is made in ``tier`` (default: its home) as
+        :meth:`fetch` makes it (same budgets, victims, waits and timeout), and ``source``
+        is copied into the new memory. With ``convert``, a floating ``source`` of another
+        floating dtype is rounded into the key's as ``Tensor.copy_`` rounds (the optimizer
+        publishes its fp32 master weights into 16-bit parameters so).
+        A read-ahead or eviction of the key under way is waited for first. Counted in
+        :meth:`stats` as a fetch (a hit when it was in memory, else a miss), with no read.
+
+        Cut (Ctrl-C at a wait, an error) before the copy has ended, the new memory is
+        freed and the entry is as it was: on NVMe with its old, valid copy.
+
+        Raises:
+            UnknownKeyError: ``key`` is not registered.
+            TypeError: ``source`` is not a dense tensor of the key's dtype (or, with
+                ``convert``, of a floating dtype when the key's is floating).
+            ValueError: ``source`` has not the key's number of elements; ``tier`` is not a
+                memory tier.
+            BudgetExceededError: it can never fit ``tier``'s budget.
+            BudgetTimeout, ManagerTimeout: no room, or another thread's transfer did not
+                end, within ``timeout_s`` (default ``config.timeout_s``).
+            SwapIOError: writing a victim out failed (names key and file).
+            ManagerClosedError: the manager is closed.
+        """
+        with at_waits:
+            self._mover.assign(key, source, tier, self._ctx.timeout(timeout_s), convert)
+            self._maybe_log()
 
     def release(self, key: str, *, modified: bool = True) -> None:
         """The caller is done with a fetched tensor; when nobody holds it, it can be evicted.
@@ -546,6 +590,16 @@ class TierManager:
         """
         with self._ctx.cond:
             return self._ctx.get(key).info()
+
+    def numel(self, key: str) -> int:
+        """The number of elements of ``key``'s tensor, as registered.
+
+        Raises:
+            UnknownKeyError: ``key`` is not registered.
+        """
+        with self._ctx.cond:
+            shape = self._ctx.get(key).shape
+        return math.prod(shape)
 
     def keys(self) -> list[str]:
         """The registered keys, in registration order."""

@@ -1,5 +1,6 @@
-# Size: every move of bytes (registration, the demand fetch, room made by evicting what placement
-# chooses, transfers; ~700 lines), each next to its undo: one file, so a fetch enters it once.
+# Size: every move of bytes (registration, the demand fetch and assign, room made by evicting
+# what placement chooses, transfers; ~870 lines), each next to its undo: one file, so a fetch
+# enters it once.
 """The mover: bytes between tiers (copies, NVMe reads and writes) and their completions.
 
 Every transfer starts from an entry some thread has claimed (a transient state, see
@@ -39,6 +40,8 @@ the waits, not for every bytecode. Two rules make every cut safe:
                                                                         read ends, then
                                                                         ON_NVME, blocks freed
    fetch: → MOVING         device.copy                                  RESIDENT where it was
+   assign: → READING       manager.room, device.copy (the copy of the      ON_NVME, old copy
+     (never read)            new value into the new block)                valid, block freed
    fetch: → IN_USE         a signal or error after the pin (counting,   pin undone: RESIDENT
                            logging, the section's end: ``undo_if_cut``)
    victim → WRITING        room for staging, device.copy,               RESIDENT, data kept
@@ -66,6 +69,7 @@ the record is made.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -75,7 +79,7 @@ import torch
 from swapper.manager.config import Tier
 from swapper.manager.context import ManagerContext
 from swapper.manager.entry import EntryState, Prefetch, SwapEntry
-from swapper.manager.errors import ManagerIOTimeout
+from swapper.manager.errors import ManagerIOTimeout, UnknownKeyError
 from swapper.manager.placement import Placement, Plan
 from swapper.manager.shared import (
     entry_view,
@@ -431,12 +435,7 @@ class Mover:
             target = self._placement.fetch_tier(entry, tier)
             if in_place and entry.tier is not None and not entry.state.transient:
                 target = entry.tier
-            ctx.note_access(entry)
-            entry.waiters += 1  # from here on it is nobody's victim
-            if entry.prefetch is Prefetch.QUEUED:
-                # This fetch moves it now; a read-ahead starting later would read it
-                # again after the caller has used it (and perhaps written it out).
-                entry.prefetch = Prefetch.NONE
+            self._want(entry)
         brought = False
         try:
             tensor, hit, waited = self.bring(entry, target, deadline)
@@ -453,16 +452,128 @@ class Mover:
             # A signal that came during the fetch is delivered here, with the pin
             # undone, rather than after the caller holds the tensor without knowing.
             deliver_pending()
-            ctx.stats.add(
-                fetches=1,
-                stall_s=elapsed if (waited or not hit) else 0.0,
-                prefetch_hits=int(hit),
-                prefetch_misses=int(not hit),
-            )
+            self._count_fetch(elapsed, hit, waited)
         except BaseException:
             ctx.unpin(entry)
             raise
         return tensor
+
+    def assign(
+        self,
+        key: str,
+        source: torch.Tensor,
+        tier: Tier | str | None,
+        timeout_s: float,
+        convert: bool,
+    ) -> None:
+        """:meth:`~swapper.manager.TierManager.assign`: ``key``'s whole value replaced by
+        ``source``, its old value never read. Counted as a fetch is (a hit when it was in
+        memory, else a miss; the time spent waiting as stall), with no transfer.
+
+        Raises:
+            as :meth:`~swapper.manager.TierManager.assign`.
+        """
+        ctx = self._ctx
+        start = time.monotonic()
+        deadline = start + timeout_s
+        with ctx.cond:
+            ctx.check_open()
+            entry = ctx.get(key)
+            _check_assignable(entry, source, convert)
+            target = self._placement.fetch_tier(entry, tier)
+            self._want(entry)
+        placed = False
+        try:
+            hit, waited = self._place_value(entry, source, target, deadline)
+            placed = True
+        finally:
+            elapsed = time.monotonic() - start
+            with ctx.cond:
+                entry.waiters -= 1
+            if not placed:
+                ctx.stats.add(stall_s=elapsed)
+        self._count_fetch(elapsed, hit, waited)
+
+    def _want(self, entry: SwapEntry) -> None:
+        """Lock held. A fetch or assign of ``entry`` begins: its access noted, and from
+        here on it is nobody's victim (``waiters``) until the caller's ``finally``."""
+        self._ctx.note_access(entry)
+        entry.waiters += 1
+        if entry.prefetch is Prefetch.QUEUED:
+            # This call moves it now; a read-ahead starting later would read it again
+            # after the caller has used it (and perhaps written it out).
+            entry.prefetch = Prefetch.NONE
+
+    def _count_fetch(self, elapsed: float, hit: bool, waited: bool) -> None:
+        """One fetch (or assign) in the stats: a hit when it was where it was wanted, its
+        ``elapsed`` seconds a stall when it waited for another transfer or was a miss."""
+        self._ctx.stats.add(
+            fetches=1,
+            stall_s=elapsed if (waited or not hit) else 0.0,
+            prefetch_hits=int(hit),
+            prefetch_misses=int(not hit),
+        )
+
+    def _place_value(
+        self, entry: SwapEntry, source: torch.Tensor, target: Tier, deadline: float
+    ) -> tuple[bool, bool]:
+        """:meth:`assign`'s work. A transfer of ``entry`` under way (a read-ahead reading
+        it, an eviction writing it) is waited for first: its buffer is the I/O's until it
+        ends. Then, in memory (any tier): ``source`` copied into it where it is, pinned
+        for the copy and released modified. On NVMe only: room made in ``target`` as a
+        fetch makes it, the entry claimed READING (nobody else touches it), ``source``
+        copied into the new block, and only then the block made the entry's, RESIDENT
+        and modified. Cut or failed before that, the block is freed and the entry is
+        ON_NVME with its old copy, as before.
+
+        Returns:
+            (it was in memory: a hit, this waited for another thread's transfer).
+        """
+        ctx = self._ctx
+        waited = False
+        what = f"key={entry.key!r}"
+        while True:
+            with ctx.cond:
+                while entry.state.transient or entry.prefetch is Prefetch.RUNNING:
+                    waited = True
+                    ctx.wait(deadline, entry)
+                if entry.state is _S.GONE:
+                    raise UnknownKeyError(f"{what} was unregistered during the assign")
+                resident = ctx.pin(entry) if entry.tier is not None else None
+            if resident is not None:
+                try:
+                    resident.view(-1).copy_(source.reshape(-1))
+                finally:
+                    with ctx.cond:
+                        # (modified even if the copy failed part way: memory is the truth)
+                        entry.version += 1
+                        if entry.tier is Tier.DEVICE:
+                            entry.ready = ctx.device.mark_ready()
+                        ctx.unpin_locked(entry)
+                return True, waited
+            block = self.obtain(target, entry.nbytes, what=what, deadline=deadline, moving=entry)
+            if block is None:
+                continue  # it arrived in memory meanwhile (a read-ahead): copy into it there
+            with ctx.cond:
+                if entry.state is not _S.ON_NVME:
+                    block.release()  # someone moved it while we made room: look again
+                    ctx.notify()
+                    continue
+                ctx.set_state(entry, _S.READING)  # claimed, as a fetch's own read claims it
+            try:
+                self._copy(block.view(entry.dtype, entry.shape), source.reshape(entry.shape))
+            except BaseException:
+                with ctx.cond:
+                    block.release()
+                    ctx.set_state(entry, _S.ON_NVME)  # its NVMe copy untouched: as before
+                raise
+            with ctx.cond:
+                entry.block, entry.tier = block, target
+                entry.version += 1  # the NVMe copy is stale now
+                if target is Tier.DEVICE:
+                    entry.ready = ctx.device.mark_ready()
+                ctx.set_state(entry, _S.RESIDENT)
+            return False, waited
 
     def bring(
         self, entry: SwapEntry, target: Tier, deadline: float
@@ -736,6 +847,31 @@ def _needs_move(entry: SwapEntry, tier: Tier, read_ahead: bool) -> bool:
         and entry.tier is not tier
         and (read_ahead or entry.prefetch is not Prefetch.RUNNING)
     )
+
+
+def _check_assignable(entry: SwapEntry, source: torch.Tensor, convert: bool) -> None:
+    """An ``assign`` of ``source`` to ``entry``: a dense tensor of its numel and dtype (with
+    ``convert``: any floating dtype, if the entry's is floating).
+
+    Raises:
+        TypeError: not a dense tensor, or another dtype (names the key).
+        ValueError: another number of elements (names the key).
+    """
+    if not isinstance(source, torch.Tensor) or source.layout != torch.strided:
+        raise TypeError(f"assign to key={entry.key!r}: expected a dense torch.Tensor")
+    if source.dtype != entry.dtype and not (
+        convert and source.dtype.is_floating_point and entry.dtype.is_floating_point
+    ):
+        raise TypeError(
+            f"assign to key={entry.key!r}: source is {source.dtype}, the key holds "
+            f"{entry.dtype}; convert it first (or pass convert=True for floating dtypes)"
+        )
+    numel = math.prod(entry.shape)
+    if source.numel() != numel:
+        raise ValueError(
+            f"assign to key={entry.key!r}: source has {source.numel()} elements, the key "
+            f"holds {numel} (shape {entry.shape}); write a piece through fetch and release"
+        )
 
 
 def _block_of(entry: SwapEntry) -> MemoryBlock:

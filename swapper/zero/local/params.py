@@ -81,7 +81,13 @@ def copy_in(
 ) -> None:
     """Write ``source`` into ``key``'s flattened tensor from element ``start``: fetched into
     ``tier`` (None: its home; ``in_place`` as for :func:`copy_out`) and released modified,
-    in one section as :func:`copy_out`."""
+    in one section as :func:`copy_out`. The whole tensor (``start`` 0, every element) is
+    assigned instead (:meth:`~swapper.manager.TierManager.assign`): its old value is not
+    read from NVMe first, and it is copied into where it is in memory (``in_place`` or
+    not), else into ``tier``."""
+    if start == 0 and source.numel() == manager.numel(key):
+        manager.assign(key, source, tier, convert=True)  # (rounded as copy_ rounds)
+        return
     with signals.at_waits:
         tensor = manager.fetch(key, tier, in_place=in_place)
         try:
