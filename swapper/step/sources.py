@@ -130,9 +130,10 @@ class AheadSource(Protocol):
     their optimizer state (at 2.17 B parameters the step read 3.2 GB of gradients and
     1.9 GB of parameters, each on demand as its sub-group came up)."""
 
-    def read_ahead(self, params: Sequence[torch.Tensor]) -> None:
-        """Ask for the retained gradients and the parameters of ``params`` to be read
-        into memory (a hint: returns at once; what has no room is left where it is)."""
+    def read_ahead(self, params: Sequence[torch.Tensor], partial: Sequence[torch.Tensor]) -> None:
+        """Ask for the retained gradients of ``params``, and the parameters ``partial``
+        (those the step writes in part: it needs their other bytes), to be read into
+        memory (a hint: returns at once; what has no room is left where it is)."""
         ...
 
 

@@ -172,10 +172,18 @@ class SubGroupMath:
         )
 
     def _ahead(self, sg: SubGroup) -> None:
-        """Read ahead the gradients and parameters ``sg``'s update and publish read."""
+        """Read ahead the gradients ``sg``'s update reads, and the parameters its publish
+        writes in part (a parameter it writes whole is placed without reading its old
+        bytes: :meth:`~swapper.manager.TierManager.assign`)."""
         source = self._source
         if isinstance(source, AheadSource):
-            source.read_ahead([self._param(sg, piece.param_index) for piece in sg.pieces])
+            params = [self._param(sg, piece.param_index) for piece in sg.pieces]
+            partial = [
+                param
+                for piece, param in zip(sg.pieces, params, strict=True)
+                if piece.numel != source.shape(param).numel()
+            ]
+            source.read_ahead(params, partial)
 
     def _grad_buffer(self, device: torch.device, numel: int) -> torch.Tensor:
         buffer = self._grad32.get(device)

@@ -135,11 +135,12 @@ class TieredParams:
                 self._manager.release_all(keys, modified=True)
                 self._manager.release_all(grad_keys, modified=False)
 
-    def read_ahead(self, params: Sequence[torch.Tensor]) -> None:
-        """:class:`~swapper.step.sources.AheadSource`: the retained gradients (to their
-        home tier) and the parameters (to the tier the step writes them in) of
-        ``params`` that are on NVMe only, asked for as read-aheads; nothing during a
-        resident step (all held).
+    def read_ahead(self, params: Sequence[torch.Tensor], partial: Sequence[torch.Tensor]) -> None:
+        """:class:`~swapper.step.sources.AheadSource`: the retained gradients of
+        ``params`` (to their home tier) and the parameters ``partial`` (to the tier the
+        step writes them in) that are on NVMe only, asked for as read-aheads; nothing
+        during a resident step (all held). A parameter the step writes whole is not read
+        at all (:meth:`~swapper.manager.TierManager.assign` places its new value).
 
         (Parameters were read on demand for a while, 2026-11-28: their read-ahead took
         host room that the next sub-group's state then had to find by evicting a
@@ -151,16 +152,18 @@ class TieredParams:
         grads: dict[str, None] = {}
         keys: dict[str, None] = {}
         manager = self._manager
+        # Only what is on NVMe alone: a gradient in memory is read where it is, a
+        # parameter written where it is (in_place); a read-ahead would move them.
         for param in params:
             slot = self._slot(param)
-            # Only what is on NVMe alone: a gradient in memory is read where it is, a
-            # parameter written where it is (in_place); a read-ahead would move them.
             if (
                 slot.has_grad
                 and slot.grad_held is None
                 and manager.info(slot.grad_key).tier is None
             ):
                 grads[slot.grad_key] = None
+        for param in partial:
+            slot = self._slot(param)
             if manager.info(slot.key).tier is None:
                 keys[slot.key] = None
         if grads:
