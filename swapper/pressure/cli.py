@@ -518,6 +518,7 @@ def _ranks_summary(res: RanksResult) -> str:
         f"{res.reduce_dtype}): "
         + ("bit-identical to the unlimited ranks" if res.identical else "DIFFERENT")
         + (", within budgets" if res.within_budgets else ", OVER BUDGET")
+        + (", RSS within bound" if res.rss_within_bound else ", RSS OVER BOUND")
         + (", within tolerance of one process" if res.within_tolerance else ", OUT OF TOLERANCE")
     )
     return "\n".join(lines)
