@@ -117,7 +117,12 @@ def test_a_fetch_that_makes_room_in_two_tiers_asks_placement_once_per_room(
     which evicts to NVMe, and the read stages through the host. Placement is asked where
     the key goes and, once for each room made, which victims leave (here: the device, the
     host for the demotion, the host for the staging block); it never calls the mover,
-    and core and mover are entered once each."""
+    and core and mover are entered once each.
+
+    Why once per room and not one plan for the whole cascade: the staging block's victim
+    is ``b``, the device victim the first room demoted, chosen in the host only after the
+    demotion waited for ``d``'s write to be durable. A plan made before any move sees
+    ``d``, ``e`` in the host and would evict ``e``: other victims (the last assertion)."""
     with _manager(tmp_path, 64 * KiB) as m:
         m.register("a", tensors["a"], Kind.PARAM16)
         m.evict("a", Tier.NVME).result(timeout=20)
@@ -131,6 +136,10 @@ def test_a_fetch_that_makes_room_in_two_tiers_asks_placement_once_per_room(
         assert ("placement.py", "mover.py") not in trace.edges, trace.edges
         assert trace.entries["core.py"] == 1 and trace.entries["mover.py"] == 1
         assert trace.entries["placement.py"] <= 1 + 3, dict(trace.entries)
+        # b leaves the device for the host (room 1), d the host for NVMe (room 2), then b
+        # the host for NVMe (room 3, the staging block); c stays on the device, e in the host.
+        assert [m.info(k).on_nvme for k in "bcde"] == [True, False, True, False]
+        assert [m.info(k).tier for k in "ce"] == [Tier.DEVICE, Tier.HOST]
 
 
 def test_placement_does_not_import_the_mover() -> None:
