@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -25,6 +26,7 @@ from swapper.pressure.budgeted import (
 )
 from swapper.pressure.cli import main
 from swapper.pressure.model import GPTConfig
+from swapper.pressure.ranks_report import RankReport
 from swapper.pressure.runner import Materialised, PressureSettings
 from swapper.pressure.timing import DiskRates
 from tiers.errors import SwapConfigError
@@ -175,13 +177,55 @@ def test_cli_no_reference_two_ranks(tmp_path: Path, capsys: pytest.CaptureFixtur
     data = json.loads(out.read_text())
     assert data["reference"] == "none" and data["ok"] and data["world_size"] == 2
     assert [len(r["losses"]) for r in data["per_rank"]] == [2, 2]
+    assert data["rss_within_bound"] is True
     for rank in data["per_rank"]:
         assert rank["peak_bytes"]["host"] <= HOST_NBYTES // 2
         assert rank["peak_bytes"]["device"] <= per_rank_device
-    assert "result (2 ranks, no reference): losses finite, within budgets" in (
-        capsys.readouterr().out
-    )
+        _check_rank_rss(rank, data["budget_bytes"])
+    shown = capsys.readouterr().out
+    assert "result (2 ranks, no reference): losses finite, within budgets" in shown
+    assert ", RSS within bound" in shown
+    assert shown.count("after it; bound ") == 2  # each rank's line
     assert list(swap.iterdir()) == []
+
+
+def _check_rank_rss(rank: dict[str, Any], budgets: dict[str, int]) -> None:
+    """One rank's memory figures in ``--nproc`` JSON: measured, and the bound its own."""
+    assert rank["peak_rss_bytes"] > 0 and rank["final_phase_peak_rss_bytes"] > 0
+    assert rank["activation_bytes"] > 0  # its forward saved tensors for backward
+    bound = budgets["device"] + budgets["host"] + 2 * rank["activation_bytes"] + (3 << 29)
+    assert rank["rss_bound_bytes"] == bound
+    peak = max(rank["peak_rss_bytes"], rank["final_phase_peak_rss_bytes"])
+    assert rank["rss_within_bound"] is (peak <= bound)
+    # each rank's process made glibc return freed tensors (ff358fc): else its peak RSS
+    # measures the allocator's cache of the tensors freed each step, not what it holds
+    assert rank["freed_memory_returned"] is True
+
+
+def test_rank_report_judges_its_rss_against_its_own_budgets() -> None:
+    budgets = {"device": 1 << 30, "host": 2 << 30}
+    report = RankReport(
+        rank=1,
+        losses=[1.0],
+        peak_bytes={"device": 0, "host": 0},
+        bytes_moved=0,
+        state_nbytes={},
+        offload_nbytes=0,
+        stall_s=0.0,
+        seconds=1.0,
+        peak_rss_bytes=4 << 30,
+        digest="d",
+        param_hashes={},
+        final_phase_peak_rss_bytes=5 << 30,
+        activation_bytes=1 << 28,
+    )
+    bound = (3 << 30) + (1 << 29) + (3 << 29)
+    assert report.rss_bound_bytes(budgets) == bound == 5 << 30
+    assert report.rss_within_bound(budgets)  # the final phase's peak is the bound exactly
+    over = dataclasses.replace(report, final_phase_peak_rss_bytes=(5 << 30) + 1)
+    assert not over.rss_within_bound(budgets)
+    assert over.rss_json(budgets)["rss_within_bound"] is False
+    assert "EXCEEDED" in over.rss_line(budgets) and "EXCEEDED" not in report.rss_line(budgets)
 
 
 def test_resume_continues_bit_exactly_and_says_it_opened(tmp_path: Path) -> None:

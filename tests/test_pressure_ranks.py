@@ -29,7 +29,9 @@ PARAMS = 200_000  # at 100K the default per-rank device budget is below the tied
 NUM_PARAMS = GPTConfig.for_params(PARAMS).num_params()
 
 
-def test_nproc_2_trains_identically_within_budgets(tmp_path: Path) -> None:
+def test_nproc_2_trains_identically_within_budgets(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     out = tmp_path / "r.json"
     swap = tmp_path / "swap"
     swap.mkdir()
@@ -70,6 +72,16 @@ def test_nproc_2_trains_identically_within_budgets(tmp_path: Path) -> None:
         assert state["param16"] == state["grad16"]
         assert abs(state["param16"] - NUM_PARAMS) <= 0.1 * NUM_PARAMS
         assert 6 * state["param16"] <= state["optim_state"] <= 6 * state["param16"] + 12 * 4096
+        # the budgeted rank's memory: measured, bounded by its own budgets (the
+        # reference-less run's figures are checked in test_pressure_budgeted.py)
+        assert rank["peak_rss_bytes"] > 0 and rank["final_phase_peak_rss_bytes"] > 0
+        bound = budgets["device"] + budgets["host"] + 2 * rank["activation_bytes"] + (3 << 29)
+        assert rank["activation_bytes"] > 0 and rank["rss_bound_bytes"] == bound
+        assert rank["rss_within_bound"] is True and rank["freed_memory_returned"] is True
+    assert res["rss_within_bound"] is True
+    shown = capsys.readouterr().out
+    assert "within budgets, RSS within bound, within tolerance" in shown
+    assert shown.count("after it; bound ") == 2  # each rank's line
     # the last backward's gradient offload, measured per module window: spread evenly
     windows = [dict(map(tuple, r["offload_windows"])) for r in res["per_rank"]]
     assert windows[0].keys() == windows[1].keys() and len(windows[0]) > 10

@@ -48,7 +48,7 @@ import torch
 
 from swapper.manager import Tier
 from swapper.pressure.export import export_json
-from swapper.pressure.memory import reset_peak_rss, return_freed_memory
+from swapper.pressure.memory import reset_peak_rss, return_freed_memory, rss_bound_nbytes
 from swapper.pressure.model import GPTConfig, batches
 from swapper.pressure.runner import (
     DTYPES,
@@ -82,9 +82,6 @@ __all__ = [
 #: Bytes per swap directory of the disk probe taken before the model is built: larger
 #: than the reference mode's 32 MiB, so the rates are the device's and not a cache's.
 DISK_PROBE_NBYTES = 256 << 20
-#: Slack of the peak RSS bound beyond the budgets and activations (issue 23): torch, the
-#: AIO engine, the optimizer's sub-group scratch and the allocator.
-RSS_SLACK_NBYTES = 3 << 29
 #: Materialisation may take this many times its bytes over the disk's write rate (plus
 #: the in-memory initialisation).
 MATERIALISE_FACTOR = 1.3
@@ -356,12 +353,7 @@ class BudgetedResult:
     @property
     def rss_bound_bytes(self) -> int:
         """Device + host budgets + 2 x activations (saved, and their gradients) + 1.5 GiB."""
-        return (
-            self.budget_bytes["device"]
-            + self.budget_bytes["host"]
-            + 2 * self.activation_bytes
-            + RSS_SLACK_NBYTES
-        )
+        return rss_bound_nbytes(self.budget_bytes, self.activation_bytes)
 
     @property
     def within_budgets(self) -> bool:

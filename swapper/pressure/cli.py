@@ -1,4 +1,4 @@
-# Size: ~525 lines: the parser of every flag, the argument checks before torch loads, and
+# Size: ~580 lines: the parser of every flag, the argument checks before torch loads, and
 # the four report paths (reference, no reference, ranks, ranks with no reference).
 """``swapper-pressure``: train a GPT under tight budgets and prove it equals an unlimited run.
 
@@ -436,7 +436,11 @@ def _run_ranks_budgeted(
     result = run_ranks_budgeted(settings, nproc, say=say, **kwargs)
     _show(result.summary(), json_path, result.to_json)
     if not result.ok:
-        print(f"{PROG}: FAILED: a rank's loss is not finite or a tier over budget", file=sys.stderr)
+        print(
+            f"{PROG}: FAILED: a rank's loss is not finite, a tier over budget or its peak "
+            "RSS over its bound (see the rank lines above)",
+            file=sys.stderr,
+        )
     return 0 if result.ok else 1
 
 
@@ -465,6 +469,12 @@ def _run_ranks(
         print(f"{PROG}: FAILED: the budgeted ranks differ from the unlimited ones", file=sys.stderr)
     if not result.within_budgets:
         print(f"{PROG}: FAILED: a rank's tier went over its budget", file=sys.stderr)
+    if not result.rss_within_bound:
+        print(
+            f"{PROG}: FAILED: a rank's peak RSS went over its bound (budgets + 2 x "
+            "activations + 1.5 GiB); see its line above",
+            file=sys.stderr,
+        )
     if not result.within_tolerance:
         print(
             f"{PROG}: FAILED: the ranks are further than the tolerance from one process",
@@ -488,7 +498,7 @@ def _ranks_summary(res: RanksResult) -> str:
         lines.append(
             f"rank {r.rank}: {peaks}; moved {format_size(r.bytes_moved)}; offloaded "
             f"{format_size(r.offload_nbytes)} during backward; stalled "
-            f"{100 * r.stall_fraction:.1f}% of {r.seconds:.2f} s"
+            f"{100 * r.stall_fraction:.1f}% of {r.seconds:.2f} s; " + r.rss_line(res.budget_bytes)
         )
     if res.export_seconds is not None:
         lines.append(_export_line(res.settings.export_dir, res.export_seconds))
@@ -508,6 +518,7 @@ def _ranks_summary(res: RanksResult) -> str:
         f"{res.reduce_dtype}): "
         + ("bit-identical to the unlimited ranks" if res.identical else "DIFFERENT")
         + (", within budgets" if res.within_budgets else ", OVER BUDGET")
+        + (", RSS within bound" if res.rss_within_bound else ", RSS OVER BOUND")
         + (", within tolerance of one process" if res.within_tolerance else ", OUT OF TOLERANCE")
     )
     return "\n".join(lines)

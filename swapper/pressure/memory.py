@@ -7,11 +7,34 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import os
 from collections.abc import Iterator
 
 import torch
 
-__all__ = ["SavedBytes", "peak_rss", "reset_peak_rss", "return_freed_memory"]
+__all__ = [
+    "RSS_SLACK_NBYTES",
+    "SavedBytes",
+    "freed_memory_returned",
+    "peak_rss",
+    "reset_peak_rss",
+    "return_freed_memory",
+    "rss_bound_nbytes",
+]
+
+#: Slack of the peak RSS bound beyond the budgets and activations (issue 23): torch, the
+#: AIO engine, the optimizer's sub-group scratch and the allocator.
+RSS_SLACK_NBYTES = 3 << 29
+
+#: The process that last called :func:`return_freed_memory` (None: none has). A pid, not
+#: a flag, so that a forked child does not inherit its parent's call as its own.
+_returned_in_pid: int | None = None
+
+
+def rss_bound_nbytes(budget_bytes: dict[str, int], activation_nbytes: int) -> int:
+    """The peak RSS a run (one process, or one rank) may reach, in bytes: its device and
+    host budgets + 2 x its activations (saved, and their gradients) + RSS_SLACK_NBYTES."""
+    return sum(budget_bytes.values()) + 2 * activation_nbytes + RSS_SLACK_NBYTES
 
 
 class SavedBytes:
@@ -49,6 +72,8 @@ def return_freed_memory() -> None:
     thresholds (as ``MALLOC_MMAP_THRESHOLD_`` would set) keep every block of 64 KiB or
     more in its own mapping. A no-op where glibc is not the C library.
     """
+    global _returned_in_pid
+    _returned_in_pid = os.getpid()  # (asked for; see freed_memory_returned)
     try:
         libc = ctypes.CDLL("libc.so.6")
     except OSError:
@@ -56,6 +81,12 @@ def return_freed_memory() -> None:
     m_trim_threshold, m_mmap_threshold = -1, -3
     libc.mallopt(m_mmap_threshold, 64 << 10)
     libc.mallopt(m_trim_threshold, 1 << 20)
+
+
+def freed_memory_returned() -> bool:
+    """Whether this process has called :func:`return_freed_memory` (a rank's report says
+    so: without the call its peak RSS measures glibc's cache of freed tensors)."""
+    return _returned_in_pid == os.getpid()
 
 
 def _status_kib(field: str) -> int:

@@ -16,7 +16,13 @@ import torch
 
 from swapper.manager import Kind, Tier
 from swapper.pressure.export import export_final
-from swapper.pressure.memory import peak_rss, return_freed_memory
+from swapper.pressure.memory import (
+    SavedBytes,
+    freed_memory_returned,
+    peak_rss,
+    reset_peak_rss,
+    return_freed_memory,
+)
 from swapper.pressure.model import GPT, GPTConfig, batches, materialize_
 from swapper.pressure.ranks_report import (
     RankReport,
@@ -115,6 +121,9 @@ def _train(
     # As the one-process run does: else glibc's mmap threshold climbs to 32 MiB and the
     # tensors freed each step stay resident in the heap (1.0-1.6 GiB of it per rank at 400 M)
     return_freed_memory()
+    # this run's peak (the wrap and the steps), not a run before it in this process (the
+    # budgeted ranks train before the unlimited ones)
+    reset_peak_rss()
     settings = plan.settings
     dtype = DTYPES[settings.dtype]
     model_config = GPTConfig.for_params(settings.params)
@@ -174,16 +183,18 @@ def _train(
         model_s: list[float] = []
         optimizer_s: list[float] = []
         snapshots: list[dict[str, Any]] = []
+        activations = SavedBytes()
         start = time.perf_counter()
         for step, tokens in enumerate(data, 1):
             if step <= resumed_from:  # trained before the snapshot resumed from
                 continue
             began = time.perf_counter()
             mine = tokens[rank * per : (rank + 1) * per]
-            logits = wrapped(mine[:, :-1]).float()
-            loss = torch.nn.functional.cross_entropy(
-                logits.reshape(-1, logits.shape[-1]), mine[:, 1:].reshape(-1)
-            )
+            with activations.counting():
+                logits = wrapped(mine[:, :-1]).float()
+                loss = torch.nn.functional.cross_entropy(
+                    logits.reshape(-1, logits.shape[-1]), mine[:, 1:].reshape(-1)
+                )
             before = _down(wrapped.stats())
             if reducer is not None and step == len(data):
                 reducer.trace = windows
@@ -226,6 +237,10 @@ def _train(
                         flush=True,
                     )
         seconds = time.perf_counter() - start
+        training_peak = peak_rss()
+        # What reads the whole final state back (hashes, digest, export) must stream it
+        # within the budgets: its own peak, measured apart from the training's.
+        reset_peak_rss()
         stats = wrapped.stats()
         state[Kind.OPTIM_STATE.value] = (
             sum(sg.state_nbytes for sg in optimizer.sub_groups)
@@ -254,7 +269,7 @@ def _train(
             offload_nbytes=offloaded,
             stall_s=stats.stall_s,
             seconds=seconds,
-            peak_rss_bytes=peak_rss(),
+            peak_rss_bytes=training_peak,
             digest=digest,
             param_hashes=hashes,
             offload_windows=[(w.module_index, w.retained_nbytes) for w in windows],
@@ -263,6 +278,9 @@ def _train(
             optimizer_s=optimizer_s,
             snapshots=snapshots,
             export_seconds=export_s,
+            final_phase_peak_rss_bytes=peak_rss(),
+            activation_bytes=activations.peak_nbytes,
+            freed_memory_returned=freed_memory_returned(),
         )
         return _Trained(report, params)
     finally:

@@ -1,4 +1,4 @@
-# Size: ~530 lines: run_ranks and run_ranks_budgeted with their plan, spawn and wait;
+# Size: ~540 lines: run_ranks and run_ranks_budgeted with their plan, spawn and wait;
 # RanksBudgeted (issue 23) could join ranks_report.py, which holds the other results.
 """``swapper-pressure --nproc N``: the pressure run over N gloo ranks it starts itself.
 
@@ -281,8 +281,13 @@ class RanksBudgeted:
         return all(math.isfinite(x) for r in self.per_rank for x in r.losses)
 
     @property
+    def rss_within_bound(self) -> bool:
+        """Every rank's peak RSS (training and final phase) within its bound."""
+        return all(r.rss_within_bound(self.budget_bytes) for r in self.per_rank)
+
+    @property
     def ok(self) -> bool:
-        return self.within_budgets and self.losses_finite
+        return self.within_budgets and self.losses_finite and self.rss_within_bound
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -292,7 +297,10 @@ class RanksBudgeted:
             "budget_bytes": self.budget_bytes,
             "within_budgets": self.within_budgets,
             "losses_finite": self.losses_finite,
-            "per_rank": [dataclasses.asdict(r) for r in self.per_rank],
+            "rss_within_bound": self.rss_within_bound,
+            "per_rank": [
+                {**dataclasses.asdict(r), **r.rss_json(self.budget_bytes)} for r in self.per_rank
+            ],
             "ok": self.ok,
         }
 
@@ -310,7 +318,7 @@ class RanksBudgeted:
                 )
             )
             lines.append(
-                f"rank {r.rank}: {steps}; {peaks}; peak RSS {format_size(r.peak_rss_bytes)}; "
+                f"rank {r.rank}: {steps}; {peaks}; {r.rss_line(self.budget_bytes)}; "
                 f"stalled {100 * r.stall_fraction:.1f}% of {r.seconds:.1f} s"
             )
         lines.append(f"final digest {self.per_rank[0].digest}")
@@ -318,6 +326,7 @@ class RanksBudgeted:
             f"result ({self.world_size} ranks, no reference): "
             + ("losses finite" if self.losses_finite else "NON-FINITE LOSS")
             + (", within budgets" if self.within_budgets else ", OVER BUDGET")
+            + (", RSS within bound" if self.rss_within_bound else ", RSS OVER BOUND")
         )
         return "\n".join(lines)
 

@@ -12,8 +12,10 @@ import torch
 
 from swapper.distributed.balance import BalanceReport, balance_report
 from swapper.pressure.export import export_json
+from swapper.pressure.memory import rss_bound_nbytes
 from swapper.pressure.model import GPTConfig
 from swapper.pressure.runner import PressureSettings
+from tiers.units import format_size
 
 __all__ = ["MIN_EQUAL_FRACTION", "RankReport", "RanksResult", "compare_params"]
 
@@ -49,6 +51,45 @@ class RankReport:
     snapshots: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     #: seconds this rank spent in the export (``--export``; None: no export)
     export_seconds: float | None = None
+    #: peak RSS of what follows the training (hashes, final digest, export), measured
+    #: apart from ``peak_rss_bytes`` (the wrap and the steps), bytes
+    final_phase_peak_rss_bytes: int = 0
+    #: the most bytes autograd saved in one forward on this rank (activations)
+    activation_bytes: int = 0
+    #: whether this rank's process made glibc return freed tensors (else its peak RSS
+    #: measures the allocator's cache: 1.0-1.6 GiB per rank at 400 M)
+    freed_memory_returned: bool = False
+
+    def rss_bound_bytes(self, budget_bytes: dict[str, int]) -> int:
+        """This rank's peak RSS bound, in bytes, under its per-rank ``budget_bytes``:
+        :func:`~swapper.pressure.memory.rss_bound_nbytes` (the one-process rule)."""
+        return rss_bound_nbytes(budget_bytes, self.activation_bytes)
+
+    def rss_within_bound(self, budget_bytes: dict[str, int]) -> bool:
+        """Both the training's and the final phase's peak RSS within the bound."""
+        peak = max(self.peak_rss_bytes, self.final_phase_peak_rss_bytes)
+        return peak <= self.rss_bound_bytes(budget_bytes)
+
+    def rss_json(self, budget_bytes: dict[str, int]) -> dict[str, Any]:
+        """The memory figures of ``--json``'s per-rank entry (bytes)."""
+        return {
+            "peak_rss_bytes": self.peak_rss_bytes,
+            "final_phase_peak_rss_bytes": self.final_phase_peak_rss_bytes,
+            "activation_bytes": self.activation_bytes,
+            "rss_bound_bytes": self.rss_bound_bytes(budget_bytes),
+            "rss_within_bound": self.rss_within_bound(budget_bytes),
+            "freed_memory_returned": self.freed_memory_returned,
+        }
+
+    def rss_line(self, budget_bytes: dict[str, int]) -> str:
+        """The summary's words for the same figures."""
+        return (
+            f"peak RSS {format_size(self.peak_rss_bytes)} in training, "
+            f"{format_size(self.final_phase_peak_rss_bytes)} after it; bound "
+            f"{format_size(self.rss_bound_bytes(budget_bytes))} (budgets + 2 x activations "
+            f"{format_size(self.activation_bytes)} + 1.5 GiB)"
+            + ("" if self.rss_within_bound(budget_bytes) else " EXCEEDED")
+        )
 
     @property
     def stall_fraction(self) -> float:
@@ -121,9 +162,19 @@ class RanksResult:
         )
 
     @property
+    def rss_within_bound(self) -> bool:
+        """Every budgeted rank's peak RSS (training and final phase) within its bound."""
+        return all(r.rss_within_bound(self.budget_bytes) for r in self.per_rank)
+
+    @property
     def ok(self) -> bool:
-        """Identical, within budgets, and within tolerance of one process."""
-        return self.identical and self.within_budgets and self.within_tolerance
+        """Identical, within budgets and RSS bounds, and within tolerance of one process."""
+        return (
+            self.identical
+            and self.within_budgets
+            and self.rss_within_bound
+            and self.within_tolerance
+        )
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -139,6 +190,7 @@ class RanksResult:
             "single_losses": self.single_losses,
             "identical": self.identical,
             "within_budgets": self.within_budgets,
+            "rss_within_bound": self.rss_within_bound,
             "max_abs_diff_vs_single": self.max_abs_diff_vs_single,
             "equal_fraction_vs_single": self.equal_fraction_vs_single,
             "tolerance": self.tolerance,
@@ -174,7 +226,7 @@ class RanksResult:
                     "stall_fraction": r.stall_fraction,
                     "seconds": r.seconds,
                     "reference_seconds": ref.seconds,
-                    "peak_rss_bytes": r.peak_rss_bytes,
+                    **r.rss_json(self.budget_bytes),
                     "final_digest": r.digest,
                     "export_seconds": r.export_seconds,
                     "reference_final_digest": ref.digest,
