@@ -10,13 +10,12 @@ takes the model itself, so the ``local`` room's modules import each other one wa
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Protocol
 
 import torch
 
-from swapper.manager import Kind, ManagerClosedError, Tier
+from swapper.manager import Kind, Tier
 from swapper.step.clip import grad_norm32
 from swapper.zero.config.settings import tiers_of
 from swapper.zero.local.params import NORM_BATCH_NUMEL, LocalCore, Slot, copy_in, copy_out
@@ -61,9 +60,6 @@ class TieredParams:
         #: during a step whose parameters and gradients are all resident (see
         #: :meth:`resident`): each one's key → its tensor, fetched once for the step
         self._pinned: dict[str, torch.Tensor] | None = None
-        #: parameters split across sub-groups, held between their pieces' writes (see
-        #: :meth:`_write_piece`): key → the pieces written since the hold began
-        self._split: dict[str, _Split] = {}
 
     def _slot(self, param: torch.Tensor) -> Slot:
         slot = self._core.slots.get(id(param))
@@ -83,17 +79,6 @@ class TieredParams:
 
     @contextlib.contextmanager
     def resident(self, params: Sequence[torch.Tensor]) -> Iterator[bool]:
-        """Around one optimizer step (the overlapped one excepted): :meth:`_resident`;
-        at its end, however it ends, the holds of split parameters are released
-        (:meth:`end_holds`)."""
-        try:
-            with self._resident(params) as held:
-                yield held
-        finally:
-            self.end_holds()
-
-    @contextlib.contextmanager
-    def _resident(self, params: Sequence[torch.Tensor]) -> Iterator[bool]:
         """Around one optimizer step: when the model's budgets hold every parameter and
         gradient (nothing can have to move: see ``LocalCore.keep_held`` and
         ``_lazy_norms``) and all are resident now, fetch them all at once and let the
@@ -137,39 +122,33 @@ class TieredParams:
 
     def read_ahead(self, params: Sequence[torch.Tensor], partial: Sequence[torch.Tensor]) -> None:
         """:class:`~swapper.step.sources.AheadSource`: the retained gradients of
-        ``params`` (to their home tier) and the parameters ``partial`` (to the tier the
-        step writes them in) that are on NVMe only, asked for as read-aheads; nothing
-        during a resident step (all held). A parameter the step writes whole is not read
-        at all (:meth:`~swapper.manager.TierManager.assign` places its new value).
+        ``params`` that are on NVMe only, asked for as read-aheads to their home tier;
+        nothing during a resident step (all held).
 
-        (Parameters were read on demand for a while, 2026-11-28: their read-ahead took
-        host room that the next sub-group's state then had to find by evicting a
-        parameter split across two sub-groups between its two pieces' writes, writing it
-        to NVMe twice a step; :meth:`write_param` now holds such a parameter from its
-        first piece to its last.)"""
+        Parameters are not read ahead, ``partial`` included: a parameter the step writes
+        whole is placed without a read (:meth:`~swapper.manager.TierManager.assign`), and
+        one written in pieces is read on demand. Reading the latter ahead took host room
+        that the next sub-group's state then found by evicting such a parameter between
+        its pieces' writes (written to NVMe twice a step: wt-peft3, 2026-11-28); holding
+        it from its first piece to its last fixed that but left too little room at tight
+        host budgets (tests/test_saved_params.py's steps failed for room), so both wait
+        for a budget-aware hold."""
+        del partial  # (see above)
         if self._pinned is not None:
             return
         grads: dict[str, None] = {}
-        keys: dict[str, None] = {}
         manager = self._manager
-        # Only what is on NVMe alone: a gradient in memory is read where it is, a
-        # parameter written where it is (in_place); a read-ahead would move them.
         for param in params:
             slot = self._slot(param)
+            # Only what is on NVMe alone: a gradient in memory is read where it is.
             if (
                 slot.has_grad
                 and slot.grad_held is None
                 and manager.info(slot.grad_key).tier is None
             ):
                 grads[slot.grad_key] = None
-        for param in partial:
-            slot = self._slot(param)
-            if manager.info(slot.key).tier is None:
-                keys[slot.key] = None
         if grads:
             manager.prefetch(grads)
-        if keys:
-            manager.prefetch(keys, self._tier)
 
     def read_param(self, param: torch.Tensor, start: int, out: torch.Tensor) -> None:
         copy_out(self._manager, self._slot(param).key, self._tier, start, out, in_place=True)
@@ -204,52 +183,7 @@ class TieredParams:
         if pinned is not None:
             pinned[slot.key].view(-1)[start : start + source.numel()].copy_(source)
             return
-        numel = slot.shape.numel()
-        # An overlapped update (param_gate) runs beside the forward, under a host floor
-        # made for the two without holds (swapper.step.deferred): a hold there starved
-        # the forward (test_step_overlap's floor timed out); it writes piece by piece.
-        whole = source.numel() == numel and slot.key not in self._split
-        if whole or self._core.param_gate is not None:
-            copy_in(self._manager, slot.key, self._tier, start, source, in_place=True)
-            return
-        self._write_piece(slot.key, numel, start, source)
-
-    def _write_piece(self, key: str, numel: int, start: int, source: torch.Tensor) -> None:
-        """One piece of a parameter split across sub-groups: the parameter is held from
-        its first piece's write to its last one's (``_split``), so that no eviction
-        between them writes it to NVMe half updated (and a second time, whole, once its
-        last piece is in: a write and a read more per step; under the step's
-        read-ahead at tight host budgets that happened every step). Each piece is
-        released modified as any write; the hold is released unmodified.
-
-        Pieces may come in any order (the run order alternates) and more than once (a
-        failed step published again): the hold ends when the pieces written since it
-        began cover the parameter, or at :meth:`end_holds`. It only keeps the parameter
-        where it is; no byte depends on it. Not in an overlapped update
-        (:meth:`write_param`)."""
-        manager = self._manager
-        with signals.at_waits:  # the hold taken and recorded, or neither
-            split = self._split.get(key)
-            if split is None:
-                manager.fetch(key, self._tier, in_place=True)
-                split = self._split[key] = _Split(numel)
-        copy_in(manager, key, self._tier, start, source, in_place=True)
-        split.starts[start] = source.numel()
-        if sum(split.starts.values()) >= split.numel:
-            with signals.held:  # released and forgotten together
-                del self._split[key]
-                manager.release(key, modified=False)
-
-    def end_holds(self) -> None:
-        """Release the holds of split parameters whose last piece was not written (a
-        step that stopped between pieces; called at each step's end)."""
-        with signals.held:
-            keys, self._split = list(self._split), {}
-            for key in keys:
-                try:
-                    self._manager.release(key, modified=False)
-                except ManagerClosedError:
-                    return  # (closed meanwhile: it released what was held, as modified)
+        copy_in(self._manager, slot.key, self._tier, start, source, in_place=True)
 
     def grad_norms(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         slots = [self._slot(param) for param in params]
@@ -310,14 +244,6 @@ class TieredParams:
 
     def zero_grad(self, params: Sequence[torch.Tensor]) -> None:
         self._doors.drop_grads([self._slot(param) for param in params])
-
-
-@dataclasses.dataclass
-class _Split:
-    """A parameter held between the writes of its pieces (``TieredParams._write_piece``)."""
-
-    numel: int  #: the parameter's elements
-    starts: dict[int, int] = dataclasses.field(default_factory=dict)  #: start → numel
 
 
 def _aligned(numel: int) -> int:
