@@ -22,8 +22,8 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from test_dist_train import ABS_TOL, BATCH, LR, TIGHT, VOCAB, _batches, _config, _model, _spawn
+from test_dist_reshard import _steps
+from test_dist_train import ABS_TOL, LR, TIGHT, _batches, _config, _model, _spawn
 
 import swapper
 from swapper import OffloadOptimizer
@@ -63,15 +63,6 @@ def _wrap(tmp: str, name: str, label: str, world: int) -> Any:
     )
     group = dist.group.WORLD if world > 1 else None
     return swapper.offload(_model(), config, group)
-
-
-def _steps(wrapped: Any, optimizer: Any, rank: int, world: int, data: list) -> None:
-    for tokens in data:
-        share = tokens[rank * BATCH // world : (rank + 1) * BATCH // world]
-        logits = wrapped(share[:, :-1])
-        F.cross_entropy(logits.float().reshape(-1, VOCAB), share[:, 1:].reshape(-1)).backward()
-        optimizer.step()
-        optimizer.zero_grad()
 
 
 def _optimizer_state(optimizer: OffloadOptimizer) -> dict[tuple[int, str], torch.Tensor]:
