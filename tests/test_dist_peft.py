@@ -35,6 +35,7 @@ from test_peft import ADAM, DEVICE_NBYTES, _batches, _lora, _lora32, _train_plai
 import swapper
 from swapper import Kind, OffloadAdamW, OffloadConfig, StepConfig, SwapConfigError
 from swapper.zero.config.distributed import DistributedConfig
+from swapper.zero.model.frozen import TrainableSetChanged
 
 pytestmark = pytest.mark.dist
 
@@ -193,3 +194,42 @@ def test_two_ranks_fp32_gradients_that_do_not_fit_are_refused_at_wrap(
         assert message is not None and "fp32 trainable" in message and "lora_" in message
         assert "never on NVMe" in message and "host" in message
         assert not out["moved"]
+
+
+def bad_inputs(rank: int, world: int, tmp: str) -> dict[str, Any]:
+    """At 2 ranks: a PEFT model converted to fp32 entirely, and a frozen base weight made
+    trainable after the wrap: each error, and whether anything had moved."""
+    out: dict[str, Any] = {}
+    whole = _lora32().float()
+    try:
+        swapper.offload(whole, _config(os.path.join(tmp, "fp32"), None), dist.group.WORLD)
+        out["fp32"] = None
+    except SwapConfigError as exc:
+        out["fp32"] = str(exc)
+        out["fp32_moved"] = any(p.numel() == 0 for p in whole.parameters())
+    model = _checkpointed("bf16")
+    wrapped = swapper.offload(model, _config(os.path.join(tmp, "toggle"), None), dist.group.WORLD)
+    try:
+        name, param = next((n, p) for n, p in model.named_parameters() if "q_proj.base" in n)
+        param.requires_grad_(True)
+        ids = _batches()[0][rank : rank + 1]
+        try:
+            wrapped(input_ids=ids, labels=ids)
+            out["toggle"] = None
+        except TrainableSetChanged as exc:
+            out["toggle"], out["toggled"] = str(exc), name
+        out["held"] = wrapped.core.holds.held_nbytes
+    finally:
+        wrapped.close()
+    return out
+
+
+def test_two_ranks_bad_inputs_are_refused_naming_them(tmp_path: Path) -> None:
+    """A model converted to fp32 entirely is refused at the wrap on every rank before
+    anything moves; ``requires_grad`` toggled after the wrap is refused at the next
+    forward on every rank, naming the parameter, with nothing held."""
+    for out in _spawn(bad_inputs, WORLD, tmp_path, join_s=180.0):
+        assert out["fp32"] is not None and "float32" in out["fp32"], out["fp32"]
+        assert "only beside a 16-bit base" in out["fp32"] and not out["fp32_moved"]
+        assert out["toggle"] is not None and repr(out["toggled"]) in out["toggle"]
+        assert out["held"] == 0
