@@ -96,10 +96,10 @@ def train(rank: int, world: int, tmp: str, tight: bool, adapters: str) -> dict[s
     written: set[str] = set()  # keys released as modified (a frozen one: never)
     release = manager.release
 
-    def spy(key: str, *, modified: bool = True) -> None:
+    def spy(key: str, *, modified: bool = True, cold: bool = False) -> None:
         if modified:
             written.add(key)
-        release(key, modified=modified)
+        release(key, modified=modified, cold=cold)
 
     def note_grads() -> None:
         keys = manager.keys()  # (a TierManager is not iterable)

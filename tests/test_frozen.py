@@ -143,10 +143,10 @@ def _train(config: OffloadConfig, ckpt: str = "none", fp32: bool = False) -> Run
         manager = wrapped.manager
         release = manager.release
 
-        def spy(key: str, *, modified: bool = True) -> None:
+        def spy(key: str, *, modified: bool = True, cold: bool = False) -> None:
             if modified:
                 run.written.add(key)
-            release(key, modified=modified)
+            release(key, modified=modified, cold=cold)
 
         manager.release = spy  # type: ignore[method-assign]
         _count_nvme_writes(manager, run.nvme_writes)

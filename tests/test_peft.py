@@ -270,10 +270,10 @@ def test_peft_default_fp32_adapters_quarter_budget_bit_identical(tmp_path: Path)
         manager = wrapped.manager
         release = manager.release
 
-        def spy(key: str, *, modified: bool = True) -> None:
+        def spy(key: str, *, modified: bool = True, cold: bool = False) -> None:
             if modified:
                 written.add(key)
-            release(key, modified=modified)
+            release(key, modified=modified, cold=cold)
 
         manager.release = spy  # type: ignore[method-assign]
         for ids in _batches():
