@@ -218,10 +218,10 @@ def main(argv: list[str] | None = None) -> int:
         release = manager.release
         frozen_keys = {f"param/{n}" for n, p in model.named_parameters() if not p.requires_grad}
 
-        def spy(key: str, *, modified: bool = True) -> None:
+        def spy(key: str, *, modified: bool = True, cold: bool = False) -> None:
             if modified and key in frozen_keys:
                 frozen_written.add(key)
-            release(key, modified=modified)
+            release(key, modified=modified, cold=cold)
 
         manager.release = spy  # type: ignore[method-assign]
 
