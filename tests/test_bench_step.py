@@ -200,3 +200,22 @@ def test_compute_pass_auto_samples_only_above_the_threshold(tmp_path: Path) -> N
     assert sampled.compute_pass == "sampled"  # type: ignore[attr-defined]
     assert sum(s[0] for s in sampled.compute_shapes()) == sampled.sub_groups()[0].numel  # type: ignore[attr-defined]
     assert SAMPLE_ABOVE_NBYTES < 12 * 1_000_000_000  # 1B parameters' state is sampled
+
+
+def test_no_io_only_leaves_out_the_pass_and_its_store(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Issue 24: at 1B a second store of state (the io-only pass's) would not fit the disk
+    # allowed; the floor does not need it.
+    work = tmp_path / "work"
+    work.mkdir()
+    out = tmp_path / "step.json"
+    argv = ["step", "--dir", str(work), "--params", "200K", "--sub-group", "50K"]
+    argv += ["--steps", "1", "--warmup", "0", "--no-io-only", "--json", str(out)]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "setting up the state (step)" in printed and "io-only" not in printed
+    doc = json.loads(out.read_text())
+    assert set(doc["passes"]) == {"compute-only", "step"}
+    assert doc["io_only_seconds"] is None and doc["overlap_ratio"] is None
+    assert doc["step_over_floor"] > 0
