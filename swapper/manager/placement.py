@@ -3,8 +3,10 @@
 Decisions only: placement decides, the mover moves. :class:`~swapper.manager.mover.Mover`
 asks (where a fetch brings a tensor, where a new one goes, which victims to evict) and
 does the moving and the waiting; nothing here calls back into the mover, so one fetch
-enters this file at most twice (its tier, and its victims when it must make room: a test
-traces it, ``tests/test_manager_fetch_path.py``).
+enters this file at most twice: its tier (``fetch_tier``), and, when it must make room,
+the whole room at once (``claim_room``: the victims in its tier *and* the host room
+their eviction and the read's staging need, claimed before anything moves). A test
+traces it, ``tests/test_manager_fetch_path.py``.
 
 Invariants:
 
@@ -111,6 +113,51 @@ class Placement:
         return None, fitting[0]
 
     # -- room -------------------------------------------------------------------------------
+
+    def claim_room(
+        self,
+        tier: Tier,
+        charge: int,
+        moving: SwapEntry | None,
+        read_ahead: bool,
+        *,
+        reads: bool,
+    ) -> tuple[list[Plan], list[Plan]] | None:
+        """Lock held. One room's whole cascade, claimed at once before anything moves:
+        the victims that free ``charge`` bytes of ``tier`` (:meth:`claim_victims`) and,
+        when ``tier`` is not the host, the host victims that free what the cascade then
+        takes there: each of those victims' host block (demoted to the host) or staging
+        block (written to NVMe through the host), and, with ``reads``, the staging block
+        through which ``moving`` is read from NVMe into ``tier``.
+
+        The host victims are chosen from the state before the move (so the entries a
+        demotion brings into the host are not among them); the mover evicts them first,
+        and the cascade's host blocks wait for them instead of asking again
+        (:meth:`~swapper.manager.mover.Mover.obtain` with a ``HostRoom``). Host victims are
+        claimed as any fetch's are (not speculatively: a read-ahead's demotions and
+        staging never were), never ``moving`` itself.
+
+        Host victims are claimed only with victims here: a caller that must wait for room
+        here holds no claim while it waits.
+
+        Returns:
+            (victims in ``tier``, victims in the host), each as :meth:`claim_victims`
+            returns them; None when a read-ahead should give up (nothing claimed).
+        """
+        here = self.claim_victims(tier, charge, moving, read_ahead)
+        host = self._ctx.memory.get(Tier.HOST)
+        if here is None:
+            return None
+        if not here or tier is Tier.HOST or host is None:
+            # No victim here (the room comes from bytes already leaving, or the caller
+            # waits for it): nothing moves yet, so nothing is claimed for later; the
+            # read's staging block asks for its room when it is taken.
+            return here, []
+        need = sum(host.charge(victim.nbytes) for victim, _, _ in here)
+        if reads and moving is not None and moving.tier is None:
+            need += host.charge(moving.nbytes)  # the read's staging block
+        # (Never None: not speculative.)
+        return here, self.claim_victims(Tier.HOST, need, moving, False) or []
 
     def claim_victims(
         self, tier: Tier, charge: int, moving: SwapEntry | None, read_ahead: bool
