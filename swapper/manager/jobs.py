@@ -35,7 +35,7 @@ from swapper.manager.config import Tier
 from swapper.manager.context import ManagerContext
 from swapper.manager.entry import EntryState, Prefetch, SwapEntry
 from swapper.manager.errors import ManagerClosedError, NotDurableError
-from swapper.manager.mover import HostRoom, Mover
+from swapper.manager.mover import Mover
 from swapper.manager.shared import in_flight, named_error, store_key_of
 from tiers.budget import Reservation
 from tiers.protocols import MemoryBlock
@@ -122,17 +122,7 @@ class MoverJobs:
                     ctx.wait(deadline, entry)
                 if entry.state not in (_S.RESIDENT, _S.ON_NVME) or entry.tier is target:
                     return  # gone, in use, or already there
-            room = HostRoom()  # the host room of the cascade, claimed with the room here
-            block = self._mover.obtain(
-                target,
-                entry.nbytes,
-                what=f"key={entry.key!r}",
-                deadline=deadline,
-                moving=entry,
-                read_ahead=True,
-                room=room,
-                reads=True,
-            )
+            block, room = self._mover.obtain_move(entry, target, deadline, read_ahead=True)
             if block is None:
                 return
             with ctx.cond:

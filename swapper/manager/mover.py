@@ -628,16 +628,7 @@ class Mover:
                 waited |= waited_now
                 if ready:
                     return ctx.pin(entry), True, waited
-            room = HostRoom()  # the host room of the whole cascade, claimed with the room here
-            block = self.obtain(
-                target,
-                entry.nbytes,
-                what=f"key={entry.key!r}",
-                deadline=deadline,
-                moving=entry,
-                room=room,
-                reads=True,
-            )
+            block, room = self.obtain_move(entry, target, deadline)
             if block is None:
                 continue  # it no longer needs us (it arrived, or someone else moves it)
             with ctx.cond:
@@ -867,6 +858,29 @@ class Mover:
                     with ctx.cond:
                         for (victim, _, _), _, _ in plans[issued + 1 :]:
                             ctx.set_state(victim, _S.RESIDENT)
+
+    def obtain_move(
+        self, entry: SwapEntry, target: Tier, deadline: float, *, read_ahead: bool = False
+    ) -> tuple[MemoryBlock | None, HostRoom]:
+        """:meth:`obtain` of a block in ``target`` for moving ``entry`` there (a fetch, or a
+        ``read_ahead``), with the host room claimed with it: a read from NVMe into the
+        device stages through it (:meth:`transfer`'s ``room``).
+
+        Raises:
+            as :meth:`obtain`.
+        """
+        room = HostRoom()
+        block = self.obtain(
+            target,
+            entry.nbytes,
+            what=f"key={entry.key!r}",
+            deadline=deadline,
+            moving=entry,
+            read_ahead=read_ahead,
+            room=room,
+            reads=True,
+        )
+        return block, room
 
     def obtain_now(
         self,
