@@ -113,18 +113,20 @@ def test_a_fetch_that_evicts_enters_each_file_at_most_twice(
 def test_a_fetch_that_makes_room_in_two_tiers_plans_its_cascade_in_one_call(
     tmp_path: Path, tensors: dict[str, torch.Tensor]
 ) -> None:
-    """NVMe → device, both memory tiers full: device victims are demoted to the host,
-    which evicts to NVMe, and the read stages through the host. Placement is entered
-    twice: where the key goes, then the whole cascade's room at once (``claim_room``:
-    the device victim, and host victims for its demotion *and* the read's staging
-    block, before anything moves); it never calls the mover, and core and mover are
+    """NVMe → device, both memory tiers full: a device victim must leave, the host
+    must make room for it, and the read stages through the host. Placement is entered
+    twice: where the key goes, then the whole cascade at once (``claim_room``: the
+    device victim and the host's victims for its block and the read's staging block,
+    chosen before anything moves); it never calls the mover, and core and mover are
     entered once each.
 
-    The victims follow from that plan: the host's are chosen from the state before the
-    fetch (``d`` and ``e``), so ``b``, demoted from the device, stays in the host. (Asked
-    once per room, as before issue 25's fourth round, placement entered 4 times and the
-    staging block's victim was ``b`` itself, written out right after its demotion: this
-    test fails on that behaviour, on both counts.)"""
+    The host's victims are chosen from what is in the host and the device victim as if
+    it were there: ``b`` (least recently used) goes from the device straight to NVMe,
+    ``d`` leaves the host for its staging block, which the read's staging then reuses.
+    The victims are those the one-room-at-a-time cascade chose (it demoted ``b`` to the
+    host and then wrote it out for the staging block), without the demotion; asked once
+    per room, as before issue 25's fourth round, placement was entered 4 times (this
+    test fails on that)."""
     with _manager(tmp_path, 64 * KiB) as m:
         m.register("a", tensors["a"], Kind.PARAM16)
         m.evict("a", Tier.NVME).result(timeout=20)
@@ -138,12 +140,10 @@ def test_a_fetch_that_makes_room_in_two_tiers_plans_its_cascade_in_one_call(
         assert ("placement.py", "mover.py") not in trace.edges, trace.edges
         entries = {name: trace.entries[name] for name in ("core.py", "mover.py", "placement.py")}
         assert entries == {"core.py": 1, "mover.py": 1, "placement.py": 2}, dict(trace.entries)
-        # b leaves the device for the host; d and e leave the host for NVMe (b's block
-        # and the staging block), claimed together; c stays on the device.
-        assert [m.info(k).on_nvme for k in "bcde"] == [False, False, True, True]
-        assert [m.info(k).tier for k in "abcde"] == [Tier.DEVICE, Tier.HOST, Tier.DEVICE] + [
-            None
-        ] * 2
+        # b and d on NVMe; c stays on the device, e in the host.
+        assert [m.info(k).on_nvme for k in "bcde"] == [True, False, True, False]
+        assert [m.info(k).tier for k in "abcd"] == [Tier.DEVICE, None, Tier.DEVICE, None]
+        assert m.info("e").tier is Tier.HOST
         for k in "bcde":  # every byte where it went is the tensor's
             assert torch.equal(m.fetch(k, Tier.HOST), tensors[k]), k
             m.release(k)
