@@ -23,6 +23,7 @@ loss to 0.01 (measured 0.0009 / 0.0012), and the global gradient norm to 1% rela
 from __future__ import annotations
 
 import errno
+import gc
 import io
 import os
 import pickle
@@ -515,15 +516,30 @@ def test_per_rank_checkpoint_resumes_bit_identically(tmp_path: Path) -> None:
 GPT_CONFIG = GPTConfig(vocab_size=64, context=16, d_model=32, n_layers=2, n_heads=2)
 
 
-def _materializer(full_alive: list[int]) -> Callable[[nn.Module, Any], None]:
+def _materializer(
+    full_alive: list[int], kept: list[int] | None = None
+) -> Callable[[nn.Module, Any], None]:
     """``materialize=`` for the pressure tool's GPT; after each module is placed, records
-    how many elements of materialised parameters the model still holds in full."""
+    how many elements of materialised parameters the model still holds in full, and (in
+    ``kept``) how many of the materialised values so far anything but this test still
+    refers to (the wrap must drop each once its shard is registered: kept for an undo,
+    they held the whole model in memory by the end of the wrap)."""
+    storages: list[torch.UntypedStorage] = []
 
     def materialize(module: nn.Module, place: Callable[[str, nn.Module], None]) -> None:
         def on_module(name: str, sub: nn.Module) -> None:
+            storages.extend(
+                s
+                for p in sub.parameters(recurse=False)
+                if (s := p.untyped_storage()).nbytes() > 0  # (not a placed tied one)
+            )
             place(name, sub)
             made = [p for p in module.parameters() if not p.is_meta]
             full_alive.append(sum(p.numel() for p in made))
+            if kept is not None:
+                gc.collect()
+                # (a use count of 1: only this test's list refers to the values)
+                kept.append(sum(torch._C._storage_Use_Count(s._cdata) > 1 for s in storages))
 
         materialize_(module, dtype=torch.bfloat16, seed=0, on_module=on_module)  # type: ignore[arg-type]
 
@@ -535,6 +551,7 @@ def meta_model(rank: int, world: int, tmp: str) -> dict[str, Any]:
     device and materialised module by module through the wrap; three steps each."""
     out: dict[str, Any] = {}
     full_alive: list[int] = []
+    kept: list[int] = []
     for name in ("built", "meta"):
         materialize = None
         if name == "built":
@@ -544,7 +561,7 @@ def meta_model(rank: int, world: int, tmp: str) -> dict[str, Any]:
         else:
             with torch.device("meta"):
                 model = GPT(GPT_CONFIG)
-            materialize = _materializer(full_alive)
+            materialize = _materializer(full_alive, kept)
         config = _config(tmp, {"name": name, "tight": True})
         with swapper.offload(model, config, dist.group.WORLD, materialize=materialize) as wrapped:
             optimizer = OffloadAdamW(wrapped.parameters(), lr=LR, tiers=wrapped)
@@ -559,15 +576,42 @@ def meta_model(rank: int, world: int, tmp: str) -> dict[str, Any]:
             out[name] = wrapped.state_dict()
             optimizer.close()
     out["full_alive"] = full_alive
+    out["kept"] = kept
+    # A wrap that fails part way: the parameters already placed (their values only ever
+    # lived in the tiers, closed by the failure) go back to the meta device.
+    with torch.device("meta"):
+        model = GPT(GPT_CONFIG)
+    placed: list[str] = []
+
+    def failing(module: nn.Module, place: Callable[[str, nn.Module], None]) -> None:
+        def on_module(name: str, sub: nn.Module) -> None:
+            place(name, sub)
+            placed.append(name)
+            if len(placed) == 4:
+                raise RuntimeError("materialize: injected")
+
+        materialize_(module, dtype=torch.bfloat16, seed=0, on_module=on_module)  # type: ignore[arg-type]
+
+    config = _config(tmp, {"name": "failing", "tight": True})
+    try:
+        swapper.offload(model, config, dist.group.WORLD, materialize=failing)
+        out["failed"] = "no error"
+    except RuntimeError as exc:
+        out["failed"] = str(exc)
+    out["meta_after_failure"] = [n for n, p in model.named_parameters() if not p.is_meta]
     return out
 
 
 def test_meta_model_materialised_per_rank_trains_like_a_built_one(tmp_path: Path) -> None:
-    seen = _spawn(meta_model, 2, tmp_path)
+    seen = _spawn(meta_model, 2, tmp_path, join_s=300.0)  # (three wraps)
     _same(seen[0]["meta"], seen[0]["built"])
     for r in seen:
         # each rank kept only its shards: no parameter's full values outlived its module
         assert r["full_alive"] and set(r["full_alive"]) == {0}
+        # and nothing else kept them: before, 1, 2, 3, ... (every module made so far)
+        assert r["kept"] and set(r["kept"]) == {0}, r["kept"]
+        assert r["failed"] == "materialize: injected"
+        assert r["meta_after_failure"] == []  # (before: the first 4 modules' values)
 
 
 # -- faults -----------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 import torch
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
@@ -443,6 +443,28 @@ def test_belady_evicts_the_furthest_next_use(dirs: list[Path]) -> None:
         m.fetch("d")
         m.release("d")
         assert m.info("a").tier is Tier.HOST  # least recently used, needed next
+
+
+@settings(max_examples=15, deadline=None)
+@given(order=st.permutations(list("abc")), cold=st.sets(st.sampled_from("abc")))
+def test_a_cold_release_makes_the_first_victim(order: list[str], cold: set[str]) -> None:
+    """A scan's reads released cold are evicted before anything else, in the order they
+    were released; the others least recently used first (a scan of more than the tier
+    holds, released warm, evicted the tensor it needed next at every miss)."""
+    with TierManager(_config(None, device_nbytes=48 * KiB, policy="lru")) as m:
+        for key in "abc":
+            m.register(key, torch.zeros(4 * KiB), "param16")  # 16 KiB each: device full
+        for key in order:
+            m.fetch(key)
+            m.release(key, modified=False, cold=key in cold)
+        expected = [k for k in order if k in cold] + [k for k in order if k not in cold]
+        evicted: list[str] = []
+        for i in range(3):
+            m.register(f"new{i}", torch.ones(4 * KiB), "param16")  # room made on the device
+            m.fetch(f"new{i}", Tier.DEVICE)
+            m.release(f"new{i}")
+            evicted += [k for k in "abc" if m.info(k).tier is not Tier.DEVICE and k not in evicted]
+        assert evicted == expected
 
 
 def test_recording_sets_the_order(manager: TierManager) -> None:

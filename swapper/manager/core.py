@@ -86,6 +86,11 @@ log = logging.getLogger("swapper.manager")
 
 _S = EntryState
 
+#: Subtracted from the LRU clock of a tensor released ``cold``: below every clock value a
+#: fetch, read-ahead or registration gives (the clock counts up from 0), so it is chosen
+#: before any of them, and cold ones keep the order they were released in.
+_COLD = 1 << 62
+
 
 class TierManager:
     """Tensors by key across device, host and NVMe tiers under per-tier byte budgets.
@@ -308,11 +313,20 @@ class TierManager:
             self._mover.assign(key, source, tier, self._ctx.timeout(timeout_s), convert)
             self._maybe_log()
 
-    def release(self, key: str, *, modified: bool = True) -> None:
+    def release(self, key: str, *, modified: bool = True, cold: bool = False) -> None:
         """The caller is done with a fetched tensor; when nobody holds it, it can be evicted.
 
         Pass ``modified=False`` when the tensor was only read: a clean NVMe copy then stays
         valid and evicting the tensor later writes nothing.
+
+        Pass ``cold=True`` when the caller is scanning tensors once (each read, then not
+        needed again soon: the optimizer's initial state read from every parameter, an
+        export): the tensor becomes the first victim of the least-recently-used choice
+        instead of the last (cold ones among themselves in the order released). Without
+        it, a scan of more bytes than the memory tiers hold evicts, at every miss, the
+        tensor the scan needs next (at 2.17 B parameters the optimizer's creation read
+        and wrote the 16-bit parameters over again). A recorded access order still
+        ranks first; this only orders entries it does not tell apart.
 
         Raises:
             UnknownKeyError: ``key`` is not registered.
@@ -320,6 +334,8 @@ class TierManager:
         """
         with held, self._ctx.cond:
             self._release_locked(key, modified)
+            if cold:
+                self._ctx.get(key).last_use = next(self._ctx.clock) - _COLD
 
     def _release_locked(self, key: str, modified: bool) -> None:
         if self._ctx.closed:

@@ -56,18 +56,20 @@ def copy_out(
     out: torch.Tensor,
     *,
     in_place: bool = False,
+    cold: bool = False,
 ) -> None:
     """Copy ``out.numel()`` elements of ``key``'s flattened tensor, from element ``start``,
     into ``out``: fetched into ``tier`` (None: its home; ``in_place``: where it is, if it
-    is in memory) and released unmodified. The fetch and its release run in one section:
-    no signal lands between the fetch and the ``try``.
+    is in memory) and released unmodified (``cold``: as the first victim, for a scan:
+    :meth:`TierManager.release`). The fetch and its release run in one section: no signal
+    lands between the fetch and the ``try``.
     """
     with signals.at_waits:
         tensor = manager.fetch(key, tier, in_place=in_place)
         try:
             out.copy_(tensor.view(-1)[start : start + out.numel()])
         finally:
-            manager.release(key, modified=False)
+            manager.release(key, modified=False, cold=cold)
 
 
 def copy_in(

@@ -6,12 +6,12 @@ what a failed wrap of a meta model gives back (:func:`back_to_meta`). Used by
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 from torch import nn
 
 from swapper.manager import Tier
-from swapper.zero.local.params import Slot
 from swapper.zero.model.recompute import checkpointed_need
 from tiers.errors import SwapConfigError
 from tiers.units import format_size
@@ -216,10 +216,22 @@ def check_overlap_room(
         )
 
 
-def back_to_meta(module: nn.Module, placed: list[tuple[nn.Parameter, Slot]]) -> None:
+class _Shaped(Protocol):
+    """What :func:`back_to_meta` reads of a placed parameter's record (a :class:`Slot`,
+    or a sharded wrap's ``ShardSlot``): the full parameter's shape and dtype."""
+
+    @property
+    def shape(self) -> torch.Size: ...
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+
+def back_to_meta(module: nn.Module, placed: list[tuple[nn.Parameter, _Shaped]]) -> None:
     """A failed wrap of a meta model: the parameters ``materialize=`` made become meta
     Parameters of their shapes again (their values only ever lived in the tiers, which
-    the failure closes), one new Parameter per old one, so tied ones stay tied."""
+    the failure closes), one new Parameter per old one, so tied ones stay tied. Used by
+    the one-process wrap (records: :class:`Slot`) and the sharded one (``ShardSlot``)."""
     if not placed:
         return
     new = {

@@ -151,7 +151,10 @@ class TieredParams:
             manager.prefetch(grads)
 
     def read_param(self, param: torch.Tensor, start: int, out: torch.Tensor) -> None:
-        copy_out(self._manager, self._slot(param).key, self._tier, start, out, in_place=True)
+        # cold: its callers scan every parameter once (the optimizer's initial masters, an
+        # export), and the scan must not evict the parameters it reads next
+        key = self._slot(param).key
+        copy_out(self._manager, key, self._tier, start, out, in_place=True, cold=True)
 
     def read_grad(self, param: torch.Tensor, start: int, out: torch.Tensor) -> bool:
         slot = self._slot(param)

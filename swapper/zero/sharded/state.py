@@ -190,7 +190,8 @@ class ShardedParams:
         return True
 
     def read_param(self, param: torch.Tensor, start: int, out: torch.Tensor) -> None:
-        copy_out(self._manager, self._slot(param).key, self._tier, start, out)
+        # cold: a scan of every shard once (initial masters, export): see the local source
+        copy_out(self._manager, self._slot(param).key, self._tier, start, out, cold=True)
 
     def read_grad(self, param: torch.Tensor, start: int, out: torch.Tensor) -> bool:
         slot = self._slot(param)
