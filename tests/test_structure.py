@@ -256,6 +256,7 @@ SHARED_LIFECYCLE = (
     "_backward_started",
     "_backward_ended",
     "_close_manager",
+    "close",
     "_check_wrappable",
     "drop_grads",
     "iter_state_dict",

@@ -122,14 +122,7 @@ class MoverJobs:
                     ctx.wait(deadline, entry)
                 if entry.state not in (_S.RESIDENT, _S.ON_NVME) or entry.tier is target:
                     return  # gone, in use, or already there
-            block = self._mover.obtain(
-                target,
-                entry.nbytes,
-                what=f"key={entry.key!r}",
-                deadline=deadline,
-                moving=entry,
-                read_ahead=True,
-            )
+            block, room = self._mover.obtain_move(entry, target, deadline, read_ahead=True)
             if block is None:
                 return
             with ctx.cond:
@@ -146,7 +139,7 @@ class MoverJobs:
                 handed = True
                 return
             self._mover.transfer(
-                entry, block, source, target, deadline, pin=False, readahead=window
+                entry, block, source, target, deadline, pin=False, readahead=window, room=room
             )
             landed = True
         except Exception as exc:

@@ -102,6 +102,20 @@ _S = EntryState
 _LEAVING = (_S.WRITING, _S.MOVING)
 
 
+class HostRoom:
+    """The host room one fetch's cascade claimed ahead (``Placement.claim_room``): the host
+    victims being evicted for it and their evictions. The cascade's host blocks (a device
+    victim's demotion or staging, the read's staging) wait for these victims to leave
+    rather than asking placement again; only if they have all left and the host still
+    has no room (another thread took it) is placement asked once more."""
+
+    __slots__ = ("evictions", "victims")
+
+    def __init__(self) -> None:
+        self.victims: list[SwapEntry] = []
+        self.evictions: list[Future[None]] = []
+
+
 class Mover:
     """Transfers of one manager's entries (see the module docstring)."""
 
@@ -289,17 +303,23 @@ class Mover:
     # -- down: victims and evictions --------------------------------------------------------
 
     def evict_claimed(
-        self, entry: SwapEntry, dest: Tier, version: int, deadline: float
+        self,
+        entry: SwapEntry,
+        dest: Tier,
+        version: int,
+        deadline: float,
+        room: HostRoom | None = None,
     ) -> Future[None]:
-        """Evict an entry already marked WRITING (dest NVMe) or MOVING (dest host). Cut
-        or failed, the entry is settled (RESIDENT where it was) before this raises."""
+        """Evict an entry already marked WRITING (dest NVMe) or MOVING (dest host), its host
+        block (demoted, or staging) from ``room`` when the cascade claimed one. Cut or
+        failed, the entry is settled (RESIDENT where it was) before this raises."""
         future: Future[None] = Future()
         future.set_running_or_notify_cancel()
         if dest is Tier.NVME:
-            self.write_out(entry, version, future, deadline, keep=False)
+            self.write_out(entry, version, future, deadline, keep=False, room=room)
             return future
         try:
-            self.demote(entry, dest, deadline)
+            self.demote(entry, dest, deadline, room)
         except BaseException as exc:
             future.set_exception(exc)
             if not isinstance(exc, Exception):
@@ -308,13 +328,15 @@ class Mover:
             future.set_result(None)
         return future
 
-    def demote(self, entry: SwapEntry, dest: Tier, deadline: float) -> None:
-        """Copy a MOVING entry down to memory tier ``dest``; RESIDENT there, or where it
-        was on failure."""
+    def demote(
+        self, entry: SwapEntry, dest: Tier, deadline: float, room: HostRoom | None = None
+    ) -> None:
+        """Copy a MOVING entry down to memory tier ``dest`` (its block there from ``room``,
+        if any); RESIDENT there, or where it was on failure."""
         source = entry.tier
         try:
             what = f"key={entry.key!r}"
-            block = self.obtain_now(dest, entry.nbytes, what=what, deadline=deadline)
+            block = self.obtain_now(dest, entry.nbytes, what=what, deadline=deadline, room=room)
         except BaseException:
             with self._ctx.cond:
                 self._ctx.set_state(entry, _S.RESIDENT)
@@ -322,9 +344,17 @@ class Mover:
         self.transfer(entry, block, source, dest, deadline, pin=False)
 
     def write_out(
-        self, entry: SwapEntry, version: int, future: Future[None], deadline: float, *, keep: bool
+        self,
+        entry: SwapEntry,
+        version: int,
+        future: Future[None],
+        deadline: float,
+        *,
+        keep: bool,
+        room: HostRoom | None = None,
     ) -> None:
-        """Write a WRITING (``keep`` False) or CLEANING entry to NVMe; returns once issued.
+        """Write a WRITING (``keep`` False) or CLEANING entry to NVMe; returns once issued
+        (a device entry staged through a host block, from ``room`` if any).
 
         The completion settles the entry (memory freed only if the write succeeded and not
         ``keep``) and then resolves ``future``. Failing (or cut) before the write is
@@ -342,6 +372,7 @@ class Mover:
                     entry.nbytes,
                     what=f"staging for key={entry.key!r}",
                     deadline=deadline,
+                    room=room,
                 )
                 with ctx.stats.transfer(Tier.DEVICE, Tier.HOST, entry.nbytes, entry.kind):
                     self._copy(staging.tensor, held.tensor, after=entry.ready)
@@ -597,9 +628,7 @@ class Mover:
                 waited |= waited_now
                 if ready:
                     return ctx.pin(entry), True, waited
-            block = self.obtain(
-                target, entry.nbytes, what=f"key={entry.key!r}", deadline=deadline, moving=entry
-            )
+            block, room = self.obtain_move(entry, target, deadline)
             if block is None:
                 continue  # it no longer needs us (it arrived, or someone else moves it)
             with ctx.cond:
@@ -609,7 +638,7 @@ class Mover:
                     ctx.notify()
                     continue
                 ctx.set_state(entry, _S.READING if source is None else _S.MOVING)
-            self.transfer(entry, block, source, target, deadline, pin=True)
+            self.transfer(entry, block, source, target, deadline, pin=True, room=room)
             with ctx.cond:
                 return entry_view(entry), False, waited
 
@@ -623,16 +652,18 @@ class Mover:
         *,
         pin: bool,
         readahead: Reservation | None = None,
+        room: HostRoom | None = None,
     ) -> None:
         """Copy a READING (``source`` None: from NVMe) or MOVING entry into ``block`` of
         ``target``; then free the old memory and settle: IN_USE if ``pin``, else RESIDENT
-        (holding ``readahead``). On failure the entry is back where it was and ``block``
-        freed, and it raises; if the wait for a read from NVMe was cut, both happen only
-        when the read ends (see :meth:`_read_into`).
+        (holding ``readahead``). A read into the device stages through a host block, from
+        ``room`` (the host room claimed with ``block``'s) if any. On failure the entry is
+        back where it was and ``block`` freed, and it raises; if the wait for a read from
+        NVMe was cut, both happen only when the read ends (see :meth:`_read_into`).
         """
         ctx = self._ctx
         if source is None:
-            self._read_into(entry, block, target, deadline)
+            self._read_into(entry, block, target, deadline, room)
         else:
             try:
                 with ctx.stats.transfer(source, target, entry.nbytes, entry.kind):
@@ -661,7 +692,12 @@ class Mover:
                 ctx.set_state(entry, _S.RESIDENT)
 
     def _read_into(
-        self, entry: SwapEntry, block: MemoryBlock, target: Tier, deadline: float
+        self,
+        entry: SwapEntry,
+        block: MemoryBlock,
+        target: Tier,
+        deadline: float,
+        room: HostRoom | None,
     ) -> None:
         """Read a READING entry from NVMe into ``block`` of ``target`` (staged through a host
         block for the device). On failure ``block`` (and the staging block) is freed and
@@ -681,6 +717,7 @@ class Mover:
                     entry.nbytes,
                     what=f"staging for key={entry.key!r}",
                     deadline=deadline,
+                    room=room,
                 )
             buffer = block if staging is None else staging
             with ctx.stats.transfer(Tier.NVME, Tier.HOST, entry.nbytes, entry.kind):
@@ -737,9 +774,16 @@ class Mover:
         deadline: float,
         moving: SwapEntry | None = None,
         read_ahead: bool = False,
+        room: HostRoom | None = None,
+        reads: bool = False,
     ) -> MemoryBlock | None:
-        """A block of ``nbytes`` in ``tier``, evicting the victims placement claims
-        (:meth:`Placement.claim_victims`) until it fits.
+        """A block of ``nbytes`` in ``tier``, evicting the victims placement claims until it
+        fits. Placement claims the whole cascade at once (:meth:`Placement.claim_room`): the
+        victims here and, for a tier above the host, the host room their eviction takes
+        (and, with ``reads``, the host staging block of ``moving``'s read from NVMe); the
+        host victims are evicted first and put in ``room``, whose host blocks (the
+        demotions below, the read's staging later) wait for them instead of asking again.
+        In the host, ``room``'s victims count as this call's own.
 
         ``moving`` is the entry the block is for, if any: None is returned as soon as it no
         longer needs moving into ``tier`` (it got there, or another thread took it over).
@@ -757,8 +801,8 @@ class Mover:
         ctx = self._ctx
         memory = ctx.memory[tier]
         charge = memory.charge(nbytes)
-        evictions: list[Future[None]] = []
-        victims: list[SwapEntry] = []  # claimed by this call
+        cascade = room if room is not None else HostRoom()
+        own = cascade if tier is Tier.HOST else HostRoom()  # the victims this call waits for
         waited_s = max(0.0, deadline - time.monotonic())  # the most this call waits
         while True:
             with ctx.cond:
@@ -768,7 +812,7 @@ class Mover:
             block = memory.try_alloc(nbytes, what=what)
             if block is not None:
                 return block
-            for future in evictions:
+            for future in own.evictions:
                 error = future.exception() if future.done() else None
                 if error is not None:
                     raise error
@@ -777,14 +821,16 @@ class Mover:
                     return None
                 if ctx.epoch != epoch:
                     continue  # something changed since try_alloc: look again
-                plans: list[Plan] | None = []
+                claimed: tuple[list[Plan], list[Plan]] | None = ([], [])
                 # (Their states change under the lock, with a notify: the wait below
                 # wakes when one has left.)
-                if not any(v.tier is tier and v.state in _LEAVING for v in victims):
-                    plans = self._placement.claim_victims(tier, charge, moving, read_ahead)
-                if plans is None:
+                if not any(v.tier is tier and v.state in _LEAVING for v in own.victims):
+                    claimed = self._placement.claim_room(
+                        tier, charge, moving, read_ahead, reads=reads
+                    )
+                if claimed is None:
                     return None
-                if not plans and ctx.epoch == epoch:
+                if not claimed[0] and ctx.epoch == epoch:
                     left = deadline - time.monotonic()
                     if left <= 0:
                         if read_ahead:
@@ -792,28 +838,66 @@ class Mover:
                         raise self._placement.room_timeout(tier, nbytes, what, waited_s)
                     ctx.hurry_writes()  # the room may be held by writes not yet durable
                     wait_cond(ctx.cond, left, "manager.room")
+            here, host = claimed
+            # The host's victims first: the demotions (and staging) of the victims here
+            # take the room they leave.
+            plans = [(plan, cascade, None) for plan in host]
+            plans += [(plan, own, cascade) for plan in here]
             issued = 0
             try:
-                for victim, dest, version in plans:
-                    victims.append(victim)
-                    evictions.append(self.evict_claimed(victim, dest, version, deadline))
+                for (victim, dest, version), into, their_room in plans:
+                    into.victims.append(victim)
+                    into.evictions.append(
+                        self.evict_claimed(victim, dest, version, deadline, their_room)
+                    )
                     issued += 1
             finally:
                 if issued < len(plans):
                     # Cut while evicting one (which settled itself): the victims claimed
                     # after it were never started and go back to RESIDENT.
                     with ctx.cond:
-                        for victim, _, _ in plans[issued + 1 :]:
+                        for (victim, _, _), _, _ in plans[issued + 1 :]:
                             ctx.set_state(victim, _S.RESIDENT)
 
-    def obtain_now(self, tier: Tier, nbytes: int, *, what: str, deadline: float) -> MemoryBlock:
+    def obtain_move(
+        self, entry: SwapEntry, target: Tier, deadline: float, *, read_ahead: bool = False
+    ) -> tuple[MemoryBlock | None, HostRoom]:
+        """:meth:`obtain` of a block in ``target`` for moving ``entry`` there (a fetch, or a
+        ``read_ahead``), with the host room claimed with it: a read from NVMe into the
+        device stages through it (:meth:`transfer`'s ``room``).
+
+        Raises:
+            as :meth:`obtain`.
+        """
+        room = HostRoom()
+        block = self.obtain(
+            target,
+            entry.nbytes,
+            what=f"key={entry.key!r}",
+            deadline=deadline,
+            moving=entry,
+            read_ahead=read_ahead,
+            room=room,
+            reads=True,
+        )
+        return block, room
+
+    def obtain_now(
+        self,
+        tier: Tier,
+        nbytes: int,
+        *,
+        what: str,
+        deadline: float,
+        room: HostRoom | None = None,
+    ) -> MemoryBlock:
         """:meth:`obtain` for a caller that needs the block whatever happens (staging,
         demotion, a working buffer): never None.
 
         Raises:
             as :meth:`obtain`.
         """
-        block = self.obtain(tier, nbytes, what=what, deadline=deadline)
+        block = self.obtain(tier, nbytes, what=what, deadline=deadline, room=room)
         if block is None:  # obtain() returns None only for a moving entry or a read-ahead
             raise RuntimeError(f"no block for {what}: obtain() gave up without a reason")
         return block

@@ -3,8 +3,10 @@
 Decisions only: placement decides, the mover moves. :class:`~swapper.manager.mover.Mover`
 asks (where a fetch brings a tensor, where a new one goes, which victims to evict) and
 does the moving and the waiting; nothing here calls back into the mover, so one fetch
-enters this file at most twice (its tier, and its victims when it must make room: a test
-traces it, ``tests/test_manager_fetch_path.py``).
+enters this file at most twice: its tier (``fetch_tier``), and, when it must make room,
+the whole room at once (``claim_room``: the victims in its tier *and* the host room
+their eviction and the read's staging need, claimed before anything moves). A test
+traces it, ``tests/test_manager_fetch_path.py``.
 
 Invariants:
 
@@ -22,6 +24,8 @@ Invariants:
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable, Sequence
 
 from swapper.manager.config import Tier
 from swapper.manager.context import ManagerContext
@@ -112,6 +116,56 @@ class Placement:
 
     # -- room -------------------------------------------------------------------------------
 
+    def claim_room(
+        self,
+        tier: Tier,
+        charge: int,
+        moving: SwapEntry | None,
+        read_ahead: bool,
+        *,
+        reads: bool,
+    ) -> tuple[list[Plan], list[Plan]] | None:
+        """Lock held. One room's whole cascade, planned and claimed at once before anything
+        moves: the victims that free ``charge`` bytes of ``tier`` (chosen as
+        :meth:`claim_victims` chooses them) and, when ``tier`` is the device, the host's
+        victims for what the cascade then takes there: each device victim's block (demoted
+        to the host) or staging block (written to NVMe through the host), and, with
+        ``reads``, the staging block of ``moving``'s read from NVMe. (A victim's staging
+        block is freed when its write ends, which is before its device block is free, so
+        the read's staging reuses it: the host must hold the larger of the two.)
+
+        The host's victims are chosen by the policy from what is in the host *and* the
+        device victims that would be demoted there, as if they were already there: a
+        device victim that is the host's best victim goes straight to NVMe (staged, or
+        dropped if clean), as the one-room-at-a-time cascade wrote it out right after
+        demoting it, without the demotion. Host victims are claimed as any host room of
+        a fetch was (not speculatively), never ``moving`` itself; host victims are
+        claimed only with victims in the device (a caller that must wait for room there
+        holds no claim while it waits).
+
+        Returns:
+            (victims in ``tier``, victims in the host), each as :meth:`claim_victims`
+            returns them; None when a read-ahead should give up (nothing claimed).
+        """
+        chosen = self._choose(tier, charge, moving, read_ahead)
+        host = self._ctx.memory.get(Tier.HOST)
+        if chosen is None:
+            return None
+        if not chosen or tier is Tier.HOST or host is None:
+            return self._claim(tier, chosen, ()), []
+        in_host = host.charge
+        demoted = [v for v in chosen if self.destination(v, tier) is Tier.HOST]
+        written = [v for v in chosen if v not in demoted and not v.clean]
+        read = in_host(moving.nbytes) if reads and moving is not None and moving.tier is None else 0
+        need = sum(in_host(v.nbytes) for v in demoted) + max(
+            sum(in_host(v.nbytes) for v in written), read
+        )
+        direct_ok = [v for v in demoted if self._reaches_nvme(v, tier)]
+        in_order = self._choose(Tier.HOST, need, moving, False, also=direct_ok)
+        direct = [v for v in in_order or () if v in direct_ok]
+        leaving_host = [v for v in in_order or () if v not in direct_ok]
+        return self._claim(tier, chosen, direct), self._claim(Tier.HOST, leaving_host, ())
+
     def claim_victims(
         self, tier: Tier, charge: int, moving: SwapEntry | None, read_ahead: bool
     ) -> list[Plan] | None:
@@ -128,6 +182,22 @@ class Placement:
         bytes already on their way out cover the need, or (demand) when nothing can be
         evicted now; None when a read-ahead should give up.
         """
+        chosen = self._choose(tier, charge, moving, read_ahead)
+        return None if chosen is None else self._claim(tier, chosen, ())
+
+    def _choose(
+        self,
+        tier: Tier,
+        charge: int,
+        moving: SwapEntry | None,
+        read_ahead: bool,
+        *,
+        also: list[SwapEntry] | None = None,
+    ) -> list[SwapEntry] | None:
+        """Lock held. The victims :meth:`claim_victims` claims, chosen but not claimed;
+        ``also``: entries in another tier that count as candidates in ``tier`` (each
+        freeing there what its block would take). None when a read-ahead should give
+        up."""
         ctx = self._ctx
         budget = ctx.memory[tier].budget
         if budget.limit_nbytes is None:
@@ -150,28 +220,51 @@ class Placement:
             and e.prefetch is not Prefetch.RUNNING
             and self.destination(e, tier) is not None
         ]
+        cost: Callable[[SwapEntry], int] = charged
+        if also:
+            candidates += also
+            memory = ctx.memory[tier]
+            # (A table, not a function of this file: the fetch path's trace counts
+            # every call into it from the policy.)
+            cost = {e: memory.charge(e.nbytes) for e in candidates}.__getitem__
         order = ctx.order_in_use()
         free = [e for e in candidates if e.waiters == 0]
         if read_ahead:
             chosen = choose_victims(
                 free,
                 deficit,
-                charged,
+                cost,
                 order=order,
                 speculative=True,
                 not_before=order.distance(moving.key) if order and moving else None,
             )
-            if not chosen:
-                return None
-        else:
-            chosen = choose_victims(free, deficit, charged, order=order)
-            short = deficit - sum(charged(e) for e in chosen)
-            if short > 0:
-                wanted = [e for e in candidates if e.waiters > 0]
-                chosen += choose_victims(wanted, short, charged, order=order)
+            return chosen or None
+        chosen = choose_victims(free, deficit, cost, order=order)
+        short = deficit - sum(cost(e) for e in chosen)
+        if short > 0:
+            wanted = [e for e in candidates if e.waiters > 0]
+            chosen += choose_victims(wanted, short, cost, order=order)
+        return chosen
+
+    def _reaches_nvme(self, entry: SwapEntry, tier: Tier) -> bool:
+        """Lock held. Whether ``entry`` in ``tier`` can be written straight to NVMe (its
+        placement has NVMe, there is a store, and a device tensor's staging block fits
+        the host)."""
+        ctx = self._ctx
+        if Tier.NVME not in ctx.placement[entry.kind] or ctx.store is None:
+            return False
+        return tier is Tier.HOST or ctx.fits_ever(Tier.HOST, entry.nbytes)
+
+    def _claim(
+        self, tier: Tier, chosen: list[SwapEntry], direct: Sequence[SwapEntry]
+    ) -> list[Plan]:
+        """Lock held. Claim the ``chosen`` victims in ``tier``: each bound for its
+        destination (NVMe for those in ``direct``); a clean one bound for NVMe is dropped
+        at once. Returns the others as (entry, destination, version) to be evicted."""
+        ctx = self._ctx
         plans: list[Plan] = []
         for victim in chosen:
-            dest = self.destination(victim, tier)
+            dest = Tier.NVME if victim in direct else self.destination(victim, tier)
             if dest is None:  # candidates all have one; kept for the type checker
                 continue
             if victim.readahead is not None:

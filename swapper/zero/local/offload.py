@@ -317,42 +317,25 @@ class OffloadedModel(ModuleHooks):
         what it does and raises (a failure changes nothing and leaves it open)."""
         return unwrap(self)
 
-    def close(self) -> None:
-        """Remove the hooks and drop the tiers (their files deleted, unless the store holds
-        training snapshots: then everything is made durable and kept, for a later
-        ``resume``); the parameters stay placeholders, and ``state_dict()`` of the model
-        raises ``ManagerClosedError`` rather than save them empty (:meth:`unwrap` gives the
-        weights back instead); the buffers the wrap moved to the GPU go back. Idempotent;
-        a close cut by a Ctrl-C (while the manager writes what the kept store needs) is
-        finished by calling it again."""
-        if self.core.closed:
-            if self._manager_open:  # an interrupt cut the manager's close: its store is
-                self._close_manager()  # still locked against the next swapper.offload
-            return
-        if self.core.param_gate is not None:
-            with contextlib.suppress(Exception):  # (the optimizer raises it at its next call)
-                self.core.param_gate(None)
-        with contextlib.suppress(Exception):  # (the tiers are dropped next anyway)
-            unpersist(self.core)  # the parameters placeholders again, their holds released
-        for slot in self.core.by_name.values() if self.core.persist.active else ():
-            slot.param.data, slot.grad_held = slot.placeholder, None  # (leaving failed)
-            NATIVE_GRADS.pop(id(slot.param), None)
-        self.core.closed = True
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
-        remove_all(self.core)
-        unguard(self.core.by_name.values())
-        unguard_apply(self._apply_guarded)
-        with contextlib.suppress(Exception):  # (small; a failed copy leaves one on the GPU)
-            restore_buffers(self._buffer_moves)  # where they were before the wrap
-        self._close_manager()
-
     def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
         """:meth:`unwrap` (see :func:`swapper.zero.local.weights.leave`)."""
         leave(self, block_raised=exc_type is not None)
 
     # -- the lifecycle's strategy (swapper.zero.model.lifecycle): one process ------------
+
+    def _update_gate(self) -> ParamGate | None:
+        return self.core.param_gate
+
+    def _before_close(self) -> None:
+        with contextlib.suppress(Exception):  # (the tiers are dropped next anyway)
+            unpersist(self.core)  # the parameters placeholders again, their holds released
+        for slot in self.core.by_name.values() if self.core.persist.active else ():
+            slot.param.data, slot.grad_held = slot.placeholder, None  # (leaving failed)
+            NATIVE_GRADS.pop(id(slot.param), None)
+
+    def _after_unhook(self) -> None:
+        remove_all(self.core)
+        unguard(self.core.by_name.values())
 
     def _forward_checks(self) -> None:
         check_known(self.module, self.core.slots)  # (before anything moves)

@@ -29,7 +29,8 @@ the forward or the backward)::
     release_stale_holds()─► _drop_forward_holds(0), _release_backward_holds(),
                             _after_failed_pass()
     zero_grad()          ─► _settle_update("zero_grad"), layout.drop_grads(layout.records())
-    close()              ─► (the subclass's) ... _close_manager(): _before_manager_close()
+    close()              ─► _update_gate()(None), _before_close(), hooks removed,
+                            _after_unhook(), _close_manager(): _before_manager_close()
 
 Invariants (the subclasses' hooks keep them too): a hold is counted once it is held and
 released exactly once (by the module's forward hook, its gradient hook, the end of the
@@ -39,6 +40,7 @@ backward, or a failed pass's clean-up); every change of the counters is in a
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import weakref
 from collections.abc import Callable, Iterable, Iterator
@@ -49,11 +51,14 @@ from torch import nn
 
 from swapper.manager import ManagerStats, TierManager
 from swapper.step.config import StepConfig
+from swapper.step.sources import ParamGate
 from swapper.zero.checkpoint.resume import keeps_store
 from swapper.zero.config.offload import OffloadConfig
 from swapper.zero.model.autograd import in_autograd
 from swapper.zero.model.core import ModelCore
 from swapper.zero.model.frozen import check_not_nested
+from swapper.zero.model.model_buffers import BufferMoves, restore_buffers
+from swapper.zero.model.module_apply import unguard_apply
 from swapper.zero.model.saved import SavedParams
 from tiers import signals
 from tiers.errors import SwapConfigError
@@ -132,6 +137,11 @@ class ModelLifecycle(nn.Module):
     module: nn.Module
     config: OffloadConfig
     _saved: SavedParams
+    #: the module, parameter and state-dict hooks the constructor installed
+    _handles: list[Any]
+    #: the modules whose ``_apply`` is guarded, and the buffers moved to the use device
+    _apply_guarded: list[nn.Module]
+    _buffer_moves: BufferMoves
     #: the modules wrapped by this class and not closed (a module may be wrapped once)
     _registry: ClassVar[weakref.WeakSet[nn.Module]]
     #: what one hold is of, in log messages ("parameter", "module")
@@ -253,6 +263,36 @@ class ModelLifecycle(nn.Module):
     def __enter__(self: _M) -> _M:
         return self
 
+    def close(self) -> None:
+        """Remove the hooks and drop the tiers (their files deleted, unless the store holds
+        training snapshots: then everything is made durable and kept, for a later
+        ``resume``); the buffers the wrap moved to the GPU go back. One process: the
+        parameters stay placeholders, and ``state_dict()`` of the model raises
+        ``ManagerClosedError`` rather than save them empty (``unwrap()`` gives the
+        weights back instead). N ranks: this rank's tiers, after the gathers in flight.
+
+        Idempotent; a close cut by a Ctrl-C (while the manager writes what the kept store
+        needs, or gathers in flight are waited for) is finished by calling it again: the
+        store stays locked against the next ``swapper.offload`` until then."""
+        if self.core.closed:
+            if self._manager_open:  # an interrupt cut the manager's close: finish it
+                self._close_manager()
+            return
+        gate = self._update_gate()
+        if gate is not None:
+            with contextlib.suppress(Exception):  # (the optimizer raises it at its next call)
+                gate(None)  # the update stops using the manager first
+        self._before_close()
+        self.core.closed = True
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._after_unhook()
+        unguard_apply(self._apply_guarded)
+        with contextlib.suppress(Exception):  # (small; a failed copy leaves one on the GPU)
+            restore_buffers(self._buffer_moves)  # where they were before the wrap
+        self._close_manager()
+
     # -- the lifecycle ------------------------------------------------------------------------
 
     def _check_wrappable(self, module: nn.Module) -> None:
@@ -341,6 +381,18 @@ class ModelLifecycle(nn.Module):
         """Strategy: wait for an overlapped optimizer's update before ``what`` changes
         what it reads."""
         raise NotImplementedError
+
+    def _update_gate(self) -> ParamGate | None:
+        """Strategy: the overlapped optimizer's gate installed now, if any (``close``
+        calls it with None first: the update stops using the manager)."""
+        raise NotImplementedError
+
+    def _before_close(self) -> None:
+        """Strategy: ``close``'s work before the model counts as closed (default:
+        nothing)."""
+
+    def _after_unhook(self) -> None:
+        """Strategy: ``close``'s work once the hooks are removed (default: nothing)."""
 
     def _before_manager_close(self) -> None:
         """Strategy: before the manager closes (default: nothing)."""

@@ -43,7 +43,6 @@ fp16 overflow flag are reduced over the ranks, so clipping and skipped steps agr
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import weakref
 from collections.abc import Callable
@@ -66,8 +65,8 @@ from swapper.zero.model.autograd import mark_outputs
 from swapper.zero.model.core import ModelCore
 from swapper.zero.model.frozen import check_trainable, mark_inputs
 from swapper.zero.model.lifecycle import ModelLifecycle
-from swapper.zero.model.model_buffers import move_buffers, restore_buffers
-from swapper.zero.model.module_apply import guard_apply, unguard_apply
+from swapper.zero.model.model_buffers import move_buffers
+from swapper.zero.model.module_apply import guard_apply
 from swapper.zero.model.readahead import ManagerRecording
 from swapper.zero.model.saved import SavedParams
 from swapper.zero.sharded.gather_budget import GatherBudget, charges_device
@@ -313,27 +312,11 @@ class ShardedModel(ModelLifecycle):
         self._overlap.settle("load_sharded_state_dict")
         load_sharded(self, state)
 
-    def close(self) -> None:
-        """Remove the hooks and drop this rank's tiers (its files deleted, unless its
-        store holds snapshots: kept for ``resume``). Idempotent; waits for gathers in
-        flight first. A close cut by a Ctrl-C (while gathers are waited for or the manager
-        closes) is finished by calling it again: the store stays locked until then."""
-        if self.core.closed:
-            if self._manager_open:  # an interrupt cut the close: finish it
-                self._close_manager()
-            return
-        if self._overlap.gate is not None:
-            with contextlib.suppress(Exception):  # (the optimizer raises it at its next call)
-                self._overlap.gate(None)  # the update stops using the manager first
-        self.core.closed = True
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
+    def _update_gate(self) -> ParamGate | None:
+        return self._overlap.gate
+
+    def _after_unhook(self) -> None:
         self._writes.close()
-        unguard_apply(self._apply_guarded)
-        with contextlib.suppress(Exception):  # (small; a failed copy leaves one on the GPU)
-            restore_buffers(self._buffer_moves)
-        self._close_manager()
 
     def _before_manager_close(self) -> None:
         self.fetch.settle_all()  # their buffers are the manager's blocks
