@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 from pathlib import Path
 
 import pytest
@@ -158,3 +159,44 @@ def test_count_suffixes() -> None:
 def test_count_refuses_what_is_not_a_positive_whole_number(text: str) -> None:
     with pytest.raises(argparse.ArgumentTypeError):
         _count(text)
+
+
+def test_sampled_compute_pass_times_one_sub_group_scaled(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Issue 24: at 1B the compute-only pass cannot hold all the state in memory; the floor's
+    # compute is then one in-memory sub-group's update times the sub-groups.
+    work = tmp_path / "work"
+    work.mkdir()
+    out = tmp_path / "step.json"
+    argv = ["step", "--dir", str(work), "--params", "200K", "--sub-group", "50K"]
+    argv += ["--steps", "1", "--warmup", "0", "--compute-pass", "sampled", "--json", str(out)]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    doc = json.loads(out.read_text())
+    # 4 sub-groups; the first one's elements rounded up for alignment: a little under 4
+    assert doc["compute_pass"] == "sampled" and 3.9 < doc["compute_scale"] <= 4.0
+    assert f"one sub-group's update in memory, x {doc['compute_scale']:.2f}" in printed
+    seconds = doc["passes"]["compute-only"]["seconds"]
+    assert doc["compute_only_seconds"] == pytest.approx(statistics.median(seconds))
+    assert doc["compute_only_seconds"] > 0
+
+
+def test_compute_pass_auto_samples_only_above_the_threshold(tmp_path: Path) -> None:
+    from swapper.bench.step_command import SAMPLE_ABOVE_NBYTES, build_plan
+
+    def plan_for(params: str, mode: str = "auto") -> object:
+        args = argparse.Namespace(
+            dirs=[tmp_path], size=None, params=_count(params), sub_group=_count("50K"),
+            json=None, steps=1, warmup=0, host_budget=None, legacy_grad_swap=False, seed=0,
+            compute_pass=mode,
+        )  # fmt: skip
+        return build_plan(args)
+
+    small = plan_for("200K")
+    assert small.compute_pass == "full" and small.compute_scale == 1.0  # type: ignore[attr-defined]
+    assert small.compute_shapes() == small.shapes()  # type: ignore[attr-defined]
+    sampled = plan_for("200K", "sampled")
+    assert sampled.compute_pass == "sampled"  # type: ignore[attr-defined]
+    assert sum(s[0] for s in sampled.compute_shapes()) == sampled.sub_groups()[0].numel  # type: ignore[attr-defined]
+    assert SAMPLE_ABOVE_NBYTES < 12 * 1_000_000_000  # 1B parameters' state is sampled

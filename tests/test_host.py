@@ -127,6 +127,78 @@ def test_arenas_never_map_more_than_the_limit_and_fragmentation_falls_back() -> 
         assert tier.budget.used_nbytes == 0
 
 
+def test_a_block_larger_than_an_arena_maps_once_over_many_fetches() -> None:
+    # Issue 24: a sub-group's state larger than an arena was mapped, prefaulted and unmapped
+    # at every fetch; its released buffer now serves the next block of its size.
+    with HostTier(1 << 20, arena_nbytes=64 * KiB) as tier:
+        small = tier.try_alloc(4 * KiB, what="small")
+        addresses = set()
+        for i in range(10):
+            big = tier.try_alloc(300 * KiB - 2 * KiB * i, what=f"big{i}")  # (within 1/8)
+            assert big is not None
+            big.tensor.fill_(i)
+            addresses.add(big.tensor.data_ptr())
+            big.release()
+            assert tier.dedicated_nbytes == 0 and tier.spare_nbytes == 300 * KiB
+        assert tier.dedicated_allocations == 1 and tier.dedicated_reuses == 9
+        assert len(addresses) == 1
+        small.release()
+    assert tier.spare_nbytes == 0
+
+
+def test_spares_serve_only_blocks_of_about_their_size() -> None:
+    with HostTier(None, arena_nbytes=64 * KiB) as tier:
+        tier.try_alloc(1 << 20, what="big").release()
+        # much smaller than the spare (still larger than an arena): a buffer of its own
+        medium = tier.try_alloc(128 * KiB, what="medium")
+        assert tier.dedicated_allocations == 2 and tier.dedicated_reuses == 0
+        # Unlimited: spares stay within the most dedicated bytes ever held at once (1 MiB).
+        assert tier.spare_nbytes == 0
+        medium.release()
+        assert tier.spare_nbytes == 128 * KiB
+
+
+def test_spares_never_map_past_the_limit_and_are_dropped_before_new_mappings() -> None:
+    limit = 512 * KiB
+    with HostTier(limit, arena_nbytes=64 * KiB) as tier:
+        a = tier.try_alloc(200 * KiB, what="a")
+        b = tier.try_alloc(200 * KiB, what="b")
+        assert a is not None and b is not None
+        a.release()
+        b.release()
+        assert tier.spare_nbytes == 400 * KiB
+        # A block of another size: the spares that would pass the limit go first.
+        c = tier.try_alloc(300 * KiB, what="c")
+        assert c is not None and tier.dedicated_allocations == 3
+        assert tier.mapped_nbytes + tier.dedicated_nbytes + tier.spare_nbytes <= limit
+        assert tier.spare_nbytes == 200 * KiB
+        c.release()
+        # Kept only within the limit: 200 + 300 KiB of spares fit 512 KiB.
+        assert tier.spare_nbytes == 500 * KiB
+        # A first arena (64 KiB): the oldest spare goes before it is mapped.
+        small = tier.try_alloc(4 * KiB, what="small")
+        assert small is not None and tier.mapped_nbytes == 64 * KiB
+        assert tier.spare_nbytes == 300 * KiB
+        small.release()
+    assert tier.spare_nbytes == 0 and tier.mapped_nbytes == 0
+
+
+def test_nothing_stays_mapped_after_close() -> None:
+    tier = HostTier(1 << 20, arena_nbytes=64 * KiB)
+    small = tier.try_alloc(4 * KiB, what="small")
+    big = tier.try_alloc(300 * KiB, what="big")
+    held = tier.try_alloc(300 * KiB, what="held")
+    assert small is not None and big is not None and held is not None
+    buffers = [tier._arenas[0].buffer, big._dedicated, held._dedicated]
+    big.release()
+    small.release()
+    tier.close()
+    assert all(buffer is not None for buffer in buffers)
+    assert [buffer.closed for buffer in buffers if buffer is not None] == [True, True, False]
+    held.release()  # a block released after close unmaps its buffer: no spare is kept
+    assert buffers[2] is not None and buffers[2].closed and tier.spare_nbytes == 0
+
+
 def test_holes_coalesce() -> None:
     with HostTier(None, arena_nbytes=32 * KiB) as tier:
         blocks = [tier.try_alloc(8 * KiB, what=str(i)) for i in range(4)]
@@ -229,6 +301,9 @@ class HostTierMachine(RuleBasedStateMachine):
     def accounting(self) -> None:
         assert self.tier.budget.used_nbytes == sum(b.charged_nbytes for b, _ in self.live)
         assert self.tier.mapped_nbytes <= 96 * KiB
+        # spares are kept only within the limit (arenas' holes may pass it, spares never)
+        mapped = self.tier.mapped_nbytes + self.tier.dedicated_nbytes
+        assert self.tier.spare_nbytes == 0 or mapped + self.tier.spare_nbytes <= 96 * KiB
         spans = sorted(
             (b.tensor.data_ptr(), b.tensor.data_ptr() + b.nbytes) for b, _ in self.live if b.nbytes
         )

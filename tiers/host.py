@@ -26,17 +26,29 @@ What the budget counts: the bytes of each block rounded up to 4 KiB (what the bl
 really takes from an arena). The arenas together map at most the budget's limit (the last
 one is made smaller to fit); a block that finds no hole large enough, because the arenas are
 full of holes (fragmentation) or the block is larger than ``arena_nbytes``, gets its own
-``allocate()`` call, unmapped when the block is released (counted in
+``allocate()`` buffer ("dedicated"; each new one counted in
 ``HostTier.dedicated_allocations``). The budget still bounds the bytes held by blocks; the
 memory mapped can then exceed it by the holes in the arenas.
 
+Released dedicated buffers are kept ("spares") and handed to the next block of about their
+size (at most 1/8 larger than it; counted in
+``HostTier.dedicated_reuses``), because the blocks that need them come back every step: an
+optimizer sub-group's state larger than an arena is read into one at every fetch, and
+mapping, prefaulting and unmapping 384 MB of huge pages for each took a third of a
+256M-parameter step in system time (issue 24). Spares are bounded: they are kept only
+while the arenas, the dedicated buffers in use and the spares together map no more than
+the limit (without a limit: no more than the most dedicated bytes ever in use at once),
+and dropped, oldest first, before anything new is mapped that would pass that bound.
+:meth:`HostTier.close` unmaps them.
+
 Life of a block::
 
-    try_alloc / alloc ─ budget reserved ─ carved from an arena (or its own allocate())
-        │
+    try_alloc / alloc ─ budget reserved ─ carved from an arena (or a spare, or its own
+        │                                    allocate())
         ▼ HELD: ``block.tensor`` is exactly ``nbytes`` uint8, 4 KiB-aligned
         │
-        └─ release() ─▶ RELEASED: its range goes back to the arena, its bytes to the budget
+        └─ release() ─▶ RELEASED: its range goes back to the arena (a dedicated buffer
+                       becomes a spare, or is unmapped), its bytes to the budget
 """
 
 from __future__ import annotations
@@ -61,6 +73,12 @@ __all__ = ["HostBlock", "HostTier"]
 #: Default arena size: large enough that a step's tensors fit in a few, small enough that
 #: making one (prefaulting it) takes milliseconds, not seconds.
 DEFAULT_ARENA_NBYTES = 64 << 20
+
+
+def _spare_fits(spare_nbytes: int, padded: int) -> bool:
+    """Whether a spare buffer of ``spare_nbytes`` serves a block of ``padded`` bytes without
+    wasting much: at most 1/8 of the block more."""
+    return padded <= spare_nbytes <= padded + padded // 8
 
 
 @dataclass(eq=False)
@@ -162,15 +180,35 @@ class HostTier:
         )
         self._alloc_options = {"huge": huge, "lock": lock, "pin": pin}
         self._arenas: list[_Arena] = []
+        # Released dedicated buffers kept for reuse, oldest first (see the module header).
+        self._spares: list[HostBuffer] = []
+        #: bytes of dedicated buffers held by blocks now, and the most ever held at once
+        self._dedicated_nbytes = 0
+        self._dedicated_peak_nbytes = 0
         self._lock = threading.Lock()
         self._closed = False
+        #: dedicated buffers mapped (a spare handed out again is not counted)
         self.dedicated_allocations = 0
+        #: blocks served by a spare instead of a new mapping
+        self.dedicated_reuses = 0
 
     @property
     def mapped_nbytes(self) -> int:
         """Bytes of arena memory mapped (blocks with their own buffer not included)."""
         with self._lock:
             return sum(a.buffer.nbytes for a in self._arenas)
+
+    @property
+    def dedicated_nbytes(self) -> int:
+        """Bytes of dedicated buffers (blocks with their own buffer) held by blocks now."""
+        with self._lock:
+            return self._dedicated_nbytes
+
+    @property
+    def spare_nbytes(self) -> int:
+        """Bytes of released dedicated buffers kept mapped for reuse."""
+        with self._lock:
+            return sum(b.nbytes for b in self._spares)
 
     @property
     def arena_count(self) -> int:
@@ -208,6 +246,7 @@ class HostTier:
 
     def _carve(self, nbytes: int, reservation: Reservation) -> HostBlock:
         padded = reservation.nbytes
+        dropped: list[HostBuffer] = []
         try:
             with self._lock:
                 if self._closed:
@@ -220,11 +259,18 @@ class HostTier:
                     block = self._carve_from(arena, nbytes, padded, reservation)
                     if block is not None:
                         return block
+                spare = self._take_spare(padded)
+                if spare is not None:
+                    self.dedicated_reuses += 1
+                    return HostBlock(self, spare.tensor[:nbytes], reservation, None, 0, spare)
                 mapped = sum(a.buffer.nbytes for a in self._arenas)
                 size = self._arena_nbytes
                 if self._cap is not None:
                     size = min(size, self._cap - mapped)
                 if size >= padded:
+                    # Spares past the bound go first (under the lock: this is rare).
+                    for old in self._drop_spares_for(size):
+                        old.close()
                     # Made under the lock: a second thread must not map a second arena
                     # for the same shortage. Milliseconds, once per arena.
                     arena = _Arena(allocate(size, **self._alloc_options), RangeAllocator())
@@ -232,12 +278,73 @@ class HostTier:
                     block = self._carve_from(arena, nbytes, padded, reservation)
                     if block is not None:
                         return block
+                dropped = self._drop_spares_for(padded)
                 self.dedicated_allocations += 1
-            buffer = allocate(padded, **self._alloc_options)
+                # counted before it is mapped, so that a concurrent release keeps no spare
+                # past the bound meanwhile
+                self._add_dedicated(padded)
+            # Unmapped before the new buffer is mapped, outside the lock (munmap of huge
+            # pages takes milliseconds).
+            for old in dropped:
+                old.close()
+            dropped = []
+            try:
+                buffer = allocate(padded, **self._alloc_options)
+            except BaseException:
+                with self._lock:
+                    self._dedicated_nbytes -= padded
+                raise
             return HostBlock(self, buffer.tensor[:nbytes], reservation, None, 0, buffer)
         except BaseException:
             reservation.release()
             raise
+        finally:
+            for old in dropped:
+                old.close()
+
+    def _add_dedicated(self, nbytes: int) -> None:
+        """Lock held. Count ``nbytes`` more of dedicated buffers held by blocks."""
+        self._dedicated_nbytes += nbytes
+        self._dedicated_peak_nbytes = max(self._dedicated_peak_nbytes, self._dedicated_nbytes)
+
+    def _take_spare(self, padded: int) -> HostBuffer | None:
+        """Lock held. The smallest spare that serves a block of ``padded`` bytes, taken off
+        the list and counted as held, or None."""
+        fits = [b for b in self._spares if _spare_fits(b.nbytes, padded)]
+        if not fits:
+            return None
+        spare = min(fits, key=lambda b: b.nbytes)
+        self._spares.remove(spare)
+        self._add_dedicated(spare.nbytes)
+        return spare
+
+    def _spares_bound(self, new_nbytes: int) -> int:
+        """Lock held. The most bytes arenas, dedicated buffers and spares may map together
+        once ``new_nbytes`` more are mapped."""
+        if self._cap is not None:
+            return self._cap
+        arenas = sum(a.buffer.nbytes for a in self._arenas)
+        return arenas + max(self._dedicated_peak_nbytes, self._dedicated_nbytes + new_nbytes)
+
+    def _spare_fits_bound(self, nbytes: int) -> bool:
+        """Lock held. Whether a released buffer of ``nbytes`` may join the spares."""
+        arenas = sum(a.buffer.nbytes for a in self._arenas)
+        spares = sum(b.nbytes for b in self._spares)
+        return arenas + self._dedicated_nbytes + spares + nbytes <= self._spares_bound(0)
+
+    def _drop_spares_for(self, new_nbytes: int) -> list[HostBuffer]:
+        """Lock held. Take spares off the list, oldest first, until mapping ``new_nbytes``
+        more keeps everything mapped within the bound; the caller unmaps what is returned
+        (outside the lock)."""
+        bound = self._spares_bound(new_nbytes)
+        held = sum(a.buffer.nbytes for a in self._arenas) + self._dedicated_nbytes + new_nbytes
+        spare_total = sum(b.nbytes for b in self._spares)
+        dropped: list[HostBuffer] = []
+        while self._spares and held + spare_total > bound:
+            old = self._spares.pop(0)
+            spare_total -= old.nbytes
+            dropped.append(old)
+        return dropped
 
     def _carve_from(
         self, arena: _Arena, nbytes: int, padded: int, reservation: Reservation
@@ -258,23 +365,33 @@ class HostTier:
             if block._arena is not None and not self._closed:
                 block._arena.allocator.free(block._offset, block.charged_nbytes)
             dedicated, block._dedicated = block._dedicated, None
+            if dedicated is not None:
+                self._dedicated_nbytes -= dedicated.nbytes
+                if not self._closed and self._spare_fits_bound(dedicated.nbytes):
+                    # Kept: the next block of about its size takes it, not a new mapping.
+                    self._spares.append(dedicated)
+                    dedicated = None
         if dedicated is not None:
             dedicated.close()
         block._reservation.release()
 
     def close(self) -> None:
-        """Unmap the arenas (each once no tensor views it any more). Idempotent.
+        """Unmap the arenas and the spares (each once no tensor views it any more).
+        Idempotent.
 
         Blocks still held stay readable (their views keep the mapping alive) but are no
-        longer pinned; releasing them afterwards is allowed and does nothing more.
+        longer pinned; releasing them afterwards is allowed and unmaps a dedicated buffer.
         """
         with self._lock:
             if self._closed:
                 return
             self._closed = True
             arenas, self._arenas = self._arenas, []
+            spares, self._spares = self._spares, []
         for arena in arenas:
             arena.buffer.close()
+        for spare in spares:
+            spare.close()
 
     def __enter__(self) -> HostTier:
         return self

@@ -70,6 +70,34 @@ class Counters:
         self.hash_nbytes = 0
         self.requests: collections.Counter[tuple[str, int]] = collections.Counter()
         self.unaligned = 0
+        self.t0 = time.perf_counter()
+        #: (op, issued, done) of every engine request, seconds since :meth:`reset`
+        self.intervals: list[tuple[str, float, float]] = []
+
+    def busy(self, end: float) -> tuple[float, float, float, list[tuple[float, float]]]:
+        """Seconds in [0, end] with a read in flight, with a write in flight, with either,
+        and the gaps of more than 10 ms with none."""
+        with self.lock:
+            spans = list(self.intervals)
+
+        def union(items: list[tuple[float, float]]) -> tuple[float, list[tuple[float, float]]]:
+            total, gaps, reach = 0.0, [], 0.0
+            for lo, hi in sorted(items):
+                lo, hi = max(lo, 0.0), min(hi, end)
+                if hi <= reach:
+                    continue
+                if lo > reach + 0.01:
+                    gaps.append((reach, lo))
+                total += hi - max(lo, reach)
+                reach = hi
+            if end > reach + 0.01:
+                gaps.append((reach, end))
+            return total, gaps
+
+        reads = union([(lo, hi) for op, lo, hi in spans if op == "read"])[0]
+        writes = union([(lo, hi) for op, lo, hi in spans if op == "write"])[0]
+        either, gaps = union([(lo, hi) for _, lo, hi in spans])
+        return reads, writes, either, gaps
 
     def add(self, **kwargs: Any) -> None:
         with self.lock:
@@ -104,7 +132,16 @@ def wrapped(counters: Counters) -> Iterator[None]:
             counters.requests[(str(getattr(op, "value", op)), size)] += 1
             if int(offset) % MIB:
                 counters.unaligned += 1
-        return real_submit(self, op, buffer, file, offset, nbytes)
+        issued = time.perf_counter() - counters.t0
+        future = real_submit(self, op, buffer, file, offset, nbytes)
+        name = str(getattr(op, "value", op))
+
+        def done(_: Any) -> None:
+            with counters.lock:
+                counters.intervals.append((name, issued, time.perf_counter() - counters.t0))
+
+        future.add_done_callback(done)
+        return future
 
     os.fdatasync = fdatasync
     nvme_futures.digest = digest
@@ -266,6 +303,8 @@ def main(argv: list[str] | None = None) -> int:
                 )
             )
 
+            stack.enter_context(timed_manager(opt.manager, timeline))
+
             def run() -> tuple[int, int, float]:
                 opt.step()
                 r = opt.last_step
@@ -296,6 +335,13 @@ def main(argv: list[str] | None = None) -> int:
                     f"  fdatasync {counters.fdatasync_n}x {counters.fdatasync_s:.2f} s; hashing "
                     f"{counters.hash_nbytes / 1e9:.2f} GB in {counters.hash_s:.2f} s (all "
                     f"threads); stall {stall:.2f} s",
+                    flush=True,
+                )
+                reads_s, writes_s, busy_s, gaps = counters.busy(wall)
+                print(
+                    f"  disk busy {busy_s:.2f} s of {wall:.2f} (a read in flight {reads_s:.2f} s, "
+                    f"a write {writes_s:.2f} s); idle gaps over 10 ms: "
+                    + (", ".join(f"{lo:.3f}-{hi:.3f}" for lo, hi in gaps) or "none"),
                     flush=True,
                 )
                 if args.timeline:

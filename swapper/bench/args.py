@@ -286,4 +286,12 @@ def add_step_arguments(p: argparse.ArgumentParser) -> None:
         "default) or a torch.optim one under OffloadOptimizer: sgd (momentum 0.9), adam, "
         "nadam, radam, adamax, adagrad, rmsprop, asgd, adafactor",
     )
+    p.add_argument(
+        "--compute-pass",
+        choices=("auto", "full", "sampled"),
+        default="auto",
+        help="the compute-only pass (the floor's compute): full (all the state in memory), "
+        "sampled (one sub-group in memory, its seconds times the sub-groups), or auto "
+        "(sampled above 4 GiB of state; the default)",
+    )
     p.add_argument("--seed", type=int, default=0, help="parameters and gradients (default 0)")

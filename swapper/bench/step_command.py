@@ -8,7 +8,11 @@ tensors of at most 10M, bf16), and in the same directories:
 - **io-only**: the step pipeline with nothing computed: every sub-group's state read
   (with read-ahead) and written back (write-behind), as a step moves it;
 - **compute-only**: :class:`~swapper.step.OffloadAdamW` with all state in memory (no NVMe
-  tier): building fp32 gradients, the fused AdamW kernel, rounding the 16-bit params;
+  tier): building fp32 gradients, the fused AdamW kernel, rounding the 16-bit params.
+  Where all the state would not fit beside the rest (``--compute-pass sampled``; ``auto``
+  above :data:`SAMPLE_ABOVE_NBYTES` of state), the pass runs over one sub-group's worth of
+  parameters in memory and its seconds are multiplied by the sub-groups (the total elements
+  over one sub-group's), as issue 23 defines the compute floor;
 - **step**: :class:`~swapper.step.OffloadAdamW` with its state on NVMe: both at once;
 - **legacy** (``--legacy-grad-swap``): the same, but fp32 gradients are written to NVMe
   at the start of the step and read back per sub-group, as DeepSpeed ZeRO-Infinity does;
@@ -71,6 +75,11 @@ TENSOR_NUMEL = 10_000_000
 #: Columns of the bench's 2-D parameters (for an optimizer that is not element-wise).
 ROW_NUMEL = 1024
 STATE_BYTES_PER_PARAM = 12
+#: ``--compute-pass auto`` times one in-memory sub-group (scaled) above this much state:
+#: 1B parameters' 12 GB beside their 4 GB of 16-bit tensors, the stores' host budgets and
+#: the disk probe would not fit a 24 GB machine; 256M's 3 GB does.
+SAMPLE_ABOVE_NBYTES = 4 << 30
+COMPUTE_PASS_MODES = ("auto", "full", "sampled")
 PASSES = ("io-only", "compute-only", "step", "legacy")
 #: the disk probe's turn in a round (not a pass of the optimizer)
 DISK = "disk"
@@ -98,6 +107,24 @@ class StepPlan:
     aio: AioConfig = dataclasses.field(default_factory=AioConfig)
     #: whose step: "adamw" (OffloadAdamW) or a name of swapper.step.offload_optimizer.NAMED
     optimizer: str = "adamw"
+    #: the compute-only pass: "full" (every sub-group in memory) or "sampled" (one
+    #: sub-group in memory, its seconds times :attr:`compute_scale`)
+    compute_pass: str = "full"
+
+    @property
+    def compute_scale(self) -> float:
+        """What the compute-only pass's seconds are multiplied by: 1 when it runs over all
+        the parameters; the elements of every sub-group over the first's when sampled."""
+        if self.compute_pass == "full":
+            return 1.0
+        sub_groups = self.sub_groups()
+        return sum(sg.numel for sg in sub_groups) / sub_groups[0].numel
+
+    def compute_shapes(self) -> list[tuple[int, ...]]:
+        """The compute-only pass's parameters: all of them, or one sub-group's worth."""
+        if self.compute_pass == "full":
+            return self.shapes()
+        return [(n,) for n in _tensor_numels(self.sub_groups()[0].numel)]
 
     @property
     def state_nbytes(self) -> int:
@@ -173,6 +200,14 @@ def build_plan(args: argparse.Namespace) -> StepPlan:
                 "--moments and --legacy-grad-swap time AdamW's variants: leave them out "
                 f"with --optimizer {optimizer}"
             )
+    mode = getattr(args, "compute_pass", None) or "auto"
+    if mode not in COMPUTE_PASS_MODES:
+        raise UsageError(f"--compute-pass {mode!r}: use one of {', '.join(COMPUTE_PASS_MODES)}")
+    if mode == "sampled" and optimizer != "adamw":
+        raise UsageError(
+            f"--compute-pass sampled times AdamW's update on one sub-group; with --optimizer "
+            f"{optimizer} use full"
+        )
     plan = StepPlan(
         optimizer=optimizer,
         dirs=dirs,
@@ -191,6 +226,10 @@ def build_plan(args: argparse.Namespace) -> StepPlan:
         ),
     )
     largest = max(sg.state_nbytes for sg in plan.sub_groups())
+    if mode == "auto":
+        sample = optimizer == "adamw" and plan.state_nbytes > SAMPLE_ABOVE_NBYTES
+        mode = "sampled" if sample else "full"
+    plan = dataclasses.replace(plan, compute_pass=mode)
     host = 4 * largest if args.host_budget is None else args.host_budget
     if host < largest:
         raise UsageError(
@@ -203,9 +242,8 @@ def build_plan(args: argparse.Namespace) -> StepPlan:
     stores = (3 if plan.legacy else 2) + len(plan.moments) + len(plan.readaheads)
     # params + grads (bf16), the in-memory state, each store's host budget, grad buffers
     # (and the disk probe's buffer: a read half and a write half)
-    check_memory(
-        4 * params + plan.state_nbytes + stores * host + 4 * sub_group * 4 + 2 * plan.probe_nbytes
-    )
+    in_memory = plan.state_nbytes if plan.compute_pass == "full" else largest + 4 * sub_group
+    check_memory(4 * params + in_memory + stores * host + 4 * sub_group * 4 + 2 * plan.probe_nbytes)
     # every store may hold a second version of a sub-group while it is being rewritten;
     # the disk probe has a file to read and one to write
     per_dir = (stores * (plan.state_nbytes + 2 * largest) + 2 * plan.probe_nbytes) // len(dirs)
@@ -227,10 +265,10 @@ class _Pass:
         return statistics.median(self.seconds)
 
 
-def _make_params(plan: StepPlan) -> list[torch.nn.Parameter]:
+def _make_params(plan: StepPlan, shapes: list[tuple[int, ...]]) -> list[torch.nn.Parameter]:
     gen = torch.Generator().manual_seed(plan.seed)
     params = []
-    for shape in plan.shapes():
+    for shape in shapes:
         p = torch.nn.Parameter(torch.randn(shape, generator=gen).to(torch.bfloat16))
         p.grad = (torch.randn(shape, generator=gen) * 1e-3).to(torch.bfloat16)
         params.append(p)
@@ -250,7 +288,12 @@ def _manager_config(plan: StepPlan, dirs: list[Path], name: str) -> ManagerConfi
 def _run_rounds(
     plan: StepPlan, dirs: list[Path], say: Callable[[str], None]
 ) -> tuple[dict[str, _Pass], list[DiskRound]]:
-    params = _make_params(plan)
+    params = _make_params(plan, plan.shapes())
+    # the compute-only pass's own parameters when it times one sub-group (the same values
+    # as the first sub-group's: the same seed)
+    compute_params = params if plan.compute_pass == "full" else None
+    if compute_params is None:
+        compute_params = _make_params(plan, plan.compute_shapes())
     sub_groups = plan.sub_groups()
     results = {name: _Pass() for name in plan.passes}
     disk_rounds: list[DiskRound] = []
@@ -284,7 +327,10 @@ def _run_rounds(
             )
             if plan.optimizer == "adamw":
                 made: StreamedOptimizer = optimizer_class(
-                    params, lr=1e-4, tiers=config, config=step_config
+                    compute_params if name == "compute-only" else params,
+                    lr=1e-4,
+                    tiers=config,
+                    config=step_config,
                 )
             else:  # (its state layout discovered: the io-only pass moved the same bytes)
                 made = make_optimizer(plan.optimizer, params, lr=1e-4, tiers=config,
@@ -303,16 +349,17 @@ def _run_rounds(
             traffic = pipeline.traffic_since(before)
             return _Outcome(seconds, traffic, io_manager.stats().stall_s - stall)
 
-        def optimizer_step(opt: StreamedOptimizer) -> _Outcome:
+        def optimizer_step(opt: StreamedOptimizer, scale: float = 1.0) -> _Outcome:
             opt.step()
             report_ = opt.last_step
             if report_ is None:  # step() returns only once its report is set
                 raise BenchError(f"{type(opt).__name__}.step() returned without a report")
-            return _Outcome(report_.seconds, report_.traffic, report_.stall_seconds)
+            return _Outcome(report_.seconds * scale, report_.traffic, report_.stall_seconds)
 
         runs: dict[str, Callable[[], _Outcome]] = {"io-only": io_only}
         for name, opt in optimizers.items():
-            runs[name] = lambda opt=opt: optimizer_step(opt)
+            scale = plan.compute_scale if name == "compute-only" else 1.0
+            runs[name] = lambda opt=opt, scale=scale: optimizer_step(opt, scale)
         names = [*plan.passes, DISK]
         for round_ in range(plan.warmup + plan.steps):
             timed = round_ >= plan.warmup
@@ -371,6 +418,10 @@ def summarize(
         "state_nbytes": plan.state_nbytes,
         "host_budget_nbytes": plan.host_nbytes,
         "steps": plan.steps,
+        # "full": the compute-only pass ran over every parameter; "sampled": over one
+        # sub-group, its seconds multiplied by compute_scale
+        "compute_pass": plan.compute_pass,
+        "compute_scale": plan.compute_scale,
         "step_seconds": step,
         "io_only_seconds": io,
         "compute_only_seconds": compute,
@@ -464,6 +515,12 @@ def format_table(doc: dict[str, Any]) -> str:
             )
         )
     lines = table(rows)
+    if doc.get("compute_pass") == "sampled":
+        lines.append(
+            f"compute-only: one sub-group's update in memory, x {doc['compute_scale']:.2f} "
+            "(--compute-pass sampled; auto samples where all the state would not fit beside "
+            "the rest)"
+        )
     disk, floor = doc["disk"], doc["floor"]
     mixed = floor["mixed_seconds"]
     lines.append(

@@ -102,7 +102,7 @@ class StreamedOptimizer(SubGroupMath, torch.optim.Optimizer):
     :class:`~swapper.step.rules.base.UpdateRule` (what it declares is what is stored).
 
     The public optimizers are its subclasses: :class:`OffloadAdamW` (the fused AdamW
-    rule) and :class:`~swapper.step.any.OffloadOptimizer` (any ``torch.optim`` class).
+    rule) and :class:`~swapper.step.offload_optimizer.OffloadOptimizer` (any ``torch.optim`` class).
     Arguments and errors: as :class:`OffloadAdamW`'s, with ``defaults`` the param
     groups' defaults and ``rule`` the update rule.
     """
