@@ -92,6 +92,24 @@ def test_nproc_2_trains_identically_within_budgets(
     assert list(swap.iterdir()) == []  # the swap directories went with the run
 
 
+def test_nproc_2_trains_an_elementwise_torch_optimizer(tmp_path: Path) -> None:
+    """--optimizer sgd over 2 ranks (it was refused: the ranks' runner built OffloadAdamW):
+    bit-identical to the unlimited ranks, within tolerance of one process, and each rank
+    stores SGD's 8 B per element it owns, not AdamW's 12."""
+    out = tmp_path / "r.json"
+    swap = tmp_path / "swap"
+    swap.mkdir()
+    argv = ["--nproc", "2", "--params", str(PARAMS), "--steps", "2", "--seq", "16"]
+    assert main([*argv, "--optimizer", "sgd", "--json", str(out), "--dir", str(swap)]) == 0
+    res = json.loads(out.read_text())
+    assert res["identical"] is True and res["within_budgets"] is True
+    assert res["within_tolerance"] is True
+    for rank in res["per_rank"]:
+        assert rank["final_digest"] == rank["reference_final_digest"]
+        state = rank["state_nbytes"]
+        assert 4 * state["param16"] <= state["optim_state"] <= 4 * state["param16"] + 8 * 4096
+
+
 def test_fetch_collective_and_reduce_dtype_are_chosen_and_reported(tmp_path: Path) -> None:
     out = tmp_path / "r.json"
     argv = ["--nproc", "2", "--params", str(PARAMS), "--steps", "1", "--seq", "16"]

@@ -289,7 +289,7 @@ def test_cli_optimizer_budgeted_equals_unlimited(
     [
         (["--optimizer", "lbfgs"], "lbfgs"),
         (["--optimizer", "sgd", "--moments", "bf16"], "--moments"),
-        (["--optimizer", "sgd", "--nproc", "2"], "single-process"),
+        (["--optimizer", "adafactor", "--nproc", "2"], "not element-wise"),
     ],
 )
 def test_cli_optimizer_refusals(
@@ -300,7 +300,10 @@ def test_cli_optimizer_refusals(
 
 
 def test_cli_optimizer_names_are_the_named_optimizers() -> None:
-    from swapper.pressure.cli import OPTIMIZER_NAMES
+    from swapper.pressure.cli import OPTIMIZER_NAMES, WHOLE_PARAMETER_OPTIMIZERS
     from swapper.step.offload_optimizer import NAMED
+    from swapper.step.rules.torch_optim import NOT_ELEMENTWISE
 
     assert ("adamw", *NAMED) == OPTIMIZER_NAMES
+    whole = tuple(n for n, (cls, _) in NAMED.items() if cls.__name__ in NOT_ELEMENTWISE)
+    assert whole == WHOLE_PARAMETER_OPTIMIZERS

@@ -210,8 +210,13 @@ def test_not_honoured_fp16_and_optimizer_keys_are_named(caplog: pytest.LogCaptur
     [
         ({"optimizer": {"type": "Lamb", "params": {}}}, ["optimizer.type='Lamb'", "AdamW"]),
         (
-            {"optimizer": {"type": "Adam", "params": {"adam_w_mode": False}}},
-            ["optimizer.params.adam_w_mode=False"],
+            {
+                "optimizer": {
+                    "type": "Adam",
+                    "params": {"adam_w_mode": False, "bias_correction": False},
+                }
+            },
+            ["optimizer.params.bias_correction=False", "torch.optim.Adam"],
         ),
         (
             {"optimizer": {"type": "AdamW", "params": {"bias_correction": False}}},
@@ -366,6 +371,30 @@ def test_sgd_and_adagrad_map_to_offload_optimizer(
         weights, tiers=ManagerConfig(device_nbytes=0, host_nbytes=None)
     ) as opt:
         assert isinstance(opt, OffloadAdamW)
+
+
+def test_adam_with_l2_maps_to_torch_adam(caplog: pytest.LogCaptureFixture) -> None:
+    """optimizer.type Adam with adam_w_mode false (Adam with L2 regularisation, not AdamW)
+    → OffloadOptimizer over torch.optim.Adam (fused, as DeepSpeed's CPU Adam), amsgrad
+    honoured; it was refused (issue 26)."""
+    from swapper import ManagerConfig, OffloadOptimizer
+
+    caplog.set_level(logging.WARNING, LOGGER)
+    params = {"lr": 0.01, "betas": [0.8, 0.99], "eps": 1e-7, "weight_decay": 0.1,
+              "amsgrad": True, "adam_w_mode": False, "bias_correction": True}  # fmt: skip
+    ds = {"zero_optimization": {"stage": 3}, "optimizer": {"type": "Adam", "params": params}}
+    _, training = load_deepspeed(ds)
+    assert training.optimizer_class is torch.optim.Adam
+    expected = {"fused": True, "lr": 0.01, "betas": (0.8, 0.99), "eps": 1e-7}
+    assert dict(training.optimizer) == {**expected, "weight_decay": 0.1, "amsgrad": True}
+    assert _warnings(caplog) == []
+    weights = [torch.zeros(8, dtype=torch.bfloat16)]
+    with training.make_optimizer(
+        weights, tiers=ManagerConfig(device_nbytes=0, host_nbytes=None)
+    ) as opt:
+        assert isinstance(opt, OffloadOptimizer) and opt.optimizer_class is torch.optim.Adam
+        group = opt.param_groups[0]
+        assert group["fused"] and group["amsgrad"] and group["weight_decay"] == 0.1
 
 
 TRAINING_OPTIMIZER = {"optimizer": TRAINING["optimizer"]}

@@ -59,6 +59,9 @@ MAX_NPROC = 64
 OPTIMIZER_NAMES = (
     "adamw", "sgd", "adam", "nadam", "radam", "adamax", "adagrad", "rmsprop", "asgd", "adafactor",
 )  # fmt: skip
+#: Those whose update is not element-wise (needs each parameter whole:
+#: swapper.step.rules.torch_optim.NOT_ELEMENTWISE; not imported: no torch).
+WHOLE_PARAMETER_OPTIMIZERS = ("adafactor",)
 
 #: StepConfig.moments' values (swapper.step.layout.MOMENTS; not imported: no torch).
 MOMENTS = ("fp32", "bf16", "int8")
@@ -303,10 +306,11 @@ def _run(argv: list[str], kept: list[Path] | None = None) -> int:
     if args.optimizer != "adamw" and args.moments != "fp32":
         parser.error(f"--moments {args.moments} is AdamW's: leave it out with --optimizer")
     if args.nproc > 1:
-        if args.optimizer != "adamw":
+        if args.optimizer in WHOLE_PARAMETER_OPTIMIZERS:
             parser.error(
-                "--optimizer other than adamw is single-process here (--nproc 1): the "
-                "ranks' runner builds OffloadAdamW"
+                f"--optimizer {args.optimizer} is not element-wise (it needs each parameter "
+                "whole) and the ranks' runner shards parameters over the ranks: use it "
+                "with --nproc 1"
             )
         if args.moments != "fp32":
             parser.error(

@@ -28,7 +28,8 @@ from swapper.pressure.ranks_report import (
     RankReport,
 )
 from swapper.pressure.runner import DTYPES, PressureSettings
-from swapper.step import DynamicLossScaler, OffloadAdamW, StepConfig
+from swapper.step import DynamicLossScaler, StepConfig
+from swapper.step.offload_optimizer import make_optimizer
 from swapper.zero.config.distributed import DistributedConfig
 from swapper.zero.config.offload import OffloadConfig
 from tiers.errors import SwapConfigError
@@ -151,14 +152,15 @@ def _train(
         resume=checkpoint and settings.resume,
     )
     scaler = DynamicLossScaler(2.0**12) if dtype == torch.float16 else None
-    optimizer = OffloadAdamW(
+    optimizer = make_optimizer(
+        settings.optimizer,  # (element-wise: each rank steps its shards; the CLI checks)
         wrapped.parameters(),
         lr=settings.lr,
-        weight_decay=0.01,
         tiers=wrapped,
         # the budgeted ranks overlap when asked (--overlap); the unlimited reference never
         config=StepConfig(max_grad_norm=1.0, overlap=settings.overlap and dirs is not None),
         loss_scaler=scaler,
+        **({"weight_decay": 0.01} if settings.optimizer == "adamw" else {}),
     )
     try:
         losses: list[float] = []

@@ -1,3 +1,5 @@
+# Size: ~520 lines: the class, its state dict in the class's format (ParamStates) and the
+# named table the tools size budgets from share the discovery of the state layout.
 """``OffloadOptimizer(torch.optim.X, params, tiers=...)``: any PyTorch optimizer over
 16-bit parameters whose fp32 master weights and state stream from the tiers.
 
@@ -34,7 +36,7 @@ from swapper.step.rules.torch_optim import (
     init_kwargs,
 )
 from swapper.step.scaler import DynamicLossScaler
-from swapper.step.sources import SharedStep, TieredModel
+from swapper.step.sources import SharedStep, TieredModel, WholeSource
 from swapper.step.state import StateDictError, load_groups, saved_groups
 from tiers.errors import SwapConfigError
 
@@ -134,19 +136,15 @@ class OffloadOptimizer(StreamedOptimizer):
             ) from None
 
     def _make_rule(self) -> UpdateRule:
-        if not self.elementwise and isinstance(self._source, SharedStep):
-            raise UnsupportedOptimizerError(
-                f"{self.optimizer_class.__name__} is not element-wise (it needs each "
-                "parameter whole) and over ranks each rank holds shards of parameters: "
-                "not supported yet; train it in one process"
-            )
         specs: list[list[ParamSpec]] = []
         shapes: list[list[torch.Size]] = []
         hypers: list[dict[str, Any]] = []
-        for group in self.param_groups:
+        for g, group in enumerate(self.param_groups):
             hyper = {k: v for k, v in group.items() if k not in _NOT_SAVED}
             known: dict[torch.Size, ParamSpec] = {}
-            group_shapes = [self._source.shape(p) for p in group["params"]]
+            if not self.elementwise:  # a parameter another rank owns whole: no state here
+                known[torch.Size([0])] = ParamSpec((), (), ())
+            group_shapes = [self._shape(g, i, p) for i, p in enumerate(group["params"])]
             for shape in group_shapes:
                 if shape not in known:
                     known[shape] = discover(
@@ -162,6 +160,28 @@ class OffloadOptimizer(StreamedOptimizer):
             shapes=shapes,
             hypers=hypers,
         )
+
+    def _shape(self, g: int, i: int, param: torch.Tensor) -> torch.Size:
+        """The shape the update sees of parameter ``i`` of group ``g``: its local part (a
+        flat shard over ranks) for an element-wise optimizer; else the whole parameter,
+        which over ranks this rank must own whole.
+
+        Raises:
+            UnsupportedOptimizerError: not element-wise, over ranks, and the parameter is
+                sharded (the setting that avoids it is named).
+        """
+        if self.elementwise or not isinstance(self._source, SharedStep):
+            return self._source.shape(param)
+        whole = self._source.whole_shape(param) if isinstance(self._source, WholeSource) else None
+        if whole is None:
+            raise UnsupportedOptimizerError(
+                f"{self.optimizer_class.__name__} is not element-wise (it needs each "
+                f"parameter whole, in its shape) and parameter {i} of param group {g} "
+                f"({list(self._source.shape(param))} elements here) is sharded over the "
+                "ranks: wrap the model with OffloadConfig(distributed=DistributedConfig("
+                "ownership='contiguous')), which gives every parameter to one rank whole"
+            )
+        return whole
 
     def _grown_rule(self, rule: UpdateRule) -> UpdateRule:
         """A rule over every group (the new one's shapes discovered), with a copy of what

@@ -28,6 +28,7 @@ __all__ = [
     "ResidentSource",
     "SharedStep",
     "TieredModel",
+    "WholeSource",
 ]
 
 #: ``gate(param)``: called by a model's hooks before they fetch ``param`` (and before a
@@ -150,6 +151,19 @@ class SharedStep(Protocol):
             PeerFailedError: some rank's part failed (on every rank).
             CollectiveError: the agreement failed or timed out.
         """
+        ...
+
+
+@runtime_checkable
+class WholeSource(Protocol):
+    """A :class:`SharedStep` source that can say which parameters this rank holds whole
+    (what an optimizer that is not element-wise needs: Adafactor's row and column means
+    read all of a parameter, in its shape)."""
+
+    def whole_shape(self, param: torch.Tensor) -> torch.Size | None:
+        """The parameter's real shape where this rank holds all of it; ``torch.Size([0])``
+        where another rank holds it whole (this rank has none of it); None where it is
+        sharded over the ranks (this rank holds a flat, padded part of it)."""
         ...
 
 

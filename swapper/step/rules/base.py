@@ -115,6 +115,46 @@ class UpdateRule(abc.ABC):
         name as fp32 views into ``state`` (a decoded fp32 state, see
         :meth:`~swapper.step.pipeline.StepPipeline.read`): writing a view writes the state."""
 
+    def parameter_shapes(self, sg: SubGroup, position: int) -> dict[str, tuple[int, ...]]:
+        """The per-parameter state (rows declared ``per="parameter"``) of piece
+        ``position`` of ``sg``, by name, in the shapes :meth:`entries` gives them (read by
+        exports before any state is fetched). Default: none."""
+        del sg, position
+        return {}
+
+    def piece_entries(
+        self, sg: SubGroup, state: torch.Tensor, position: int
+    ) -> dict[str, torch.Tensor]:
+        """One piece's declared state, as :meth:`entries` gives it (a rule may find it
+        without walking the pieces before it)."""
+        for at, tensors in self.entries(sg, state):
+            if at == position:
+                return tensors
+        raise IndexError(f"sub-group {sg.index} has no piece {position}")
+
+    #: Whether the rule keeps per-piece state in memory (:meth:`piece_memory`) that an
+    #: export must carry beside the state tensors.
+    keeps_piece_memory: bool = False
+
+    def piece_memory(self, sg: SubGroup, position: int) -> dict[str, Any]:
+        """What the rule keeps in memory for piece ``position`` of ``sg`` (pickle-able,
+        alike for every piece of one parameter): an export writes it per parameter and
+        an import at any world size gives it back to every piece of the parameter
+        (:meth:`set_piece_memory`). Default: nothing."""
+        del sg, position
+        return {}
+
+    def set_piece_memory(self, sg: SubGroup, position: int, memory: dict[str, Any]) -> None:
+        """Give piece ``position`` of ``sg`` what :meth:`piece_memory` returned for its
+        parameter (an import, after the state tensors are written).
+
+        Raises:
+            ValueError: ``memory`` is not what this rule keeps (named).
+        """
+        del sg, position
+        if memory:
+            raise ValueError(f"the {self.name} rule keeps nothing per piece, given {memory!r}")
+
     def saved(self) -> object | None:
         """What the rule keeps in memory that a snapshot must record besides the state
         tensors (JSON-able; None: nothing). AdamW: nothing (its step is the optimizer's)."""

@@ -1,5 +1,5 @@
-# Size: ~510 lines: discovery (the probe), the layout and the update of one rule share
-# its spec types and refusals; split, each half would import the other.
+# Size: ~580 lines: discovery (the probe), the layout, the update and the per-piece memory of
+# one rule share its spec types and refusals; split, each half would import the other.
 """Any ``torch.optim.Optimizer`` as an :class:`~swapper.step.rules.base.UpdateRule`: the update
 of a sub-group is the optimizer class's own ``step`` (its ``foreach``/``fused`` code
 where it has one) run on fp32 views of the sub-group's master weights, gradient and state.
@@ -243,6 +243,25 @@ def discover(
     return ParamSpec(tuple(element), tuple(sections), tuple(scalars))
 
 
+def _scalar(name: str, entry: str, item: object) -> torch.Tensor:
+    """A 0-dim tensor from ``[value, dtype name]``.
+
+    Raises:
+        ValueError: ``item`` is not that (the optimizer and the entry named)."""
+    value: object = None
+    dtype: object = None
+    if isinstance(item, (list, tuple)) and len(item) == 2:
+        value, dtype_name = item[0], item[1]
+        dtype = getattr(torch, dtype_name, None) if isinstance(dtype_name, str) else None
+    if (
+        not isinstance(dtype, torch.dtype)
+        or isinstance(value, bool)
+        or not isinstance(value, (int, float))
+    ):
+        raise ValueError(f"{name}: scalar state {entry!r} = {item!r} is not [value, dtype]")
+    return torch.tensor(value, dtype=dtype)
+
+
 class ScalarStates:
     """0-dim state per parameter piece, in memory: ``(sub-group, piece position) →
     {name: tensor}``; a piece is *started* once the optimizer has made its state."""
@@ -472,6 +491,52 @@ class TorchRule(UpdateRule):
     def bytes_per_element(self, moments: str) -> float:
         del moments
         return 4.0 * (1 + len(self.element))
+
+    def parameter_shapes(self, sg: SubGroup, position: int) -> dict[str, tuple[int, ...]]:
+        spec = self.specs[sg.group_index][sg.pieces[position].param_index]
+        return dict(spec.sections)
+
+    def piece_entries(
+        self, sg: SubGroup, state: torch.Tensor, position: int
+    ) -> dict[str, torch.Tensor]:
+        master, tensors = self._views(sg, state, position, sg.pieces[position])
+        return {"master": master, **tensors}
+
+    #: the pieces' scalars and whether each was stepped (module docstring)
+    keeps_piece_memory = True
+
+    def piece_memory(self, sg: SubGroup, position: int) -> dict[str, Any]:
+        """``{}`` for a piece never stepped; else ``{"scalars": {name: [value, dtype]}}``
+        (a 0-dim tensor's value as a Python float: exact for fp32 and fp64)."""
+        key = (sg.index, position)
+        if key not in self.scalars.started:
+            return {}
+        entries = self.scalars.values.get(key, {})
+        return {
+            "scalars": {
+                name: [float(value.item()), str(value.dtype).removeprefix("torch.")]
+                for name, value in entries.items()
+            }
+        }
+
+    def set_piece_memory(self, sg: SubGroup, position: int, memory: dict[str, Any]) -> None:
+        name = self.optimizer_class.__name__
+        key = (sg.index, position)
+        if not memory:
+            self.scalars.clear(key)
+            return
+        scalars = memory.get("scalars") if isinstance(memory, dict) else None
+        if set(memory) != {"scalars"} or not isinstance(scalars, dict):
+            raise ValueError(f"{name}: piece state {memory!r} is not {{'scalars': {{...}}}}")
+        spec = self.specs[sg.group_index][sg.pieces[position].param_index]
+        if set(scalars) != set(spec.scalars):
+            raise ValueError(
+                f"{name}: scalar state {sorted(scalars)} given, this optimizer keeps "
+                f"{sorted(spec.scalars)} (another optimizer's checkpoint?)"
+            )
+        values = {entry: _scalar(name, entry, item) for entry, item in scalars.items()}
+        self.scalars.values[key] = values
+        self.scalars.started.add(key)
 
     def saved(self) -> object | None:
         """The pieces stepped and their scalars: ``{"started": [[sub-group, piece], ...],

@@ -10,8 +10,15 @@ Names (fully qualified, the model's own parameter names; a tied parameter once, 
 the name it was registered by):
 
 * ``model.<name>``: the 16-bit parameter (bf16/fp16, its shape);
-* ``optim.<row>.<name>`` for row in ``master``, ``exp_avg``, ``exp_avg_sq``: the
-  parameter's fp32 state, its shape;
+* ``optim.<row>.<name>`` for each element-wise row the optimizer's update rule declares
+  (``master`` first; AdamW: ``exp_avg``, ``exp_avg_sq``; ``torch.optim.SGD``:
+  ``momentum_buffer``): the parameter's fp32 state, its shape;
+* ``optim.<state>.<name>`` for each per-parameter state tensor the rule declares
+  (Adafactor's ``row_var``, ``col_var``), in its own shape, written whole by the rank
+  that holds the parameter (such a rule gets each parameter whole, on one rank);
+* ``optim.memory.<name>`` (a JSON string) where the rule keeps state in memory per
+  parameter (``OffloadOptimizer``: each piece's ``step`` and other 0-dim state, and
+  whether it was stepped; ``{}`` for one never stepped);
 * ``optim.step`` (int), ``optim.param_groups`` (the hyper-parameters, as the
   optimizer's ``state_dict`` has them) and ``optim.loss_scaler`` (when there is one),
   stored as pickled bytes.
@@ -48,6 +55,7 @@ import contextlib
 import dataclasses
 import functools
 import gc
+import json
 import os
 import warnings
 from collections.abc import Callable, Iterator
@@ -57,6 +65,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from swapper.distributed import DistGroup, agree
+from swapper.step.layout import SubGroup
 from swapper.zero.checkpoint.dcp_reshard import Box, DcpCheckpointError, flat_boxes
 from swapper.zero.local.weights import _held, _rw_tier, check_unwritten, write_through
 from swapper.zero.sharded.model import ShardedModel
@@ -230,26 +239,28 @@ class _SubGroupCache:
             release()
 
 
-def _spans(optimizer: StreamedOptimizer) -> dict[int, list[tuple[int, int, int, int]]]:
-    """``id(param)`` → its pieces ``(sub-group, offset in it, local offset, numel)``."""
-    out: dict[int, list[tuple[int, int, int, int]]] = {}
+def _pieces(optimizer: StreamedOptimizer) -> dict[int, list[tuple[SubGroup, int]]]:
+    """``id(param)`` → its pieces ``(sub-group, position in it)``, in sub-group order."""
+    out: dict[int, list[tuple[SubGroup, int]]] = {}
     for sg in optimizer.sub_groups:
         params = optimizer.param_groups[sg.group_index]["params"]
-        for piece in sg.pieces:
-            out.setdefault(id(params[piece.param_index]), []).append(
-                (sg.index, piece.offset, piece.param_offset, piece.numel)
-            )
+        for position, piece in enumerate(sg.pieces):
+            out.setdefault(id(params[piece.param_index]), []).append((sg, position))
     return out
 
 
 def _optimizer_sources(
     owned: list[_Owned], optimizer: StreamedOptimizer, cache: _SubGroupCache
 ) -> list[BoxSource]:
+    """This rank's optimizer chunks: each element-wise row of each parameter's range it
+    holds (``optim.<row>.<name>``, cut at the sub-group boundaries), and each
+    per-parameter state tensor whole (``optim.<name>.<param>``, in the shape the rule
+    declares: a parameter with such state is whole in one sub-group of one rank)."""
     from swapper.zero.checkpoint.dcp_planners import BoxSource
 
-    spans = _spans(optimizer)
+    pieces_of = _pieces(optimizer)
     stored = optimizer.stored_state
-    stored.require_flat_rows("export_dcp")
+    rule = stored.rule
     mine = {id(o.param) for o in owned}
     for group in optimizer.param_groups:
         for p in group["params"]:
@@ -257,28 +268,33 @@ def _optimizer_sources(
                 raise SwapConfigError("export_dcp: the optimizer's parameters are not the model's")
     out: list[BoxSource] = []
     for o in owned:
+        pieces = pieces_of.get(id(o.param), [])
         if o.shape.numel() == 0:  # (named by every rank, as its parameter)
-            pieces = [(0, 0, 0, _boxes_of(o))]
+            spans = [(0, 0, 0, 0, _boxes_of(o))]
         else:  # cut at the sub-group boundaries: each chunk from one sub-group
-            pieces = []
-            for index, offset, at, numel in sorted(spans.get(id(o.param), []), key=lambda p: p[2]):
-                lo, hi = o.start + at, min(o.start + at + numel, o.end)  # padding left out
+            spans = []
+            for sg, position in sorted(pieces, key=lambda q: q[0].pieces[q[1]].param_offset):
+                piece = sg.pieces[position]
+                at = piece.param_offset
+                lo, hi = o.start + at, min(o.start + at + piece.numel, o.end)  # padding out
                 boxes = [
                     box
                     for a in range(lo, hi, CHUNK_NUMEL)
                     for box in flat_boxes(o.shape, a, min(hi, a + CHUNK_NUMEL))
                 ]
-                pieces.append((index, offset, at, boxes))
-        for index, offset, at, boxes in pieces:
+                spans.append((sg.index, sg.padded_numel, piece.offset, at, boxes))
+        for index, padded, offset, at, boxes in spans:
             for box in boxes:
                 for row, row_name in enumerate(stored.rows):
 
                     def view(
                         row: int = row, index: int = index, offset: int = offset,
-                        at: int = at, box: Any = box, o: Any = o,
+                        at: int = at, box: Any = box, o: Any = o, padded: int = padded,
                     ) -> torch.Tensor:  # fmt: skip
-                        start = offset + box.flat_start - o.start - at  # in the sub-group
-                        return cache.get(index)[row, start : start + box.numel]
+                        # row ``row`` of the sub-group, flat (a state with per-parameter
+                        # sections after its rows is one flat tensor)
+                        start = row * padded + offset + box.flat_start - o.start - at
+                        return cache.get(index).view(-1)[start : start + box.numel]
 
                     def gather(dest: torch.Tensor, view: Any = view, box: Any = box) -> None:
                         if box.numel:
@@ -286,6 +302,40 @@ def _optimizer_sources(
 
                     out.append(BoxSource(f"optim.{row_name}.{o.name}", box, o.shape,
                                          torch.float32, gather, view))  # fmt: skip
+        for sg, position in pieces:
+            for name, shape in rule.parameter_shapes(sg, position).items():
+
+                def section(sg: SubGroup = sg, position: int = position, name: str = name
+                            ) -> torch.Tensor:  # fmt: skip
+                    state = cache.get(sg.index)
+                    return rule.piece_entries(sg, state, position)[name].reshape(-1)
+
+                def copy(dest: torch.Tensor, section: Any = section) -> None:
+                    dest.copy_(section())
+
+                box = Box((0,) * len(shape), tuple(shape), 0)
+                out.append(BoxSource(f"optim.{name}.{o.name}", box, torch.Size(shape),
+                                     torch.float32, copy, section))  # fmt: skip
+    return out
+
+
+def _memory(owned: list[_Owned], optimizer: StreamedOptimizer) -> dict[str, Any]:
+    """``optim.memory.<name>``: what the rule keeps in memory for each parameter this
+    rank holds a piece of (a torch rule: the pieces' ``step`` and other 0-dim state, and
+    whether they were stepped), from its first piece (alike for all of them); empty for
+    a rule that keeps nothing (AdamW)."""
+    rule = optimizer.stored_state.rule
+    if not rule.keeps_piece_memory:
+        return {}
+    pieces_of = _pieces(optimizer)
+    out: dict[str, Any] = {}
+    for o in owned:
+        pieces = pieces_of.get(id(o.param))
+        if pieces:
+            sg, position = pieces[0]
+            # a JSON string: DCP would flatten a dict into keys of its own (an empty
+            # one into none); a float's repr reads back exactly
+            out[f"optim.memory.{o.name}"] = json.dumps(rule.piece_memory(sg, position))
     return out
 
 
@@ -386,7 +436,7 @@ def _export(
 
     cache = _SubGroupCache(optimizer) if optimizer is not None else None
     sources = _agreed(group, "export_dcp: checking what to write", plan)
-    state_dict = _meta(optimizer) if optimizer is not None else {}
+    state_dict = {**_meta(optimizer), **_memory(owned, optimizer)} if optimizer is not None else {}
     out.mkdir(parents=True, exist_ok=True)
     # each rank's file through the AIO engine, the optimizer state straight from the
     # sub-group (dcp_io); a sub-group is let go only once its writes completed

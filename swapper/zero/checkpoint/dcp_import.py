@@ -8,6 +8,7 @@ export and never the reverse: issue 25's knots.)
 
 from __future__ import annotations
 
+import json
 import os
 import warnings
 from pathlib import Path
@@ -15,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from swapper.step.layout import SubGroup
 from swapper.zero.checkpoint.dcp_export import (
     _IGNORED,
     LOAD_BATCH_NBYTES,
@@ -22,8 +24,9 @@ from swapper.zero.checkpoint.dcp_export import (
     _meta,
     _Owned,
     _owned,
+    _pieces,
 )
-from swapper.zero.checkpoint.dcp_reshard import DcpCheckpointError, flat_boxes
+from swapper.zero.checkpoint.dcp_reshard import Box, DcpCheckpointError, flat_boxes
 from swapper.zero.sharded.model import ShardedModel
 from tiers.errors import SwapConfigError
 
@@ -54,9 +57,22 @@ def check(
     if optimizer is not None:
         held = {id(p) for group in optimizer.param_groups for p in group["params"]}
         rows = optimizer.stored_state.rows
+        rule = optimizer.stored_state.rule
+        pieces_of = _pieces(optimizer)
         for o in owned:
             if id(o.param) not in held:
                 continue
+            pieces = pieces_of.get(id(o.param), [])
+            if pieces and rule.keeps_piece_memory and f"optim.memory.{o.name}" not in tensors:
+                raise DcpCheckpointError(
+                    where,
+                    f"optim.memory.{o.name} is missing: {rule.name}'s state of {o.name} "
+                    "(its step and what else it keeps in memory) was not exported; was it "
+                    "another optimizer's checkpoint?",
+                )
+            for sg, position in pieces[:1]:  # (a parameter with such state is whole)
+                for name, shape in rule.parameter_shapes(sg, position).items():
+                    needed.append((f"optim.{name}.{o.name}", torch.Size(shape), torch.float32))
             missing = [r for r in rows if f"optim.{r}.{o.name}" not in tensors]
             if missing and f"model.{o.name}" in tensors:
                 raise DcpCheckpointError(
@@ -155,10 +171,6 @@ def load_all(
 def _import_optimizer(
     reader: CheckedReader, where: Path, owned: list[_Owned], optimizer: StreamedOptimizer
 ) -> None:
-    meta = _load(reader, where, {}, _meta(optimizer))
-    step = meta["optim.step"]
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise DcpCheckpointError(where, f"optim.step={step!r} is not an int >= 0")
     by_id = {id(o.param): o for o in owned}
     keys: dict[tuple[int, int], _Owned] = {}
     for g, group in enumerate(optimizer.param_groups):
@@ -168,8 +180,20 @@ def _import_optimizer(
                 raise SwapConfigError("import_dcp: the optimizer's parameters are not the model's")
             keys[(g, i)] = o
     view = optimizer.stored_state
+    rule = view.rule
+    pieces_of = _pieces(optimizer)
+    memory = {  # what the rule keeps in memory per parameter (a torch rule's step, ...)
+        f"optim.memory.{o.name}": None
+        for o in owned
+        if rule.keeps_piece_memory and pieces_of.get(id(o.param))
+    }
+    meta = _load(reader, where, {}, {**_meta(optimizer), **memory})
+    step = meta["optim.step"]
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise DcpCheckpointError(where, f"optim.step={step!r} is not an int >= 0")
     row_names = view.rows  # the declared element-wise rows (AdamW: master, exp_avg, exp_avg_sq)
     rows: dict[tuple[int, int], list[torch.Tensor]] = {}  # the parameters being spread
+    given: list[tuple[SubGroup, int, dict[str, Any]]] = []  # each piece's memory, checked
     for sg in optimizer.sub_groups:
         needed = {(sg.group_index, piece.param_index) for piece in sg.pieces}
         for gone in set(rows) - needed:  # done with: dropped before more are read
@@ -186,18 +210,47 @@ def _import_optimizer(
             if targets:
                 _load(reader, where, targets)
             rows[key] = flats
+        sections: dict[tuple[int, str], torch.Tensor] = {}  # (position, name): whole
+        targets = {}
+        for position, piece in enumerate(sg.pieces):
+            o = keys[(sg.group_index, piece.param_index)]
+            for name, shape in rule.parameter_shapes(sg, position).items():
+                whole = torch.empty(shape, dtype=torch.float32)
+                sections[(position, name)] = whole
+                targets[f"optim.{name}.{o.name}"] = [(Box((0,) * len(shape), shape, 0), whole)]
+            if memory:
+                text = meta[f"optim.memory.{o.name}"]
+                try:
+                    saved = json.loads(text) if isinstance(text, str) else None
+                except ValueError:
+                    saved = None
+                if not isinstance(saved, dict):
+                    raise DcpCheckpointError(
+                        where, f"optim.memory.{o.name} is {text!r}, not a JSON object"
+                    )
+                given.append((sg, position, saved))
+        if targets:
+            _load(reader, where, targets)
 
-        def fill(state: torch.Tensor, sg: Any = sg) -> None:
+        def fill(state: torch.Tensor, sg: SubGroup = sg, sections: Any = sections) -> None:
             state.zero_()  # the padding (of the rows, and of a shard past the parameter)
+            flat_state = state.view(-1)  # (rows, then any per-parameter sections)
+            p = sg.padded_numel
             for piece in sg.pieces:
                 flat = rows[(sg.group_index, piece.param_index)]
                 n = max(0, min(piece.numel, flat[0].numel() - piece.param_offset))
                 for r in range(len(row_names)):
-                    state[r, piece.offset : piece.offset + n] = flat[r][
-                        piece.param_offset : piece.param_offset + n
-                    ]
+                    at = r * p + piece.offset
+                    flat_state[at : at + n] = flat[r][piece.param_offset : piece.param_offset + n]
+            for (position, name), whole in sections.items():
+                rule.piece_entries(sg, state, position)[name].copy_(whole)
 
         view.write(sg.index, fill, step)
+    for sg, position, saved in given:  # (after every write: the state they describe is in)
+        try:
+            rule.set_piece_memory(sg, position, saved)
+        except ValueError as exc:
+            raise DcpCheckpointError(where, f"optimizer state: {exc}") from None
     for group, saved in zip(optimizer.param_groups, meta["optim.param_groups"], strict=True):
         group.update(saved)
     if optimizer.loss_scaler is not None and "optim.loss_scaler" in meta:
@@ -233,7 +286,6 @@ def import_dcp(
 
     where = Path(directory)
     if optimizer is not None:
-        optimizer.stored_state.require_flat_rows("import_dcp")
         optimizer.stored_state.forget_failed()  # the load replaces what it would finish
     if isinstance(model, ShardedModel):
         # An overlapped update still running would write its sub-groups' values over the

@@ -10,12 +10,14 @@ What is honoured:
 
 - ``optimizer``: ``type`` ``AdamW`` or ``Adam`` (DeepSpeed's ``Adam`` is AdamW unless
   ``adam_w_mode`` is false); ``params.lr``, ``betas``, ``eps``, ``weight_decay`` →
-  ``OffloadAdamW`` keyword arguments. ``adam_w_mode: false`` (Adam with L2
-  regularisation), ``bias_correction: false`` and ``amsgrad: true`` change the update
-  and are refused: OffloadAdamW is bias-corrected AdamW. ``SGD`` (``lr``, ``momentum``,
-  ``dampening``, ``weight_decay``, ``nesterov``), ``Adagrad`` (``lr``, ``lr_decay``,
-  ``eps``, ``weight_decay``, ``initial_accumulator_value``) and ``Lion`` (``lr``,
-  ``betas``, ``weight_decay``; where ``lion_pytorch`` is importable) →
+  ``OffloadAdamW`` keyword arguments. ``bias_correction: false`` and ``amsgrad: true``
+  change the update and are refused: OffloadAdamW is bias-corrected AdamW. ``Adam``
+  with ``adam_w_mode: false`` (Adam with L2 regularisation: ``lr``, ``betas``, ``eps``,
+  ``weight_decay``, ``amsgrad``) → :class:`~swapper.step.OffloadOptimizer` over
+  ``torch.optim.Adam(fused=True)`` (``bias_correction: false`` refused). ``SGD``
+  (``lr``, ``momentum``, ``dampening``, ``weight_decay``, ``nesterov``), ``Adagrad``
+  (``lr``, ``lr_decay``, ``eps``, ``weight_decay``, ``initial_accumulator_value``) and
+  ``Lion`` (``lr``, ``betas``, ``weight_decay``; where ``lion_pytorch`` is importable) →
   :class:`~swapper.step.OffloadOptimizer` over ``torch.optim.SGD``, ``torch.optim.Adagrad``
   or ``lion_pytorch.Lion`` (:meth:`TrainingSettings.make_optimizer`). Another type is
   refused by name.
@@ -56,7 +58,11 @@ _OTHER_TYPES: dict[str, tuple[str, ...]] = {
     "sgd": ("lr", "momentum", "dampening", "weight_decay", "nesterov"),
     "adagrad": ("lr", "lr_decay", "eps", "weight_decay", "initial_accumulator_value"),
     "lion": ("lr", "betas", "weight_decay"),
+    # DeepSpeed's Adam with adam_w_mode false: Adam with L2 regularisation (torch.optim.Adam)
+    "adam-l2": ("lr", "betas", "eps", "weight_decay", "amsgrad"),
 }
+#: optimizer.params keys of ``adam-l2`` read, not passed: the value it is run with
+_ADAM_L2_FIXED = {"adam_w_mode": False, "bias_correction": True}
 #: optimizer.params keys that change the update: the value OffloadAdamW computes with.
 _ADAMW_FIXED = {"adam_w_mode": True, "bias_correction": True, "amsgrad": False}
 _FP16_READ = ("enabled", "loss_scale", "initial_scale_power", "loss_scale_window", "min_loss_scale")
@@ -208,6 +214,8 @@ def _number(
 def _other_class(kind: str) -> type[torch.optim.Optimizer]:
     if kind == "sgd":
         return torch.optim.SGD
+    if kind == "adam-l2":
+        return torch.optim.Adam
     if kind == "adagrad":
         return torch.optim.Adagrad
     try:
@@ -228,13 +236,21 @@ def _other_optimizer(
     for key in section:
         if key not in ("type", "params"):
             notes.ignored.append(f"optimizer.{key}")
-    out: dict[str, Any] = {}
+    # adam-l2: PyTorch's one-pass CPU kernel, as DeepSpeed's CPU Adam is one (the default
+    # single-tensor Adam makes five passes: docs/notes/2026-11-28-optim-3.md)
+    out: dict[str, Any] = {"fused": True} if kind == "adam-l2" else {}
     for key, value in _section(section.get("params", {}), "optimizer.params").items():
         where = f"optimizer.params.{key}"
         if value == _AUTO:
             notes.auto.append(where)
         elif key in _OTHER_TYPES[kind]:
             out[key] = tuple(value) if key == "betas" and isinstance(value, list) else value
+        elif kind == "adam-l2" and key in _ADAM_L2_FIXED:
+            if value is not _ADAM_L2_FIXED[key]:
+                raise SwapConfigError(
+                    f"{where}={value!r}: Adam with adam_w_mode=false runs as "
+                    f"torch.optim.Adam, which computes {key}={_ADAM_L2_FIXED[key]!r}"
+                )
         else:
             notes.ignored.append(where)
     try:  # the class's own checks, before any state is made
@@ -253,6 +269,14 @@ def _optimizer(
     kind = section.get("type")
     if isinstance(kind, str) and kind.lower() in _OTHER_TYPES:
         return _other_optimizer(kind.lower(), section, notes)
+    params = section.get("params")
+    if (
+        isinstance(kind, str)
+        and kind.lower() == "adam"
+        and isinstance(params, Mapping)
+        and params.get("adam_w_mode") is False
+    ):  # Adam with L2 regularisation: not OffloadAdamW's update, torch.optim.Adam's
+        return _other_optimizer("adam-l2", section, notes)
     if not isinstance(kind, str) or kind.lower() not in _OPTIMIZER_TYPES:
         raise SwapConfigError(
             f"optimizer.type={kind!r}: swapper runs AdamW (OffloadAdamW; 'AdamW', or "

@@ -185,6 +185,14 @@ class ShardedParams:
     def dtype(self, param: torch.Tensor) -> torch.dtype:
         return self._slot(param).dtype
 
+    def whole_shape(self, param: torch.Tensor) -> torch.Size | None:
+        """The real shape where this rank owns the parameter whole, ``[0]`` where another
+        rank does, None where it is sharded (:class:`~swapper.step.sources.WholeSource`)."""
+        slot = self._slot(param)
+        if slot.placement.sharded:
+            return None
+        return slot.shape if slot.local_numel else torch.Size([0])
+
     def contiguous(self, param: torch.Tensor) -> bool:
         self._slot(param)
         return True
