@@ -6,10 +6,12 @@ import argparse
 import json
 import statistics
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from swapper.bench import main
+from swapper.bench.step_command import SAMPLE_ABOVE_NBYTES, StepPlan, build_plan
 from swapper.cli_args import count_arg as _count
 
 
@@ -161,19 +163,25 @@ def test_count_refuses_what_is_not_a_positive_whole_number(text: str) -> None:
         _count(text)
 
 
+def _small_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], *flags: str
+) -> tuple[str, dict[str, Any]]:
+    """One timed round, no warm-up, of 200K parameters in 4 sub-groups: (printed, JSON)."""
+    work = tmp_path / "work"
+    work.mkdir()
+    out = tmp_path / "step.json"
+    argv = ["step", "--dir", str(work), "--params", "200K", "--sub-group", "50K"]
+    argv += ["--steps", "1", "--warmup", "0", *flags, "--json", str(out)]
+    assert main(argv) == 0
+    return capsys.readouterr().out, json.loads(out.read_text())
+
+
 def test_sampled_compute_pass_times_one_sub_group_scaled(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     # Issue 24: at 1B the compute-only pass cannot hold all the state in memory; the floor's
     # compute is then one in-memory sub-group's update times the sub-groups.
-    work = tmp_path / "work"
-    work.mkdir()
-    out = tmp_path / "step.json"
-    argv = ["step", "--dir", str(work), "--params", "200K", "--sub-group", "50K"]
-    argv += ["--steps", "1", "--warmup", "0", "--compute-pass", "sampled", "--json", str(out)]
-    assert main(argv) == 0
-    printed = capsys.readouterr().out
-    doc = json.loads(out.read_text())
+    printed, doc = _small_run(tmp_path, capsys, "--compute-pass", "sampled")
     # 4 sub-groups; the first one's elements rounded up for alignment: a little under 4
     assert doc["compute_pass"] == "sampled" and 3.9 < doc["compute_scale"] <= 4.0
     assert f"one sub-group's update in memory, x {doc['compute_scale']:.2f}" in printed
@@ -183,9 +191,7 @@ def test_sampled_compute_pass_times_one_sub_group_scaled(
 
 
 def test_compute_pass_auto_samples_only_above_the_threshold(tmp_path: Path) -> None:
-    from swapper.bench.step_command import SAMPLE_ABOVE_NBYTES, build_plan
-
-    def plan_for(params: str, mode: str = "auto") -> object:
+    def plan_for(params: str, mode: str = "auto") -> StepPlan:
         args = argparse.Namespace(
             dirs=[tmp_path], size=None, params=_count(params), sub_group=_count("50K"),
             json=None, steps=1, warmup=0, host_budget=None, legacy_grad_swap=False, seed=0,
@@ -194,9 +200,21 @@ def test_compute_pass_auto_samples_only_above_the_threshold(tmp_path: Path) -> N
         return build_plan(args)
 
     small = plan_for("200K")
-    assert small.compute_pass == "full" and small.compute_scale == 1.0  # type: ignore[attr-defined]
-    assert small.compute_shapes() == small.shapes()  # type: ignore[attr-defined]
+    assert small.compute_pass == "full" and small.compute_scale == 1.0
+    assert small.compute_shapes() == small.shapes()
     sampled = plan_for("200K", "sampled")
-    assert sampled.compute_pass == "sampled"  # type: ignore[attr-defined]
-    assert sum(s[0] for s in sampled.compute_shapes()) == sampled.sub_groups()[0].numel  # type: ignore[attr-defined]
+    assert sampled.compute_pass == "sampled"
+    assert sum(s[0] for s in sampled.compute_shapes()) == sampled.sub_groups()[0].numel
     assert SAMPLE_ABOVE_NBYTES < 12 * 1_000_000_000  # 1B parameters' state is sampled
+
+
+def test_no_io_only_leaves_out_the_pass_and_its_store(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Issue 24: at 1B a second store of state (the io-only pass's) would not fit the disk
+    # allowed; the floor does not need it.
+    printed, doc = _small_run(tmp_path, capsys, "--no-io-only")
+    assert "setting up the state (step)" in printed and "io-only" not in printed
+    assert set(doc["passes"]) == {"compute-only", "step"}
+    assert doc["io_only_seconds"] is None and doc["overlap_ratio"] is None
+    assert doc["step_over_floor"] > 0

@@ -32,22 +32,32 @@ from test_frozen import (
 )
 
 import swapper
-from swapper import OffloadAdamW, OffloadConfig, StepConfig, Tier
+from swapper import Kind, OffloadAdamW, OffloadConfig, StepConfig, Tier
 from swapper.zero.config.distributed import DistributedConfig
 
 pytestmark = pytest.mark.dist
 
 WORLD = 2
 CKPT = ("none", "non-reentrant", "reentrant")
+#: (checkpointing, fp32 adapters): each kind of checkpointing with bf16 adapters, and
+#: non-reentrant with fp32 adapters over the bf16 base (PEFT's default dtype)
+CASES = [(ckpt, False) for ckpt in CKPT] + [("non-reentrant", True)]
 ABS_TOL = 4 * LR  # as test_dist_train: an ulp of a mean can become an lr-sized step
 
 
-def _config(tmp: str, name: str, tight: bool) -> OffloadConfig:
+def _case(ckpt: str, fp32: bool) -> str:
+    return f"{ckpt}-fp32" if fp32 else ckpt
+
+
+def _config(tmp: str, name: str, tight: bool, fp32: bool = False) -> OffloadConfig:
     settings: dict[str, Any] = {}
     if tight:
+        # fp32 adapters: their fp32 gradient shards stay in host memory beside the rest,
+        # each charged as a host block (4 KiB-aligned; every one here is <= 4 KiB)
+        grads32 = 4096 * sum(1 for p in _net().parameters() if p.requires_grad)
         settings = {
             "device_nbytes": DEVICE_NBYTES,
-            "host_nbytes": 60_000,
+            "host_nbytes": 60_000 + grads32 * fp32,
             "timeout_s": 20.0,
             "nvme_dirs": [os.path.join(tmp, name)],
         }
@@ -59,9 +69,11 @@ def _config(tmp: str, name: str, tight: bool) -> OffloadConfig:
     )
 
 
-def train(rank: int, world: int, tmp: str, name: str, tight: bool, ckpt: str) -> dict[str, Any]:
-    model = _net(ckpt)
-    wrapped = swapper.offload(model, _config(tmp, name, tight), dist.group.WORLD)
+def train(
+    rank: int, world: int, tmp: str, name: str, tight: bool, ckpt: str, fp32: bool = False
+) -> dict[str, Any]:
+    model = _net(ckpt, fp32)
+    wrapped = swapper.offload(model, _config(tmp, name, tight, fp32), dist.group.WORLD)
     optimizer = OffloadAdamW(
         wrapped.parameters(),
         lr=LR,
@@ -76,15 +88,22 @@ def train(rank: int, world: int, tmp: str, name: str, tight: bool, ckpt: str) ->
 
 
 def run_steps(
-    wrapped: Any, optimizer: OffloadAdamW, steps: Iterable[Callable[[], torch.Tensor]]
+    wrapped: Any,
+    optimizer: OffloadAdamW,
+    steps: Iterable[Callable[[], torch.Tensor]],
+    *,
+    after_backward: Callable[[], None] | None = None,
 ) -> dict[str, Any]:
-    """Each step's loss backpropagated, the optimizer stepped; then :func:`summary`; the
-    optimizer and the wrap closed however it ends."""
+    """Each step's loss backpropagated (then ``after_backward()``, if given), the
+    optimizer stepped; then :func:`summary`; the optimizer and the wrap closed however it
+    ends."""
     losses = []
     try:
         for compute in steps:
             loss = compute()
             loss.backward()
+            if after_backward is not None:
+                after_backward()
             optimizer.step()
             optimizer.zero_grad()
             losses.append(float(loss.detach()))
@@ -96,7 +115,8 @@ def run_steps(
 
 def summary(wrapped: Any, optimizer: OffloadAdamW, losses: list[float]) -> dict[str, Any]:
     """What a rank's run gives the parent: losses, weights, device peak, the optimizer's
-    elements, the NVMe bytes read."""
+    elements, the NVMe bytes read, the fp32 gradient bytes moved to or from NVMe (none
+    ever should be)."""
     stats = wrapped.stats()
     return {
         "losses": losses,
@@ -104,15 +124,18 @@ def summary(wrapped: Any, optimizer: OffloadAdamW, losses: list[float]) -> dict[
         "device_peak": stats.tiers[Tier.DEVICE].peak_nbytes,
         "optimizer_numel": sum(sg.numel for sg in optimizer.sub_groups),
         "nvme_read": stats.moved(Tier.NVME, Tier.HOST).nbytes,
+        "grad32_nvme": sum(
+            n for k, n in stats.kind_nbytes.items() if k[0] is Kind.GRAD32 and Tier.NVME in k[1:]
+        ),
     }
 
 
 def run_all(rank: int, world: int, tmp: str) -> dict[str, Any]:
     return {
-        f"{ckpt}/{'tight' if tight else 'free'}": train(
-            rank, world, tmp, f"{ckpt}-{tight}", tight, ckpt
+        f"{_case(ckpt, fp32)}/{'tight' if tight else 'free'}": train(
+            rank, world, tmp, f"{_case(ckpt, fp32)}-{tight}", tight, ckpt, fp32
         )
-        for ckpt in CKPT
+        for ckpt, fp32 in CASES
         for tight in (True, False)
     }
 
@@ -124,10 +147,12 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
 
 # Non-reentrant checkpointing failed here until 2026-11-28 (a CheckpointError: the
 # recompute's saved frozen weights had shape [0]; swapper.zero.model.saved says why).
-@pytest.mark.parametrize("ckpt", CKPT)
-def test_two_ranks_frozen_base_quarter_budget(ckpt: str, results: list[dict[str, Any]]) -> None:
-    tight = [r[f"{ckpt}/tight"] for r in results]
-    free = [r[f"{ckpt}/free"] for r in results]
+@pytest.mark.parametrize(("ckpt", "fp32"), CASES, ids=[_case(*case) for case in CASES])
+def test_two_ranks_frozen_base_quarter_budget(
+    ckpt: str, fp32: bool, results: list[dict[str, Any]]
+) -> None:
+    tight = [r[f"{_case(ckpt, fp32)}/tight"] for r in results]
+    free = [r[f"{_case(ckpt, fp32)}/free"] for r in results]
     for rank in range(WORLD):
         # within the budget, bit-identical to unlimited budgets at the same ranks
         assert tight[rank]["losses"] == free[rank]["losses"]
@@ -140,8 +165,12 @@ def test_two_ranks_frozen_base_quarter_budget(ckpt: str, results: list[dict[str,
     assert trainable <= sum(r["optimizer_numel"] for r in tight) < 2 * trainable
     # the base went to NVMe and was read back from there on both ranks
     assert all(r["nvme_read"] > 0 for r in tight)
-    # close to one plain PyTorch process (fp32 masters of the trainable parameters)
-    plain = _train_plain(ckpt)
+    assert all(r["grad32_nvme"] == 0 for r in tight)  # fp32 gradients: never on NVMe
+    for name, value in tight[0]["params"].items():  # each trained in its own dtype
+        assert value.dtype == (torch.float32 if fp32 and "lora_" in name else torch.bfloat16)
+    # close to one plain PyTorch process (fp32 masters of the trainable parameters; fp32
+    # adapters their own masters)
+    plain = _train_plain(ckpt, fp32)
     mean = [sum(r["losses"][i] for r in tight) / WORLD for i in range(len(plain.losses))]
     torch.testing.assert_close(mean, plain.losses, rtol=0.0, atol=0.01)
     for name, expected in plain.params.items():

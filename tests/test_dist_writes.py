@@ -18,12 +18,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from test_dist_train import BATCH, PG_TIMEOUT_S, VOCAB, _batches, _model, _same, _spawn
+from torch import nn
 
 import swapper
 from swapper import OffloadAdamW, OffloadConfig, StepConfig
 from swapper.distributed import ParamInfo, plan_contiguous, plan_partition, plan_windows
 from swapper.zero.config.distributed import DistributedConfig
-from swapper.zero.sharded.setup import dtype_refusal
+from swapper.zero.sharded.setup import dtype_refusal, module_dtype_refusal
 from tiers.errors import SwapConfigError
 
 pytestmark = pytest.mark.dist
@@ -107,18 +108,31 @@ def test_dtype_refusal_names_the_dtypes_and_parameters() -> None:
     bf16, fp32, fp16 = "torch.bfloat16", "torch.float32", "torch.float16"
     assert dtype_refusal([("a", bf16), ("b", bf16)]) is None
     assert dtype_refusal([]) is None
-    mixed = dtype_refusal([("w1", bf16), ("w2", bf16), ("ln.weight", fp32), ("ln.bias", fp32)])
-    assert mixed is not None
-    assert "bfloat16: 2 ('w1', 'w2'); float32: 2 ('ln.weight', 'ln.bias')" in mixed
-    assert "one 16-bit dtype" in mixed and ".to(torch.bfloat16)" in mixed
+    # fp32 beside one 16-bit dtype (PEFT's default adapters, a norm kept fp32): accepted
+    assert dtype_refusal([("w1", bf16), ("ln.weight", fp32), ("ln.bias", fp32)]) is None
+    adapters = [("q.base_layer.weight", bf16), ("q.lora_A.default.weight", fp32)]
+    assert dtype_refusal(adapters) is None
     both = dtype_refusal([("a", bf16), ("b", fp16)] + [(f"h{i}", fp16) for i in range(5)])
     assert both is not None and "float16: 6 ('b', 'h0', 'h1', 'h2', ...); bfloat16: 1" in both
-    assert "several dtypes are not supported yet" in both
+    assert "several 16-bit dtypes are not supported yet" in both
     only = dtype_refusal([("x", fp32)])
     assert only is not None and "float32: 1 ('x')" in only and "bf16 or fp16" in only
-    adapters = dtype_refusal([("q.base_layer.weight", bf16), ("q.lora_A.default.weight", fp32)])
-    assert adapters is not None and "autocast_adapter_dtype=False" in adapters
-    assert "autocast_adapter_dtype" not in mixed
+    assert "only beside a 16-bit base" in only
+    odd = dtype_refusal([("w", bf16), ("d", "torch.float64")])
+    assert odd is not None and "float64: 1 ('d')" in odd and ".to(torch.bfloat16)" in odd
+
+
+def test_a_module_owning_two_dtypes_is_refused_naming_it() -> None:
+    """With several ranks a module's gather is one buffer of one dtype: an fp32
+    parameter beside a bf16 one in the same module is refused, naming the module (fp32
+    adapters of their own modules pass)."""
+    mixed = nn.Linear(4, 4).to(torch.bfloat16)
+    mixed.scale = nn.Parameter(torch.ones(4))  # fp32, owned by the bf16 Linear
+    own = nn.Sequential(nn.Linear(4, 4).to(torch.bfloat16), nn.Linear(4, 2))
+    assert module_dtype_refusal(list(own.named_children())) is None
+    refusal = module_dtype_refusal([("proj", mixed)])
+    assert refusal is not None and "module 'proj'" in refusal
+    assert "'weight' bfloat16" in refusal and "'scale' float32" in refusal
 
 
 # -- contiguous ownership and the measured offload ---------------------------------------

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -131,6 +132,8 @@ class Run:
     state_nbytes: int = 0  # optimizer state in the manager
     grad_keys: set[str] = dataclasses.field(default_factory=set)  # retained after a backward
     written: set[str] = dataclasses.field(default_factory=set)  # released as modified
+    #: key -> times its bytes were written to NVMe (at registration or by an eviction)
+    nvme_writes: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 def _train(config: OffloadConfig, ckpt: str = "none", fp32: bool = False) -> Run:
@@ -140,12 +143,13 @@ def _train(config: OffloadConfig, ckpt: str = "none", fp32: bool = False) -> Run
         manager = wrapped.manager
         release = manager.release
 
-        def spy(key: str, *, modified: bool = True) -> None:
+        def spy(key: str, *, modified: bool = True, cold: bool = False) -> None:
             if modified:
                 run.written.add(key)
-            release(key, modified=modified)
+            release(key, modified=modified, cold=cold)
 
         manager.release = spy  # type: ignore[method-assign]
+        _count_nvme_writes(manager, run.nvme_writes)
         # every parameter given: the frozen ones are left out by the optimizer itself
         with OffloadAdamW(
             wrapped.parameters(),
@@ -169,6 +173,25 @@ def _train(config: OffloadConfig, ckpt: str = "none", fp32: bool = False) -> Run
             run.stats = wrapped.stats()
     run.params = {k: v.detach().clone() for k, v in model.state_dict().items()}
     return run
+
+
+def _count_nvme_writes(manager: Any, counts: dict[str, int]) -> None:
+    """Count, per key, the writes ``manager`` issues to NVMe: its mover's two write paths
+    (a new entry written straight there; an entry evicted or cleaned). A test's spy on
+    the manager's internals: no public counter is kept per key."""
+    mover = manager._mover
+
+    def wrap(name: str) -> None:
+        original = getattr(mover, name)
+
+        def spy(entry: Any, *args: Any, **kwargs: Any) -> Any:
+            counts[entry.key] = counts.get(entry.key, 0) + 1
+            return original(entry, *args, **kwargs)
+
+        setattr(mover, name, spy)
+
+    wrap("write_new")
+    wrap("write_out")
 
 
 def plain_steps(model: nn.Module, losses: Iterable[Callable[[], torch.Tensor]]) -> list[float]:
@@ -264,6 +287,9 @@ def test_frozen_base_trains_within_a_quarter_budget_bit_identical(
         assert 12 * trainable_numel <= run.state_nbytes < 12 * (trainable_numel + 1024)
         # a frozen parameter is only ever read: its NVMe copy stays clean (written once)
         assert not (run.written & frozen)
+        assert all(run.nvme_writes.get(key, 0) <= 1 for key in frozen), run.nvme_writes
+    # the base went to NVMe (each frozen key once at most; most of them once)
+    assert sum(tight.nvme_writes.get(key, 0) for key in frozen) > len(frozen) // 2
     # no retained gradient of a frozen parameter, ever (the unlimited run keeps them by
     # reference, in no manager entry: swapper.zero.local.persist)
     assert tight.grad_keys == {f"grad/{n}" for n, p in model.named_parameters() if p.requires_grad}

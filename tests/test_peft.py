@@ -270,10 +270,10 @@ def test_peft_default_fp32_adapters_quarter_budget_bit_identical(tmp_path: Path)
         manager = wrapped.manager
         release = manager.release
 
-        def spy(key: str, *, modified: bool = True) -> None:
+        def spy(key: str, *, modified: bool = True, cold: bool = False) -> None:
             if modified:
                 written.add(key)
-            release(key, modified=modified)
+            release(key, modified=modified, cold=cold)
 
         manager.release = spy  # type: ignore[method-assign]
         for ids in _batches():
@@ -313,6 +313,25 @@ def test_fp32_gradients_that_do_not_fit_in_memory_are_refused_at_wrap(tmp_path: 
         nvme_dirs=[tmp_path / "nvme"], device="cpu", device_nbytes=DEVICE_NBYTES, host_nbytes=4096
     )
     with pytest.raises(SwapConfigError, match=r"fp32 trainable.*lora_.*never on NVMe.*host"):
+        swapper.offload(model, config)
+    assert all(p.numel() for p in model.parameters())  # nothing moved
+
+
+def test_fp32_gradients_are_counted_as_the_host_charges_them(tmp_path: Path) -> None:
+    """Each fp32 gradient is a host block, 4 KiB-aligned: a host budget above their bytes
+    but below what the blocks take is refused at the wrap (counted in bytes, it was
+    accepted, and the first step then waited for room the gradients held)."""
+    model = _lora32()
+    grads = [p.numel() * 4 for p in model.parameters() if p.requires_grad]
+    charged = sum(-(-n // 4096) * 4096 for n in grads)
+    assert sum(grads) < charged - 4096  # (small adapters: the rounding counts)
+    config = OffloadConfig.create(
+        nvme_dirs=[tmp_path / "nvme"],
+        device="cpu",
+        device_nbytes=DEVICE_NBYTES,
+        host_nbytes=charged - 4096,
+    )
+    with pytest.raises(SwapConfigError, match=rf"hold {charged} bytes .*as the host tier charges"):
         swapper.offload(model, config)
     assert all(p.numel() for p in model.parameters())  # nothing moved
 

@@ -9,8 +9,11 @@ far below the base: the base lives on NVMe), and trains the adapters with
 fused over fp32 masters of the adapters, the reference), and alternates one offloaded and
 one plain step for ``--rounds`` rounds on the same batches.
 
-Prints, per offloaded step: seconds, NVMe bytes read and written by kind, and whether a
-frozen parameter was ever written back (it must not be: frozen weights are read only);
+Prints, per offloaded step: seconds, NVMe bytes read and written by kind, of the 16-bit
+parameter bytes written the frozen ones (a frozen key's first copy on NVMe: its bytes go
+there once, when the host first evicts it, so after the first step this is 0), and
+whether a frozen parameter was ever written back (it must not be: frozen weights are read
+only, so a copy on NVMe stays current and is never written again);
 the peak RSS of the offloaded run (measured before the plain model exists) against the
 budgets; and the median seconds per step of both, with their ratio.
 
@@ -28,7 +31,7 @@ import shutil
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 import torch
@@ -37,7 +40,7 @@ from torch import nn
 import swapper
 from swapper import OffloadAdamW, OffloadConfig, StepConfig, Tier
 from swapper.cli_args import count_arg, size_arg
-from swapper.manager import ManagerStats
+from swapper.manager import ManagerStats, TierManager
 from swapper.pressure.memory import peak_rss, reset_peak_rss, return_freed_memory
 from swapper.pressure.model import GPT, GPTConfig, batches
 from swapper.pressure.weights import materialize_
@@ -114,6 +117,11 @@ def nvme_moves(before: ManagerStats, after: ManagerStats) -> tuple[dict[str, int
         if delta and dst is Tier.NVME:
             written[kind.value] = written.get(kind.value, 0) + delta
     return read, written
+
+
+def on_nvme(manager: TierManager, keys: Collection[str]) -> set[str]:
+    """Which of ``keys`` have a copy on NVMe now."""
+    return {key for key in keys if manager.info(key).on_nvme}
 
 
 def plain_model(config: GPTConfig, rank: int, adapters: torch.dtype) -> GPT:
@@ -210,12 +218,16 @@ def main(argv: list[str] | None = None) -> int:
         release = manager.release
         frozen_keys = {f"param/{n}" for n, p in model.named_parameters() if not p.requires_grad}
 
-        def spy(key: str, *, modified: bool = True) -> None:
+        def spy(key: str, *, modified: bool = True, cold: bool = False) -> None:
             if modified and key in frozen_keys:
                 frozen_written.add(key)
-            release(key, modified=modified)
+            release(key, modified=modified, cold=cold)
 
         manager.release = spy  # type: ignore[method-assign]
+
+        frozen_nbytes = {k: manager.info(k).nbytes for k in frozen_keys}
+        frozen_on_nvme = on_nvme(manager, frozen_keys)  # (the wrap wrote these)
+        out["frozen_nvme_at_wrap"] = sum(frozen_nbytes[k] for k in frozen_on_nvme)
 
         def offloaded_step(i: int) -> None:
             before = wrapped.stats()
@@ -226,11 +238,18 @@ def main(argv: list[str] | None = None) -> int:
             optimizer.zero_grad()
             seconds = time.perf_counter() - t0
             read, written = nvme_moves(before, wrapped.stats())
+            # A frozen key is written to NVMe only when it first gets a copy there: it is
+            # never released modified (the spy), so the copy stays current.
+            now = on_nvme(manager, frozen_keys)
+            frozen = sum(frozen_nbytes[k] for k in now - frozen_on_nvme)
+            frozen_on_nvme.update(now)
             row = {"step": i + 1, "seconds": seconds, "loss": loss.item(),
-                   "nvme_read": read, "nvme_written": written}  # fmt: skip
+                   "nvme_read": read, "nvme_written": written,
+                   "frozen_nvme_written": frozen}  # fmt: skip
             rows.append(row)
             print(f"offloaded step {i + 1}: {seconds:.2f} s, loss {loss.item():.4f}, "
-                  f"NVMe read {read}, written {written}", flush=True)  # fmt: skip
+                  f"NVMe read {read}, written {written} (of which frozen parameters "
+                  f"{frozen})", flush=True)  # fmt: skip
             if i >= args.warmup:
                 offloaded_s.append(seconds)
 

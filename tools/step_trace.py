@@ -73,6 +73,8 @@ class Counters:
         self.t0 = time.perf_counter()
         #: (op, issued, done) of every engine request, seconds since :meth:`reset`
         self.intervals: list[tuple[str, float, float]] = []
+        #: (start, end) of every fdatasync, seconds since :meth:`reset`
+        self.syncs: list[tuple[float, float]] = []
 
     def busy(self, end: float) -> tuple[float, float, float, list[tuple[float, float]]]:
         """Seconds in [0, end] with a read in flight, with a write in flight, with either,
@@ -117,7 +119,10 @@ def wrapped(counters: Counters) -> Iterator[None]:
         try:
             real_sync(fd)
         finally:
-            counters.add(fdatasync_n=1, fdatasync_s=time.perf_counter() - start)
+            end = time.perf_counter()
+            counters.add(fdatasync_n=1, fdatasync_s=end - start)
+            with counters.lock:
+                counters.syncs.append((start - counters.t0, end - counters.t0))
 
     def digest(data: torch.Tensor) -> int:
         start = time.perf_counter()
@@ -345,6 +350,9 @@ def main(argv: list[str] | None = None) -> int:
                     flush=True,
                 )
                 if args.timeline:
+                    with counters.lock:
+                        for lo, hi in counters.syncs:
+                            timeline.events.append((lo, "fdatasync", f"until {hi:.3f}"))
                     timeline.print()
     return 0
 

@@ -287,6 +287,12 @@ def add_step_arguments(p: argparse.ArgumentParser) -> None:
         "nadam, radam, adamax, adagrad, rmsprop, asgd, adafactor",
     )
     p.add_argument(
+        "--no-io-only",
+        action="store_true",
+        help="leave out the io-only pass (a diagnostic; the floor is the disk's): one store "
+        "of state on disk instead of two",
+    )
+    p.add_argument(
         "--compute-pass",
         choices=("auto", "full", "sampled"),
         default="auto",

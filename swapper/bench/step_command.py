@@ -107,6 +107,9 @@ class StepPlan:
     aio: AioConfig = dataclasses.field(default_factory=AioConfig)
     #: whose step: "adamw" (OffloadAdamW) or a name of swapper.step.offload_optimizer.NAMED
     optimizer: str = "adamw"
+    #: whether the io-only pass (a diagnostic: the floor is the disk's) runs; without it a
+    #: 1B run needs one store of state on disk, not two
+    io_only: bool = True
     #: the compute-only pass: "full" (every sub-group in memory) or "sampled" (one
     #: sub-group in memory, its seconds times :attr:`compute_scale`)
     compute_pass: str = "full"
@@ -161,7 +164,9 @@ class StepPlan:
     @property
     def passes(self) -> tuple[str, ...]:
         return (
-            (PASSES if self.legacy else PASSES[:3])
+            tuple(
+                p for p in (PASSES if self.legacy else PASSES[:3]) if p != "io-only" or self.io_only
+            )
             + tuple(f"step-{m}" for m in self.moments)
             + tuple(f"step-ra{r}" for r in self.readaheads)
         )
@@ -218,6 +223,7 @@ def build_plan(args: argparse.Namespace) -> StepPlan:
         host_nbytes=0,
         legacy=args.legacy_grad_swap,
         seed=args.seed,
+        io_only=not getattr(args, "no_io_only", False),
         aio=aio,
         moments=tuple(dict.fromkeys(getattr(args, "moments", None) or ())),
         readaheads=tuple(
@@ -239,7 +245,9 @@ def build_plan(args: argparse.Namespace) -> StepPlan:
     plan = dataclasses.replace(plan, host_nbytes=host)
     # io-only, step, legacy and each step-<moments> have their own state (the compressed
     # ones are smaller; counted as fp32: an upper bound)
-    stores = (3 if plan.legacy else 2) + len(plan.moments) + len(plan.readaheads)
+    stores = (
+        (3 if plan.legacy else 2) - (not plan.io_only) + len(plan.moments) + len(plan.readaheads)
+    )
     # params + grads (bf16), the in-memory state, each store's host budget, grad buffers
     # (and the disk probe's buffer: a read half and a write half)
     in_memory = plan.state_nbytes if plan.compute_pass == "full" else largest + 4 * sub_group
@@ -300,15 +308,20 @@ def _run_rounds(
     with contextlib.ExitStack() as stack:
         say(f"  setting up the disk probe ({format_size(plan.probe_nbytes)} a pass)")
         probe = stack.enter_context(DiskProbe(dirs, plan.aio, plan.probe_nbytes))
-        say("  setting up the state (io-only, step" + (", legacy" if plan.legacy else "") + ")")
+        stores = [n for n in plan.passes if n != "compute-only"]
+        say(f"  setting up the state ({', '.join(stores)})")
         io_manager = stack.enter_context(
             swapper.TierManager(_manager_config(plan, dirs, "io-only"))
-        )
-        pipeline = StepPipeline(io_manager, sub_groups, name="io-only")
-        stack.callback(pipeline.close)
-        pipeline.initialize(lambda sg, buffer: None)
+        ) if plan.io_only else None  # fmt: skip
+        pipeline = None
+        if io_manager is not None:
+            pipeline = StepPipeline(io_manager, sub_groups, name="io-only")
+            stack.callback(pipeline.close)
+            pipeline.initialize(lambda sg, buffer: None)
         optimizers: dict[str, StreamedOptimizer] = {}
-        for name in plan.passes[1:]:
+        for name in plan.passes:
+            if name == "io-only":
+                continue
             config: ManagerConfig
             if name == "compute-only":
                 config = ManagerConfig(device_nbytes=0, host_nbytes=None)
@@ -340,6 +353,8 @@ def _run_rounds(
 
         def io_only() -> _Outcome:
             nonlocal io_step
+            if pipeline is None or io_manager is None:
+                raise BenchError("the io-only pass was not set up (--no-io-only)")
             io_step += 1
             before = pipeline.counters()
             stall = io_manager.stats().stall_s
@@ -356,7 +371,7 @@ def _run_rounds(
                 raise BenchError(f"{type(opt).__name__}.step() returned without a report")
             return _Outcome(report_.seconds * scale, report_.traffic, report_.stall_seconds)
 
-        runs: dict[str, Callable[[], _Outcome]] = {"io-only": io_only}
+        runs: dict[str, Callable[[], _Outcome]] = {"io-only": io_only} if plan.io_only else {}
         for name, opt in optimizers.items():
             scale = plan.compute_scale if name == "compute-only" else 1.0
             runs[name] = lambda opt=opt, scale=scale: optimizer_step(opt, scale)
@@ -408,7 +423,8 @@ def summarize(
     Raises:
         SwapConfigError: ``disk_rounds`` is empty or holds a rate that is not positive.
     """
-    step, io, compute = (results[n].median for n in ("step", "io-only", "compute-only"))
+    step, compute = results["step"].median, results["compute-only"].median
+    io = results["io-only"].median if "io-only" in results else None
     per_param = plan.params
     doc: dict[str, Any] = {
         "optimizer": plan.optimizer,
@@ -425,10 +441,13 @@ def summarize(
         "step_seconds": step,
         "io_only_seconds": io,
         "compute_only_seconds": compute,
-        "overlap_ratio": step / max(io, compute),
+        # (None without the io-only pass)
+        "overlap_ratio": None if io is None else step / max(io, compute),
         # each round's own ratio: the shared disk's speed drifts between rounds, and a
         # round's passes ran back to back, so these pair like with like
-        "overlap_ratio_per_round": [
+        "overlap_ratio_per_round": None
+        if io is None
+        else [
             s_ / max(i_, c_)
             for s_, i_, c_ in zip(
                 results["step"].seconds,
@@ -452,7 +471,10 @@ def summarize(
             for name, r in results.items()
         },
     }
-    doc["overlap_ratio_median_per_round"] = statistics.median(doc["overlap_ratio_per_round"])
+    per_round = doc["overlap_ratio_per_round"]
+    doc["overlap_ratio_median_per_round"] = (
+        None if per_round is None else statistics.median(per_round)
+    )
     step_pass = results["step"]
     doc.update(
         floor_record(
@@ -539,11 +561,12 @@ def format_table(doc: dict[str, Any]) -> str:
         f"{doc['step_over_floor_median_per_round']:.3f} median of the rounds' own "
         "(1.0: the step at the disk's rate or the update's)"
     )
-    lines.append(
-        f"step / max(io-only, compute-only) = {doc['overlap_ratio']:.3f} of the medians, "
-        f"{doc['overlap_ratio_median_per_round']:.3f} median of the rounds' own "
-        "(diagnostic: 1.0 = the pipeline's own I/O and compute fully overlapped)"
-    )
+    if doc["overlap_ratio"] is not None:
+        lines.append(
+            f"step / max(io-only, compute-only) = {doc['overlap_ratio']:.3f} of the medians, "
+            f"{doc['overlap_ratio_median_per_round']:.3f} median of the rounds' own "
+            "(diagnostic: 1.0 = the pipeline's own I/O and compute fully overlapped)"
+        )
     for moments, entry in doc.get("moments", {}).items():
         lines.append(
             f"step-{moments} / step = {entry['time_ratio_median_per_round']:.3f} median of the "

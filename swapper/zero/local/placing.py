@@ -5,7 +5,7 @@ what a failed wrap of a meta model gives back (:func:`back_to_meta`). Used by
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import torch
@@ -14,6 +14,7 @@ from torch import nn
 from swapper.manager import Tier
 from swapper.zero.model.recompute import checkpointed_need
 from tiers.errors import SwapConfigError
+from tiers.extents import pad
 from tiers.units import format_size
 
 __all__ = [
@@ -22,6 +23,7 @@ __all__ = [
     "check_fp32_grads",
     "check_modules",
     "check_overlap_room",
+    "refuse_fp32_grads",
 ]
 
 
@@ -75,26 +77,46 @@ def check_fp32_grads(module: nn.Module, tier: Tier, limit: int | None) -> None:
     in memory together (4 B per element).
 
     Raises:
-        SwapConfigError: naming the largest fp32 trainable parameter, the bytes they need
-            and the two fixes.
+        SwapConfigError: as :func:`refuse_fp32_grads`.
     """
-    if limit is None:
-        return
     fp32 = [
-        (name, p)
+        (name, p.shape, p.numel() * 4)
         for name, p in module.named_parameters()
         if p.requires_grad and not p.is_meta and p.dtype == torch.float32
     ]
-    need = sum(p.numel() * 4 for _, p in fp32)
-    if need > limit:
-        name, largest = max(fp32, key=lambda item: item[1].numel())
-        raise SwapConfigError(
-            f"offload: the fp32 trainable parameters (the largest {name!r}, shape "
-            f"{list(largest.shape)}) have {need} bytes ({format_size(need)}) of fp32 "
-            f"gradients, which stay in memory (never on NVMe), above the {tier.value} "
-            f"budget of {limit} bytes ({format_size(limit)}); raise it, or make them "
-            "16-bit (for PEFT: autocast_adapter_dtype=False in peft.get_peft_model)"
-        )
+    refuse_fp32_grads(fp32, tier, limit)
+
+
+def _charged(tier: Tier, nbytes: int) -> int:
+    """What ``tier``'s budget counts for a block of ``nbytes``: a host block is 4 KiB-
+    aligned (:meth:`tiers.host.HostTier.charge`), a device block exact."""
+    return pad(nbytes) if tier is Tier.HOST else nbytes
+
+
+def refuse_fp32_grads(
+    grads: Sequence[tuple[str, Sequence[int], int]], tier: Tier, limit: int | None
+) -> None:
+    """Refuse fp32 gradients (``(parameter name, its shape, bytes retained)`` each: a
+    whole gradient in one process, this rank's shard of it with several) that do not fit
+    together in ``tier``'s budget of ``limit`` bytes (None: unlimited); they stay in
+    memory, never on NVMe. Each counts as the tier charges it (a host block: rounded up
+    to 4 KiB, so many small adapters' gradients hold more than their bytes).
+
+    Raises:
+        SwapConfigError: naming the largest fp32 trainable parameter, the bytes they need
+            and the two fixes.
+    """
+    need = sum(_charged(tier, nbytes) for _, _, nbytes in grads if nbytes)
+    if limit is None or need <= limit:
+        return
+    name, shape, _ = max(grads, key=lambda item: item[2])
+    raise SwapConfigError(
+        f"offload: the fp32 trainable parameters (the largest {name!r}, shape "
+        f"{list(shape)}) hold {need} bytes ({format_size(need)}, as the {tier.value} "
+        f"tier charges them) of fp32 gradients, which stay in memory (never on NVMe), "
+        f"above the {tier.value} budget of {limit} bytes ({format_size(limit)}); raise "
+        "it, or make them 16-bit (for PEFT: autocast_adapter_dtype=False in peft.get_peft_model)"
+    )
 
 
 def check_modules(module: nn.Module, first: Tier, limit: int | None) -> None:

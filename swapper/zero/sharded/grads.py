@@ -198,7 +198,10 @@ class GradReducer:
         Cut (Ctrl-C at a wait, an error), the retained shard is as before."""
         with signals.at_waits:
             if not slot.has_grad:
-                self._manager.register(slot.grad_key, shard, Kind.GRAD16)
+                # an fp32 parameter's gradient shard is fp32: in memory only, never on
+                # NVMe (GRAD32's placement; checked at the wrap: setup.place_model)
+                kind = Kind.GRAD32 if shard.dtype == torch.float32 else Kind.GRAD16
+                self._manager.register(slot.grad_key, shard, kind)
                 slot.has_grad, slot.grad_sq = True, local_sq_sum([shard])
                 return
             retained = self._manager.fetch(slot.grad_key)

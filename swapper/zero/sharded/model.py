@@ -92,7 +92,9 @@ _WRAPPED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 
 class ShardedModel(ModelLifecycle):
-    """A module whose 16-bit parameters are partitioned over the ranks of ``group``.
+    """A module whose 16-bit parameters (and fp32 ones beside them, such as PEFT's
+    default adapters: each module's own parameters of one dtype) are partitioned over the
+    ranks of ``group``.
 
     Built by :func:`swapper.offload` when its process group has more than one rank; see
     the module docstring. Every rank must wrap the same model (checked: names, shapes and
@@ -101,8 +103,9 @@ class ShardedModel(ModelLifecycle):
     shards (see :func:`~swapper.zero.sharded.setup.place_model`).
 
     Raises:
-        SwapConfigError: wrapped already, a parameter not 16-bit, several dtypes, or
-            the model on the meta device.
+        SwapConfigError: wrapped already, a parameter neither 16-bit nor fp32 beside a
+            16-bit base, two 16-bit dtypes, a module owning two dtypes, fp32 gradient
+            shards beyond the host budget, or the model on the meta device.
         ModelMismatchError: the ranks wrap different models (on every rank).
         StoreIdentityError: this rank's NVMe directories hold another rank's store, or
             one of another world size (on that rank; the others raise PeerFailedError).

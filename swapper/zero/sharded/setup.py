@@ -46,7 +46,7 @@ from swapper.step.resume import ResumedState
 from swapper.zero.checkpoint.shard_resume import adopt_shard, choose_sharded, finish_sharded_resume
 from swapper.zero.config.offload import OffloadConfig
 from swapper.zero.config.settings import tiers_of
-from swapper.zero.local.placing import back_to_meta
+from swapper.zero.local.placing import back_to_meta, refuse_fp32_grads
 from swapper.zero.sharded.gather_budget import (
     GatherNeed,
     charges_device,
@@ -58,7 +58,14 @@ from swapper.zero.sharded.gather_budget import (
 from swapper.zero.sharded.state import GradGroup, ModuleState, ShardSlot
 from tiers.errors import SwapConfigError
 
-__all__ = ["Materialize", "Placed", "dtype_refusal", "gather_floor", "place_model"]
+__all__ = [
+    "Materialize",
+    "Placed",
+    "dtype_refusal",
+    "gather_floor",
+    "module_dtype_refusal",
+    "place_model",
+]
 
 #: materialize(model, place): see :func:`place_model` (the one-process path's contract).
 Materialize = Callable[[nn.Module, Callable[[str, nn.Module], None]], None]
@@ -134,12 +141,15 @@ def place_model(
 
     Raises:
         ModelMismatchError: the ranks wrap different models (on every rank).
-        SwapConfigError: a parameter is not bf16/fp16, or they are of several dtypes
-            (:func:`dtype_refusal`, naming them; on every rank: the models are the same
-            by then), or a parameter is still on the
-            meta device after ``materialize``, or the device budget cannot hold the
-            gathers of one module at once (:func:`~swapper.zero.sharded.gather_budget.
-            check_device_floor`; raised before anything is placed).
+        SwapConfigError: a parameter is neither 16-bit nor fp32 beside a 16-bit base,
+            two 16-bit dtypes, or a module owning two dtypes (:func:`dtype_refusal`,
+            :func:`module_dtype_refusal`, naming them; on every rank: the models are the
+            same by then), or this rank's fp32 gradient shards do not fit their memory
+            tier (:func:`~swapper.zero.local.placing.refuse_fp32_grads`), or a parameter
+            is still on the meta device (or made fp32) after ``materialize``, or the
+            device budget cannot hold the gathers of one module at once
+            (:func:`~swapper.zero.sharded.gather_budget.check_device_floor`; raised
+            before anything is placed).
         StoreIdentityError, SwapIOError, ...: this rank's own failure to open its store
             or place its shards; PeerFailedError: another rank's.
         CollectiveError: a collective failed or timed out.
@@ -155,7 +165,7 @@ def place_model(
         infos = [dataclasses.replace(i, itemsize=2, dtype=_SIXTEEN_BIT) for i in infos]
     check_same_model(group, infos)
     check_same_settings(group, _shared_settings(config))
-    refusal = dtype_refusal([(i.name, i.dtype) for i in infos])
+    refusal = dtype_refusal([(i.name, i.dtype) for i in infos]) or module_dtype_refusal(named)
     if refusal is not None:  # the same model on every rank by now: all raise alike
         raise SwapConfigError(refusal)
     plan = _plan(infos, group.world_size, config)
@@ -173,6 +183,12 @@ def place_model(
             _module_needs(named, plan, config, group.world_size),
             config.manager.device_nbytes if charged else None,
             config.distributed.fetch_collective,
+        )
+        grad_tier = tiers_of(config.manager, Kind.GRAD32)[0]  # (memory only: never NVMe)
+        refuse_fp32_grads(
+            _fp32_grads(named, plan, group.rank),
+            grad_tier,
+            config.manager.host_nbytes if grad_tier is Tier.HOST else config.manager.device_nbytes,
         )
         if chosen is None:
             manager = _open_manager(config, group)
@@ -286,21 +302,31 @@ def _not_16_bit(name: str, shape: Sequence[int], dtype: object) -> str:
     )
 
 
-def dtype_refusal(params: Sequence[tuple[str, str]]) -> str | None:
-    """Why ``(name, dtype)`` parameters cannot be sharded, or None when they can (all
-    of one 16-bit dtype). The message names the dtypes and, for each, how many
-    parameters have it and the first few names, so the odd ones out are easy to find.
+#: dtypes a parameter may have (as text): one 16-bit dtype, fp32 beside it
+_SIXTEEN = ("torch.bfloat16", "torch.float16", _SIXTEEN_BIT)
+_FP32 = "torch.float32"
 
-    Several dtypes are refused (not yet supported with several ranks): a module's gather
-    is one flat buffer and one collective, its gradients one reduce-scatter, and the
-    optimizer's sub-groups one dtype; supporting them means one buffer and collective
-    per dtype and module (see docs/distributed.md).
+
+def dtype_refusal(params: Sequence[tuple[str, str]]) -> str | None:
+    """Why ``(name, dtype)`` parameters cannot be sharded, or None when they can: all of
+    one 16-bit dtype, with or without fp32 parameters beside them (PEFT's default fp32
+    adapters over a bf16 base: each fp32 trainable parameter its own master, its fp32
+    gradient reduce-scattered in fp32 and retained in memory, never on NVMe). The message
+    names the dtypes and, for each, how many parameters have it and the first few names,
+    so the odd ones out are easy to find.
+
+    Refused: a dtype other than bf16, fp16 and fp32; every parameter fp32 (a model
+    converted entirely: twice the bytes in the tiers, and its optimizer a second fp32
+    copy); bf16 and fp16 together (one 16-bit dtype: the optimizer's step and the
+    exports assume it). A module owning parameters of two dtypes is refused by
+    :func:`module_dtype_refusal` (its gather is one buffer of one dtype).
     """
     by_dtype: dict[str, list[str]] = {}
     for name, dtype in params:
         by_dtype.setdefault(dtype, []).append(name)
-    wrong = [d for d in by_dtype if d not in ("torch.bfloat16", "torch.float16", _SIXTEEN_BIT)]
-    if not wrong and len(by_dtype) <= 1:
+    sixteen = [d for d in by_dtype if d in _SIXTEEN]
+    wrong = [d for d in by_dtype if d not in _SIXTEEN and d != _FP32]
+    if not by_dtype or (not wrong and len(sixteen) == 1):
         return None
 
     def shown(dtype: str) -> str:
@@ -309,27 +335,64 @@ def dtype_refusal(params: Sequence[tuple[str, str]]) -> str | None:
         return f"{dtype.removeprefix('torch.')}: {len(names)} ({listed})"
 
     counts = "; ".join(shown(d) for d in sorted(by_dtype, key=lambda d: -len(by_dtype[d])))
-    if wrong and len(by_dtype) == 1:
-        why = "they must be bf16 or fp16"
-    elif wrong:
-        why = "with several ranks they must all be of one 16-bit dtype (bf16 or fp16)"
+    if wrong:
+        why = "they must be bf16 or fp16 (fp32 is accepted beside a 16-bit base)"
+    elif not sixteen:
+        why = (
+            "they must be bf16 or fp16 (fp32 parameters are accepted only beside a "
+            "16-bit base, such as PEFT's fp32 adapters)"
+        )
     else:
         why = (
-            "with several ranks they must share one dtype (a module's gather is one "
-            "buffer and one collective; several dtypes are not supported yet)"
+            "with several ranks the 16-bit ones must share one dtype (bf16 or fp16; "
+            "several 16-bit dtypes are not supported yet)"
         )
-    # fp32 beside a 16-bit base (PEFT's default adapters) is one process only so far
-    peft = any("lora_" in name for name in by_dtype.get("torch.float32", ()))
     return (
         f"offload: parameters by dtype: {counts}; {why}: convert the model with "
         ".to(torch.bfloat16) (or materialise it in one 16-bit dtype) before "
         "swapper.offload(..., process_group)"
-        + (
-            "; fp32 PEFT adapters are accepted in one process, not yet with several "
-            "ranks: pass autocast_adapter_dtype=False to peft.get_peft_model"
-        )
-        * peft
     )
+
+
+def module_dtype_refusal(named: Sequence[tuple[str, nn.Module]]) -> str | None:
+    """Why these modules (name, module; each one's own parameters) cannot be gathered,
+    or None: with several ranks a module's parameters are gathered into one buffer by
+    one collective and their gradients reduce-scattered by one more, so each module's
+    own parameters must share a dtype (PEFT's adapters are modules of their own,
+    ``lora_A.default``/``lora_B.default``, so fp32 adapters over a bf16 base pass).
+    Meta parameters are not looked at (materialised in one 16-bit dtype). The message
+    names the first module at fault and its parameters' dtypes."""
+    for name, sub in named:
+        own = [(n, p) for n, p in sub.named_parameters(recurse=False) if not p.is_meta]
+        if len({p.dtype for _, p in own}) > 1:
+            listed = ", ".join(f"{n!r} {str(p.dtype).removeprefix('torch.')}" for n, p in own)
+            return (
+                f"offload: module {name!r} owns parameters of several dtypes ({listed}); "
+                "with several ranks a module's parameters are gathered as one buffer of "
+                "one dtype: make them one dtype, or move the fp32 ones into a submodule "
+                "of their own (as PEFT keeps its adapters, in lora_A/lora_B Linear modules)"
+            )
+    return None
+
+
+def _fp32_grads(
+    named: Sequence[tuple[str, nn.Module]], plan: PartitionPlan, rank: int
+) -> list[tuple[str, Sequence[int], int]]:
+    """(name, shape, bytes of this rank's gradient shard) of every fp32 trainable
+    parameter: retained in memory (``Kind.GRAD32``), never on NVMe."""
+    placements = {p.info.name: p for p in plan.params}
+    out: list[tuple[str, Sequence[int], int]] = []
+    seen: set[int] = set()
+    for name, sub in named:
+        for pname, param in sub.named_parameters(recurse=False):
+            full_name = f"{name}.{pname}" if name else pname
+            placement = placements.get(full_name)
+            if id(param) in seen or placement is None or placement.info.dtype != _FP32:
+                continue
+            seen.add(id(param))
+            if param.requires_grad:
+                out.append((full_name, param.shape, placement.local_numel(rank) * 4))
+    return out
 
 
 def _place(
@@ -371,7 +434,9 @@ def _place(
                     f"offload: parameter {full_name!r} is on the meta device; pass "
                     "materialize= to give the model's parameters values module by module"
                 )
-            if param.dtype not in (torch.bfloat16, torch.float16):
+            fp32 = param.dtype == torch.float32 and placement.info.dtype == _FP32
+            if param.dtype not in (torch.bfloat16, torch.float16) and not fp32:
+                # (a materialised parameter is planned as 16-bit: it must be made so)
                 raise SwapConfigError(_not_16_bit(full_name, param.shape, param.dtype))
             slot = ShardSlot(
                 name=full_name,
