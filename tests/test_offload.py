@@ -839,11 +839,14 @@ def test_meta_init_keeps_no_module_alive_and_refuses_meta_buffers() -> None:
     bytes die once they are in the tiers), and a buffer left on meta is named at wrap time,
     not met later as a raw NotImplementedError."""
     import gc
-    import weakref
+
+    from torch.multiprocessing.reductions import StorageWeakRef
 
     with torch.device("meta"):
         model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(6)])
-    made: list[weakref.ref[torch.Tensor]] = []
+    # The materialised bytes' storages, not tensor objects: `p.data` is a new Python
+    # object at each access, so a weakref.ref to it dies at once whatever the wrap keeps.
+    made: list[StorageWeakRef] = []
     alive_after_placing: list[int] = []
 
     def materialize(module: nn.Module, place: Any) -> None:
@@ -853,10 +856,10 @@ def test_meta_init_keeps_no_module_alive_and_refuses_meta_buffers() -> None:
             with torch.no_grad():
                 for p in sub.parameters(recurse=False):
                     p.normal_()
-                    made.append(weakref.ref(p.data))
+                    made.append(StorageWeakRef(p.untyped_storage()))
             place(name, sub)
             gc.collect()
-            alive_after_placing.append(sum(r() is not None for r in made))
+            alive_after_placing.append(sum(not r.expired() for r in made))
 
     with swapper.offload(model, _unlimited(), materialize=materialize) as wrapped:
         assert len(list(wrapped.named_offloaded())) == 12
