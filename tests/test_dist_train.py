@@ -593,12 +593,18 @@ def meta_model(rank: int, world: int, tmp: str) -> dict[str, Any]:
         materialize_(module, dtype=torch.bfloat16, seed=0, on_module=on_module)  # type: ignore[arg-type]
 
     config = _config(tmp, {"name": "failing", "tight": True})
+    given = dict(model.named_parameters(remove_duplicate=False))
     try:
         swapper.offload(model, config, dist.group.WORLD, materialize=failing)
         out["failed"] = "no error"
     except RuntimeError as exc:
         out["failed"] = str(exc)
     out["meta_after_failure"] = [n for n, p in model.named_parameters() if not p.is_meta]
+    # the very Parameters given, so the head is the embedding's again (before: the head
+    # kept the old object while the embedding got a new one)
+    after = dict(model.named_parameters(remove_duplicate=False))
+    out["not_given_back"] = [n for n, p in given.items() if after[n] is not p]
+    out["tied_after_failure"] = model.head.weight is model.tok_emb.weight
     return out
 
 
@@ -612,6 +618,7 @@ def test_meta_model_materialised_per_rank_trains_like_a_built_one(tmp_path: Path
         assert r["kept"] and set(r["kept"]) == {0}, r["kept"]
         assert r["failed"] == "materialize: injected"
         assert r["meta_after_failure"] == []  # (before: the first 4 modules' values)
+        assert r["not_given_back"] == [] and r["tied_after_failure"]
 
 
 # -- faults -----------------------------------------------------------------------------

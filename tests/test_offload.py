@@ -691,6 +691,43 @@ def test_wrap_failing_part_way_gives_the_placed_parameters_back() -> None:
         _assert_same_params(dict(wrapped.state_dict()), before)
 
 
+def test_failed_wrap_of_a_meta_model_gives_back_its_parameters_tied() -> None:
+    """A wrap of a meta GPT whose materializer fails after the embedding and a block were
+    placed: every position gets back the very meta Parameter it had, so the head is the
+    embedding's weight again (before: the head kept the old object while ``to_empty``
+    had given the embedding a new one), and the model can be wrapped again."""
+    with torch.device("meta"):
+        model = GPT(GPT_CONFIG)
+    given = dict(model.named_parameters(remove_duplicate=False))
+    placed: list[str] = []
+
+    def failing(module: nn.Module, place: Any) -> None:
+        def on_module(name: str, sub: nn.Module) -> None:
+            place(name, sub)
+            placed.append(name)
+            if len(placed) == 2:
+                raise OSError(5, "injected: the disk went away")
+
+        materialize_(module, dtype=torch.bfloat16, seed=0, on_module=on_module)
+
+    with pytest.raises(OSError, match="injected"):
+        swapper.offload(model, _unlimited(), materialize=failing)
+    assert len(placed) == 2
+    after = dict(model.named_parameters(remove_duplicate=False))
+    assert [n for n, p in given.items() if after[n] is not p] == []
+    assert all(p.is_meta for p in model.parameters())
+    assert model.head.weight is model.tok_emb.weight
+
+    def materialize(module: nn.Module, place: Any) -> None:
+        materialize_(module, dtype=torch.bfloat16, seed=0, on_module=place)
+
+    with swapper.offload(model, _unlimited(), materialize=materialize) as wrapped:
+        assert model.head.weight is model.tok_emb.weight
+        params = wrapped.state_dict()
+    for name, value in _gpt().state_dict().items():
+        assert torch.equal(params[name], value), name
+
+
 def test_deepspeed_unknown_key_is_named() -> None:
     ds = {"zero_optimization": {"stage": 3, "offload_parm": {"device": "cpu"}}}
     with pytest.raises(SwapConfigError, match=r"zero_optimization\.offload_parm"):

@@ -84,6 +84,7 @@ from swapper.zero.local.placing import (
     check_fp32_grads,
     check_modules,
     check_overlap_room,
+    positions,
 )
 from swapper.zero.local.tiered import TieredParams
 from swapper.zero.local.weights import (
@@ -180,6 +181,8 @@ class OffloadedModel(ModuleHooks):
         #: until placed: each parameter emptied, its bytes (None: materialised), its slot
         self._originals: list[tuple[nn.Parameter, torch.Tensor | None, Slot]] = []
         self._had_values: dict[int, nn.Parameter] = {}
+        #: where each parameter sat before materialize= ran (what a failed wrap puts back)
+        before = positions(module) if materialize is not None else None
         self._buffer_moves: BufferMoves = []  # buffers moved to the use device (unwrap)
         self._apply_guarded: list[nn.Module] = []  # model.to() and the like (module_apply)
         opened = False
@@ -231,7 +234,7 @@ class OffloadedModel(ModuleHooks):
             for param, data, _ in self._originals:
                 if data is not None:
                     param.data = data
-            back_to_meta(module, [(p, slot) for p, d, slot in self._originals if d is None])
+            back_to_meta(module, [(p, slot) for p, d, slot in self._originals if d is None], before)
             if opened:
                 self.core.manager.close(remove=self.resumed is None)  # snapshots are kept
             raise

@@ -23,6 +23,7 @@ __all__ = [
     "check_fp32_grads",
     "check_modules",
     "check_overlap_room",
+    "positions",
     "refuse_fp32_grads",
 ]
 
@@ -249,21 +250,48 @@ class _Shaped(Protocol):
     def dtype(self) -> torch.dtype: ...
 
 
-def back_to_meta(module: nn.Module, placed: list[tuple[nn.Parameter, _Shaped]]) -> None:
+#: Where each parameter of a model sat before its wrap: (module, name, the Parameter).
+Positions = list[tuple[nn.Module, str, nn.Parameter]]
+
+
+def positions(module: nn.Module) -> Positions:
+    """Every (module, attribute name, Parameter) of ``module``'s tree, tied weights once
+    per module that holds them: what :func:`back_to_meta` puts back after a failed wrap."""
+    return [
+        (sub, name, param)
+        for sub in module.modules()
+        for name, param in sub._parameters.items()
+        if param is not None
+    ]
+
+
+def back_to_meta(
+    module: nn.Module,
+    placed: list[tuple[nn.Parameter, _Shaped]],
+    before: Positions | None = None,
+) -> None:
     """A failed wrap of a meta model: the parameters ``materialize=`` made become meta
     Parameters of their shapes again (their values only ever lived in the tiers, which
     the failure closes), one new Parameter per old one, so tied ones stay tied. Used by
-    the one-process wrap (records: :class:`Slot`) and the sharded one (``ShardSlot``)."""
-    if not placed:
-        return
-    new = {
-        id(param): nn.Parameter(
-            torch.empty(slot.shape, dtype=slot.dtype, device="meta"),
-            requires_grad=param.requires_grad,
-        )
-        for param, slot in placed
-    }
-    for sub in module.modules():
-        for name, param in list(sub._parameters.items()):
-            if param is not None and id(param) in new:
-                sub._parameters[name] = new[id(param)]
+    the one-process wrap (records: :class:`Slot`) and the sharded one (``ShardSlot``).
+
+    ``before`` (:func:`positions` taken before ``materialize=`` ran): every position whose
+    Parameter was on meta then gets that very Parameter back. Why: ``materialize=``
+    replaces a module's meta Parameter by a new one (``to_empty`` does), so a weight tied
+    to a module the failure came before (an output head tied to the embedding) would
+    otherwise be left holding the old object, no longer the embedding's."""
+    if placed:
+        new = {
+            id(param): nn.Parameter(
+                torch.empty(slot.shape, dtype=slot.dtype, device="meta"),
+                requires_grad=param.requires_grad,
+            )
+            for param, slot in placed
+        }
+        for sub in module.modules():
+            for name, param in list(sub._parameters.items()):
+                if param is not None and id(param) in new:
+                    sub._parameters[name] = new[id(param)]
+    for sub, name, param in before or ():
+        if param.is_meta:  # (still meta: materialize= made a new Parameter in its place)
+            sub._parameters[name] = param

@@ -46,7 +46,7 @@ from swapper.step.resume import ResumedState
 from swapper.zero.checkpoint.shard_resume import adopt_shard, choose_sharded, finish_sharded_resume
 from swapper.zero.config.offload import OffloadConfig
 from swapper.zero.config.settings import tiers_of
-from swapper.zero.local.placing import back_to_meta, refuse_fp32_grads
+from swapper.zero.local.placing import back_to_meta, positions, refuse_fp32_grads
 from swapper.zero.sharded.gather_budget import (
     GatherNeed,
     charges_device,
@@ -172,6 +172,7 @@ def place_model(
     manager: TierManager | None = None
     # (param, its bytes before the wrap; None: materialised by materialize=, on meta before)
     originals: list[tuple[nn.Parameter, torch.Tensor | None, ShardSlot]] = []
+    before = positions(module) if materialize is not None else None  # (a failure puts back)
     error: BaseException | None = None
     placed: Placed | None = None
     # Collectives on every rank alike, before anything is placed (raises alike everywhere).
@@ -214,7 +215,9 @@ def place_model(
         for param, data, _ in originals:
             if data is not None:
                 param.data = data
-        back_to_meta(module, [(param, slot) for param, data, slot in originals if data is None])
+        back_to_meta(
+            module, [(param, slot) for param, data, slot in originals if data is None], before
+        )
         if manager is not None:
             manager.close(remove=resumed is None)  # a resumed store keeps its snapshots
         if error is not None:
