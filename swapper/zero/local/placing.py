@@ -260,8 +260,7 @@ def positions(module: nn.Module) -> Positions:
     return [
         (sub, name, param)
         for sub in module.modules()
-        for name, param in sub._parameters.items()
-        if param is not None
+        for name, param in sub.named_parameters(recurse=False, remove_duplicate=False)
     ]
 
 
@@ -276,7 +275,7 @@ def back_to_meta(
     the one-process wrap (records: :class:`Slot`) and the sharded one (``ShardSlot``).
 
     ``before`` (:func:`positions` taken before ``materialize=`` ran): every position whose
-    Parameter was on meta then gets that very Parameter back. Why: ``materialize=``
+    Parameter is still on meta gets that very Parameter back. Why: ``materialize=``
     replaces a module's meta Parameter by a new one (``to_empty`` does), so a weight tied
     to a module the failure came before (an output head tied to the embedding) would
     otherwise be left holding the old object, no longer the embedding's."""
@@ -289,9 +288,9 @@ def back_to_meta(
             for param, slot in placed
         }
         for sub in module.modules():
-            for name, param in list(sub._parameters.items()):
-                if param is not None and id(param) in new:
-                    sub._parameters[name] = new[id(param)]
+            for name, param in list(sub.named_parameters(recurse=False, remove_duplicate=False)):
+                if id(param) in new:
+                    setattr(sub, name, new[id(param)])
     for sub, name, param in before or ():
         if param.is_meta:  # (still meta: materialize= made a new Parameter in its place)
-            sub._parameters[name] = param
+            setattr(sub, name, param)
