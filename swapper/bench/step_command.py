@@ -1,5 +1,6 @@
-# Size: ~520 lines: the plan, its checks, the timed rounds of every pass and the report of
-# one benchmark; split, each part would be read with the others open.
+# Size: ~620 lines: the plan, its checks, the timed rounds of every pass (the sampled
+# compute floor included) and the report of one benchmark; split, each part would be read
+# with the others open.
 """``swapper-bench step``: time optimizer steps over NVMe-resident state.
 
 One run builds, over the same 16-bit parameters and gradients (``--params`` elements in

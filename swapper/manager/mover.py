@@ -1,6 +1,6 @@
-# Size: every move of bytes (registration, the demand fetch and assign, room made by evicting
-# what placement chooses, transfers; ~870 lines), each next to its undo: one file, so a fetch
-# enters it once.
+# Size: every move of bytes (registration, the demand fetch and assign, the room cascade
+# placement plans carried out, transfers; ~970 lines), each next to its undo: one file, so a
+# fetch enters it once. The next split: the registration and assign paths to their own module.
 """The mover: bytes between tiers (copies, NVMe reads and writes) and their completions.
 
 Every transfer starts from an entry some thread has claimed (a transient state, see

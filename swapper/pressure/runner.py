@@ -1,4 +1,4 @@
-# Size: ~660 lines: settings, result record (its JSON) and the run; the record grew with
+# Size: ~700 lines: settings, result record (its JSON) and the run; the record grew with
 # issue 14 (overlap, compressed moments) and issue 29 (NVMe writes by kind, per day): split next.
 """Train a GPT under tight per-tier budgets, next to an unlimited run, and compare.
 

@@ -1,4 +1,4 @@
-# Size: ~640 lines: StreamedOptimizer's torch.optim surface (construction, the step's
+# Size: ~700 lines: StreamedOptimizer's torch.optim surface (construction, the step's
 # order, state dict, zero_grad, add_param_group, close) is one class; OffloadAdamW, its
 # AdamW face (100 lines), stays beside it for the importers of swapper.step.optimizer.
 """``OffloadAdamW``: AdamW over 16-bit parameters with fp32 state streamed from the tiers.
