@@ -14,6 +14,9 @@ The states while the handlers are in (:func:`install` for the whole process, or
       │  imported: torch's calls numpy's import and clears any error; a __del__
       │  or weakref finalizer: "Exception ignored"): HELD, the signal is sent to
       │  the main thread again every 20 ms until the spot is left, then raised
+      │  in nothing_to_undo() with the handlers in for the whole process (a tool
+      │  importing torch before it has made anything): the process ends at once,
+      │  one line on stderr, exit code 128 + the signal number
     STOPPING ──a later signal, or the watchdog's (1 s after the raise, then every
       │         0.5 s)──▶ an Interrupted is being handled (an except/finally/__exit__
       │                   of the cleanup is running): ignored, the cleanup runs on, the
@@ -38,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.machinery
+import os
 import signal
 import sys
 import threading
@@ -53,6 +57,7 @@ __all__ = [
     "ignore_further",
     "install",
     "interrupts_raise",
+    "nothing_to_undo",
     "settle",
 ]
 
@@ -86,6 +91,8 @@ class _State:
     settled = False  # SETTLED, or handlers on their way out: ignore everything
     stop: threading.Event | None = None  # ends the resending thread of these handlers
     resender: threading.Thread | None = None
+    whole_process = False  # install() set the handlers for the rest of the process
+    exit_prog: str | None = None  # in nothing_to_undo(): the tool whose line is printed
 
 
 _state = _State()
@@ -100,6 +107,8 @@ def _handler(signum: int, frame: FrameType | None) -> None:
         raise Interrupted(_state.fired)  # caught and dropped on the way: again
     if _state.pending is not None:
         signum = _state.pending  # HELD: the first signal decides, whichever comes again
+    if _state.exit_prog is not None:
+        _exit_at_once(_state.exit_prog, signum)
     if _state.depth:
         _state.pending = signum  # raised when the critical section ends
         return
@@ -115,6 +124,17 @@ def _raise(signum: int) -> None:
     _state.fired = signum
     _start_resending()  # from now on: the watchdog
     raise Interrupted(signum)
+
+
+def _exit_at_once(prog: str, signum: int) -> None:
+    """End the process now: the line, then ``os._exit`` (no exception unwinds through
+    whatever C++ code is on the stack)."""
+    with contextlib.suppress(Exception):  # closed, a broken pipe, or a print cut by us
+        sys.stdout.flush()
+    line = f"{prog}: interrupted ({signal.Signals(signum).name})\n"
+    with contextlib.suppress(OSError):  # not sys.stderr: the signal may have cut its write
+        os.write(2, line.encode())
+    os._exit(128 + signum)
 
 
 def _handling_interrupted() -> bool:
@@ -202,6 +222,11 @@ def install() -> None:
     process (main thread only; elsewhere this does nothing)."""
     if threading.current_thread() is not threading.main_thread():
         return
+    _install()
+    _state.whole_process = True
+
+
+def _install() -> None:
     _reset(armed=True)
     for sig in SIGNALS:
         signal.signal(sig, _handler)
@@ -217,6 +242,8 @@ def _reset(*, armed: bool) -> None:
             _state.resender.join()
     _state.depth = 0
     _state.pending = _state.fired = None
+    _state.whole_process = False
+    _state.exit_prog = None
     _state.settled = False
     _state.stop = threading.Event() if armed else None
     _state.resender = None
@@ -238,7 +265,7 @@ def interrupts_raise() -> Iterator[None]:
         yield
         return
     previous: dict[int, Any] = {sig: signal.getsignal(sig) for sig in SIGNALS}
-    install()
+    _install()
     try:
         yield
     finally:
@@ -258,3 +285,31 @@ def critical() -> Iterator[None]:
         if not _state.depth and _state.pending is not None and _state.fired is None:
             signum, _state.pending = _state.pending, None
             _raise(signum)
+
+
+@contextlib.contextmanager
+def nothing_to_undo(prog: str) -> Iterator[None]:
+    """Within the block a signal ends the process at once: the line ``{prog}: interrupted
+    (SIGNAME)`` on stderr, exit code 128 + the signal number, no exception raised.
+
+    For a tool importing torch before it has made anything a cleanup must undo. torch's
+    C++ initialisers call back into Python, and an :class:`Interrupted` raised from there
+    cannot unwind through them: ``torch._C._c10d_init`` (run by ``import
+    torch.distributed``) turns it into a C++ exception that ends the process with
+    ``std::terminate`` (SIGABRT, exit status -6). Holding the signal until the import
+    ends would keep the tool running for seconds after it.
+
+    Only where :func:`install` set the handlers for the whole process (the console entry
+    points, whose process is the tool's own). Elsewhere (a tool's ``main`` called in
+    another program, where ending the process is not the tool's to do) the block is a
+    :func:`critical` section: the signal is held until it ends, then raised.
+    """
+    if not _state.whole_process or threading.current_thread() is not threading.main_thread():
+        with critical():
+            yield
+        return
+    previous, _state.exit_prog = _state.exit_prog, prog
+    try:
+        yield
+    finally:
+        _state.exit_prog = previous

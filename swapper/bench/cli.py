@@ -31,6 +31,7 @@ from swapper.bench.args import (
     common_parser,
 )
 from swapper.cli_args import OneLineParser, run_tool
+from swapper.interrupts import nothing_to_undo
 
 __all__ = ["COMMANDS", "DEFAULT_COMMAND", "Command", "build_parser", "main"]
 
@@ -46,9 +47,11 @@ class Command:
     run: str
 
     def runner(self) -> Callable[[argparse.Namespace], int]:
-        """Import the running function (and with it torch)."""
+        """Import the running function (and with it torch; nothing is made yet, so a
+        signal meanwhile ends the tool at once: :func:`swapper.interrupts.nothing_to_undo`)."""
         module, _, function = self.run.partition(":")
-        return getattr(importlib.import_module(module), function)
+        with nothing_to_undo(PROG):
+            return getattr(importlib.import_module(module), function)
 
 
 COMMANDS: dict[str, Command] = {

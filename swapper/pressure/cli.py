@@ -43,6 +43,7 @@ from swapper.cli_args import (
     size_arg,
     write_json,
 )
+from swapper.interrupts import nothing_to_undo
 from swapper.pressure.export import DCP_SUBDIR, existing_export
 from swapper.pressure.leftovers import CHECKPOINT_DIR, checkpoint_in_the_way
 from tiers.config import AioConfig
@@ -337,7 +338,8 @@ def _run(argv: list[str], kept: list[Path] | None = None) -> int:
         if kept is not None:
             kept.extend(dirs)
     aio = aio_environment()
-    from swapper.pressure.runner import PressureSettings, run_pressure  # torch loads now
+    with nothing_to_undo(PROG):  # torch loads now; a signal meanwhile ends the tool at once
+        from swapper.pressure.runner import PressureSettings, run_pressure
 
     settings = PressureSettings(
         params=args.params,
