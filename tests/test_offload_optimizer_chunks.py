@@ -69,11 +69,11 @@ def test_single_tensor_updates_step_cache_sized_parts(
         seen.clear()  # (the discovery's probe steps)
         opt.step()
     assert seen
-    if parts:
-        assert max(seen) <= small_parts
+    if parts:  # (the update ran on every thread: no NVMe here)
+        assert max(seen) <= small_parts * torch.get_num_threads()
         assert sum(seen) == sum(p.numel() for p in params)
     else:
-        assert max(seen) > small_parts
+        assert max(seen) > small_parts * torch.get_num_threads()
 
 
 @pytest.mark.parametrize(

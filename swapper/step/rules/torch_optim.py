@@ -26,7 +26,8 @@ A step of a sub-group (:meth:`TorchRule.update`): a private instance of the clas
 param group (made once) gets, as its one param group, the sub-group's pieces as fp32
 views of the master row (a split piece flat, a whole parameter in its shape; an
 element-wise single-tensor update gets each piece in flat parts of :data:`CHUNK_NUMEL`
-elements, each with a copy of the piece's 0-dim state, checked equal after) with their
+elements per intra-op thread, each with a copy of the piece's 0-dim state, checked equal
+after) with their
 ``.grad`` views of the fp32 gradient, the group's hyper-parameters of this step, and as
 ``state`` the views of the stored rows plus the scalars from memory; ``step()`` updates
 them in place. An entry the optimizer replaced instead of updating is copied back; an
@@ -72,14 +73,15 @@ __all__ = [
 #: parameter, each parameter whole in one sub-group), by name.
 NOT_ELEMENTWISE = frozenset({"Adafactor", "Muon"})
 
-#: Elements per part an element-wise single-tensor update is cut into (1 MiB of fp32 a
-#: row). Such an update (NAdam, RAdam, Adamax, RMSprop, ...) makes several passes over the
-#: state with temporaries; over a whole 8M-element piece each pass streams 32 MB a row from
-#: memory, over a 256K part the passes after the first read from the cache. Measured on
-#: one thread, 8M elements (docs/notes/2026-11-29-optim-5.md): NAdam 169 -> 61 ms, RMSprop
-#: 34 -> 12, Adamax 38 -> 26, RAdam 51 -> 34; SGD, Adagrad, ASGD unchanged. The bits are
-#: the same: each element's update reads only that element (a piece is already cut
-#: anywhere across sub-groups), and the parts' 0-dim state is checked equal.
+#: Elements per part and per intra-op thread an element-wise single-tensor update is cut
+#: into (1 MiB of fp32 a row and thread). Such an update (NAdam, RAdam, RMSprop, ...) makes
+#: several passes over the state with temporaries; over a whole 8M-element piece each pass
+#: streams 32 MB a row from memory, over a 256K part the passes after the first read from
+#: the cache. Measured on one thread, 8M elements (docs/notes/2026-11-29-optim-5.md, two
+#: sittings under load 8 and 14): NAdam 161-169 -> 28-61 ms, RAdam 51-208 -> 34-59,
+#: RMSprop 31-34 -> 12-23; SGD, Adagrad, ASGD, Adamax within the noise. The bits are the
+#: same: each element's update reads only that element (a piece is already cut anywhere
+#: across sub-groups), and the parts' 0-dim state is checked equal.
 CHUNK_NUMEL = 1 << 18
 
 #: Refused outright, with the reason.
@@ -480,10 +482,13 @@ class TorchRule(UpdateRule):
         """Elements per part a piece's update is cut into, or 0 for none (see
         :data:`CHUNK_NUMEL`): element-wise updates of the single-tensor kind only (a fused
         kernel is one pass already; a ``foreach`` update runs op by op over all the parts,
-        so parts would only add calls)."""
+        so parts would only add calls). :data:`CHUNK_NUMEL` per intra-op thread: each op
+        of a part is shared among the threads, and each thread's share stays a cache's
+        worth; fewer parts, fewer of the threads' joins (every op ends with one, which
+        costs a descheduled thread's wait on a busy machine)."""
         if not self.elementwise or group.get("fused") or group.get("foreach"):
             return 0
-        return CHUNK_NUMEL
+        return CHUNK_NUMEL * torch.get_num_threads()
 
     def _same_scalars(self, first: dict[str, torch.Tensor], other: dict[str, torch.Tensor]) -> None:
         """The parts of one piece must leave the same 0-dim state (element-wise).
