@@ -27,12 +27,11 @@ param group (made once) gets, as its one param group, the sub-group's pieces as 
 views of the master row (a split piece flat, a whole parameter in its shape; an
 element-wise single-tensor update gets each piece in flat parts of :data:`CHUNK_NUMEL`
 elements per intra-op thread, each with a copy of the piece's 0-dim state, checked equal
-after) with their
-``.grad`` views of the fp32 gradient, the group's hyper-parameters of this step, and as
-``state`` the views of the stored rows plus the scalars from memory; ``step()`` updates
-them in place. An entry the optimizer replaced instead of updating is copied back; an
-entry whose shape or dtype changed is refused (:class:`StateLayoutError`). A piece
-never stepped gets no state, so that the class initialises it as it would (SGD's
+after) with their ``.grad`` views of the fp32 gradient, the group's hyper-parameters of
+this step, and as ``state`` the views of the stored rows plus the scalars from memory;
+``step()`` updates them in place. An entry the optimizer replaced instead of updating is
+copied back; an entry whose shape or dtype changed is refused (:class:`StateLayoutError`).
+A piece never stepped gets no state, so that the class initialises it as it would (SGD's
 momentum buffer is the first gradient, not zeros); one the class initialises at
 construction (Adagrad's ``sum``) is initialised so at set-up (:meth:`TorchRule.initial`).
 
