@@ -25,8 +25,8 @@ The probe costs one parameter of each distinct shape in fp32 with its state, onc
 A step of a sub-group (:meth:`TorchRule.update`): a private instance of the class per
 param group (made once) gets, as its one param group, the sub-group's pieces as fp32
 views of the master row (a split piece flat, a whole parameter in its shape; an
-element-wise single-tensor update gets each piece in flat parts of :data:`CHUNK_NUMEL`
-elements per intra-op thread, each with a copy of the piece's 0-dim state, checked equal
+element-wise single-tensor update on one thread gets each piece in flat parts of
+:data:`CHUNK_NUMEL` elements, each with a copy of the piece's 0-dim state, checked equal
 after) with their ``.grad`` views of the fp32 gradient, the group's hyper-parameters of
 this step, and as ``state`` the views of the stored rows plus the scalars from memory;
 ``step()`` updates them in place. An entry the optimizer replaced instead of updating is
@@ -72,8 +72,8 @@ __all__ = [
 #: parameter, each parameter whole in one sub-group), by name.
 NOT_ELEMENTWISE = frozenset({"Adafactor", "Muon"})
 
-#: Elements per part and per intra-op thread an element-wise single-tensor update is cut
-#: into (1 MiB of fp32 a row and thread). Such an update (NAdam, RAdam, RMSprop, ...) makes
+#: Elements per part an element-wise single-tensor update on one intra-op thread is cut
+#: into (1 MiB of fp32 a row). Such an update (NAdam, RAdam, RMSprop, ...) makes
 #: several passes over the state with temporaries; over a whole 8M-element piece each pass
 #: streams 32 MB a row from memory, over a 256K part the passes after the first read from
 #: the cache. Measured on one thread, 8M elements (docs/notes/2026-11-29-optim-5.md, two
@@ -481,13 +481,15 @@ class TorchRule(UpdateRule):
         """Elements per part a piece's update is cut into, or 0 for none (see
         :data:`CHUNK_NUMEL`): element-wise updates of the single-tensor kind only (a fused
         kernel is one pass already; a ``foreach`` update runs op by op over all the parts,
-        so parts would only add calls). :data:`CHUNK_NUMEL` per intra-op thread: each op
-        of a part is shared among the threads, and each thread's share stays a cache's
-        worth; fewer parts, fewer of the threads' joins (every op ends with one, which
-        costs a descheduled thread's wait on a busy machine)."""
+        so parts would only add calls), on one intra-op thread only. On more, every op of
+        every part ends with the threads joining, and on a busy machine a descheduled
+        thread makes each join wait: NAdam's compute at 64M on 2 threads took 6.4-10.9 s
+        in parts against 1.8-2.9 s whole and 0.42 s in parts on one thread
+        (docs/notes/2026-11-29-optim-5.md). The step's update runs on one thread on a
+        2-core machine (:meth:`~swapper.step.update.SubGroupMath.update_threads`)."""
         if not self.elementwise or group.get("fused") or group.get("foreach"):
             return 0
-        return CHUNK_NUMEL * torch.get_num_threads()
+        return CHUNK_NUMEL if torch.get_num_threads() == 1 else 0
 
     def _same_scalars(self, first: dict[str, torch.Tensor], other: dict[str, torch.Tensor]) -> None:
         """The parts of one piece must leave the same 0-dim state (element-wise).
