@@ -123,7 +123,7 @@ class SubGroupMath:
         completion and the checksums of every chunk written and read take CPU too: on a
         small machine an update on every core starves them, and the step stops
         overlapping (docs/benchmarks.md; docs/notes/2026-11-29-optim-5.md: on the 2-core
-        VM the streamed NAdam and SGD steps are slower on both threads than on one). Not
+        VM the streamed NAdam step at 64M took 1.63 s on one thread, 2.17 s on both). Not
         with 8-bit moments: their encoding and decoding, not the I/O (half the bytes),
         bound the step, and every core is faster (2 cores: 0.71 against 0.85 s a step at
         50M, docs/benchmarks.md, 2026-11-26). Not for an update that is not element-wise:
