@@ -1,4 +1,4 @@
-# Size: the facade (~645 lines): each public call, its units and errors (issue 29 added
+# Size: the facade (~690 lines): each public call, its units and errors (issue 29 added
 # the undo after a pin and the wear check; issue 24 assign).
 """TierManager: every tensor's bytes in device memory, host memory or NVMe, moved on demand.
 
