@@ -145,8 +145,8 @@ class ConsumingSource(Protocol):
     all of it. Between the step and ``zero_grad`` nothing reads a retained gradient
     again (its norm, taken before the step, is kept), so under a host budget one the
     step's own state needs room for can be dropped instead of written to NVMe and read
-    by nobody (at 20M parameters the step wrote ~27 MiB of such gradients a step:
-    docs/notes/2026-11-28-speed-3.md)."""
+    by nobody (docs/notes/2026-11-28-speed-3.md found them at 20M parameters;
+    docs/notes/2026-11-29-iteration-5.md has what dropping them saves)."""
 
     def consumed(self, params: Sequence[torch.Tensor]) -> None:
         """Every piece of these parameters' gradients has been read by an update that
