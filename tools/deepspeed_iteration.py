@@ -109,14 +109,14 @@ class PlainSide:
 class SwapperSide:
     """swapper-pressure's budgeted run: its default budgets and sub-groups."""
 
-    def __init__(self, config: GPTConfig, folder: Path) -> None:
+    def __init__(self, config: GPTConfig, folder: Path, sub_group: int | None = None) -> None:
         from swapper.pressure.runner import PressureSettings, budgeted_config, default_budgets
         from swapper.step import OffloadAdamW, StepConfig
         from swapper.zero.local.offload import OffloadedModel
 
         model = _model(config)
         numel = sum(p.numel() for p in model.parameters())
-        settings = PressureSettings()
+        settings = PressureSettings(sub_group_numel=sub_group)
         device, host, sub_group = default_budgets(settings, numel)
         self.budgets = {"device_nbytes": device, "host_nbytes": host, "sub_group": sub_group}
         self.model = OffloadedModel(
@@ -257,6 +257,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--sides", default="plain,swapper,deepspeed", help="comma-separated (default all three)"
     )
+    parser.add_argument(
+        "--sub-group",
+        type=count_arg,
+        default=None,
+        help="optimizer sub-group elements, both sides (default: swapper-pressure's)",
+    )
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     names = [s for s in args.sides.split(",") if s]
@@ -281,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
             sides["plain"] = PlainSide(config)
         if "swapper" in names or "deepspeed" in names:
             (Path(tmp) / "sw").mkdir()
-            sw = SwapperSide(config, Path(tmp) / "sw")
+            sw = SwapperSide(config, Path(tmp) / "sw", args.sub_group)
             budgets = sw.budgets
             if "swapper" in names:
                 sides["swapper"] = sw
