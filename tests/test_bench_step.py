@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from swapper.bench import main
 from swapper.bench.step_command import SAMPLE_ABOVE_NBYTES, StepPlan, build_plan
@@ -120,6 +121,37 @@ def test_step_optimizer(tmp_path: Path, name: str, state_bytes: int | None) -> N
         # (48 + 1024 fp32 per 48 x 1024 tensor), not a full 4 B "variance"
         assert 4 < read < 4.5
     assert doc["step_over_floor"] > 0
+
+
+@pytest.mark.parametrize(("name", "update_threads"), [("sgd", 1), ("adafactor", 2)])
+def test_compute_pass_runs_on_the_steps_update_threads(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], name: str, update_threads: int
+) -> None:
+    """The compute floor is the step's own update alone: on 2 intra-op threads the
+    streamed step of an element-wise optimizer leaves one to the I/O, so the compute-only
+    pass runs on 1 (and on 2 as a diagnostic, outside the floor); Adafactor's update keeps
+    both, and so does its compute-only pass."""
+    out = tmp_path / "step.json"
+    argv = ["step", "--dir", str(tmp_path), "--params", "300K", "--sub-group", "50K"]
+    argv += ["--steps", "2", "--warmup", "0", "--optimizer", name, "--json", str(out)]
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert main(argv) == 0
+    finally:
+        torch.set_num_threads(before)
+    assert torch.get_num_threads() == before
+    doc = json.loads(out.read_text())
+    assert doc["compute_threads"] == update_threads
+    assert f"compute-only ran on {update_threads} intra-op thread(s)" in capsys.readouterr().out
+    assert set(doc["passes"]) == {"io-only", "compute-only", "step"}
+    every = doc.get("compute_all_threads")
+    if update_threads == 2:
+        assert every is None
+    else:
+        assert every["threads"] == 2 and len(every["seconds"]) == 2
+        assert every["median_seconds"] == pytest.approx(statistics.median(every["seconds"]))
+    assert doc["floor"]["compute_seconds"] == pytest.approx(doc["compute_only_seconds"])
 
 
 @pytest.mark.parametrize(

@@ -47,8 +47,9 @@ import tiers.nvme.store as nvme_store
 from swapper.bench.step_floor import DiskProbe, step_floor
 from swapper.cli_args import aio_environment, count_arg
 from swapper.manager import ManagerConfig
-from swapper.step import OffloadAdamW, StepConfig, StepPipeline
+from swapper.step import OffloadAdamW, StepConfig, StepPipeline, StreamedOptimizer
 from swapper.step.layout import plan_sub_groups
+from swapper.step.offload_optimizer import make_optimizer, plan_named
 from tiers.aio.engine import AioEngine
 from tiers.config import AioConfig
 
@@ -247,6 +248,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--io-only", action="store_true", help="the bare pipeline, no compute")
+    parser.add_argument(
+        "--optimizer",
+        default="adamw",
+        help="adamw (OffloadAdamW) or a name of swapper.step.offload_optimizer.NAMED",
+    )
     parser.add_argument("--timeline", action="store_true", help="print each step's events")
     parser.add_argument("--mover-threads", type=int, default=None, help="ManagerConfig's")
     parser.add_argument(
@@ -268,7 +274,10 @@ def main(argv: list[str] | None = None) -> int:
         p = torch.nn.Parameter(torch.randn(numel, generator=gen).to(torch.bfloat16))
         p.grad = (torch.randn(numel, generator=gen) * 1e-3).to(torch.bfloat16)
         params.append(p)
-    sub_groups = plan_sub_groups([numels], args.sub_group)
+    if args.optimizer == "adamw":
+        sub_groups = plan_sub_groups([numels], args.sub_group)
+    else:  # (its layout: the io-only pass moves the same bytes as its step)
+        sub_groups = plan_named(args.optimizer, list(numels), args.sub_group)
     largest = max(sg.state_nbytes for sg in sub_groups)
     counters = Counters()
     timeline = Timeline()
@@ -302,9 +311,12 @@ def main(argv: list[str] | None = None) -> int:
                 return t.total_read_nbytes, t.total_written_nbytes, stall
 
         else:
-            opt = stack.enter_context(
-                OffloadAdamW(
-                    params, lr=1e-4, tiers=config, config=StepConfig(sub_group_numel=args.sub_group)
+            step_config = StepConfig(sub_group_numel=args.sub_group)
+            opt: StreamedOptimizer = stack.enter_context(
+                OffloadAdamW(params, lr=1e-4, tiers=config, config=step_config)
+                if args.optimizer == "adamw"
+                else make_optimizer(
+                    args.optimizer, params, lr=1e-4, tiers=config, config=step_config
                 )
             )
 
@@ -314,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
                 opt.step()
                 r = opt.last_step
                 if r is None:
-                    raise RuntimeError("OffloadAdamW.step() left no report")
+                    raise RuntimeError(f"{type(opt).__name__}.step() left no report")
                 return r.traffic.total_read_nbytes, r.traffic.total_written_nbytes, r.stall_seconds
 
         with wrapped(counters):

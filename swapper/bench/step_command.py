@@ -1,4 +1,4 @@
-# Size: ~620 lines: the plan, its checks, the timed rounds of every pass (the sampled
+# Size: ~680 lines: the plan, its checks, the timed rounds of every pass (the sampled
 # compute floor included) and the report of one benchmark; split, each part would be read
 # with the others open.
 """``swapper-bench step``: time optimizer steps over NVMe-resident state.
@@ -13,7 +13,11 @@ tensors of at most 10M, bf16), and in the same directories:
   Where all the state would not fit beside the rest (``--compute-pass sampled``; ``auto``
   above :data:`SAMPLE_ABOVE_NBYTES` of state), the pass runs over one sub-group's worth of
   parameters in memory and its seconds are multiplied by the sub-groups (the total elements
-  over one sub-group's), as issue 23 defines the compute floor;
+  over one sub-group's), as issue 23 defines the compute floor. It runs on the intra-op
+  threads the step gives its update (``StreamedOptimizer.update_threads``: an element-wise
+  update over streamed state leaves one core to the I/O threads), so that the floor is
+  the step's own compute; where that is fewer than every thread, the same pass on every
+  thread is timed too, as a diagnostic (``compute_all_threads``, not in the floor);
 - **step**: :class:`~swapper.step.OffloadAdamW` with its state on NVMe: both at once;
 - **legacy** (``--legacy-grad-swap``): the same, but fp32 gradients are written to NVMe
   at the start of the step and read back per sub-group, as DeepSpeed ZeRO-Infinity does;
@@ -84,6 +88,9 @@ COMPUTE_PASS_MODES = ("auto", "full", "sampled")
 PASSES = ("io-only", "compute-only", "step", "legacy")
 #: the disk probe's turn in a round (not a pass of the optimizer)
 DISK = "disk"
+#: the compute-only pass again on every intra-op thread, where the step's update runs on
+#: fewer (a diagnostic beside the floor, not in it: ``compute_all_threads`` in the JSON)
+COMPUTE_ALL = "compute-all-threads"
 
 __all__ = ["build_plan", "run_step_command", "summarize"]
 
@@ -268,6 +275,8 @@ class _Pass:
     read_nbytes: dict[str, int] = dataclasses.field(default_factory=dict)
     written_nbytes: dict[str, int] = dataclasses.field(default_factory=dict)
     stall_seconds: list[float] = dataclasses.field(default_factory=list)
+    #: intra-op threads it ran on (the compute passes; 0: not set)
+    threads: int = 0
 
     @property
     def median(self) -> float:
@@ -372,11 +381,32 @@ def _run_rounds(
                 raise BenchError(f"{type(opt).__name__}.step() returned without a report")
             return _Outcome(report_.seconds * scale, report_.traffic, report_.stall_seconds)
 
+        def on_threads(threads: int, run: Callable[[], _Outcome]) -> _Outcome:
+            before = torch.get_num_threads()
+            torch.set_num_threads(threads)
+            try:
+                return run()
+            finally:
+                torch.set_num_threads(before)
+
         runs: dict[str, Callable[[], _Outcome]] = {"io-only": io_only} if plan.io_only else {}
         for name, opt in optimizers.items():
             scale = plan.compute_scale if name == "compute-only" else 1.0
             runs[name] = lambda opt=opt, scale=scale: optimizer_step(opt, scale)
+        # The compute floor is the step's own update alone: on the threads the step gives
+        # it (SubGroupMath.update_threads: one core left to the I/O where it streams). On
+        # every thread too, as a diagnostic, where that differs (COMPUTE_ALL).
+        compute = runs["compute-only"]
+        threads = torch.get_num_threads()
+        compute_threads = optimizers["step"].update_threads()
+        runs["compute-only"] = lambda: on_threads(compute_threads, compute)
         names = [*plan.passes, DISK]
+        if compute_threads != threads:
+            runs[COMPUTE_ALL] = compute
+            results[COMPUTE_ALL] = _Pass()
+            names.insert(names.index("compute-only") + 1, COMPUTE_ALL)
+        results["compute-only"].threads = compute_threads
+        results.get(COMPUTE_ALL, _Pass()).threads = threads
         for round_ in range(plan.warmup + plan.steps):
             timed = round_ >= plan.warmup
             order = names[round_ % len(names) :] + names[: round_ % len(names)]
@@ -470,8 +500,18 @@ def summarize(
                 "written_nbytes": r.written_nbytes,
             }
             for name, r in results.items()
+            if name != COMPUTE_ALL
         },
+        # the intra-op threads of the compute-only pass: the step's update's
+        "compute_threads": results["compute-only"].threads or None,
     }
+    if COMPUTE_ALL in results:  # (a diagnostic: the floor is the step's threads')
+        every = results[COMPUTE_ALL]
+        doc["compute_all_threads"] = {
+            "threads": every.threads,
+            "seconds": every.seconds,
+            "median_seconds": every.median,
+        }
     per_round = doc["overlap_ratio_per_round"]
     doc["overlap_ratio_median_per_round"] = (
         None if per_round is None else statistics.median(per_round)
@@ -543,6 +583,18 @@ def format_table(doc: dict[str, Any]) -> str:
             f"compute-only: one sub-group's update in memory, x {doc['compute_scale']:.2f} "
             "(--compute-pass sampled; auto samples where all the state would not fit beside "
             "the rest)"
+        )
+    every = doc.get("compute_all_threads")
+    if doc.get("compute_threads"):
+        lines.append(
+            f"compute-only ran on {doc['compute_threads']} intra-op thread(s), as the step's "
+            "update does"
+            + (
+                f"; on all {every['threads']}: {every['median_seconds']:.3f} s "
+                f"({min(every['seconds']):.3f}-{max(every['seconds']):.3f}; diagnostic)"
+                if every
+                else ""
+            )
         )
     disk, floor = doc["disk"], doc["floor"]
     mixed = floor["mixed_seconds"]

@@ -118,26 +118,42 @@ class SubGroupMath:
             raise
         source.agree_step(True)
 
+    def update_threads(self) -> int:
+        """The intra-op threads this optimizer's step runs its update on: every thread,
+        except for an element-wise update over streamed state (not int8), which leaves one
+        core to the I/O threads.
+
+        Why: the update runs while reads and writes are in flight, and O_DIRECT submission,
+        completion and the checksums of every chunk written and read take CPU too: on a
+        small machine an update on every core starves them, and the step stops
+        overlapping (docs/benchmarks.md; docs/notes/2026-11-29-optim-5.md: on the 2-core
+        VM the streamed NAdam step at 64M took 1.63 s on one thread, 2.17 s on both). Not
+        with 8-bit moments: their encoding and decoding, not the I/O (half the bytes),
+        bound the step, and every core is faster (2 cores: 0.71 against 0.85 s a step at
+        50M, docs/benchmarks.md, 2026-11-26). Not for an update that is not element-wise:
+        a reduction's bits depend on the thread count, and the reference runs on all.
+        ``swapper-bench step`` times its compute-only pass on this many threads.
+        """
+        threads = torch.get_num_threads()
+        if (
+            self._pipeline.streams
+            and threads > 1
+            and self._pipeline.codec.moments != "int8"
+            and self.rule.elementwise
+        ):
+            return threads - 1
+        return threads
+
     def _run(self, target: int, factor: float) -> None:
         threads = torch.get_num_threads()
+        use = self.update_threads()
         try:
-            if (
-                self._pipeline.streams
-                and threads > 1
-                and self._pipeline.codec.moments != "int8"
-                and self.rule.elementwise  # (a reduction's bits depend on the threads)
-            ):
-                # The kernel runs while reads and writes are in flight, and O_DIRECT
-                # submission and completion take CPU too: on a small machine a kernel on
-                # every core starves them, and the step stops overlapping (measured in
-                # docs/benchmarks.md). So the step leaves one core to the I/O threads.
-                # Not with 8-bit moments: their encoding and decoding, not the I/O (half
-                # the bytes), bound the step, and every core is faster (2 cores: 0.71
-                # against 0.85 s a step at 50M, docs/benchmarks.md, 2026-11-26).
-                torch.set_num_threads(threads - 1)
+            if use != threads:
+                torch.set_num_threads(use)
             self._run_pipeline(target, factor)
         finally:
-            torch.set_num_threads(threads)
+            if use != threads:
+                torch.set_num_threads(threads)
 
     def run_update(
         self,

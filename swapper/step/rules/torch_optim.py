@@ -1,5 +1,6 @@
-# Size: ~580 lines: discovery (the probe), the layout, the update and the per-piece memory of
-# one rule share its spec types and refusals; split, each half would import the other.
+# Size: ~640 lines: discovery (the probe), the layout, the update (in cache-sized parts) and
+# the per-piece memory of one rule share its spec types and refusals; split, each half would
+# import the other.
 """Any ``torch.optim.Optimizer`` as an :class:`~swapper.step.rules.base.UpdateRule`: the update
 of a sub-group is the optimizer class's own ``step`` (its ``foreach``/``fused`` code
 where it has one) run on fp32 views of the sub-group's master weights, gradient and state.
@@ -23,12 +24,14 @@ The probe costs one parameter of each distinct shape in fp32 with its state, onc
 
 A step of a sub-group (:meth:`TorchRule.update`): a private instance of the class per
 param group (made once) gets, as its one param group, the sub-group's pieces as fp32
-views of the master row (a split piece flat, a whole parameter in its shape) with their
-``.grad`` views of the fp32 gradient, the group's hyper-parameters of this step, and as
-``state`` the views of the stored rows plus the scalars from memory; ``step()`` updates
-them in place. An entry the optimizer replaced instead of updating is copied back; an
-entry whose shape or dtype changed is refused (:class:`StateLayoutError`). A piece
-never stepped gets no state, so that the class initialises it as it would (SGD's
+views of the master row (a split piece flat, a whole parameter in its shape; an
+element-wise single-tensor update on one thread gets each piece in flat parts of
+:data:`CHUNK_NUMEL` elements, each with a copy of the piece's 0-dim state, checked equal
+after) with their ``.grad`` views of the fp32 gradient, the group's hyper-parameters of
+this step, and as ``state`` the views of the stored rows plus the scalars from memory;
+``step()`` updates them in place. An entry the optimizer replaced instead of updating is
+copied back; an entry whose shape or dtype changed is refused (:class:`StateLayoutError`).
+A piece never stepped gets no state, so that the class initialises it as it would (SGD's
 momentum buffer is the first gradient, not zeros); one the class initialises at
 construction (Adagrad's ``sum``) is initialised so at set-up (:meth:`TorchRule.initial`).
 
@@ -69,6 +72,17 @@ __all__ = [
 #: parameter, each parameter whole in one sub-group), by name.
 NOT_ELEMENTWISE = frozenset({"Adafactor", "Muon"})
 
+#: Elements per part an element-wise single-tensor update on one intra-op thread is cut
+#: into (1 MiB of fp32 a row). Such an update (NAdam, RAdam, RMSprop, ...) makes
+#: several passes over the state with temporaries; over a whole 8M-element piece each pass
+#: streams 32 MB a row from memory, over a 256K part the passes after the first read from
+#: the cache. Measured on one thread, 8M elements (docs/notes/2026-11-29-optim-5.md, two
+#: sittings under load 8 and 14): NAdam 161-169 -> 28-61 ms, RAdam 51-208 -> 34-59,
+#: RMSprop 31-34 -> 12-23; SGD, Adagrad, ASGD, Adamax within the noise. The bits are the
+#: same: each element's update reads only that element (a piece is already cut anywhere
+#: across sub-groups), and the parts' 0-dim state is checked equal.
+CHUNK_NUMEL = 1 << 18
+
 #: Refused outright, with the reason.
 _REFUSED = {
     "LBFGS": "it needs a closure that re-evaluates the model several times per step",
@@ -106,6 +120,16 @@ class ParamSpec:
     def section_numel(self) -> int:
         """fp32 elements of the per-parameter state."""
         return sum(_numel(shape) for _, shape in self.sections)
+
+
+def _chunks(numel: int, chunk: int) -> Iterator[tuple[int, int]]:
+    """``[start, stop)`` element ranges of ``numel`` elements in parts of ``chunk`` (one
+    range when ``chunk`` is 0 or not smaller than ``numel``)."""
+    if chunk <= 0 or numel <= chunk:
+        yield 0, numel
+        return
+    for start in range(0, numel, chunk):
+        yield start, min(start + chunk, numel)
 
 
 def _numel(shape: Sequence[int]) -> int:
@@ -405,36 +429,81 @@ class TorchRule(UpdateRule):
     ) -> None:
         del step, codec  # (the class counts its own steps; its state is fp32)
         instance = self._instances[sg.group_index]
-        params: list[torch.Tensor] = []
-        positions: list[int] = []
-        views: list[dict[str, torch.Tensor]] = []
+        own = instance.param_groups[0]
+        own.update(_hyper(group))
+        chunk = self._chunk_numel(own)
+        units: list[tuple[int, torch.Tensor, dict[str, torch.Tensor]]] = []
         state_of = collections.defaultdict(dict)
         for position, piece in enumerate(sg.pieces):
             if position in absent:
                 continue  # no gradient: torch.optim skips the parameter (state, step)
             master, tensors = self._views(sg, state, position, piece)
-            master.grad = grad[piece.offset : piece.offset + piece.numel].view(master.shape)
-            params.append(master)
-            positions.append(position)
-            views.append(tensors)
+            piece_grad = grad[piece.offset : piece.offset + piece.numel]
             key = (sg.index, position)
-            if key in self.scalars.started:
-                state_of[master] = {**tensors, **self.scalars.values.get(key, {})}
-        if not params:
+            started = key in self.scalars.started
+            scalars = self.scalars.values.get(key, {})
+            spec = self.specs[sg.group_index][piece.param_index]
+            for start, stop in _chunks(piece.numel, chunk if not spec.sections else 0):
+                if stop - start == piece.numel:  # whole: in its shape, the stored scalars
+                    part, part_tensors, part_scalars = master, tensors, scalars
+                    part.grad = piece_grad.view(master.shape)
+                else:  # a cache-sized part: flat views, a copy of the scalars each
+                    part = master.view(-1)[start:stop]
+                    part_tensors = {k: v.view(-1)[start:stop] for k, v in tensors.items()}
+                    part_scalars = {k: v.clone() for k, v in scalars.items()}
+                    part.grad = piece_grad[start:stop]
+                units.append((position, part, part_tensors))
+                if started:
+                    state_of[part] = {**part_tensors, **part_scalars}
+        if not units:
             return
-        own = instance.param_groups[0]
-        own.update(_hyper(group))
-        own["params"] = params
+        own["params"] = [part for _, part, _ in units]
         instance.state = state_of
         try:
             instance.step()
-            for position, master, tensors in zip(positions, params, views, strict=True):
-                self._keep(sg, position, tensors, instance.state.get(master, {}))
+            first: dict[int, dict[str, torch.Tensor]] = {}
+            for position, part, tensors in units:
+                made = instance.state.get(part, {})
+                self._keep(sg, position, tensors, made)
+                scalars = self.scalars.values[(sg.index, position)]
+                if position not in first:
+                    first[position] = scalars
+                else:
+                    self._same_scalars(first[position], scalars)
+                    self.scalars.values[(sg.index, position)] = first[position]
         finally:
-            for master in params:
-                master.grad = None
+            for _, part, _ in units:
+                part.grad = None
             own["params"] = []
             instance.state = collections.defaultdict(dict)
+
+    def _chunk_numel(self, group: dict[str, Any]) -> int:
+        """Elements per part a piece's update is cut into, or 0 for none (see
+        :data:`CHUNK_NUMEL`): element-wise updates of the single-tensor kind only (a fused
+        kernel is one pass already; a ``foreach`` update runs op by op over all the parts,
+        so parts would only add calls), on one intra-op thread only. On more, every op of
+        every part ends with the threads joining, and on a busy machine a descheduled
+        thread makes each join wait: NAdam's compute at 64M on 2 threads took 6.4-10.9 s
+        in parts against 1.8-2.9 s whole and 0.42 s in parts on one thread
+        (docs/notes/2026-11-29-optim-5.md). The step's update runs on one thread on a
+        2-core machine (:meth:`~swapper.step.update.SubGroupMath.update_threads`)."""
+        if not self.elementwise or group.get("fused") or group.get("foreach"):
+            return 0
+        return CHUNK_NUMEL if torch.get_num_threads() == 1 else 0
+
+    def _same_scalars(self, first: dict[str, torch.Tensor], other: dict[str, torch.Tensor]) -> None:
+        """The parts of one piece must leave the same 0-dim state (element-wise).
+
+        Raises:
+            StateLayoutError: they differ (the update reads more than each element).
+        """
+        for entry, value in first.items():
+            if not torch.equal(value, other[entry]):
+                raise StateLayoutError(
+                    f"{self.optimizer_class.__name__}: scalar state {entry!r} differs between "
+                    "parts of one parameter stepped apart; its update is not element-wise: "
+                    "construct OffloadOptimizer(..., elementwise=False)"
+                )
 
     def _keep(
         self,
