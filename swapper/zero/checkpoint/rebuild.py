@@ -6,8 +6,9 @@ parameters it published sit dirty in host memory: writing them would cost 2 of t
 bytes per parameter (14 % of the state) at every snapshot. They hold nothing of their
 own: :meth:`OffloadAdamW._publish <swapper.step.OffloadAdamW>` sets each one to its fp32
 master weights rounded to 16 bits (``param16.copy_(master)``, round to nearest even, the
-same conversion as ``master.to(dtype)``, for bf16 and fp16); a step skipped for overflow
-changes neither. So such a parameter is left out of the snapshot (not written, not named
+same conversion as ``master.to(dtype)``, for bf16 and fp16; a plain copy for a trainable
+fp32 parameter, such as PEFT's default adapters); a step skipped for overflow changes
+neither. So such a parameter is left out of the snapshot (not written, not named
 by the store snapshot: :func:`swapper.manager.snapshot.snapshot_manager` ``leave_out``);
 the snapshot's metadata records, under ``"rebuilt"``, how to rebuild it and an XXH3-64 of
 its bytes::
@@ -72,7 +73,9 @@ if TYPE_CHECKING:
 
 __all__ = ["LeftOut", "Rebuilder", "choose_left_out", "register_rebuilt"]
 
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+# fp32: a trainable fp32 parameter (PEFT's default adapters) published from its master
+# unrounded (``copy_`` between equal dtypes), so rebuilding it is a copy, checked the same way
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 _ROW_FIELDS = frozenset({"key", "dtype", "shape", "xxh3_64", "pieces"})
 _PARAM = f"{Kind.PARAM16.value}/"  # the store's prefix of a 16-bit parameter's key
 _STATE = Kind.OPTIM_STATE.value
@@ -266,7 +269,7 @@ class Rebuilder:
             )
         at = f"{at} ({key})"
         if dtype not in _DTYPES:
-            raise SnapshotDamagedError(f"{at}: dtype {dtype!r} is not bfloat16 or float16")
+            raise SnapshotDamagedError(f"{at}: dtype {dtype!r} is not bfloat16, float16 or float32")
         if not isinstance(shape, list) or not all(_count(d) for d in shape):
             raise SnapshotDamagedError(f"{at}: shape {shape!r} is not a list of ints >= 0")
         try:
