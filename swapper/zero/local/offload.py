@@ -40,11 +40,13 @@ Activation checkpointing runs the hooks again inside the backward (a recompute);
 holds is checked in :mod:`swapper.zero.model.recompute`, and the forward hooks run when a forward
 raises (``always_call``), so a recompute stopped early releases what it fetched.
 
-Layout: the lifecycle both models share (forward, a failed pass's clean-up, backward start
-and end, ``zero_grad``, the manager's close) is :mod:`swapper.zero.model.lifecycle`; its
-one-process strategy, the hooks and the fetch and release of one parameter, is
-:mod:`swapper.zero.local.offload_hooks` (the state machine the forward and backward
-drive); the state they and the helpers share is ``self.core``
+Layout: the lifecycle both models share (the module hooks, forward, a failed pass's
+clean-up, backward start and end, ``zero_grad``, the manager's close) is
+:mod:`swapper.zero.model.lifecycle`; its one-process unit (one parameter: persistence, the
+resident fast path, carried holds, the room check) is
+:mod:`swapper.zero.local.offload_hooks`, the fetch and release of one parameter
+:mod:`swapper.zero.local.fetch`, an overlapped optimizer's gate
+:mod:`swapper.zero.local.overlap`; the state they and the helpers share is ``self.core``
 (:class:`~swapper.zero.local.params.LocalCore`); the parameter records are in
 :mod:`swapper.zero.local.params`, the optimizer's view of them in
 :mod:`swapper.zero.local.tiered`, the autograd plumbing in :mod:`swapper.zero.model.autograd`, the

@@ -255,7 +255,7 @@ class LocalCore(ModelCore[Slot, tuple[nn.Module, list[Slot]]]):
     Attributes:
         plan: the fetch order and the read-ahead along it.
         keep_held: (the core's) set True when the use tier holds every parameter at once
-            (see ``ModuleHooks._keeps_held``).
+            (see :func:`~swapper.zero.local.overlap.keeps_held`).
         lazy_norms: the backward leaves the gradients' norms to the step (the tier the
             gradients are retained in has no limit).
         persist: persistent parameters (:mod:`swapper.zero.local.persist`).

@@ -34,7 +34,9 @@ parameters changed: the optimizer's first write waits for (and drops) every gath
 flight (with an overlapped optimizer, ``step()`` drops them and each gather waits for
 this rank's update of its shards: :mod:`swapper.zero.sharded.overlap`). Writes outside
 the hooks: :mod:`swapper.zero.sharded.writes`; a gather's life (start, read-ahead, wait,
-settle, free): :mod:`swapper.zero.sharded.gathers`.
+settle, free): :mod:`swapper.zero.sharded.gathers`. The hooks themselves are the shared
+lifecycle's (:mod:`swapper.zero.model.lifecycle`); this module supplies their unit, one
+module's :class:`~swapper.zero.sharded.state.ModuleState` ("the unit" section below).
 
 :class:`~swapper.step.OffloadAdamW` steps only this rank's shards
 (:class:`~swapper.zero.sharded.state.ShardedParams`); the global gradient norm and the
