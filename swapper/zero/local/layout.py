@@ -20,7 +20,7 @@ from swapper.zero.local.params import LocalCore, Slot
 from swapper.zero.local.persist import drop_native
 from swapper.zero.local.tiered import ModelDoors, TieredParams
 from swapper.zero.local.weights import fetch_copy
-from swapper.zero.model.lifecycle import StateDictCall
+from swapper.zero.model.strategy import StateDictCall
 from tiers import signals
 
 __all__ = ["WholeTensors"]

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from swapper.zero.model.lifecycle import StateDictCall
+from swapper.zero.model.strategy import StateDictCall
 from swapper.zero.sharded.state import ShardedDoors, ShardedParams, ShardSlot
 from swapper.zero.sharded.state_dicts import consolidated, iter_full
 
