@@ -16,6 +16,7 @@ from swapper.pressure.model import (
     init_weights_,
     materialize_,
 )
+from swapper.pressure.weights import DrawScratch
 from tiers.errors import SwapConfigError
 
 TINY = GPTConfig(vocab_size=64, context=32, d_model=64, n_layers=2, n_heads=2)
@@ -234,6 +235,29 @@ def test_manual_stream_to_empty_equals_init_weights() -> None:
         module.to_empty(device="cpu", recurse=False)
         init_module_(module, g)
     _assert_bitwise_equal(model, _built(config, seed=3))
+
+
+def test_draws_in_a_scratch_equal_fresh_draws_and_reuse_its_memory() -> None:
+    """The draws made in a reused scratch (every one, some, none) give the same weights;
+    the scratch hands out one memory for every draw that fits it."""
+    config = GPTConfig(**{**GOOD, "tie_weights": False})
+    models = []
+    for scratch in (None, DrawScratch(), DrawScratch(max_nbytes=4096)):
+        with torch.device("meta"):
+            model = GPT(config)
+        g = torch.Generator().manual_seed(5)
+        for module in model.modules():
+            module.to_empty(device="cpu", recurse=False)
+            init_module_(module, g, scratch=scratch)
+        models.append(model)
+    _assert_bitwise_equal(models[0], models[1])
+    _assert_bitwise_equal(models[0], models[2])
+    scratch = DrawScratch(max_nbytes=1 << 20)
+    first = scratch.empty(torch.Size([256, 256]))  # 256 KiB
+    assert scratch.empty(torch.Size([8, 8])).data_ptr() == first.data_ptr()
+    big = scratch.empty(torch.Size([1 << 19]))  # 2 MiB: past the scratch's 1 MiB
+    assert big.shape == (1 << 19,) and big.data_ptr() != first.data_ptr()
+    assert scratch.empty(torch.Size([4])).data_ptr() == first.data_ptr()
 
 
 def test_materialize_keeps_tie_and_calls_on_module_in_order() -> None:

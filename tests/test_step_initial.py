@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import errno
+import os
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -55,7 +57,37 @@ def _failing_write(
     return write
 
 
+def _slow_flushes(monkeypatch: pytest.MonkeyPatch, delay_s: float = 0.3) -> None:
+    """Every ``fdatasync`` (the store's group commits) takes ``delay_s`` longer."""
+    real = os.fdatasync
+
+    def slow(fd: int) -> None:
+        time.sleep(delay_s)
+        real(fd)
+
+    monkeypatch.setattr(os, "fdatasync", slow)
+
+
 # -- the manager's register_behind ----------------------------------------------------------
+
+
+def test_register_behind_releases_the_tensor_before_the_flush(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``released`` comes when the write's pieces end, before its flush: the tensor may be
+    reused then, and what is stored is what it held when the write was issued."""
+    with TierManager(_config(tmp_path / "s", host_nbytes=64 * KiB)) as manager:
+        manager.register("filler", torch.zeros(12 * KiB), "optim_state")  # 48 of 64 KiB
+        _slow_flushes(monkeypatch)
+        t = torch.arange(8 * KiB, dtype=torch.float32)
+        future = manager.register_behind("a", t, "optim_state")  # no room: to NVMe
+        future.released.result(timeout=20)
+        assert not future.done()  # its flush (0.3 s) is still to come
+        t.zero_()  # reused while the key settles
+        future.result(timeout=20)
+        assert manager.info("a").state is EntryState.ON_NVME
+        assert torch.equal(manager.fetch("a"), torch.arange(8 * KiB, dtype=torch.float32))
+        manager.release("a", modified=False)
 
 
 def test_register_behind_returns_before_the_write_and_reads_back(tmp_path: Path) -> None:
@@ -204,7 +236,7 @@ def test_a_slot_is_not_reused_while_its_write_runs(tmp_path: Path) -> None:
                 seen.append(buffer.data_ptr())
                 for slot in writer._slots:  # the slot being filled has no write in flight
                     if slot.memory.data_ptr() == buffer.data_ptr():
-                        assert slot.future is None
+                        assert slot.busy is None
                 buffer.fill_(1.0)
 
             for sg in pipeline.sub_groups:
@@ -215,6 +247,49 @@ def test_a_slot_is_not_reused_while_its_write_runs(tmp_path: Path) -> None:
                 got = manager.fetch(f"extra/{sg.index}")
                 assert torch.equal(got, torch.ones_like(got))
                 manager.release(f"extra/{sg.index}", modified=False)
+        finally:
+            writer.close()
+            opt.close()
+
+
+def test_a_slot_is_made_again_before_its_last_write_is_durable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A slot is refilled once its write's pieces have ended, while that key still waits
+    for its flush (slowed here to 0.3 s): the disk is not left idle for each flush. Every
+    key is durable and reads back (verified) after ``finish``."""
+    params = _params([SG])
+    # the window (all the host tier) never holds a write back here
+    with TierManager(_config(tmp_path / "s", host_nbytes=16 * 12 * SG)) as manager:
+        opt = OffloadAdamW(params, tiers=manager, config=StepConfig(sub_group_numel=SG))
+        # the host tier (768 KiB, 48 of them the optimizer's) filled but for the writer's
+        # 4 slots (192 KiB) and less than a sub-group: the sub-groups below go to NVMe
+        manager.register("filler", torch.zeros(125 * KiB), "optim_state")  # 500 KiB
+        pipeline = opt._pipeline
+        sub_groups = pipeline.sub_groups * 12
+        writer = InitialWriter(
+            manager, pipeline.codec, sub_groups, pipeline._fp32_shape, timeout_s=20.0
+        )
+        _slow_flushes(monkeypatch)
+        settling_at_refill: list[bool] = []
+        try:
+
+            def fill(sg: object, buffer: torch.Tensor) -> None:
+                for slot in writer._slots:
+                    if slot.memory.data_ptr() == buffer.data_ptr() and slot.key:
+                        state = manager.info(slot.key).state
+                        settling_at_refill.append(state is EntryState.NEW)
+                buffer.fill_(float(len(settling_at_refill)))
+
+            for i, sg in enumerate(sub_groups):
+                writer.put(f"extra/{i}", sg, fill)
+            writer.finish()
+            assert any(settling_at_refill)  # before: every refill found its key durable
+            for i in range(len(sub_groups)):
+                assert manager.info(f"extra/{i}").state in (EntryState.ON_NVME, EntryState.RESIDENT)
+                got = manager.fetch(f"extra/{i}")
+                assert got.unique().numel() == 1  # one fill's value, whole
+                manager.release(f"extra/{i}", modified=False)
         finally:
             writer.close()
             opt.close()
@@ -265,7 +340,7 @@ def test_a_slot_with_its_write_in_flight_is_given_back_only_when_it_ends(tmp_pat
             first = writer._slots[0]
             real = first.release
             first.release = lambda: (released.append(1), real())[0]  # type: ignore[func-returns-value]
-            first.future = running  # a write still in flight
+            first.busy = running  # a write still in flight
             writer.close()
             assert released == []  # not while its write runs
             running.set_result(None)

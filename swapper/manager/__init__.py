@@ -18,6 +18,7 @@ from swapper.manager.errors import (
     UnknownKeyError,
 )
 from swapper.manager.policy import AccessOrder
+from swapper.manager.shared import BehindFuture
 from swapper.manager.stats import (
     ManagerStats,
     TierStats,
@@ -30,6 +31,7 @@ from swapper.manager.wear import WriteBudgetExceededError, WriteBudgetWarning
 __all__ = [
     "DEFAULT_PLACEMENT",
     "AccessOrder",
+    "BehindFuture",
     "EntryInUseError",
     "EntryInfo",
     "EntryState",

@@ -1,4 +1,4 @@
-# Size: the facade (~645 lines): each public call, its units and errors (issue 29 added
+# Size: the facade (~690 lines): each public call, its units and errors (issue 29 added
 # the undo after a pin and the wear check; issue 24 assign).
 """TierManager: every tensor's bytes in device memory, host memory or NVMe, moved on demand.
 
@@ -73,7 +73,14 @@ from swapper.manager.jobs import MoverJobs
 from swapper.manager.mover import Mover
 from swapper.manager.placement import Placement
 from swapper.manager.policy import AccessOrder
-from swapper.manager.shared import check_key, store_key_of, to_kind, to_tier, window_share
+from swapper.manager.shared import (
+    BehindFuture,
+    check_key,
+    store_key_of,
+    to_kind,
+    to_tier,
+    window_share,
+)
 from swapper.manager.stats import ManagerStats
 from swapper.manager.wear import WearMonitor, WearVerdict, WriteBudgetWarning
 from tiers.errors import SwapConfigError
@@ -167,7 +174,7 @@ class TierManager:
         """
         self._register(key, tensor, kind, None)
 
-    def register_behind(self, key: str, tensor: torch.Tensor, kind: Kind | str) -> Future[None]:
+    def register_behind(self, key: str, tensor: torch.Tensor, kind: Kind | str) -> BehindFuture:
         """:meth:`register` without waiting for a write to NVMe: the bulk path of state
         made in a stream (the optimizer's initial state), several writes in flight.
 
@@ -175,26 +182,30 @@ class TierManager:
         write (from ``tensor`` itself when it is page-aligned and contiguous: no staging
         copy; checksums recorded as written) and returns; the key is registered but
         settling (a fetch or ``unregister`` of it waits) until the write is durable.
-        ``tensor`` must not be changed or freed before the returned future is done
-        (the manager keeps a reference to it until then). Placed in memory, the copy is
-        taken at once and the future is done already.
+        ``tensor`` must not be changed or freed before the returned future's
+        ``released`` is done: when the write's pieces have ended, before the flush that
+        makes them durable (the manager keeps a reference to it until the future is done,
+        but reads it no more). Placed in memory, the copy is taken at once and both are
+        done already. When this raises, nothing reads ``tensor``.
 
         Returns:
-            a future that succeeds once the key is settled (in memory, or durable on
-            NVMe), or fails with :class:`~tiers.errors.SwapIOError` (naming key and file)
-            when the write failed: the key is then unregistered, nothing kept.
+            a :class:`~swapper.manager.shared.BehindFuture` that succeeds once the key is
+            settled (in memory, or durable on NVMe), or fails with
+            :class:`~tiers.errors.SwapIOError` (naming key and file) when the write or its
+            flush failed: the key is then unregistered, nothing kept.
 
         Raises:
             as :meth:`register` (for what is decided before the write is issued).
         """
-        behind: Future[None] = Future()
+        behind = BehindFuture()
         behind.set_running_or_notify_cancel()
         if not self._register(key, tensor, kind, behind):
+            behind.release()
             behind.set_result(None)
         return behind
 
     def _register(
-        self, key: str, tensor: torch.Tensor, kind: Kind | str, behind: Future[None] | None
+        self, key: str, tensor: torch.Tensor, kind: Kind | str, behind: BehindFuture | None
     ) -> bool:
         """:meth:`register` (``behind`` None) or :meth:`register_behind`: whether a write
         was handed to ``behind``."""

@@ -82,9 +82,11 @@ from swapper.manager.entry import EntryState, Prefetch, SwapEntry
 from swapper.manager.errors import ManagerIOTimeout, UnknownKeyError
 from swapper.manager.placement import Placement, Plan
 from swapper.manager.shared import (
+    BehindFuture,
     entry_view,
     forget_view,
     named_error,
+    release_when_written,
     store_key_of,
     window_share,
 )
@@ -130,7 +132,7 @@ class Mover:
         entry: SwapEntry,
         tensor: torch.Tensor,
         deadline: float,
-        behind: Future[None] | None = None,
+        behind: BehindFuture | None = None,
     ) -> bool:
         """Settle a NEW entry where placement says (:meth:`Placement.new_home`): RESIDENT
         in the first memory tier with room (copied once), else ON_NVME (:meth:`write_new`;
@@ -181,14 +183,16 @@ class Mover:
         entry: SwapEntry,
         tensor: torch.Tensor,
         deadline: float,
-        behind: Future[None] | None = None,
+        behind: BehindFuture | None = None,
     ) -> None:
         """Write a NEW entry's tensor straight to NVMe (from the caller's memory if it can):
         ON_NVME, or on failure dropped (GONE) and it raises.
 
         With ``behind`` (:meth:`TierManager.register_behind`), it returns once the write is
         issued: the completion settles the entry (ON_NVME, or GONE) and then resolves
-        ``behind`` (with the named error on failure); the source is kept alive until then.
+        ``behind`` (with the named error on failure); the source is kept alive until then,
+        and ``behind.released`` is done once the write's pieces have ended (before its
+        flush: :class:`~swapper.manager.shared.BehindFuture`).
 
         When the wait for the write is cut (an interrupt, or ``deadline`` passed:
         :class:`~swapper.manager.ManagerTimeout`), the exception propagates at once and the
@@ -223,6 +227,7 @@ class Mover:
                 future.add_done_callback(
                     lambda done, source=source: self._settle_new(done, entry, ended, behind)
                 )
+                release_when_written(future, behind)
                 return
             try:
                 ctx.hurry_writes()  # the caller waits for this write to be durable
@@ -268,7 +273,7 @@ class Mover:
         done: Future[int],
         entry: SwapEntry,
         ended: Callable[[BaseException | None], None],
-        behind: Future[None],
+        behind: BehindFuture,
     ) -> None:
         """The completion of a registration's write nobody waits for (``write_new`` with
         ``behind``): the entry ON_NVME, or dropped (GONE) on failure; then ``behind``."""

@@ -6,6 +6,7 @@ cached tensor view of an entry's block."""
 from __future__ import annotations
 
 import errno
+from concurrent.futures import Future
 
 import torch
 
@@ -16,12 +17,14 @@ from tiers.errors import IOTimeoutError, SwapIOError
 from tiers.nvme.futures import StoreFuture
 
 __all__ = [
+    "BehindFuture",
     "charged",
     "check_key",
     "entry_view",
     "forget_view",
     "in_flight",
     "named_error",
+    "release_when_written",
     "store_key_of",
     "to_kind",
     "to_tier",
@@ -114,3 +117,33 @@ def forget_view(entry: SwapEntry) -> None:
     """Drop the cached view of a block that is being released (lock held): a view keeps
     the block's memory alive (on CUDA the allocator could not reuse it)."""
     entry.view = entry.view_block = None
+
+
+class BehindFuture(Future[None]):
+    """What :meth:`TierManager.register_behind` returns: done once the key is settled (in
+    memory, or durable on NVMe), with the write's named error if it failed.
+
+    :attr:`released` is done (with None) once nothing reads the caller's tensor any more:
+    at once when the manager took a copy into memory; when every piece of the write has
+    ended when it was written, which is before the flush that makes it durable (the
+    future itself waits for that flush). A failed flush fails the future and drops the
+    key; it never reads the tensor again. So a caller that streams state through a few
+    buffers may refill one from :attr:`released` on while its durability is still made.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.released: Future[None] = Future()
+
+    def release(self) -> None:
+        """Mark the caller's tensor as no longer read (idempotent)."""
+        if not self.released.done():
+            self.released.set_result(None)
+
+
+def release_when_written(io: Future[int], behind: BehindFuture) -> None:
+    """Release ``behind``'s tensor when the write ``io`` no longer reads it: a store
+    write's :attr:`~tiers.nvme.futures.StoreFuture.released`, else (a future without
+    parts, e.g. a test's stand-in store) its completion."""
+    ended = io.released if isinstance(io, StoreFuture) else io
+    ended.add_done_callback(lambda _done: behind.release())

@@ -238,6 +238,7 @@ class DeferredSteps:
         # the update's thread asks for it (at 100M parameters that read was most of the
         # forward's wait at the gate). A hint: dropped when there is no room.
         optimizer.check_open()
+        optimizer.check_unconsumed()
         self._read_first(order)
         grad_norm, found_inf = optimizer.grad_norm()
         norm = None if grad_norm is None else float(grad_norm)

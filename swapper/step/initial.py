@@ -11,29 +11,39 @@ the 2-core VM the creation wrote 4.97 GB in 12.2 s, 9.9 s of it waiting for writ
 Here each sub-group's state is made in one of a few page-aligned slots and handed to
 :meth:`TierManager.register_behind`: the write is issued from the slot itself, its
 checksums recorded as it is issued, and the next sub-group is made while it is in flight.
-A slot is made again only once the future of its previous write is done; several writes
-completing together share one group commit. The slots are blocks of the manager's host
-tier (:meth:`TierManager.reserve_room`: 4 KiB-aligned arena memory, already faulted in,
-and charged to the host budget, so the creation's memory stays within the budgets);
-where there is no host tier, or a slot can never fit its budget, they are mapped with
+A slot is made again once its previous write no longer reads it (the future's
+``released``: every piece of the write has ended), not once that write is durable: the
+flush (one group commit: the data files' and the journal's ``fdatasync``) of one
+sub-group's write runs while the next is made in its slot, and several keys settling
+together share one group commit. Waiting for durability before refilling a slot left the
+disk idle for each flush (400 M parameters, two slots: each of 22 writes of 192 MB then
+waited ~67 ms for its flush before its slot was made again). Every key's durability is
+still waited for, in order, by :meth:`InitialWriter.put` (those done by then) and
+:meth:`InitialWriter.finish` (all). The slots are blocks of the manager's host tier
+(:meth:`TierManager.reserve_room`: 4 KiB-aligned arena memory, already faulted in, and
+charged to the host budget, so the creation's memory stays within the budgets); where
+there is no host tier, or a slot can never fit its budget, they are mapped with
 :func:`tiers.buffers.allocate` instead.
 
-States of one slot::
+States of one slot, and of the key written from it::
 
     FREE ──fill (zero, master from the 16-bit parameters, encode)──▶ FILLED
       ▲                                                                │ register_behind
-      │ future done (ok)                                               ▼
+      │ released (the write's pieces ended)                            ▼
       └──────────────────────────────────────────────────────────── IN FLIGHT
-                                          future failed: the error is raised by the
-                                          next put() or finish(); the key is gone
 
-Data and crashes: a slot whose write has not ended is never given back: if the writer
-stops waiting (a failure elsewhere, a timeout, an interrupt), the slot goes back to the
-host tier only from its write's completion. A crash at any instant leaves the store as a
-crash during any write does: each key's write becomes part of the durable state only with
-its group commit, and a store opened after a crash during an optimizer's creation is a
-store the caller never finished making (``swapper.offload`` opens only stores whose
-snapshot committed).
+    key: SETTLING ──group commit durable──▶ settled (checked by put / finish, in order)
+              └──── write or flush failed──▶ the error is raised by a later put() or
+                                             finish(); the manager dropped the key
+
+Data and crashes: a slot whose write still reads it is never given back nor refilled: if
+the writer stops waiting (a failure elsewhere, a timeout, an interrupt), the slot goes
+back to the host tier only from its write's ``released``. A failed flush never re-reads
+the slot (the key is dropped), so refilling it before the flush loses nothing. A crash at
+any instant leaves the store as a crash during any write does: each key's write becomes
+part of the durable state only with its group commit, and a store opened after a crash
+during an optimizer's creation is a store the caller never finished making
+(``swapper.offload`` opens only stores whose snapshot committed).
 """
 
 from __future__ import annotations
@@ -74,7 +84,9 @@ def writes_in_flight(slot_nbytes: int, host_nbytes: int | None = None) -> int:
 class _Slot:
     memory: torch.Tensor  # uint8, page-aligned
     release: Callable[[], None]  # gives the memory back (once its write has ended)
-    future: concurrent.futures.Future[None] | None = None
+    #: done once no write reads the slot any more (``BehindFuture.released``); None:
+    #: nothing was written from it since it was last free
+    busy: concurrent.futures.Future[None] | None = None
     key: str = ""
 
 
@@ -124,6 +136,10 @@ class InitialWriter:
         self._slots: list[_Slot] = []
         self._queue: collections.deque[_Slot] = collections.deque()
         self._failed: set[str] = set()  # keys whose writes failed (gone from the manager)
+        #: keys registered and not yet seen settled, in order, with their futures
+        self._settling: collections.deque[tuple[str, concurrent.futures.Future[None]]] = (
+            collections.deque()
+        )
         try:
             for _ in range(count):
                 self._slots.append(self._slot(slot_nbytes, in_host))
@@ -149,16 +165,19 @@ class InitialWriter:
     def put(self, key: str, sg: SubGroup, fill: Callable[[SubGroup, torch.Tensor], None]) -> None:
         """Make ``sg``'s state in a free slot (``fill(sg, buffer)`` into a zeroed fp32
         buffer of ``fp32_shape(sg)``), then register it under ``key`` with its write in
-        flight. On return the key is registered (settling).
+        flight. On return the key is registered (settling). The slot is the one whose
+        last write has ended soonest; the keys already settled are checked first.
 
         Raises:
-            SwapIOError: an earlier sub-group's write failed (named; its key is gone).
+            SwapIOError: an earlier sub-group's write or flush failed (named; its key is
+                gone).
             ManagerTimeout: an earlier write did not end within ``timeout_s``.
             what ``fill`` and :meth:`TierManager.register_behind` raise (the key is then
             not registered).
         """
         slot = self._queue[0]
-        self._settle(slot)
+        self._free(slot)
+        self._check_settled(wait=False)
         self._queue.rotate(-1)
         shape = self._shape(sg)
         numel = math.prod(shape)
@@ -172,57 +191,78 @@ class InitialWriter:
             state.zero_()
             fill(sg, state)
             stored = self.codec.stored_form(sg, state, slot.memory)
-        slot.future = self.manager.register_behind(key, stored, Kind.OPTIM_STATE)
-        slot.key = key
+        behind = self.manager.register_behind(key, stored, Kind.OPTIM_STATE)
+        slot.busy, slot.key = behind.released, key
+        self._settling.append((key, behind))
 
     def finish(self) -> None:
-        """Wait for every write in flight; all keys are then settled.
+        """Wait for every write in flight and every key's durability; all keys are then
+        settled.
 
         Raises:
             SwapIOError, ManagerTimeout: as :meth:`put` (the first failure, in order).
         """
-        for _ in range(len(self._queue)):
-            self._settle(self._queue[0])
-            self._queue.rotate(-1)
+        for slot in self._slots:
+            self._free(slot)
+        self._check_settled(wait=True)
 
-    def _settle(self, slot: _Slot) -> None:
-        future = slot.future
-        if future is None:
+    def _free(self, slot: _Slot) -> None:
+        """Wait until no write reads ``slot``."""
+        busy = slot.busy
+        if busy is None:
             return
-        if not wait_future(future, self.timeout_s, "step.initialize"):
+        if not wait_future(busy, self.timeout_s, "step.initialize"):
             raise ManagerTimeout(
                 f"the initial optimizer state {slot.key!r}: its write to NVMe did not end "
                 f"within {self.timeout_s} s (ManagerConfig.timeout_s); check the swap disk"
             )
-        slot.future = None
-        if future.exception() is not None:
-            self._failed.add(slot.key)  # the manager dropped the key
-            future.result()  # raises the write's error (named by the manager)
+        slot.busy = None
+
+    def _check_settled(self, *, wait: bool) -> None:
+        """Take the settled keys off the front of the list, in order (``wait``: all of
+        them, waiting for each); raise the first one's failure."""
+        while self._settling:
+            key, future = self._settling[0]
+            if not future.done():
+                if not wait:
+                    return
+                if not wait_future(future, self.timeout_s, "step.initialize"):
+                    raise ManagerTimeout(
+                        f"the initial optimizer state {key!r}: its write to NVMe was not "
+                        f"durable within {self.timeout_s} s (ManagerConfig.timeout_s); "
+                        "check the swap disk"
+                    )
+            self._settling.popleft()
+            if future.exception() is not None:
+                self._failed.add(key)  # the manager dropped the key
+                future.result()  # raises the write's error (named by the manager)
 
     def drain(self) -> set[str]:
         """After a failure: wait (up to ``timeout_s`` in all; not a wait point, so an
         interrupt waits) for the writes in flight. Returns the keys whose writes failed
         (the manager dropped them); a write still running is left to its completion."""
-        pending = {slot.future: slot.key for slot in self._slots if slot.future is not None}
-        concurrent.futures.wait(list(pending), timeout=self.timeout_s)
+        busy = [slot.busy for slot in self._slots if slot.busy is not None]
+        pending = [future for _, future in self._settling]
+        concurrent.futures.wait(busy + pending, timeout=self.timeout_s)
         failed = set(self._failed)
-        for future, key in pending.items():
+        for key, future in self._settling:
             if future.done() and future.exception() is not None:
                 failed.add(key)
         for slot in self._slots:
-            if slot.future is not None and slot.future.done():
-                slot.future = None
+            if slot.busy is not None and slot.busy.done():
+                slot.busy = None
         return failed
 
     def close(self) -> None:
         """Give the slots back; one whose write still runs goes back from the write's
         completion (its memory is never reused under the I/O). Idempotent."""
         for slot in self._slots:
-            future = slot.future
-            if future is not None and not future.done():
-                future.add_done_callback(lambda _done, release=slot.release: release())
+            busy = slot.busy
+            if busy is not None and not busy.done():
+                busy.add_done_callback(lambda _done, release=slot.release: release())
             else:
                 slot.release()
         self._slots.clear()
         self._queue.clear()
+        self._settling.clear()
         self._fp32 = None

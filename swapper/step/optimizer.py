@@ -170,6 +170,7 @@ class StreamedOptimizer(SubGroupMath, torch.optim.Optimizer):
         self._grad32: dict[torch.device, torch.Tensor] = {}
         self._flat = FlatGrads()  # the gradients converted once (a resident step)
         self._absent = {}
+        self._owners_of, self._owners = None, {}  # (SubGroupMath._param_owners)
         self._accumulators: list[torch.Tensor] = []
         self._hooks: list[Any] = []
         # overlap (swapper.step.deferred): the running update's hyper-parameters and order
@@ -307,6 +308,8 @@ class StreamedOptimizer(SubGroupMath, torch.optim.Optimizer):
         stall_before = self.manager.stats().stall_s
         target = self._step_count + 1
         source = self._source
+        if self._pending is None:
+            self.check_unconsumed()
         # (budgets that hold everything: params and grads fetched once, grads made fp32 once)
         with (
             (

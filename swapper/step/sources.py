@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "AgreedModel",
+    "ConsumingSource",
     "GatedModel",
     "LocalParams",
     "ParamGate",
@@ -135,6 +136,30 @@ class AheadSource(Protocol):
         """Ask for the retained gradients of ``params``, and the parameters ``partial``
         (those the step writes in part: it needs their other bytes), to be read into
         memory (a hint: returns at once; what has no room is left where it is)."""
+        ...
+
+
+@runtime_checkable
+class ConsumingSource(Protocol):
+    """A :class:`ParamSource` that can let go of a gradient as soon as the step has read
+    all of it. Between the step and ``zero_grad`` nothing reads a retained gradient
+    again (its norm, taken before the step, is kept), so under a host budget one the
+    step's own state needs room for can be dropped instead of written to NVMe and read
+    by nobody (docs/notes/2026-11-28-speed-3.md found them at 20M parameters;
+    docs/notes/2026-11-29-iteration-5.md has what dropping them saves)."""
+
+    def consumed(self, params: Sequence[torch.Tensor]) -> None:
+        """Every piece of these parameters' gradients has been read by an update that
+        has been applied (a failed step's rerun never reads them again). The source may
+        drop them now; until ``zero_grad`` they still count as present (for the norm),
+        and reading one again, or adding a backward's gradient to one, raises."""
+        ...
+
+    def check_unconsumed(self, params: Sequence[torch.Tensor]) -> None:
+        """Called by a new step (not a failed step's rerun) before anything changes:
+        raises (naming the parameter) when one of ``params`` has a gradient a step
+        consumed and no ``zero_grad`` has cleared since; a second ``step()`` on the same
+        gradients, which PyTorch would apply twice, fails here instead of part-way."""
         ...
 
 

@@ -24,7 +24,7 @@ from swapper.step.layout import SubGroup
 from swapper.step.pipeline import StepPipeline
 from swapper.step.rules.base import UpdateRule
 from swapper.step.scaler import DynamicLossScaler
-from swapper.step.sources import AheadSource, ParamSource, SharedStep
+from swapper.step.sources import AheadSource, ConsumingSource, ParamSource, SharedStep
 
 __all__ = ["SubGroupMath"]
 
@@ -46,6 +46,10 @@ class SubGroupMath:
     #: sub-group index → positions of its pieces without a gradient, from :meth:`_grad`
     #: to the rule's update (one update per sub-group at a time, on one thread)
     _absent: dict[int, frozenset[int]]
+    #: for :meth:`_drop_consumed`: the sub-groups these owners were counted from, and
+    #: (param group, parameter index) → the indices of the sub-groups holding its pieces
+    _owners_of: tuple[SubGroup, ...] | None
+    _owners: dict[tuple[int, int], tuple[int, ...]]
     rule: UpdateRule
 
     @property
@@ -251,3 +255,50 @@ class SubGroupMath:
             )
         if self._deferred is not None:
             self._deferred.published(sg.index)
+        self._drop_consumed(sg)
+
+    def _drop_consumed(self, sg: SubGroup) -> None:
+        """Tell a :class:`~swapper.step.sources.ConsumingSource` which parameters' gradients
+        the step has now read whole: those all of whose sub-groups have been computed at
+        this step and recorded so (a failed step's rerun never computes them again; the
+        sub-groups may run in any order, so a parameter is judged by all its sub-groups,
+        not by its last piece). Nothing with fp32 accumulators (the update reads those, and
+        the 16-bit gradients are the next micro-step's to add into)."""
+        source = self._source
+        if self._accumulators or not isinstance(source, ConsumingSource):
+            return
+        progress = self._pipeline.progress
+        step = progress[sg.index].applied  # (this step's: publish follows the compute)
+        owners = self._param_owners()
+        done = [
+            self._param(sg, piece.param_index)
+            for piece in sg.pieces
+            if all(
+                progress[index].applied >= step
+                for index in owners[(sg.group_index, piece.param_index)]
+            )
+        ]
+        if done:
+            source.consumed(done)
+
+    def check_unconsumed(self) -> None:
+        """Before a new step (not a failed step's rerun): raises what the source raises
+        when a gradient is gone since the last step read it (see
+        :class:`~swapper.step.sources.ConsumingSource`), before the step changes anything
+        (raised part-way, the step would be left pending, and ``zero_grad`` refused)."""
+        source = self._source
+        if isinstance(source, ConsumingSource):
+            source.check_unconsumed(self._all_params())
+
+    def _param_owners(self) -> dict[tuple[int, int], tuple[int, ...]]:
+        """(param group, parameter index) → the sub-groups holding its pieces; counted
+        again when the sub-groups change (a param group added)."""
+        sub_groups = self.sub_groups
+        if self._owners_of is not sub_groups:
+            owners: dict[tuple[int, int], list[int]] = {}
+            for sg in sub_groups:
+                for piece in sg.pieces:
+                    owners.setdefault((sg.group_index, piece.param_index), []).append(sg.index)
+            self._owners = {key: tuple(value) for key, value in owners.items()}
+            self._owners_of = sub_groups
+        return self._owners

@@ -125,6 +125,11 @@ class StepOwner(Protocol):
         StateDictError)."""
         ...
 
+    def check_unconsumed(self) -> None:
+        """Raise (before a new step) when a gradient a step consumed is gone and no
+        ``zero_grad`` cleared it (:class:`~swapper.step.sources.ConsumingSource`)."""
+        ...
+
     def grad_norm(self) -> tuple[torch.Tensor | None, bool]:
         """(unscaled global gradient norm or None, found inf/NaN)."""
         ...

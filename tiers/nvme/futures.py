@@ -9,6 +9,9 @@ later (a write is resolved by the committer once its record is durable).
 Invariants: the finish step runs exactly once, after every part has reported (so no buffer
 or extent is still in use by the kernel); the future is resolved exactly once, with the
 first error of any part or of the finish step, or with the request's byte count.
+:attr:`StoreFuture.released` is done from that same moment, before the finish step: a
+write's source may be reused from then on while its durability is still being made (the
+bytes are the kernel's; a failed flush fails the future, it never re-reads the source).
 """
 
 from __future__ import annotations
@@ -54,6 +57,10 @@ class StoreFuture(concurrent.futures.Future):
         self._resolved = False
         # The engine requests, so that a waiter that gives up can name the one stuck.
         self._pieces: list[IOFuture] = []
+        #: Done (with None, whatever the outcome) once every part has ended: no request
+        #: of this one reads or writes the caller's buffer any more. For a write that is
+        #: before it is durable (the future itself waits for the flush).
+        self.released: concurrent.futures.Future[None] = concurrent.futures.Future()
 
     def describe(self) -> str:
         return f"{self.op.value} of key={self.key!r} ({self.nbytes} bytes)"
@@ -156,6 +163,8 @@ class StoreFuture(concurrent.futures.Future):
         # gave it back.
         self._pieces = []
         error = self._error
+        if not self.released.done():
+            self.released.set_result(None)
         try:
             if self._finish is None:
                 self.resolve(error)

@@ -75,7 +75,10 @@ class WholeTensors:
             # Unregistered first, then marked: cut in between (Ctrl-C at the wait for a
             # write of it), the slot still says what the manager holds.
             with signals.at_waits:
-                if slot.has_grad and keep:
+                if slot.grad_dropped:  # (unregistered by the step that read it)
+                    with self._core.lock:
+                        slot.has_grad, slot.grad_norm, slot.grad_dropped = False, None, False
+                elif slot.has_grad and keep:
                     with self._core.lock:
                         slot.has_grad, slot.grad_norm, slot.grad_kept = False, None, True
                 elif slot.has_grad or slot.grad_kept:

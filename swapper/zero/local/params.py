@@ -25,6 +25,7 @@ from swapper.step.clip import grad_norm32
 from swapper.zero.model.core import Holds, ModelCore
 from swapper.zero.model.readahead import FetchPlan
 from tiers import signals
+from tiers.errors import SwapError
 
 if TYPE_CHECKING:
     from torch.utils.hooks import RemovableHandle
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "NORM_BATCH_NUMEL",
+    "ConsumedGradError",
     "Holds",
     "LocalCore",
     "ModuleHook",
@@ -46,6 +48,22 @@ __all__ = [
 #: fp32 elements of the gradients whose norms the step takes in one call (64 MiB: their
 #: fp32 copies share one scratch buffer of at most this size, or of the largest gradient).
 NORM_BATCH_NUMEL = 16 << 20
+
+
+class ConsumedGradError(SwapError, RuntimeError):
+    """A retained gradient was needed after the optimizer step had read it whole and
+    dropped it (budgeted runs drop a consumed gradient instead of writing it to NVMe:
+    :meth:`~swapper.zero.local.tiered.TieredParams.consumed`)."""
+
+
+def consumed_error(slot: Slot, what: str) -> ConsumedGradError:
+    """The error for ``what`` (a read, an addition) of ``slot``'s dropped gradient."""
+    return ConsumedGradError(
+        f"{what} the gradient of parameter {slot.name!r}, which the last optimizer step "
+        "read and then dropped (under a host budget a consumed gradient is not kept until "
+        "zero_grad); call optimizer.zero_grad() after step() and run a backward before "
+        "the next step()"
+    )
 
 
 def copy_out(
@@ -120,6 +138,8 @@ def retain_grad(
     uninterrupted step)."""
     with signals.at_waits:
         with lock:
+            if slot.grad_dropped:
+                raise consumed_error(slot, "a backward adds into")
             first = not slot.has_grad
             refill = first and slot.grad_kept  # registered, empty: copied into
         if first and not refill:
@@ -172,6 +192,11 @@ class Slot:
     #: budgets that hold everything: see ``ModuleHooks.drop_grads``); the next
     #: gradient is copied into it, not added, and a snapshot unregisters it first
     grad_kept: bool = False
+    #: its gradient was read whole by an optimizer step and unregistered before
+    #: ``zero_grad`` (``TieredParams.consumed``: under a host budget, instead of being
+    #: written to NVMe as the step's victim and read by nobody); ``has_grad`` and
+    #: ``grad_norm`` stay as they were until ``zero_grad``, which clears all three
+    grad_dropped: bool = False
     #: while the parameters are persistent (:mod:`swapper.zero.local.persist`): the retained
     #: gradient itself, autograd's tensor kept by reference (moved, not copied; added
     #: to on later micro-steps), in no manager entry; ``has_grad`` is True then
