@@ -391,7 +391,7 @@ def closed(rank: int, world: int, tmp: str, fail: bool) -> dict[str, Any]:
                     wrapped(share[:, :-1])
             except Exception as exc:
                 out["errors"].append((type(exc).__name__, str(exc)))
-            out["open"].append(wrapped._overlap.open)  # type: ignore[union-attr]
+            out["open"].append(wrapped.overlap.open)  # type: ignore[union-attr]
     return out
 
 

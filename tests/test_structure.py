@@ -261,6 +261,17 @@ SHARED_LIFECYCLE = (
     "drop_grads",
     "iter_state_dict",
     "state_dict",
+    # the hooks (fifth round): written once, each model supplies its unit
+    "_install_hooks",
+    "_pre_forward_hook",
+    "_frozen_after",
+    "_post_forward_hook",
+    "_grad_hook",
+    "_release_backward_holds",
+    # the overlapped optimizer's and the optimizer's doors (model.overlap, model.layout)
+    "set_param_gate",
+    "step_started",
+    "param_source",
 )
 
 

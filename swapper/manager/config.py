@@ -15,7 +15,15 @@ from tiers.config import DIRECT_ALIGNMENT, AioConfig, enum_names, parse_enum
 from tiers.errors import SwapConfigError
 from tiers.units import parse_size
 
-__all__ = ["DEFAULT_PLACEMENT", "Kind", "ManagerConfig", "Policy", "Tier", "size_setting"]
+__all__ = [
+    "DEFAULT_PLACEMENT",
+    "TIER_RANK",
+    "Kind",
+    "ManagerConfig",
+    "Policy",
+    "Tier",
+    "size_setting",
+]
 
 
 class Tier(str, enum.Enum):
@@ -32,6 +40,8 @@ class Tier(str, enum.Enum):
 
 
 _RANK = {Tier.DEVICE: 0, Tier.HOST: 1, Tier.NVME: 2}
+#: each tier's rank (:attr:`Tier.rank`) as a table, for a loop that reads it often
+TIER_RANK: Mapping[Tier, int] = MappingProxyType(_RANK)
 MEMORY_TIERS = (Tier.DEVICE, Tier.HOST)
 
 

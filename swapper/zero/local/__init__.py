@@ -1,8 +1,10 @@
 """One process: :class:`~swapper.zero.local.offload.OffloadedModel`, the local fetch.
 
-Offers: the model (``offload``), the lifecycle's one-process strategy: the hooks
-(``offload_hooks``, a :class:`~swapper.zero.model.lifecycle.ModelLifecycle`) and the fetch
-and release of one parameter (``fetch``: ``TierFetch``, the model's ``FetchStrategy``), the
+Offers: the model (``offload``), the lifecycle's one-process strategy: the unit of the
+shared hooks, one parameter (``offload_hooks``, a
+:class:`~swapper.zero.model.lifecycle.ModelLifecycle`), the fetch and release of one
+parameter (``fetch``: ``TierFetch``, the model's ``FetchStrategy``), an overlapped
+optimizer's gate (``overlap``: ``LocalOverlap``, the model's ``UpdateOverlap``), the
 parameters' records and the model's core (``params``: ``Slot``, ``LocalCore``), the
 optimizer's view (``tiered``), the persistent and resident fast paths for budgets that hold
 everything (``persist``, ``resident``), the wrap's checks and undo (``placing``) and the

@@ -10,7 +10,7 @@ gradients), the drop of retained gradients, the weights as ordinary tensors one 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -18,7 +18,9 @@ from torch import nn
 
 from swapper.zero.local.params import LocalCore, Slot
 from swapper.zero.local.persist import drop_native
+from swapper.zero.local.tiered import ModelDoors, TieredParams
 from swapper.zero.local.weights import fetch_copy
+from swapper.zero.model.strategy import StateDictCall
 from tiers import signals
 
 __all__ = ["WholeTensors"]
@@ -26,11 +28,17 @@ __all__ = ["WholeTensors"]
 
 class WholeTensors:
     """Whole tensors in one process's tiers (module docstring). ``core``: the model's;
-    ``module``: the wrapped model (its ``state_dict`` hooks put the real weights in)."""
+    ``module``: the wrapped model (its ``state_dict`` hooks put the real weights in);
+    ``doors``: what the optimizer's view asks of the model (its lifecycle's calls)."""
 
-    def __init__(self, core: LocalCore, module: nn.Module) -> None:
+    def __init__(self, core: LocalCore, module: nn.Module, doors: ModelDoors) -> None:
         self._core = core
         self._module = module
+        self._doors = doors
+
+    def param_source(self) -> TieredParams:
+        """The optimizer's view of the parameters and their retained gradients."""
+        return TieredParams(self._core, self._doors)
 
     def records(self) -> Iterable[Slot]:
         """Every parameter's record, by name (the wrapped model's order)."""
@@ -43,20 +51,15 @@ class WholeTensors:
         for name, slot in self._core.by_name.items():
             yield name, fetch_copy(self._core, slot)
 
-    def state_dict(
-        self,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        as_submodule: Callable[..., dict[str, Any]],
-    ) -> dict[str, Any]:
+    def state_dict(self, call: StateDictCall) -> dict[str, Any]:
         """The wrapped model's ``state_dict(**kwargs)`` (its hooks put in real weights,
         fetched one at a time: :mod:`swapper.zero.local.weights`); called by a parent
         module's ``state_dict`` (``destination=`` given, or positional arguments), it is
-        ``as_submodule`` (``nn.Module.state_dict`` of the wrapper: keys under
+        ``call.as_submodule`` (``nn.Module.state_dict`` of the wrapper: keys under
         ``module.``)."""
-        if args or "destination" in kwargs:
-            return as_submodule(*args, **kwargs)
-        return self._module.state_dict(**kwargs)
+        if call.from_parent:
+            return call.as_submodule(*call.args, **call.kwargs)
+        return self._module.state_dict(**call.kwargs)
 
     def drop_grads(self, slots: Iterable[Slot], *, keep: bool | None = None) -> None:
         """Drop the slots' retained gradients. With budgets that hold everything (the

@@ -40,11 +40,13 @@ Activation checkpointing runs the hooks again inside the backward (a recompute);
 holds is checked in :mod:`swapper.zero.model.recompute`, and the forward hooks run when a forward
 raises (``always_call``), so a recompute stopped early releases what it fetched.
 
-Layout: the lifecycle both models share (forward, a failed pass's clean-up, backward start
-and end, ``zero_grad``, the manager's close) is :mod:`swapper.zero.model.lifecycle`; its
-one-process strategy, the hooks and the fetch and release of one parameter, is
-:mod:`swapper.zero.local.offload_hooks` (the state machine the forward and backward
-drive); the state they and the helpers share is ``self.core``
+Layout: the lifecycle both models share (the module hooks, forward, a failed pass's
+clean-up, backward start and end, ``zero_grad``, the manager's close) is
+:mod:`swapper.zero.model.lifecycle`; its one-process unit (one parameter: persistence, the
+resident fast path, carried holds, the room check) is
+:mod:`swapper.zero.local.offload_hooks`, the fetch and release of one parameter
+:mod:`swapper.zero.local.fetch`, an overlapped optimizer's gate
+:mod:`swapper.zero.local.overlap`; the state they and the helpers share is ``self.core``
 (:class:`~swapper.zero.local.params.LocalCore`); the parameter records are in
 :mod:`swapper.zero.local.params`, the optimizer's view of them in
 :mod:`swapper.zero.local.tiered`, the autograd plumbing in :mod:`swapper.zero.model.autograd`, the
@@ -70,23 +72,21 @@ from torch import nn
 
 import swapper.zero.checkpoint.resume as checkpoint
 from swapper.manager import Kind, Tier
-from swapper.step.sources import ParamGate, ParamSource
 from swapper.zero.config.offload import OffloadConfig
 from swapper.zero.config.settings import tiers_of
 from swapper.zero.local.fetch import TierFetch
 from swapper.zero.local.layout import WholeTensors
 from swapper.zero.local.offload_hooks import ModuleHooks
+from swapper.zero.local.overlap import LocalOverlap, keeps_held
 from swapper.zero.local.params import LocalCore, Slot
-from swapper.zero.local.persist import install, remove_all
 from swapper.zero.local.persist import leave as unpersist
+from swapper.zero.local.persist import remove_all
 from swapper.zero.local.placing import (
     back_to_meta,
     check_fp32_grads,
     check_modules,
-    check_overlap_room,
     positions,
 )
-from swapper.zero.local.tiered import TieredParams
 from swapper.zero.local.weights import (
     NATIVE_GRADS,
     WeightHooks,
@@ -95,7 +95,7 @@ from swapper.zero.local.weights import (
     unguard,
     unwrap,
 )
-from swapper.zero.model.frozen import FrozenUse, check_known, check_trainable
+from swapper.zero.model.frozen import check_known, check_trainable
 from swapper.zero.model.model_buffers import BufferMoves, move_buffers, restore_buffers
 from swapper.zero.model.module_apply import guard_apply, unguard_apply
 from swapper.zero.model.readahead import FetchPlan
@@ -138,6 +138,7 @@ class OffloadedModel(ModuleHooks):
     """
 
     layout: WholeTensors  # whole tensors in this process (swapper.zero.local.layout)
+    overlap: LocalOverlap  # an overlapped optimizer's gate (swapper.zero.local.overlap)
     _registry = _WRAPPED
     _log = log
 
@@ -149,12 +150,7 @@ class OffloadedModel(ModuleHooks):
         materialize: Materialize | None = None,
         resume: bool | str = False,
     ) -> None:
-        super().__init__()
-        self._check_wrappable(module)  # (and not inside, nor around, a wrapped one)
-        if not isinstance(config, OffloadConfig):
-            raise SwapConfigError(f"offload: config must be an OffloadConfig, got {config!r}")
-        self.module = module
-        self.config = config
+        super().__init__(module, config)  # (checked: wrappable, an OffloadConfig)
         use_tier = tiers_of(config.manager, Kind.PARAM16)[0]  # where params are used
         room_limit = (  # of the use tier: see _check_room
             config.manager.host_nbytes if use_tier is Tier.HOST else config.manager.device_nbytes
@@ -170,13 +166,14 @@ class OffloadedModel(ModuleHooks):
         #: a parameter's fetch from the tiers and release (swapper.zero.local.fetch)
         self.fetch = TierFetch(self.core)
         #: whole tensors: records, retained gradients, weights (swapper.zero.local.layout)
-        self.layout = WholeTensors(self.core, module)
+        self.layout = WholeTensors(self.core, module, self)
+        #: an overlapped optimizer's gate (swapper.zero.local.overlap)
+        self.overlap = LocalOverlap(self.core, module)
         manager_config = config.manager
         self._module_slots: dict[nn.Module, list[Slot]] = {}
         self._handles: list[Any] = []
         #: autograd's saved views of parameters, kept as where they are (swapper.zero.model.saved)
         self._saved = SavedParams(lambda slot: slot.users > 0)
-        self._frozen_uses: list[FrozenUse] = []  # all-frozen modules (swapper.zero.model.frozen)
         self._check_modules(module)
         #: until placed: each parameter emptied, its bytes (None: materialised), its slot
         self._originals: list[tuple[nn.Parameter, torch.Tensor | None, Slot]] = []
@@ -206,7 +203,7 @@ class OffloadedModel(ModuleHooks):
             self._apply_guarded = guard_apply(module, self._use_device())
             # Whether a forward's holds are kept for its backward: the use tier holds
             # every parameter at once, so holding them costs no room that could be used.
-            self.core.keep_held = self._keeps_held(0)
+            self.core.keep_held = keeps_held(self.core, 0)
             # Whether the backward leaves the gradients' norms to the step: the tier they
             # are retained in has no limit, so they are still in memory then (each norm
             # taken in the backward cost more than its module's work on a narrow model).
@@ -219,7 +216,7 @@ class OffloadedModel(ModuleHooks):
             if self.resumed is not None:
                 own = {slot.key for slot in self.core.by_name.values()}
                 checkpoint.finish_resume(self.core.manager, own, self.resumed)
-            self._install_hooks(module)
+            self._install_hooks()
             self.core.weights = WeightHooks(self.core, list(self._module_slots))
         except BaseException:
             for handle in self._handles:
@@ -244,39 +241,6 @@ class OffloadedModel(ModuleHooks):
 
     # -- what the optimizer and the user see ----------------------------------------------
 
-    def param_source(self) -> ParamSource:
-        """Access to the parameters and their retained gradients, for the optimizer."""
-        return TieredParams(self.core, self)
-
-    def set_param_gate(self, gate: ParamGate | None, *, update_nbytes: int = 0) -> None:
-        """Install the gate of an overlapped optimizer (:mod:`swapper.step.deferred`),
-        called before a parameter is fetched or its weight read or written; None removes it.
-
-        ``update_nbytes``: the host memory its update holds at once. Where parameters are
-        used in the host tier, the forward's holds and it must fit the host budget
-        together, and a forward keeps its holds for the backward only if every parameter
-        fits beside it (kept, they starved the update until the manager's timeout).
-
-        Raises:
-            SwapConfigError: another optimizer's gate is installed, or the host budget
-                cannot hold the forward's parameters and the update at once (both named:
-                :func:`~swapper.zero.local.placing.check_overlap_room`).
-        """
-        if gate is not None and self.core.param_gate is not None:
-            raise SwapConfigError("offload: one overlapped optimizer per model (a gate is set)")
-        if gate is not None:
-            unpersist(self.core)  # the update fetches parameters per piece, gated
-        reserve = update_nbytes if gate is not None and self.core.use_tier is Tier.HOST else 0
-        keep = self._keeps_held(reserve)
-        if reserve and not keep and self.core.room_limit is not None:
-            check_overlap_room(
-                self.module, lambda p: self.core.slots[id(p)].nbytes, self.core.room_limit, reserve
-            )
-        self.core.param_gate = gate
-        self.core.keep_held = keep
-        if gate is not None:
-            self.core.plan.overlapped()  # the eviction order then covers a whole overlapped cycle
-
     def set_persistent(self, allowed: bool) -> None:
         """Whether parameters may stay fetched between uses when the budgets hold
         everything (default True: :mod:`swapper.zero.local.persist`); False ends it now."""
@@ -298,11 +262,6 @@ class OffloadedModel(ModuleHooks):
         """Unregister the gradient entries that ``zero_grad`` kept empty (a snapshot
         writes every entry it finds: none holds a gradient then)."""
         self.layout.drop_grads(self.core.by_name.values(), keep=False)
-
-    def step_started(self) -> None:
-        """The overlapped optimizer starts a step's update (:mod:`swapper.step.deferred`):
-        see :meth:`~swapper.zero.model.readahead.FetchPlan.overlapped`."""
-        self.core.plan.step_started()
 
     def named_offloaded(self) -> Iterator[tuple[str, torch.Size, torch.dtype]]:
         """(name, shape, dtype) of every offloaded parameter."""
@@ -326,9 +285,6 @@ class OffloadedModel(ModuleHooks):
 
     # -- the lifecycle's strategy (swapper.zero.model.lifecycle): one process ------------
 
-    def _update_gate(self) -> ParamGate | None:
-        return self.core.param_gate
-
     def _before_close(self) -> None:
         with contextlib.suppress(Exception):  # (the tiers are dropped next anyway)
             unpersist(self.core)  # the parameters placeholders again, their holds released
@@ -348,15 +304,8 @@ class OffloadedModel(ModuleHooks):
     def _run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         return self.module(*args, **kwargs)
 
-    def _entry_units(self, entry: tuple[nn.Module, list[Slot]]) -> list[Slot]:
-        return entry[1]  # (the slots its pre-hook fetched)
-
     def _after_backward(self) -> None:
         self.core.plan.backward_ended()
-
-    def _settle_update(self, what: str) -> None:
-        if self.core.param_gate is not None:
-            self.core.param_gate(None)  # an overlapped update still reads the gradients
 
     # -- set-up ---------------------------------------------------------------------------
 
@@ -444,7 +393,3 @@ class OffloadedModel(ModuleHooks):
         self.core.slots[id(param)] = slot
         self.core.by_name[name] = slot
         return slot
-
-    def _install_hooks(self, module: nn.Module) -> None:
-        hooks = (self._pre_forward_hook, self._post_forward_hook, self._grad_hook)
-        install(self.core, self._module_slots, *hooks)

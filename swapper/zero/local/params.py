@@ -279,8 +279,8 @@ class LocalCore(ModelCore[Slot, tuple[nn.Module, list[Slot]]]):
 
     Attributes:
         plan: the fetch order and the read-ahead along it.
-        keep_held: a forward's holds are kept for its backward (the use tier holds every
-            parameter at once: see ``ModuleHooks._keeps_held``).
+        keep_held: (the core's) set True when the use tier holds every parameter at once
+            (see :func:`~swapper.zero.local.overlap.keeps_held`).
         lazy_norms: the backward leaves the gradients' norms to the step (the tier the
             gradients are retained in has no limit).
         persist: persistent parameters (:mod:`swapper.zero.local.persist`).
@@ -291,7 +291,6 @@ class LocalCore(ModelCore[Slot, tuple[nn.Module, list[Slot]]]):
 
     def __init__(self, use_tier: Tier, room_limit: int | None) -> None:
         super().__init__(use_tier, room_limit)
-        self.keep_held = False
         self.lazy_norms = False
         self.persist = Persistence()
         self.weights: WeightHooksLike | None = None

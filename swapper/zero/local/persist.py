@@ -40,7 +40,6 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import nn
 
 from swapper.zero.local.params import LocalCore, ModuleHook, Persistence, Slot, retain_grad
 from swapper.zero.local.weights import (
@@ -54,7 +53,6 @@ from swapper.zero.local.weights import (
     check_unwritten,
 )
 from swapper.zero.model.autograd import in_autograd
-from swapper.zero.model.frozen import FrozenUse, frozen_use
 from tiers import signals
 
 if TYPE_CHECKING:
@@ -63,50 +61,23 @@ if TYPE_CHECKING:
 # ModuleHook and Persistence (this module's state) are the core's: swapper.zero.local.params.
 __all__ = [
     "ModuleHook",
-    "ModuleHookMaker",
     "Persistence",
     "collect",
     "collect_all",
     "drop_native",
     "enter",
-    "install",
     "leave",
+    "record_hook",
     "remove_all",
     "retain_held",
 ]
 
 
-#: makes a module's forward pre-hook or forward hook from its slots and, for a module
-#: whose parameters are all frozen, their FrozenUse (the lifecycle's: ModuleHooks)
-ModuleHookMaker = Callable[[list[Slot], FrozenUse | None], Callable[..., Any]]
-
-
-def install(
-    core: LocalCore,
-    module_slots: dict[nn.Module, list[Slot]],
-    pre_hook: ModuleHookMaker,
-    post_hook: ModuleHookMaker,
-    grad_hook: Callable[[Slot], Callable[[torch.Tensor], None]],
-) -> None:
-    """Install the module hooks (``pre_hook``'s: fetch; ``post_hook``'s, always called:
-    release) and each parameter's gradient hook (``grad_hook``'s), recorded in
-    ``core.persist`` (to be taken off and put back)."""
+def record_hook(core: LocalCore, owner: Any, kind: str, handle: RemovableHandle) -> None:
+    """Keep a hook the lifecycle installed (``kind``: "pre" or "post", a module's; "grad",
+    a parameter's) in ``core.persist``, to be taken off while persistent and put back."""
     persist = core.persist
-    for sub, slots in module_slots.items():
-        frozen = frozen_use(slots)  # all frozen: released after its backward
-        # with_kwargs: a frozen module's inputs given by keyword are marked too
-        pre = pre_hook(slots, frozen)
-        handle = sub.register_forward_pre_hook(pre, with_kwargs=True)
-        persist.hooks.append(_record(sub, "pre", handle))
-        # always_call: a forward that raises (the early stop of a non-reentrant
-        # checkpoint's recompute raises on purpose) still releases what it fetched
-        post = post_hook(slots, frozen)
-        handle = sub.register_forward_hook(post, always_call=True)
-        persist.hooks.append(_record(sub, "post", handle))
-    for slot in core.by_name.values():
-        if slot.param.requires_grad:
-            handle = slot.param.register_post_accumulate_grad_hook(grad_hook(slot))
-            persist.grad_hooks.append(_record(slot.param, "grad", handle))
+    (persist.grad_hooks if kind == "grad" else persist.hooks).append(_record(owner, kind, handle))
 
 
 def _record(owner: Any, kind: str, handle: RemovableHandle) -> ModuleHook:

@@ -1,7 +1,9 @@
 """The hook lifecycle that the one-process and the N-rank model share, and its pieces.
 
-Offers: the lifecycle itself (``lifecycle``: ``ModelLifecycle``, whose two subclasses
-are the models' strategies), the core object its helpers take instead of the model
+Offers: the lifecycle itself (``lifecycle``: ``ModelLifecycle``, with the module hooks
+written once; its two subclasses are the models' strategies and units), the interfaces
+it asks of them (``strategy``: ``FetchStrategy``, ``StateLayout``, ``UpdateOverlap``,
+``HoldUnit``, ``StateDictCall``), the core object its helpers take instead of the model
 (``core``: ``ModelCore``, ``Holds``), autograd plumbing (``autograd``: re-fetch before a
 module's backward, "inside a backward?"), saved views of managed parameters (``saved``),
 what an activation-checkpointing recompute holds (``recompute``), the read-ahead plan

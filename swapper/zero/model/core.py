@@ -39,7 +39,7 @@ __all__ = ["Holds", "ModelCore", "not_the_models"]
 
 #: a model's record of one parameter (one process: ``Slot``; N ranks: ``ShardSlot``)
 S = TypeVar("S")
-#: what a forward that runs now holds (one process: the module and its slots)
+#: what a forward that runs now holds: the module and the units its pre-hook acquired
 F = TypeVar("F")
 
 
@@ -67,7 +67,11 @@ class ModelCore(Generic[S, F]):
         by_name: every record by parameter name.
         slots: every record by ``id()`` of its parameter object.
         holds: the hooks' counters.
-        forward_holds: per forward running now (outermost first), what it holds.
+        forward_holds: per forward running now (outermost first), the module and the
+            units its pre-hook acquired (released by its forward hook, or by a failed
+            pass's clean-up).
+        keep_held: a forward's holds are kept for its backward (one process, when the
+            use tier holds every parameter at once; never on N ranks).
         param_gate: an overlapped optimizer's gate (None: none installed).
         closed: ``close()`` has begun (the model is unusable from then).
     """
@@ -82,6 +86,7 @@ class ModelCore(Generic[S, F]):
         self.slots: dict[int, S] = {}
         self.holds = Holds()
         self.forward_holds: list[F] = []
+        self.keep_held = False
         self.param_gate: ParamGate | None = None
         self.closed = False
 

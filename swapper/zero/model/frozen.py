@@ -15,7 +15,7 @@ and keyword, at the top level) through one identity ``autograd.Function``
 the module's AfterBackward) whose backward runs once every node between those inputs and
 the module's outputs has run: the module's backward is over, nothing of it reads the
 parameters any more, and the holds its backward took are released then
-(``ModuleHooks._frozen_after``). A frozen module whose input requires no grad has an output
+(``ModelLifecycle._frozen_after``). A frozen module whose input requires no grad has an output
 that requires none: its backward never runs and fetches nothing.
 
 A module with trainable and frozen parameters both (a ``Linear`` with a frozen weight and
@@ -66,7 +66,8 @@ class _Param(Protocol):
     trainable: bool
 
 
-S = TypeVar("S", bound=_Param)
+#: what one hold is of (one process: a parameter's slot; N ranks: a module state)
+U = TypeVar("U")
 
 __all__ = [
     "FrozenUse",
@@ -133,20 +134,23 @@ def mark_inputs(
 
 
 @dataclasses.dataclass(eq=False, slots=True)
-class FrozenUse(Generic[S]):
-    """A module whose own parameters are all frozen: its slots, and how many holds its
+class FrozenUse(Generic[U]):
+    """A module whose own parameters are all frozen: the units its hooks hold (one
+    process: its parameters' slots; N ranks: its module state), and how many holds its
     backward took that its AfterBackward (module docstring) has not released yet."""
 
-    slots: list[S]
-    #: backward holds taken (one per slot each) by this module's output hook and not yet
+    slots: list[U]
+    #: backward holds taken (one per unit each) by this module's output hook and not yet
     #: released by an AfterBackward of it; 0 again at the end of every backward
     pending: int = 0
 
 
-def frozen_use(slots: list[S]) -> FrozenUse[S] | None:
-    """A :class:`FrozenUse` for a module whose parameters are all frozen, else None."""
-    if slots and not any(slot.trainable for slot in slots):
-        return FrozenUse(slots)
+def frozen_use(units: list[U], records: Iterable[_Param]) -> FrozenUse[U] | None:
+    """A :class:`FrozenUse` of ``units`` for a module whose parameters (``records``) are
+    all frozen, else None."""
+    records = list(records)
+    if records and not any(record.trainable for record in records):
+        return FrozenUse(units)
     return None
 
 

@@ -56,7 +56,7 @@ class Gathers:
 
     def __init__(
         self,
-        core: ModelCore[ShardSlot, ModuleState | None],
+        core: ModelCore[ShardSlot, tuple[torch.nn.Module, list[ModuleState]]],
         group: DistGroup,
         dist: DistributedConfig,
         device: torch.device,

@@ -12,12 +12,13 @@ each) and the consolidated ``state_dict`` (rank 0). The one-process layout is
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from swapper.zero.sharded.state import ShardedDoors, ShardSlot
+from swapper.zero.model.strategy import StateDictCall
+from swapper.zero.sharded.state import ShardedDoors, ShardedParams, ShardSlot
 from swapper.zero.sharded.state_dicts import consolidated, iter_full
 
 if TYPE_CHECKING:
@@ -47,6 +48,10 @@ class Shards:
         self._overlap = overlap
         self._writes = writes
 
+    def param_source(self) -> ShardedParams:
+        """This rank's shards and their retained gradients, for the optimizer."""
+        return ShardedParams(self._model)
+
     def records(self) -> Iterable[ShardSlot]:
         """Every parameter's record, in plan (forward) order."""
         return self._by_index
@@ -64,18 +69,13 @@ class Shards:
         self._writes.check("iter_state_dict")
         return iter_full(self._model)
 
-    def state_dict(
-        self,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        as_submodule: Callable[..., dict[str, Any]],
-    ) -> dict[str, Any]:
+    def state_dict(self, call: StateDictCall) -> dict[str, Any]:
         """The consolidated state dict on rank 0 (parameters gathered one at a time; tied
         parameters under every name; buffers as they are); ``{}`` on the other ranks.
-        Every rank alike. Raises TypeError for any argument (``as_submodule`` is not
-        used: a sharded model is not saved as a submodule), else as
+        Every rank alike. Raises TypeError for any argument (``call.as_submodule`` is
+        not used: a sharded model is not saved as a submodule), else as
         :meth:`iter_state_dict`."""
-        if args or kwargs:
+        if call.args or call.kwargs:
             raise TypeError("state_dict() of a sharded model takes no arguments")
         self._overlap.settle("state_dict")
         self._writes.check("state_dict")

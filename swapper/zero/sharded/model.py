@@ -34,7 +34,9 @@ parameters changed: the optimizer's first write waits for (and drops) every gath
 flight (with an overlapped optimizer, ``step()`` drops them and each gather waits for
 this rank's update of its shards: :mod:`swapper.zero.sharded.overlap`). Writes outside
 the hooks: :mod:`swapper.zero.sharded.writes`; a gather's life (start, read-ahead, wait,
-settle, free): :mod:`swapper.zero.sharded.gathers`.
+settle, free): :mod:`swapper.zero.sharded.gathers`. The hooks themselves are the shared
+lifecycle's (:mod:`swapper.zero.model.lifecycle`); this module supplies their unit, one
+module's :class:`~swapper.zero.sharded.state.ModuleState` ("the unit" section below).
 
 :class:`~swapper.step.OffloadAdamW` steps only this rank's shards
 (:class:`~swapper.zero.sharded.state.ShardedParams`); the global gradient norm and the
@@ -45,7 +47,7 @@ from __future__ import annotations
 
 import logging
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -58,12 +60,11 @@ from swapper.distributed import (
     PendingFetch,
 )
 from swapper.manager import Kind, Tier
-from swapper.step.sources import ParamGate, ParamSource
 from swapper.zero.config.offload import OffloadConfig
 from swapper.zero.config.settings import tiers_of
 from swapper.zero.model.autograd import mark_outputs
 from swapper.zero.model.core import ModelCore
-from swapper.zero.model.frozen import check_trainable, mark_inputs
+from swapper.zero.model.frozen import check_trainable
 from swapper.zero.model.lifecycle import ModelLifecycle
 from swapper.zero.model.model_buffers import move_buffers
 from swapper.zero.model.module_apply import guard_apply
@@ -75,10 +76,9 @@ from swapper.zero.sharded.grads import GradReducer
 from swapper.zero.sharded.layout import Shards
 from swapper.zero.sharded.overlap import ShardOverlap
 from swapper.zero.sharded.setup import Materialize, place_model
-from swapper.zero.sharded.state import ModuleState, ShardedParams, ShardSlot
+from swapper.zero.sharded.state import ModuleState, ShardSlot
 from swapper.zero.sharded.state_dicts import load_sharded, sharded
 from swapper.zero.sharded.writes import WriteGuard
-from tiers import signals
 from tiers.errors import SwapConfigError
 
 __all__ = ["ShardedModel"]
@@ -116,7 +116,9 @@ class ShardedModel(ModelLifecycle):
 
     fetch: Gathers  # a module's gather and release (swapper.zero.sharded.gathers)
     layout: Shards  # this rank's shards (swapper.zero.sharded.layout)
+    overlap: ShardOverlap  # an overlapped optimizer's gate and agreements (sharded.overlap)
     _registry = _WRAPPED
+    _grad_first = False  # (the gathered buffer freed before the reduce-scatter)
     _hold_unit = "module"
     _log = log
 
@@ -129,16 +131,13 @@ class ShardedModel(ModelLifecycle):
         materialize: Materialize | None = None,
         resume: bool | str = False,
     ) -> None:
-        super().__init__()
-        self._check_wrappable(module)  # (and not inside, nor around, a wrapped one)
-        self.module = module
-        self.config = config
+        super().__init__(module, config)  # (checked: wrappable, an OffloadConfig)
         self.group = group
         self._dist = config.distributed
         #: what the lifecycle and its helpers share (swapper.zero.model.core): the lock,
         #: the manager, the records by id(param) and by name, the counters, per forward
-        #: running now the module state its pre-hook gathered (None until it has)
-        self.core: ModelCore[ShardSlot, ModuleState | None] = ModelCore(
+        #: running now the module and the module state its pre-hook gathered
+        self.core: ModelCore[ShardSlot, tuple[nn.Module, list[ModuleState]]] = ModelCore(
             tiers_of(config.manager, Kind.PARAM16)[0],
             None,  # (gathers: GatherBudget's room)
         )
@@ -170,42 +169,24 @@ class ShardedModel(ModelLifecycle):
             self._device, reduce_dtype,
         )  # fmt: skip
         #: an overlapped optimizer's gate and agreements (swapper.zero.sharded.overlap)
-        self._overlap = ShardOverlap(group, self.drain)
+        host = placed.manager.config.host_nbytes if self.core.use_tier is Tier.HOST else None
+        self.overlap = ShardOverlap(group, self.drain, self._states.values(), self._by_index, host)
         #: a module's gather by collective and its release (swapper.zero.sharded.gathers)
         self.fetch = Gathers(
             self.core, group, self._dist, self._device, self._by_index, self._states,
-            self._budget, self._writes, self._overlap,
+            self._budget, self._writes, self.overlap,
         )  # fmt: skip
         #: this rank's shards: records, gradient shards, gathered weights (sharded.layout)
-        self.layout = Shards(self, self._by_index, self._grads, self._overlap, self._writes)
+        self.layout = Shards(self, self._by_index, self._grads, self.overlap, self._writes)
         # buffers on the gathers' device; model.to() guarded (swapper.zero.model.module_apply)
         self._buffer_moves = move_buffers(module, self._device)
         self._apply_guarded = guard_apply(module, self._device)
         #: the manager's eviction order, recorded over the first whole step
         self._manager_recording = ManagerRecording(placed.manager)
-        self._install_hooks()
+        self._install_hooks()  # (the lifecycle's: swapper.zero.model.lifecycle)
         _WRAPPED.add(module)
 
-    def _install_hooks(self) -> None:
-        for sub, state in self._states.items():
-            state.all_frozen = bool(state.slots) and not any(s.trainable for s in state.slots)
-            pre = self._pre_forward_hook(state)  # (with_kwargs: inputs given by keyword)
-            self._handles.append(sub.register_forward_pre_hook(pre, with_kwargs=True))
-            # always_call: a forward that raises (a recompute's early stop) pops what its
-            # pre-hook pushed and releases what it gathered
-            post = self._post_forward_hook(state)
-            self._handles.append(sub.register_forward_hook(post, always_call=True))
-        for slot in self._by_index:
-            if slot.param.requires_grad:
-                self._handles.append(
-                    slot.param.register_post_accumulate_grad_hook(self._grad_hook(slot))
-                )
-
     # -- what the optimizer and the user see ----------------------------------------------
-
-    def param_source(self) -> ParamSource:
-        """This rank's shards and their retained gradients, for the optimizer."""
-        return ShardedParams(self)
 
     def slot_of(self, param: torch.Tensor) -> ShardSlot | None:
         """The record of one of the model's parameters (None for another tensor)."""
@@ -221,7 +202,7 @@ class ShardedModel(ModelLifecycle):
     def _gathered_now(self) -> list[ShardSlot]:
         """The parameters of the modules whose forward runs now (gathered)."""
         return [
-            slot for state in self.core.forward_holds if state is not None for slot in state.slots
+            slot for _, taken in self.core.forward_holds for state in taken for slot in state.slots
         ]
 
     def drain(self) -> None:
@@ -245,7 +226,7 @@ class ShardedModel(ModelLifecycle):
         Raises:
             SwapConfigError: the parameter is in use (a step inside a forward/backward).
         """
-        if self._overlap.in_update():
+        if self.overlap.in_update():
             # An overlapped update writes from its own thread: step() drained the gathers
             # in the caller's thread before it started, and the gate keeps every later
             # gather from reading this shard until it is published. Any other write (a
@@ -263,21 +244,10 @@ class ShardedModel(ModelLifecycle):
 
     # -- the overlapped optimizer (swapper.zero.sharded.overlap) ---------------------------
 
-    def set_param_gate(self, gate: ParamGate | None, *, update_nbytes: int = 0) -> None:
-        """Install the gate of an overlapped optimizer (:mod:`swapper.step.deferred`);
-        None removes it. Raises as :meth:`~swapper.zero.sharded.overlap.ShardOverlap.install`."""
-        host = self.core.manager.config.host_nbytes if self.core.use_tier is Tier.HOST else None
-        self._overlap.install(gate, update_nbytes, self._states.values(), self._by_index, host)
-
-    def step_started(self) -> None:
-        """The overlapped optimizer starts a step's update (every rank alike): see
-        :meth:`~swapper.zero.sharded.overlap.ShardOverlap.step_started`."""
-        self._overlap.step_started()
-
     def agree_update(self, finish: Callable[[], None] | None) -> bool:
         """Called by the overlapped optimizer's ``step()`` on every rank: see
         :meth:`~swapper.zero.sharded.overlap.ShardOverlap.agree_update`."""
-        return self._overlap.agree_update(finish)
+        return self.overlap.agree_update(finish)
 
     def settle_update(self, what: str) -> None:
         """Wait for an overlapped optimizer's whole update; an agreement while one is open
@@ -287,7 +257,7 @@ class ShardedModel(ModelLifecycle):
             DeferredStepError: this rank's update failed; PeerFailedError: another's did;
             CollectiveError: the agreement failed or timed out.
         """
-        self._overlap.settle(what)
+        self.overlap.settle(what)
 
     @property
     def slots(self) -> tuple[ShardSlot, ...]:
@@ -297,7 +267,7 @@ class ShardedModel(ModelLifecycle):
     def sharded_state_dict(self) -> dict[str, Any]:
         """This rank's shards, for a per-rank checkpoint (see
         :func:`swapper.zero.sharded.state_dicts.sharded`)."""
-        self._overlap.settle("sharded_state_dict")
+        self.overlap.settle("sharded_state_dict")
         self._writes.check("sharded_state_dict")
         return sharded(self)
 
@@ -309,11 +279,8 @@ class ShardedModel(ModelLifecycle):
             SwapConfigError: another rank's, world size's or partition's, or malformed;
             PeerFailedError: another rank's check failed.
         """
-        self._overlap.settle("load_sharded_state_dict")
+        self.overlap.settle("load_sharded_state_dict")
         load_sharded(self, state)
-
-    def _update_gate(self) -> ParamGate | None:
-        return self._overlap.gate
 
     def _after_unhook(self) -> None:
         self._writes.close()
@@ -324,80 +291,60 @@ class ShardedModel(ModelLifecycle):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # -- hooks ----------------------------------------------------------------------------
+    # -- the unit (swapper.zero.model.lifecycle): one module, gathered ---------------------
 
-    def _pre_forward_hook(self, state: ModuleState) -> Callable[..., Any]:
-        def after() -> None:  # all frozen: its backward is over (swapper.zero.model.frozen)
-            with signals.held:
-                if not state.frozen_pending:
-                    return  # (released already: the backward ended)
-                state.frozen_pending -= 1
-                state.backward_holds -= 1
-                self.fetch.release(state)
+    def _module_units(self) -> Iterable[tuple[nn.Module, list[Any]]]:
+        return ((sub, [state]) for sub, state in self._states.items())
 
-        def hook(module: nn.Module, args: Any, kwargs: Any) -> Any:
-            self._step_boundary()
-            self.core.forward_holds.append(None)
-            with signals.at_waits:
-                self.fetch.acquire(state)
-                self.core.forward_holds[-1] = state
-            if not self._saved.ours_on_top() and torch.is_grad_enabled():
-                # inside a non-reentrant checkpoint's region (swapper.zero.model.saved)
-                self._saved.push(len(self.core.forward_holds) - 1, state.slots)
-            if state.all_frozen and torch.is_grad_enabled():
-                return mark_inputs(args, kwargs, after)
-            return None
+    def _all_units(self) -> Iterable[ModuleState]:
+        return self._states.values()
 
-        return hook
+    def _records_of(self, units: list[Any]) -> list[Any]:
+        return [slot for state in units for slot in state.slots]
 
-    def _post_forward_hook(self, state: ModuleState) -> Callable[..., Any]:
-        def before_backward() -> None:
-            if not self.core.holds.in_backward:
-                # the update reads the gradients this backward adds to: it ends first
-                self._overlap.settle("the backward after an overlapped optimizer step")
-            self._backward_started()
-            with signals.at_waits:
-                self.fetch.acquire(state)
-                with self.core.lock:
-                    if not state.backward_holds:
-                        state.waiting = {s.index for s in state.slots if s.param.requires_grad}
-                    state.backward_holds += 1
-                    if state.all_frozen:
-                        state.frozen_pending += 1  # (what its AfterBackward releases)
-
-        def hook(module: nn.Module, args: Any, output: Any) -> Any:
-            with signals.held:
-                held = self.core.forward_holds
-                self._saved.pop_from(len(held) - 1)  # (what its pre-hook pushed)
-                taken = held.pop() if held else None
-                if taken is not None:
-                    self.fetch.release(taken)
-            if not torch.is_grad_enabled():
-                return output
-            return mark_outputs(output, before_backward)
-
-        return hook
-
-    def _grad_hook(self, slot: ShardSlot) -> Callable[[torch.Tensor], None]:
-        def hook(param: torch.Tensor) -> None:
-            grad = param.grad
-            param.grad = None  # moved: the group holds it until reduced
-            with signals.held:
-                for state in slot.modules:
-                    if slot.index in state.waiting:
-                        state.waiting.discard(slot.index)
-                        if not state.waiting:
-                            holds, state.backward_holds = state.backward_holds, 0
-                            for _ in range(holds):
-                                self.fetch.release(state)
-            self._grads.add(slot, grad)
-
-        return hook
+    def _hooked(self, owner: Any, kind: str, handle: Any) -> None:
+        self._handles.append(handle)
 
     def _step_boundary(self) -> None:
         """Record the manager's accesses over the first whole step (as the one-rank path
         does), so its eviction order covers forward, backward and the optimizer."""
         self._manager_recording.boundary(self.fetch.order is not None)
+
+    def _saves_views(self) -> bool:
+        # inside a non-reentrant checkpoint's region (swapper.zero.model.saved); elsewhere
+        # the pair of _run's around() keeps them
+        return not self._saved.ours_on_top() and torch.is_grad_enabled()
+
+    def _settle_for_backward(self) -> None:
+        if not self.core.holds.in_backward:
+            # the update reads the gradients this backward adds to: it ends first
+            self.overlap.settle("the backward after an overlapped optimizer step")
+
+    def _await_grads(self, unit: ModuleState) -> None:
+        # released when every one of its parameters that requires grad has its gradient
+        unit.waiting = {s.index for s in unit.slots if s.param.requires_grad}
+
+    def _mark_outputs(self, output: Any, before_backward: Callable[[], None]) -> tuple[Any, bool]:
+        return mark_outputs(output, before_backward), False  # (a node; nothing carried)
+
+    def _take_grad(self, record: ShardSlot, grad: torch.Tensor | None) -> None:
+        self._grads.add(record, grad)  # reduce-scattered once its group is complete
+
+    def _grad_may_end(self, record: ShardSlot) -> bool:
+        return True
+
+    def _ended_units(self, record: ShardSlot) -> Iterable[ModuleState]:
+        ended = []
+        for state in record.modules:
+            if record.index in state.waiting:
+                state.waiting.discard(record.index)
+                if not state.waiting:
+                    ended.append(state)
+        return ended
+
+    def _forget_waits(self) -> None:
+        for state in self._states.values():
+            state.waiting.clear()
 
     # -- the lifecycle's strategy (swapper.zero.model.lifecycle): N ranks ---------------
 
@@ -410,22 +357,8 @@ class ShardedModel(ModelLifecycle):
         with self._saved.around(self._gathered_now):
             out = self.module(*args, **kwargs)
         if self.core.holds.forward_depth == 1:
-            self._overlap.forward_ended()  # (an agreement while an update is open)
+            self.overlap.forward_ended()  # (an agreement while an update is open)
         return out
-
-    def _entry_units(self, entry: ModuleState | None) -> list[ModuleState]:
-        return [] if entry is None else [entry]  # (None: its gather never completed)
-
-    def _release_backward_holds(self) -> tuple[int, int]:
-        dropped = 0
-        for state in self._states.values():
-            holds, state.backward_holds = state.backward_holds, 0
-            state.waiting.clear()
-            state.frozen_pending = 0
-            for _ in range(holds):
-                self.fetch.release(state)
-            dropped += holds
-        return dropped, 0  # (nothing is kept from a forward for its backward)
 
     def _after_failed_pass(self) -> None:
         self._grads.discard()
@@ -433,6 +366,3 @@ class ShardedModel(ModelLifecycle):
     def _after_backward(self) -> None:
         self._grads.flush()  # parameters unused in this pass: zeros
         self.fetch.backward_ended()  # (the first: the gather order recorded)
-
-    def _settle_update(self, what: str) -> None:
-        self._overlap.settle(what)

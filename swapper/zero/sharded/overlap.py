@@ -96,25 +96,32 @@ class ShardOverlap:
     Args:
         group: the model's ranks.
         drain: the model's ``drain`` (waits for and drops the gathers started ahead).
+        states: every module's gather record.
+        slots: every parameter's record, by plan index.
+        host_nbytes: the host budget where parameters are used in the host tier
+            (bytes; None: no limit, or used elsewhere).
     """
 
-    def __init__(self, group: DistGroup, drain: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        group: DistGroup,
+        drain: Callable[[], None],
+        states: Iterable[ModuleState],
+        slots: list[ShardSlot],
+        host_nbytes: int | None,
+    ) -> None:
         self._group = group
         self._drain = drain
+        self._states = states
+        self._slots = slots
+        self._host_nbytes = host_nbytes
         self.gate: ParamGate | None = None
         #: an update started and not yet agreed done on every rank (the same on every rank)
         self.open = False
         #: a gather read a shard that this rank's failed update left old
         self._stale: DeferredStepError | None = None
 
-    def install(
-        self,
-        gate: ParamGate | None,
-        update_nbytes: int,
-        states: Iterable[ModuleState],
-        slots: list[ShardSlot],
-        host_nbytes: int | None,
-    ) -> None:
+    def install(self, gate: ParamGate | None, update_nbytes: int) -> None:
         """Install an overlapped optimizer's gate (None: remove it). Refused when the
         update cannot find its host room while a gather holds this rank's shards of a
         module there (parameters used in the host tier).
@@ -122,10 +129,6 @@ class ShardOverlap:
         Args:
             gate: the optimizer's :data:`~swapper.step.sources.ParamGate`, or None.
             update_nbytes: what the update holds in the host tier at once (bytes).
-            states: every module's gather record.
-            slots: every parameter's record, by plan index.
-            host_nbytes: the host budget where parameters are used in the host tier
-                (bytes; None: no limit, or used elsewhere).
 
         Installing is an agreement (every rank makes the optimizer alike): the ranks'
         shards differ, so one rank's budget may refuse alone, and a rank that went on
@@ -150,8 +153,8 @@ class ShardOverlap:
         try:
             if self.gate is not None:
                 raise SwapConfigError("offload: one overlapped optimizer per model (a gate is set)")
-            if host_nbytes is not None:
-                self._check_room(states, slots, host_nbytes, update_nbytes)
+            if self._host_nbytes is not None:
+                self._check_room(self._states, self._slots, self._host_nbytes, update_nbytes)
         except SwapConfigError as exc:
             error = exc
         try:

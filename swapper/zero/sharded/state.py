@@ -81,11 +81,7 @@ class ModuleState:
     #: slots (plan indices) whose gradient has not yet been accumulated in this backward;
     #: when it empties, the backward holds are released
     waiting: set[int] = dataclasses.field(default_factory=set)
-    #: every parameter frozen: released when its backward is over (swapper.zero.model.frozen),
-    #: by as many AfterBackward calls as ``frozen_pending`` (backward holds not yet so
-    #: released; 0 again at the end of every backward)
-    all_frozen: bool = False
-    frozen_pending: int = 0
+    carried: int = 0  # (a forward's holds are never kept for the backward on N ranks)
     pending: PendingFetch | None = None  # started by read-ahead, not yet waited on
     gathered: PendingFetch | None = None  # waited on: the parameters' views are live
 
