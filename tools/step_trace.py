@@ -133,7 +133,8 @@ def wrapped(counters: Counters) -> Iterator[None]:
             counters.add(hash_s=time.perf_counter() - start, hash_nbytes=data.numel())
 
     def submit(self: AioEngine, op: Any, buffer: Any, file: Any, offset: Any, nbytes: Any) -> Any:
-        size = int(nbytes) if nbytes is not None else -1
+        # nbytes None: the whole buffer (a tensor, memoryview or host block: .nbytes)
+        size = int(nbytes) if nbytes is not None else int(getattr(buffer, "nbytes", -1))
         with counters.lock:
             counters.requests[(str(getattr(op, "value", op)), size)] += 1
             if int(offset) % MIB:
