@@ -204,7 +204,7 @@ def _row(**change: object) -> dict[str, object]:
         ([{"key": "param/w"}], "not an object of fields"),
         ([_row(key="optim_state/s/0")], "is not a param16/... key the snapshot lacks"),
         ([_row(key="param/w")], "is not a param16/... key the snapshot lacks"),
-        ([_row(dtype="float32")], "not bfloat16 or float16"),
+        ([_row(dtype="int8")], "not bfloat16, float16 or float32"),
         ([_row(shape=[2, -3])], "shape"),
         ([_row(xxh3_64="xyz")], "16 hex digits"),
         ([_row(pieces=[["optim_state/s/0", 0, 0, 6.0]])], "is not \\[str, int, int, int\\]"),

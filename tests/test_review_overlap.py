@@ -78,7 +78,7 @@ def interrupted_drain(rank: int, world: int, tmp: str) -> dict[str, Any]:
         share = tokens[rank * BATCH // world : (rank + 1) * BATCH // world]
         logits = wrapped(share[:, :-1])
         F.cross_entropy(logits.float().reshape(-1, VOCAB), share[:, 1:].reshape(-1)).backward()
-        overlap = wrapped._overlap
+        overlap = wrapped.overlap
         real = overlap._drain
 
         def drain() -> None:
@@ -188,7 +188,7 @@ def interrupted_read_ahead(rank: int, world: int, tmp: str, interrupt: bool) -> 
         train_step(batches[0])
         wrapped.sharded_state_dict()  # the update ended (the gate then passes at once)
         if interrupt:
-            overlap = wrapped._overlap
+            overlap = wrapped.overlap
             real = overlap.before_gather
             calls: list[int] = []
 
